@@ -1,0 +1,425 @@
+"""The MiniMind decoder as a transformers model.
+
+    token embedding
+    N x [ RMSNorm -> GQA attention (q/k RMSNorm, RoPE, SDPA) -> + residual
+          RMSNorm -> SwiGLU MLP (or top-k routed MoE)        -> + residual ]
+    RMSNorm -> LM head (tied to the embedding)
+
+Nothing here knows about training or distribution. Inputs the trainer relies on:
+- `attention_mask` (1 = real token) for padded batches;
+- `position_ids` that restart at 0 for every document of a packed row: a position of 0
+  starts a new document and attention never crosses a document boundary;
+- `labels` (unshifted, -100 = no loss) and optionally `num_items_in_batch`, the number of
+  loss tokens the caller will average over (the loss is then a sum divided by it, so
+  micro-batches and ranks can be combined exactly);
+- `skip_logits=True` computes the LM head only where a label is set and returns no logits.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+from .configuration_minimind import MiniMindConfig
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def precompute_rope_tables(config: MiniMindConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape [max_position_embeddings, head_dim], always fp32.
+
+    With `config.rope_yarn` (YaRN), frequencies whose wavelength is longer than the original
+    context are interpolated by `factor`, short ones are kept, and a linear ramp blends the two
+    bands between `beta_slow` and `beta_fast` rotations; the tables are scaled by the YaRN
+    attention factor.
+    """
+    dim, base = config.head_dim, float(config.rope_theta)
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    inv_freq = 1.0 / (base**exponents)
+    attention_factor = 1.0
+    yarn = config.rope_yarn
+    if yarn:
+        factor = float(yarn["factor"])
+        original = int(yarn["original_max_position_embeddings"])
+        beta_fast = float(yarn.get("beta_fast", 32.0))
+        beta_slow = float(yarn.get("beta_slow", 1.0))
+
+        def dim_for_rotations(rotations: float) -> float:
+            # The frequency index whose wavelength fits `rotations` times into the original context.
+            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(dim_for_rotations(beta_fast)), 0)
+        high = min(math.ceil(dim_for_rotations(beta_slow)), dim // 2 - 1)
+        index = torch.arange(dim // 2, dtype=torch.float32, device=device)
+        ramp = ((index - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
+        inv_freq = inv_freq * (1.0 - ramp) + (inv_freq / factor) * ramp
+        attention_factor = float(yarn.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, heads, D]; cos/sin: [B, T, D] (fp32). Returns x's dtype."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+class MiniMindRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class MiniMindAttention(nn.Module):
+    def __init__(self, config: MiniMindConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.use_sdpa = config.flash_attn
+        self.dropout = config.dropout
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = MiniMindRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = MiniMindRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cos, sin, mask, past_key_values: Cache | None):
+        batch, length, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        dropout = self.dropout if self.training else 0.0
+        if self.use_sdpa:
+            # `mask` is None for a plain causal block (the fast kernels) or a boolean [B,1,T,S].
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask.allowed if mask.allowed is not None else None,
+                is_causal=mask.is_causal, dropout_p=dropout, enable_gqa=True,
+            )
+        else:
+            out = self._eager_attention(q, k, v, mask, dropout)
+        out = out.transpose(1, 2).reshape(batch, length, -1)
+        return self.resid_dropout(self.o_proj(out))
+
+    def _eager_attention(self, q, k, v, mask, dropout):
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        allowed = mask.dense(q.shape[-2], k.shape[-2], q.device)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        weights = F.dropout(scores.float().softmax(-1).to(q.dtype), p=dropout, training=dropout > 0)
+        return weights @ v
+
+
+class MiniMindMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, dropout: float):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class MiniMindMoE(nn.Module):
+    """Top-k routed experts with the Switch-Transformer load-balancing loss.
+
+    aux = coef * E * sum_e(fraction of routed slots that went to e * mean router prob of e);
+    it is 1 * coef for a perfectly balanced router and grows as routing collapses.
+    """
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.aux_coef = config.router_aux_loss_coef
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MiniMindMLP(config.hidden_size, config.moe_intermediate_size, config.dropout)
+            for _ in range(config.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        probs = self.gate(tokens).float().softmax(dim=-1)
+        top_probs, top_experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(tokens)
+        for expert_id, expert in enumerate(self.experts):
+            token_idx, slot = (top_experts == expert_id).nonzero(as_tuple=True)
+            if token_idx.numel() == 0:
+                continue
+            weight = top_probs[token_idx, slot].unsqueeze(-1).to(tokens.dtype)
+            out.index_add_(0, token_idx, expert(tokens[token_idx]) * weight)
+        routed = F.one_hot(top_experts, self.num_experts).float().sum(dim=1)  # [N, E]
+        fraction = routed.mean(dim=0) / self.top_k
+        aux = self.aux_coef * self.num_experts * (fraction * probs.mean(dim=0)).sum()
+        return out.view(shape), aux
+
+
+class MiniMindBlock(GradientCheckpointingLayer):
+    def __init__(self, config: MiniMindConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = MiniMindRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MiniMindAttention(config, layer_idx)
+        self.post_attention_layernorm = MiniMindRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.use_moe = config.use_moe
+        if config.use_moe:
+            self.mlp = MiniMindMoE(config)
+        else:
+            self.mlp = MiniMindMLP(config.hidden_size, config.intermediate_size, config.dropout)
+
+    def forward(self, hidden, cos, sin, mask, past_key_values=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, past_key_values)
+        if self.use_moe:
+            mlp_out, aux = self.mlp(self.post_attention_layernorm(hidden))
+        else:
+            mlp_out, aux = self.mlp(self.post_attention_layernorm(hidden)), None
+        return hidden + mlp_out, aux
+
+
+# --------------------------------------------------------------------------- masks
+
+
+class AttentionMask:
+    """Which keys each query may see.
+
+    `allowed is None` means "plain causal" so SDPA can use its fused causal kernels; otherwise
+    `allowed` is a boolean [B, 1, T, S] tensor (True = attend).
+    """
+
+    def __init__(self, allowed: torch.Tensor | None, is_causal: bool):
+        self.allowed, self.is_causal = allowed, is_causal
+
+    def dense(self, q_len: int, k_len: int, device) -> torch.Tensor:
+        if self.allowed is not None:
+            return self.allowed
+        offset = k_len - q_len
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+    @classmethod
+    def build(cls, batch, q_len, past_len, attention_mask, document_ids, device):
+        if attention_mask is None and document_ids is None:
+            if past_len == 0:
+                return cls(None, is_causal=q_len > 1)
+            if q_len == 1:
+                return cls(None, is_causal=False)  # one new token sees the whole cache
+        k_len = past_len + q_len
+        q_pos = torch.arange(past_len, k_len, device=device).view(-1, 1)
+        k_pos = torch.arange(k_len, device=device).view(1, -1)
+        allowed = (k_pos <= q_pos).view(1, 1, q_len, k_len).expand(batch, 1, q_len, k_len)
+        if attention_mask is not None:
+            keys = attention_mask[:, -k_len:].bool().view(batch, 1, 1, k_len)
+            allowed = allowed & keys
+        if document_ids is not None:
+            same_doc = document_ids.view(batch, 1, q_len, 1) == document_ids.view(batch, 1, 1, q_len)
+            allowed = allowed & same_doc
+        # Every query keeps itself, so a padding query never has an all-masked row (NaN).
+        allowed = allowed | (k_pos == q_pos).view(1, 1, q_len, k_len)
+        return cls(allowed, is_causal=False)
+
+
+# --------------------------------------------------------------------------- models
+
+
+class MiniMindPreTrainedModel(PreTrainedModel):
+    config_class = MiniMindConfig
+    config: MiniMindConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MiniMindBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, MiniMindRMSNorm):
+            init.ones_(module.weight)
+        elif isinstance(module, MiniMindModel):
+            # Non-persistent buffers are never loaded from a checkpoint: rebuild them here,
+            # which also covers models that transformers first creates on the meta device.
+            cos, sin = precompute_rope_tables(self.config, device=module.freqs_cos.device)
+            init.copy_(module.freqs_cos, cos)
+            init.copy_(module.freqs_sin, sin)
+
+
+class MiniMindModel(MiniMindPreTrainedModel):
+    def __init__(self, config: MiniMindConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleList(MiniMindBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = MiniMindRMSNorm(config.hidden_size, config.rms_norm_eps)
+        cos, sin = precompute_rope_tables(config)
+        # Derived from the config, never trained, never saved, never synced by DDP.
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def _apply(self, fn, recurse=True):
+        # A `.to(bfloat16)` of the model must not round the RoPE tables: keep them fp32
+        # (recomputed on the new device, so they equal a fresh computation bit for bit).
+        super()._apply(fn, recurse)
+        if self.freqs_cos.dtype != torch.float32:
+            cos, sin = precompute_rope_tables(self.config, device=self.freqs_cos.device)
+            self.freqs_cos, self.freqs_sin = cos, sin
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+    ):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("MiniMindModel: pass exactly one of input_ids or inputs_embeds")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, q_len = hidden.shape[:2]
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        document_ids = None
+        if position_ids is None:
+            if attention_mask is not None:
+                # Left-padded generation: count only real tokens.
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -q_len:]
+            else:
+                position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device)
+                position_ids = position_ids.unsqueeze(0).expand(batch, -1)
+        elif past_len == 0:
+            # Packed rows: a position of 0 opens a new document.
+            document_ids = (position_ids == 0).long().cumsum(dim=-1)
+        if past_len + q_len > self.config.max_position_embeddings:
+            raise ValueError(
+                f"MiniMindModel: sequence of {past_len + q_len} tokens exceeds "
+                f"max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        mask = AttentionMask.build(batch, q_len, past_len, attention_mask, document_ids, hidden.device)
+        cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
+
+        hidden = self.dropout(hidden)
+        aux_losses = []
+        for layer in self.layers:
+            hidden, aux = layer(hidden, cos, sin, mask, past_key_values)
+            if aux is not None:
+                aux_losses.append(aux)
+        aux_loss = torch.stack(aux_losses).sum() if aux_losses else hidden.new_zeros((), dtype=torch.float32)
+        return self.norm(hidden), aux_loss, past_key_values
+
+
+class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MiniMindConfig):
+        super().__init__(config)
+        self.model = MiniMindModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        skip_logits: bool = False,
+        **kwargs,
+    ) -> MoeCausalLMOutputWithPast:
+        """Causal LM forward.
+
+        loss: shifted cross-entropy over labels != -100, the mean over those tokens, or their
+        sum divided by `num_items_in_batch` when given. `aux_loss` (MoE load balancing, already
+        multiplied by `router_aux_loss_coef`; 0 for a dense model) is returned separately.
+        """
+        hidden, aux_loss, past_key_values = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+        )
+        logits, loss = None, None
+        if labels is not None:
+            shifted = labels[:, 1:]
+            if skip_logits:
+                keep = shifted != IGNORE_INDEX
+                token_logits = self.lm_head(hidden[:, :-1][keep])
+                loss = self._reduce_loss(token_logits, shifted[keep], num_items_in_batch)
+            else:
+                logits = self.lm_head(hidden)
+                loss = self._reduce_loss(
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), shifted.reshape(-1), num_items_in_batch
+                )
+        if logits is None and not skip_logits:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden[:, keep])
+        return MoeCausalLMOutputWithPast(
+            loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=past_key_values if use_cache else None
+        )
+
+    @staticmethod
+    def _reduce_loss(logits, targets, num_items_in_batch):
+        total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        if num_items_in_batch is None:
+            num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        return total / num_items_in_batch
