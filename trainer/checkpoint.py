@@ -1,0 +1,207 @@
+"""Steps 3 and 7: resume checkpoints (`lm_checkpoint`) and inference weights.
+
+Layout under `--save_dir`:
+    checkpoints/step_00000100.pt   resume state (one file, `torch.load(weights_only=True)`)
+    model/                         inference weights: config.json, model.safetensors
+                                   (`--save_dtype`), the model code and the tokenizer
+
+Every file is written to a temporary name, fsynced and renamed, so a crash or a full disk in
+the middle of a save never damages the checkpoint that was already there.
+"""
+
+import os
+import pickle
+import re
+import shutil
+
+import torch
+from transformers.utils import logging as hf_logging
+
+FORMAT = "minisft-resume"
+FORMAT_VERSION = 1
+CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.pt$")
+# Fields that change the shapes or the mathematics of the network.
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "use_moe", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "tie_word_embeddings", "rope_theta",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used, with a one-line reason."""
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def checkpoints_dir(save_dir: str) -> str:
+    return os.path.join(save_dir, "checkpoints")
+
+
+def checkpoint_path(save_dir: str, step: int) -> str:
+    return os.path.join(checkpoints_dir(save_dir), f"step_{step:08d}.pt")
+
+
+def list_checkpoints(save_dir: str) -> list[str]:
+    """Resume checkpoints in `save_dir`, newest (highest step) first."""
+    folder = checkpoints_dir(save_dir)
+    if not os.path.isdir(folder):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := CHECKPOINT_PATTERN.match(name))]
+    return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
+
+
+def ensure_writable_dir(path: str) -> None:
+    """Fail before training, not at the first save, when `path` cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_probe.{os.getpid()}")
+        with open(probe, "wb") as handle:
+            handle.write(b"ok")
+        os.remove(probe)
+    except OSError as error:
+        raise CheckpointError(f"--save_dir {path} is not writable: {error.strerror or error}") from error
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_torch_save(obj, path: str) -> None:
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(folder)
+    except BaseException as error:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(error, OSError):
+            raise CheckpointError(f"could not write {path}: {error.strerror or error}") from error
+        raise
+
+
+def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) -> str:
+    """Write `<save_dir>/model/` (an HF directory) atomically; return its path."""
+    final = os.path.join(save_dir, "model")
+    tmp, old = os.path.join(save_dir, ".model.tmp"), os.path.join(save_dir, ".model.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tied = model.config.tie_word_embeddings
+        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+        original_dtype = model.config.dtype
+        model.config.dtype = dtype
+        hf_logging.disable_progress_bar()
+        try:
+            model.save_pretrained(tmp, state_dict=state)
+        finally:
+            model.config.dtype = original_dtype
+            hf_logging.enable_progress_bar()
+        tokenizer.save_pretrained(tmp)
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(final):
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(save_dir)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(final) and os.path.exists(old):
+            os.replace(old, final)
+        raise CheckpointError(f"could not write inference weights to {final}: {error.strerror or error}") from error
+    return final
+
+
+# --------------------------------------------------------------------------- resume state
+
+
+def save_resume_checkpoint(state: dict, save_dir: str, keep_last: int) -> str:
+    """Write one resume checkpoint, then drop all but the newest `keep_last`."""
+    path = checkpoint_path(save_dir, state["step"])
+    atomic_torch_save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, path)
+    for stale in list_checkpoints(save_dir)[keep_last:]:
+        try:
+            os.remove(stale)
+        except OSError:
+            pass
+    return path
+
+
+REQUIRED_KEYS = ("model_config", "model", "optimizer", "step", "epoch", "samples_in_epoch", "rng", "world_size", "args")
+
+
+def load_resume_checkpoint(path: str) -> dict:
+    """Read and validate a resume checkpoint; never unpickles arbitrary objects."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"resume checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "Weights only load failed" in str(error):
+            raise CheckpointError(
+                f"refused to load {path}: it contains Python objects that a safe (weights_only) load does "
+                "not allow; it is not a minisft checkpoint and may be malicious"
+            ) from error
+        raise CheckpointError(f"resume checkpoint {path} is corrupt or truncated ({_short(error)})") from error
+    except Exception as error:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise CheckpointError(f"resume checkpoint {path} is corrupt or truncated ({_short(error)})") from error
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a minisft resume checkpoint")
+    version = state.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} was written by a newer minisft (format version {version}; this version reads up to "
+            f"{FORMAT_VERSION}): upgrade minisft to resume from it"
+        )
+    missing = [key for key in REQUIRED_KEYS if key not in state]
+    if missing:
+        raise CheckpointError(f"resume checkpoint {path} is incomplete (missing {', '.join(missing)})")
+    return state
+
+
+def _short(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:160]}" if text else type(error).__name__
+
+
+def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
+    """The newest readable checkpoint in `save_dir`; unreadable newer ones are skipped with a message."""
+    for path in list_checkpoints(save_dir):
+        try:
+            return path, load_resume_checkpoint(path)
+        except CheckpointError as error:
+            log(f"warning: skipping unusable checkpoint: {error}; falling back to the previous one")
+    return None
+
+
+def check_model_config(saved: dict, current) -> None:
+    """Refuse a checkpoint whose architecture differs from the one the flags describe."""
+    current_dict = current.to_dict()
+    differing = [
+        f"{name} (checkpoint {saved.get(name)!r}, flags {current_dict.get(name)!r})"
+        for name in ARCHITECTURE_FIELDS
+        if saved.get(name) != current_dict.get(name)
+    ]
+    if differing:
+        raise CheckpointError("checkpoint model config differs from the flags: " + "; ".join(differing))

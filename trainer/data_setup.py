@@ -1,0 +1,72 @@
+"""Step 4: tokenizer, SFT dataset (tokenized once, memory-mapped), the resumable distributed
+sampler and the DataLoaders."""
+
+import signal
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader
+
+from dataset import PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
+
+
+@dataclass
+class TrainData:
+    dataset: object
+    sampler: ResumableDistributedSampler
+    loader: DataLoader
+
+
+def _worker_ignores_preemption(_worker_id: int) -> None:
+    # SIGTERM goes to the whole process group; the main process handles it and stops cleanly.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def default_num_workers(args, device: torch.device) -> int:
+    if args.num_workers is not None:
+        return args.num_workers
+    return 4 if device.type == "cuda" else 0
+
+
+def build_dataset(path, args, tokenizer):
+    dataset = SFTDataset(path, tokenizer, args.max_seq_len, bad_data=args.bad_data, cache_dir=args.cache_dir)
+    return PackedSFTDataset(dataset, args.max_seq_len) if args.packing else dataset
+
+
+def build_train_data(args, tokenizer, ctx) -> TrainData:
+    dataset = build_dataset(args.data_path, args, tokenizer)
+    group = bool(args.group_by_length)
+    sampler = ResumableDistributedSampler(
+        len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
+        lengths=dataset.lengths if group else None,
+        group_size=args.batch_size * ctx.world_size if group else None,
+    )
+    workers = default_num_workers(args, ctx.device)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
+        num_workers=workers,
+        pin_memory=ctx.device.type == "cuda",
+        # Worker seeds come from this generator, not the global RNG: resuming mid-epoch then
+        # leaves the global RNG stream (dropout) exactly where the uninterrupted run had it.
+        generator=torch.Generator().manual_seed(args.seed),
+        worker_init_fn=_worker_ignores_preemption if workers else None,
+    )
+    return TrainData(dataset, sampler, loader)
+
+
+def build_eval_loader(args, tokenizer, ctx) -> DataLoader | None:
+    """Each rank evaluates a disjoint slice (no padding duplicates); the loop sums over ranks."""
+    if not args.eval_data_path:
+        return None
+    dataset = build_dataset(args.eval_data_path, args, tokenizer)
+    return DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=list(range(ctx.rank, len(dataset), ctx.world_size)),
+        collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
+        num_workers=0,
+    )

@@ -1,0 +1,327 @@
+"""Step 6 (and the saves of step 7): the optimizer-step loop.
+
+One optimizer step = `accumulation_steps` micro-batches on every rank. Its loss is the mean
+over ALL loss tokens of all those micro-batches on all ranks: the ranks first agree on that
+token count (one small all-reduce, which also carries the "stop now" flag for preemption), each
+micro-batch contributes `sum of its token losses / global count`, and DDP's gradient averaging
+is undone by a factor of world_size. So N ranks x B samples is the same step as 1 rank x N*B,
+and accumulation is the same as a bigger batch. Gradients are all-reduced once per optimizer
+step (`no_sync()` on the other micro-steps).
+
+Host synchronisation: one per optimizer step (the token count / stop flag, and the finite check
+of the gradient norm) and one per log interval (the loss); none per micro-step.
+"""
+
+import contextlib
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer import checkpoint
+from trainer.distributed import all_gather_objects, all_reduce_sum, barrier, broadcast_object
+from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
+from trainer.model_setup import autocast, unwrap
+from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
+
+IGNORE_INDEX = -100
+
+
+class TrainingError(RuntimeError):
+    """The run had to stop (e.g. too many non-finite steps); the message says why."""
+
+
+@dataclass
+class TrainState:
+    """Where the run is. Saved in every resume checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    samples_in_epoch: int = 0  # global (all ranks) samples of this epoch already consumed
+    skipped_steps: int = 0
+    bad_steps_in_a_row: int = 0
+    wandb_run_id: str | None = None
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built by `train_full_sft.py`."""
+
+    args: object
+    ctx: object
+    model: torch.nn.Module  # possibly DDP- and/or compile-wrapped
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    dtype: torch.dtype
+    data: object
+    eval_loader: object
+    tokenizer: object
+    logger: object
+    preemption: object
+    state: TrainState = field(default_factory=TrainState)
+
+    @property
+    def raw_model(self):
+        return unwrap(self.model)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def resume_state(run: Run) -> dict:
+    """The resume checkpoint's content (collective: every rank contributes its RNG state)."""
+    rng_states = all_gather_objects(capture_rng_state())
+    state = run.state
+    return {
+        "model_config": run.raw_model.config.to_dict(),
+        "model": run.raw_model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scaler": run.scaler.state_dict(),
+        "step": state.step,
+        "epoch": state.epoch,
+        "samples_in_epoch": state.samples_in_epoch,
+        "skipped_steps": state.skipped_steps,
+        "rng": rng_states,
+        "world_size": run.ctx.world_size,
+        "args": dict(vars(run.args)),
+        "wandb_run_id": run.logger.wandb_run_id,
+    }
+
+
+def restore(run: Run, saved: dict) -> None:
+    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position)."""
+    try:
+        run.raw_model.load_state_dict(saved["model"])
+        run.optimizer.load_state_dict(saved["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise checkpoint.CheckpointError(f"resume checkpoint does not fit this run: {str(error).splitlines()[0]}") from error
+    if saved.get("scaler") and run.scaler.is_enabled():
+        run.scaler.load_state_dict(saved["scaler"])
+    run.state = TrainState(
+        step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
+        skipped_steps=saved.get("skipped_steps", 0), wandb_run_id=saved.get("wandb_run_id"),
+    )
+    if saved["world_size"] == run.ctx.world_size:
+        restore_rng_state(saved["rng"][run.ctx.rank])
+    else:
+        # Same sample stream, new per-rank randomness (dropout) for the new world size.
+        setup_seed(run.args.seed + run.ctx.rank + saved["step"])
+        run.logger.print(
+            f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
+            f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
+        )
+
+
+def save(run: Run) -> None:
+    """Rank 0 writes the resume checkpoint and the inference weights; the others wait.
+
+    A failed write on rank 0 (disk full, permissions) is re-raised on every rank, so nobody hangs.
+    """
+    content = resume_state(run)
+    error = None
+    if run.ctx.is_main:
+        try:
+            path = checkpoint.save_resume_checkpoint(content, run.args.save_dir, run.args.keep_last)
+            save_dtype = getattr(torch, run.args.save_dtype)
+            checkpoint.save_inference_weights(run.raw_model, run.tokenizer, run.args.save_dir, save_dtype)
+            run.logger.print(f"saved {path}")
+        except checkpoint.CheckpointError as failure:
+            error = str(failure)
+    error = broadcast_object(error)
+    if error:
+        raise checkpoint.CheckpointError(error)
+    barrier(run.ctx.device)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def steps_in_epoch(run: Run, epoch: int, start: int) -> int:
+    sampler = run.data.sampler
+    sampler.set_epoch(epoch)
+    sampler.set_start_index(start)
+    micro_batches = math.ceil(len(sampler) / run.args.batch_size)
+    return math.ceil(micro_batches / run.args.accumulation_steps)
+
+
+def count_total_steps(run: Run) -> int:
+    state, args = run.state, run.args
+    natural = state.step + sum(
+        steps_in_epoch(run, epoch, state.samples_in_epoch if epoch == state.epoch else 0)
+        for epoch in range(state.epoch, args.epochs)
+    )
+    return min(natural, args.max_steps) if args.max_steps else natural
+
+
+def agree_on_step(run: Run, micro_batches: list[dict]) -> tuple[int, int, bool]:
+    """Global loss-token count, global real-token count, and whether any rank must stop now."""
+    loss_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    real_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+    stop = int(run.preemption.requested)
+    if run.ctx.distributed:
+        figures = torch.tensor([loss_tokens, real_tokens, stop], dtype=torch.int64, device=run.ctx.device)
+        loss_tokens, real_tokens, stop = all_reduce_sum(figures).tolist()
+    return loss_tokens, real_tokens, bool(stop)
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict:
+    """Right padding + causal attention: real tokens never see the pads, so no mask is needed
+    (and SDPA keeps its fused causal kernel). Packed rows carry position_ids instead."""
+    inputs = {
+        "input_ids": batch["input_ids"].to(device, non_blocking=True),
+        "labels": batch["labels"].to(device, non_blocking=True),
+    }
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
+    return inputs
+
+
+def optimizer_step(run: Run, micro_batches: list[dict], loss_tokens: int, lr: float):
+    """Forward/backward over the micro-batches, clip, step. Returns (loss contribution, grad norm, applied)."""
+    model, ctx, scaler = run.model, run.ctx, run.scaler
+    set_lr(run.optimizer, lr)
+    local_loss = torch.zeros((), device=ctx.device)
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if (last or not ctx.distributed) else model.no_sync()
+        with sync:
+            with autocast(ctx.device, run.dtype):
+                out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(loss_tokens, 1), skip_logits=True)
+            # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens.
+            objective = out.loss * ctx.world_size + out.aux_loss / len(micro_batches)
+            scaler.scale(objective).backward()
+        local_loss += out.loss.detach().float()
+    scaler.unscale_(run.optimizer)
+    max_norm = run.args.grad_clip if run.args.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), max_norm)
+    finite = bool(torch.isfinite(grad_norm))
+    if scaler.is_enabled():
+        scaler.step(run.optimizer)  # skips the update itself when it found inf/NaN
+        scaler.update()
+    elif finite:
+        run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return local_loss, grad_norm.detach(), finite
+
+
+def track_bad_steps(run: Run, finite: bool) -> None:
+    """Count non-finite steps; too many in a row stops the run with the last good weights saved."""
+    state = run.state
+    if finite:
+        state.bad_steps_in_a_row = 0
+        return
+    state.skipped_steps += 1
+    # With float16 the GradScaler skips overflowing steps while it calibrates its scale; only
+    # count those once the scale is tiny (the loss itself is non-finite, not just large).
+    if run.scaler.is_enabled() and run.scaler.get_scale() >= 1.0:
+        return
+    state.bad_steps_in_a_row += 1
+    if state.bad_steps_in_a_row >= run.args.max_bad_steps:
+        save(run)
+        raise TrainingError(
+            f"{state.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm "
+            f"(last at step {state.step}); stopped. The last good weights are saved in {run.args.save_dir}"
+        )
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Token-weighted eval loss over the whole eval set, summed over all ranks."""
+    model, device = run.raw_model, run.ctx.device
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in run.eval_loader:
+        with autocast(device, run.dtype):
+            out = model(**model_inputs(batch, device), num_items_in_batch=1, skip_logits=True)
+        totals[0] += out.loss.double()
+        totals[1] += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    all_reduce_sum(totals)
+    model.train(was_training)
+    loss_sum, count = totals.tolist()
+    return loss_sum / max(count, 1)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def train(run: Run) -> str:
+    """Train until the last step, `--max_steps`, or preemption. Returns "finished" or "preempted"."""
+    args, state, logger = run.args, run.state, run.logger
+    total_steps = count_total_steps(run)
+    warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup_steps(total_steps)
+    run.model.train()
+    logger.print(
+        f"training {total_steps} optimizer steps from step {state.step}: {run.ctx.world_size} process(es) x "
+        f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
+        f"device {run.ctx.device}"
+    )
+    interval = {"loss": torch.zeros((), device=run.ctx.device), "steps": 0, "tokens": 0, "start": time.time()}
+    last_saved = last_eval = state.step
+    status = "finished"
+    while state.step < total_steps and state.epoch < args.epochs:
+        sampler = run.data.sampler
+        sampler.set_epoch(state.epoch)
+        sampler.set_start_index(state.samples_in_epoch)
+        batches = iter(run.data.loader)
+        while state.step < total_steps:
+            micro_batches = list(itertools.islice(batches, args.accumulation_steps))
+            if not micro_batches:  # defensive: the sampler always covers the epoch
+                state.epoch, state.samples_in_epoch = state.epoch + 1, 0
+                break
+            loss_tokens, real_tokens, stop = agree_on_step(run, micro_batches)
+            if stop:
+                status = "preempted"
+                break
+            lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
+            loss, grad_norm, finite = optimizer_step(run, micro_batches, loss_tokens, lr)
+            state.step += 1
+            consumed = sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
+            state.samples_in_epoch += consumed
+            if state.samples_in_epoch >= len(run.data.dataset):
+                state.epoch, state.samples_in_epoch = state.epoch + 1, 0
+            track_bad_steps(run, finite)
+            if finite:
+                interval["loss"] += loss
+                interval["steps"] += 1
+            interval["tokens"] += real_tokens
+            if state.step % args.log_interval == 0 or state.step == total_steps:
+                log_interval(run, interval, grad_norm, lr, total_steps)
+            if run.eval_loader is not None and args.eval_interval and state.step % args.eval_interval == 0:
+                logger.log_eval(state.step, evaluate(run))
+                last_eval = state.step
+            if args.save_interval and state.step % args.save_interval == 0:
+                save(run)
+                last_saved = state.step
+            if state.samples_in_epoch == 0:
+                break  # epoch finished: the outer loop starts the next one
+        if status == "preempted":
+            break
+    if status == "preempted":
+        logger.print(f"SIGTERM received: stopping at step {state.step} and saving a resume checkpoint")
+    elif run.eval_loader is not None and last_eval != state.step:
+        logger.log_eval(state.step, evaluate(run))
+    if last_saved != state.step or status == "preempted" or state.step == 0:
+        save(run)
+    return status
+
+
+def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:
+    """Reduce the interval's loss over ranks (the one host sync per log interval) and report it."""
+    state = run.state
+    loss_sum = all_reduce_sum(interval["loss"].clone()).item()
+    elapsed = max(time.time() - interval["start"], 1e-9)
+    steps = max(interval["steps"], 1)
+    seconds_per_step = elapsed / max(steps, 1)
+    figures = {
+        "loss": loss_sum / steps,
+        "lr": lr,
+        "grad_norm": float(grad_norm),
+        "tokens_per_s": interval["tokens"] / elapsed,
+        "skipped_steps": state.skipped_steps,
+    }
+    run.logger.log_train(state.step, total_steps, state.epoch, run.args.epochs, figures,
+                         eta_s=seconds_per_step * (total_steps - state.step))
+    interval.update(loss=torch.zeros((), device=run.ctx.device), steps=0, tokens=0, start=time.time())

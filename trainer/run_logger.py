@@ -1,0 +1,74 @@
+"""Step 8: what rank 0 tells the user: progress lines, `metrics.jsonl`, and optionally wandb.
+
+Figures arrive here already reduced over ranks; this module never touches a device tensor, so
+logging adds no host synchronisation beyond the one per log interval done by the loop.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class RunLogger:
+    """Does nothing on ranks other than 0."""
+
+    def __init__(self, args, is_main: bool, wandb_run_id: str | None = None):
+        self.enabled = is_main
+        self.metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
+        self.wandb = None
+        self.wandb_run_id = wandb_run_id
+        if self.enabled and args.use_wandb:
+            self._start_wandb(args)
+
+    def _start_wandb(self, args) -> None:
+        import wandb
+
+        run_id = self.wandb_run_id or wandb.util.generate_id()
+        self.wandb = wandb.init(
+            project=args.wandb_project, name=args.wandb_run_name, id=run_id, resume="allow",
+            config=vars(args), dir=args.save_dir,
+        )
+        self.wandb_run_id = run_id
+
+    def print(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    def log_train(self, step: int, total_steps: int, epoch: int, epochs: int, figures: dict, eta_s: float) -> None:
+        if not self.enabled:
+            return
+        line = (
+            f"step {step}/{total_steps} (epoch {epoch + 1}/{epochs}) | loss {figures['loss']:.4f} | "
+            f"lr {figures['lr']:.2e} | grad_norm {figures['grad_norm']:.3f} | "
+            f"{figures['tokens_per_s']:,.0f} tok/s | eta {format_duration(eta_s)}"
+        )
+        if figures.get("skipped_steps"):
+            line += f" | skipped {figures['skipped_steps']}"
+        print(line, flush=True)
+        self._record({"kind": "train", "step": step, "epoch": epoch, **figures})
+
+    def log_eval(self, step: int, eval_loss: float) -> None:
+        if not self.enabled:
+            return
+        print(f"eval step {step} | eval_loss {eval_loss:.4f}", flush=True)
+        self._record({"kind": "eval", "step": step, "eval_loss": eval_loss})
+
+    def _record(self, row: dict) -> None:
+        row = {**row, "time": time.time()}
+        with open(self.metrics_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k not in ("kind", "step")}, step=row["step"])
+
+    def finish(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+        sys.stdout.flush()
