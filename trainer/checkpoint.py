@@ -26,6 +26,7 @@ ARCHITECTURE_FIELDS = (
     "head_dim", "intermediate_size", "use_moe", "num_experts", "num_experts_per_tok",
     "moe_intermediate_size", "tie_word_embeddings", "rope_theta",
 )
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 class CheckpointError(ValueError):
@@ -198,9 +199,12 @@ def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
 def check_model_config(saved: dict, current) -> None:
     """Refuse a checkpoint whose architecture differs from the one the flags describe."""
     current_dict = current.to_dict()
+    fields = ARCHITECTURE_FIELDS
+    if not saved.get("use_moe") and not current_dict.get("use_moe"):
+        fields = [name for name in fields if name not in MOE_FIELDS]
     differing = [
         f"{name} (checkpoint {saved.get(name)!r}, flags {current_dict.get(name)!r})"
-        for name in ARCHITECTURE_FIELDS
+        for name in fields
         if saved.get(name) != current_dict.get(name)
     ]
     if differing:

@@ -1,0 +1,130 @@
+"""Helpers shared by the scripts in this folder: argument parsing, device/dtype choice, error exits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable, NoReturn
+
+REPO_DIR = Path(__file__).resolve().parents[1]
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: message`` (one line) to stderr and exit with status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser whose errors are the one-line ``error: ...`` of the other failures."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message} (see {self.prog} --help)")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model_path --tokenizer_path --device --dtype``, the flags of every script that loads a model."""
+    group = parser.add_argument_group("model")
+    group.add_argument("--model_path", required=True,
+                       help="HF model dir, a .safetensors file with config.json beside it, a resume "
+                            "checkpoint .pt, or a run dir (--save_dir of the trainer)")
+    group.add_argument("--tokenizer_path", default=None,
+                       help="tokenizer dir; default: the one saved with the model, else the shipped one")
+    group.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
+    group.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype for inference")
+
+
+def resolve_device(name: str):
+    """``auto`` -> cuda when available, else cpu; a CUDA device that does not exist is an error."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        fail(f"--device {name!r} is not a valid device (use auto, cpu, cuda or cuda:N)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            fail(f"--device {name}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            fail(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) present")
+    elif device.type != "cpu":
+        fail(f"--device {name!r} is not supported (use auto, cpu, cuda or cuda:N)")
+    return device
+
+
+def resolve_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def load_model_and_tokenizer(args):
+    """Model (eval mode, on ``args.device`` in ``args.dtype``) and tokenizer from the common flags."""
+    from trainer.inference import load_model_for_inference, load_tokenizer_for_model
+
+    device = resolve_device(args.device)
+    model = load_model_for_inference(args.model_path, device=device, dtype=resolve_dtype(args.dtype))
+    tokenizer = load_tokenizer_for_model(args.model_path, args.tokenizer_path)
+    if len(tokenizer) > model.config.vocab_size:
+        fail(f"tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}: "
+             "wrong --tokenizer_path?")
+    return model, tokenizer
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Errors that describe bad input (model path, data, tokenizer) rather than a bug."""
+    from dataset import DataError
+    from trainer.inference import ModelLoadError
+
+    return isinstance(error, (ModelLoadError, DataError))
+
+
+def run_main(main: Callable[[], int | None]) -> None:
+    """Run ``main``; known user errors (bad model/data/paths) become ``error: ...`` and exit 2.
+
+    The error classes are imported only when something failed, so ``--help`` and flag errors
+    return without importing torch.
+    """
+    try:
+        status = main()
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        sys.exit(130)
+    except OSError as error:
+        fail(f"{error.filename or ''}: {error.strerror or error}".lstrip(": "))
+    except Exception as error:  # noqa: BLE001 - re-raised unless it is a user error
+        if not is_user_error(error):
+            raise
+        fail(str(error))
+    sys.exit(status or 0)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template and the assistant generation prompt."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def generation_kwargs(tokenizer, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """``model.generate`` settings: greedy when ``temperature`` is 0, else nucleus sampling; stop at eos."""
+    settings = dict(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=temperature > 0,
+    )
+    if temperature > 0:
+        settings.update(temperature=temperature, top_p=top_p, top_k=0)
+    return settings

@@ -1,0 +1,195 @@
+"""Evaluate a trained model on SFT conversations: assistant-token loss, perplexity, exact match.
+
+    python scripts/eval_sft.py --model_path out [--data_path dataset/demo/sft_eval.jsonl] [--json_out r.json]
+
+* loss: mean cross-entropy over all assistant tokens of the file (token-weighted, the same
+  assistant-only mask as training), perplexity = exp(loss);
+* exact match: for each conversation, the messages before its final assistant turn are the
+  prompt (chat template, ``add_generation_prompt=True``); the greedy answer up to ``<|im_end|>``
+  must equal the reference answer after stripping whitespace.
+
+Prints a table; the JSON result goes to ``--json_out`` (then the table is on stdout) or to stdout
+(then the table is on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts._common import (  # noqa: E402
+    REPO_DIR, ArgumentParser, add_model_args, fail, generation_kwargs, load_model_and_tokenizer, prompt_ids, run_main,
+)
+
+DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
+
+
+@dataclass
+class Example:
+    """One conversation: its training encoding (for the loss) and its final-turn prompt and answer."""
+
+    line: int
+    input_ids: list[int]
+    loss_mask: list[bool]
+    prompt_ids: list[int]
+    reference: str
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__.splitlines()[0], prog="eval_sft.py")
+    add_model_args(parser)
+    parser.add_argument("--data_path", default=str(DEFAULT_DATA), help="jsonl conversations (MiniMind/ShareGPT/OpenAI)")
+    parser.add_argument("--max_seq_len", type=int, default=512, help="conversations are truncated to this for the loss")
+    parser.add_argument("--batch_size", type=int, default=16, help="conversations per forward / generate call")
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="most tokens generated per answer")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N conversations")
+    parser.add_argument("--json_out", default=None, help="write the JSON result here (default: stdout)")
+    return parser
+
+
+def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> list[Example]:
+    """Parse and encode the jsonl file; a bad line raises ``DataError("file:line: problem")``."""
+    from dataset import DataError, encode_conversation
+    from dataset.formats import LineError, parse_conversation
+
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found")
+    examples = []
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if limit is not None and len(examples) >= limit:
+                break
+            if not raw.strip():
+                continue
+            try:
+                messages = parse_conversation(raw.decode("utf-8"))
+                last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+                if last is None or last == 0:
+                    raise LineError("no assistant answer after a prompt")
+                ids, mask = encode_conversation(tokenizer, messages[: last + 1], max_seq_len)
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}:{number}: invalid UTF-8 at byte {error.start}") from None
+            except ValueError as error:  # LineError, TemplateError
+                raise DataError(f"{path}:{number}: {error}") from None
+            examples.append(Example(number, ids.tolist(), mask.tolist(), prompt_ids(tokenizer, messages[:last]),
+                                    messages[last]["content"]))
+    if not examples:
+        raise DataError(f"{path}: no conversations to evaluate")
+    return examples
+
+
+def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size: int) -> tuple[float, int]:
+    """(mean CE over all assistant tokens, number of those tokens), token-weighted over every batch."""
+    import numpy as np
+    import torch
+
+    from dataset import IGNORE_INDEX, SFTCollator
+
+    collate = SFTCollator(pad_token_id=pad_token_id)
+    total, count = 0.0, 0
+    usable = [e for e in examples if any(e.loss_mask[1:])]  # the first token is never predicted
+    for start in range(0, len(usable), batch_size):
+        items = []
+        for example in usable[start:start + batch_size]:
+            ids = np.asarray(example.input_ids, dtype=np.int64)
+            items.append({"input_ids": ids, "labels": np.where(example.loss_mask, ids, IGNORE_INDEX)})
+        batch = {key: value.to(model.device) for key, value in collate(items).items()}
+        with torch.inference_mode():
+            summed = model(**batch, num_items_in_batch=1, skip_logits=True).loss
+        total += float(summed)
+        count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    return (total / count if count else float("nan")), count
+
+
+def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> list[str]:
+    """Greedy answers of all prompts, batched with left padding (longest prompts first)."""
+    import torch
+
+    context = model.config.max_position_embeddings
+    if max_new_tokens >= context:
+        fail(f"--max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
+    keep = context - max_new_tokens
+    prompts = [e.prompt_ids[-keep:] for e in examples]  # over-long prompts keep their end
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    settings = generation_kwargs(tokenizer, max_new_tokens)
+    answers = [""] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, index in enumerate(chunk):
+            ids = prompts[index]
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids.to(model.device), attention_mask=attention_mask.to(model.device), **settings
+            )
+        for row, index in enumerate(chunk):
+            generated = output[row, width:].tolist()
+            if tokenizer.eos_token_id in generated:
+                generated = generated[: generated.index(tokenizer.eos_token_id)]
+            answers[index] = tokenizer.decode(generated, skip_special_tokens=True)
+    return answers
+
+
+def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> dict:
+    loss, num_tokens = assistant_loss(model, examples, tokenizer.pad_token_id, batch_size)
+    answers = greedy_answers(model, tokenizer, examples, batch_size, max_new_tokens)
+    correct = sum(a.strip() == e.reference.strip() for a, e in zip(answers, examples))
+    try:
+        perplexity = math.exp(loss)
+    except OverflowError:
+        perplexity = float("inf")
+    return {
+        "loss": loss,
+        "perplexity": perplexity,
+        "exact_match": correct / len(examples),
+        "num_correct": correct,
+        "num_conversations": len(examples),
+        "num_loss_tokens": num_tokens,
+    }
+
+
+def format_table(result: dict) -> str:
+    rows = [
+        ("conversations", f"{result['num_conversations']}"),
+        ("loss tokens", f"{result['num_loss_tokens']}"),
+        ("loss", f"{result['loss']:.4f}"),
+        ("perplexity", f"{result['perplexity']:.4f}"),
+        ("exact match", f"{result['exact_match']:.4f} ({result['num_correct']}/{result['num_conversations']})"),
+    ]
+    return "\n".join(f"{name:<14} {value}" for name, value in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for flag in ("max_seq_len", "batch_size", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag} must be positive, got {getattr(args, flag)}")
+    if args.limit is not None and args.limit < 1:
+        fail(f"--limit must be positive, got {args.limit}")
+    model, tokenizer = load_model_and_tokenizer(args)
+    max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)  # the model cannot see more
+    examples = read_examples(Path(args.data_path), tokenizer, max_seq_len, args.limit)
+    result = evaluate(model, tokenizer, examples, args.batch_size, args.max_new_tokens)
+    text = json.dumps(result, indent=2)
+    if args.json_out:
+        out = Path(args.json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n", encoding="utf-8")
+        print(format_table(result))
+    else:
+        print(format_table(result), file=sys.stderr)
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

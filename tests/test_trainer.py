@@ -1,0 +1,167 @@
+"""train_full_sft.py end to end in real processes (CPU, gloo): equivalences, multi-node, resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.trainer_launch import (
+    REPO, TINY, assert_weights_equal, checkpoint_at, clean_env, final_weights, free_port, run_trainer,
+    torchrun_cmd, train_losses,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """96 demo conversations (varied lengths, so batches carry unequal loss-token counts)."""
+    folder = tmp_path_factory.mktemp("data")
+    lines = open(os.path.join(REPO, "dataset", "demo", "sft_train.jsonl"), encoding="utf-8").readlines()
+    (folder / "train.jsonl").write_text("".join(lines[:96]), encoding="utf-8")
+    (folder / "eval.jsonl").write_text("".join(lines[-16:]), encoding="utf-8")
+    return folder
+
+
+def flags(data, save_dir, *extra) -> list[str]:
+    return [*TINY, "--data_path", str(data / "train.jsonl"), "--save_dir", str(save_dir), *extra]
+
+
+def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(data, tmp_path):
+    steps = ["--max_steps", "4", "--save_interval", "0"]
+    run_trainer(flags(data, tmp_path / "one", "--batch_size", "8", *steps))
+    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *steps), nproc=2)
+    run_trainer(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *steps))
+    one = final_weights(tmp_path / "one")
+    assert_weights_equal(final_weights(tmp_path / "two"), one, atol=1e-5)
+    assert_weights_equal(final_weights(tmp_path / "accum"), one, atol=1e-5)
+    losses = train_losses(tmp_path / "one")
+    for other in ("two", "accum"):
+        for step, loss in train_losses(tmp_path / other).items():
+            assert loss == pytest.approx(losses[step], abs=1e-5)
+    # the training changed the weights (the equality above is not trivial)
+    initial = torch.load(checkpoint_at(tmp_path / "one", 4), weights_only=True)
+    assert initial["step"] == 4 and initial["samples_in_epoch"] == 32
+
+
+def test_unequal_loss_token_counts_are_weighted_per_token(data):
+    """Sanity of the fixture: the micro-batches of the equivalence test carry unequal counts."""
+    from dataset import ResumableDistributedSampler, SFTCollator, SFTDataset, load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    dataset = SFTDataset(data / "train.jsonl", tokenizer, 128)
+    order = list(ResumableDistributedSampler(len(dataset), num_replicas=1, rank=0, seed=42))
+    collate = SFTCollator(pad_token_id=tokenizer.pad_token_id)
+    counts = [int((collate([dataset[i] for i in order[k:k + 4]])["labels"] != -100).sum()) for k in (0, 4)]
+    assert counts[0] != counts[1]
+
+
+def test_two_torchrun_agents_as_two_nodes_train_together(data, tmp_path):
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                    "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        args = flags(data, tmp_path / "nodes", "--batch_size", "4", "--max_steps", "3", "--save_interval", "0")
+        procs.append(subprocess.Popen([*launcher, os.path.join(REPO, "train_full_sft.py"), *args], cwd=REPO,
+                                      env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError("the two agents did not finish: " + " | ".join(p.communicate()[0][-2000:] for p in procs))
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "2 process(es) x batch 4" in outputs[0]
+    run_trainer(flags(data, tmp_path / "single", "--batch_size", "8", "--max_steps", "3", "--save_interval", "0"))
+    assert_weights_equal(final_weights(tmp_path / "nodes"), final_weights(tmp_path / "single"), atol=1e-5)
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
+    common = ["--batch_size", "4", "--max_steps", "7", "--dropout", "0.1", "--num_workers", workers,
+              "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2"]
+    run_trainer(flags(data, tmp_path / "full", *common, "--save_interval", "3"))
+    # The state a crash after step 3 leaves behind is the step-3 checkpoint: continue from it.
+    resumed = run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",
+                                "--resume_from", checkpoint_at(tmp_path / "full", 3)))
+    assert "resuming from" in resumed.stdout and "training 7 optimizer steps from step 3" in resumed.stdout
+    assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "full"))
+    full, again = torch.load(checkpoint_at(tmp_path / "full", 7), weights_only=True), final_weights(tmp_path / "resumed")
+    assert full["step"] == 7
+    losses_full, losses_resumed = train_losses(tmp_path / "full"), train_losses(tmp_path / "resumed")
+    assert all(losses_resumed[s] == losses_full[s] for s in range(4, 8))
+
+
+def test_resume_on_a_different_world_size_continues_the_same_sample_stream(data, tmp_path):
+    common = ["--max_steps", "6"]
+    run_trainer(flags(data, tmp_path / "full", "--batch_size", "4", *common, "--save_interval", "3"))
+    # same global batch (2 ranks x 2 = 1 rank x 4), so the same samples and the same mathematics
+    resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "2", *common, "--save_interval", "0",
+                                "--resume_from", checkpoint_at(tmp_path / "full", 3)), nproc=2)
+    assert "resuming a 1-process run on 2 processes" in resumed.stdout
+    assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "full"), atol=1e-5)
+
+
+def test_from_resume_picks_the_latest_checkpoint_and_keeps_last(data, tmp_path):
+    run_trainer(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "5", "--save_interval", "1",
+                      "--keep_last", "2"))
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert names == ["step_00000004.pt", "step_00000005.pt"]
+    again = run_trainer(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "6", "--save_interval", "0",
+                              "--from_resume", "1"))
+    assert "resuming from" in again.stdout and "step_00000005.pt" in again.stdout
+    assert torch.load(checkpoint_at(tmp_path, 6), weights_only=True)["step"] == 6
+
+
+def test_only_rank_zero_writes_files(data, tmp_path):
+    report = tmp_path / "report"
+    report.mkdir()
+    save_dir = tmp_path / "run"
+    run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "2", "--save_interval", "1"), nproc=2,
+                script=os.path.join(REPO, "tests", "record_writes.py"), env=clean_env(MINISFT_WRITE_REPORT=str(report)))
+    rank0 = [p for p in json.load(open(report / "rank0.json")) if p.startswith(str(save_dir))]
+    rank1 = [p for p in json.load(open(report / "rank1.json")) if p.startswith(str(save_dir))]
+    assert any(p.endswith("step_00000002.pt") for p in rank0)
+    assert any(p.endswith("metrics.jsonl") for p in rank0)
+    assert any(p.endswith(os.path.join(".model.tmp", "config.json")) for p in rank0)  # inference weights
+    assert str(save_dir / "model") in rank0  # renamed into place
+    assert rank1 == []
+
+
+def test_checkpoint_of_another_hidden_size_is_refused(data, tmp_path):
+    run_trainer(flags(data, tmp_path / "a", "--batch_size", "4", "--max_steps", "1"))
+    other = [*flags(data, tmp_path / "b", "--batch_size", "4", "--max_steps", "2"), "--hidden_size", "64",
+             "--resume_from", checkpoint_at(tmp_path / "a", 1)]
+    result = run_trainer(other, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint model config differs from the flags: hidden_size (checkpoint 32, flags 64); "
+        "head_dim (checkpoint 8, flags 16); intermediate_size (checkpoint 128, flags 256)"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_truncated_checkpoint_is_refused_with_a_clear_message(data, tmp_path):
+    run_trainer(flags(data, tmp_path / "a", "--batch_size", "4", "--max_steps", "1"))
+    path = checkpoint_at(tmp_path / "a", 1)
+    content = open(path, "rb").read()
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(content[: len(content) // 2])
+    result = run_trainer([*flags(data, tmp_path / "b", "--max_steps", "2"), "--resume_from", str(broken)], check=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: resume checkpoint {broken} is corrupt or truncated")
+    assert "Traceback" not in result.stderr
+
+
+def test_ddp_neither_broadcasts_nor_reduces_the_rope_buffers():
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tests", "ddp_buffers_check.py")], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ignored: ['model.freqs_cos', 'model.freqs_sin']" in result.stdout
+    assert "without ignore: rank 1 buffer overwritten by rank 0" in result.stdout
+    assert "with ignore: rank 1 buffer kept" in result.stdout
