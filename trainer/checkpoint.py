@@ -9,6 +9,7 @@ Every file is written to a temporary name, fsynced and renamed, so a crash or a 
 the middle of a save never damages the checkpoint that was already there.
 """
 
+import json
 import os
 import pickle
 import re
@@ -108,14 +109,18 @@ def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) 
     try:
         tied = model.config.tie_word_embeddings
         state = {k: v.detach().to(dtype) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-        original_dtype = model.config.dtype
-        model.config.dtype = dtype
         hf_logging.disable_progress_bar()
         try:
             model.save_pretrained(tmp, state_dict=state)
         finally:
-            model.config.dtype = original_dtype
             hf_logging.enable_progress_bar()
+        # save_pretrained records the live (fp32) model's dtype; record the saved weights' dtype.
+        config_file = os.path.join(tmp, "config.json")
+        with open(config_file, encoding="utf-8") as handle:
+            config = json.load(handle)
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        with open(config_file, "w", encoding="utf-8") as handle:
+            json.dump(config, handle, indent=2, sort_keys=True)
         tokenizer.save_pretrained(tmp)
         for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb") as handle:
