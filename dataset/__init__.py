@@ -1,0 +1,32 @@
+"""SFT data pipeline: jsonl chats -> token cache -> samples -> sampler -> padded batches.
+
+1. ``formats`` parses MiniMind / ShareGPT / OpenAI jsonl lines into role/content messages and
+   reports bad lines as ``DataError("file:line: problem")`` (or skips them).
+2. ``rendering`` renders each chat with the tokenizer's chat template and derives an
+   assistant-only loss mask from prefix renders and token offsets (works for any HF template).
+3. ``token_cache`` tokenizes the file once, in parallel, into a memory-mapped cache keyed by the
+   data, tokenizer, template and ``max_seq_len`` (built by local rank 0 under torch.distributed).
+4. ``SFTDataset`` / ``PackedSFTDataset`` serve ``input_ids`` / ``labels`` (and ``position_ids``
+   for packed rows) from the cache; ``ResumableDistributedSampler`` shards a world-size
+   independent global order that can resume at any global sample offset; ``SFTCollator``
+   right-pads a batch to its longest item.
+"""
+
+from .collate import SFTCollator, pad_fraction
+from .formats import DataError
+from .rendering import encode_conversation, load_tokenizer
+from .sampler import ResumableDistributedSampler
+from .sft_dataset import IGNORE_INDEX, PackedSFTDataset, SFTDataset, pack_lengths
+
+__all__ = [
+    "DataError",
+    "IGNORE_INDEX",
+    "PackedSFTDataset",
+    "ResumableDistributedSampler",
+    "SFTCollator",
+    "SFTDataset",
+    "encode_conversation",
+    "load_tokenizer",
+    "pack_lengths",
+    "pad_fraction",
+]

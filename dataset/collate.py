@@ -1,0 +1,67 @@
+"""Batch collation with right padding, and the pad-fraction statistic used by the benchmark."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from .sft_dataset import IGNORE_INDEX
+
+
+class SFTCollator:
+    """Right-pad a list of dataset items into a batch of long tensors.
+
+    The batch length is the longest item, rounded up to ``pad_to_multiple_of`` if given, or
+    exactly ``pad_to_length`` if given (MiniMind's pad-to-max baseline). Returns ``input_ids``
+    (pads: ``pad_token_id``), ``labels`` (pads: -100), ``attention_mask`` (1 real, 0 pad) and,
+    when the items have them (packed rows), ``position_ids`` (pads: 0), all ``[B, T]`` long.
+    """
+
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, pad_to_length: int | None = None):
+        if pad_token_id is None:
+            raise ValueError("pad_token_id is required")
+        if pad_to_multiple_of is not None and pad_to_length is not None:
+            raise ValueError("pass pad_to_multiple_of or pad_to_length, not both")
+        self.pad_token_id = int(pad_token_id)
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_length = pad_to_length
+
+    def batch_length(self, longest: int) -> int:
+        if self.pad_to_length is not None:
+            if longest > self.pad_to_length:
+                raise ValueError(f"an item of {longest} tokens is longer than pad_to_length={self.pad_to_length}")
+            return self.pad_to_length
+        if self.pad_to_multiple_of:
+            return -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        return longest
+
+    def __call__(self, items: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+        length = self.batch_length(max(len(item["input_ids"]) for item in items))
+        has_positions = all("position_ids" in item for item in items)
+        batch = {
+            "input_ids": torch.full((len(items), length), self.pad_token_id, dtype=torch.long),
+            "labels": torch.full((len(items), length), IGNORE_INDEX, dtype=torch.long),
+            "attention_mask": torch.zeros((len(items), length), dtype=torch.long),
+        }
+        if has_positions:
+            batch["position_ids"] = torch.zeros((len(items), length), dtype=torch.long)
+        for row, item in enumerate(items):
+            n = len(item["input_ids"])
+            batch["input_ids"][row, :n] = torch.as_tensor(item["input_ids"], dtype=torch.long)
+            batch["labels"][row, :n] = torch.as_tensor(item["labels"], dtype=torch.long)
+            batch["attention_mask"][row, :n] = 1
+            if has_positions:
+                batch["position_ids"][row, :n] = torch.as_tensor(item["position_ids"], dtype=torch.long)
+        return batch
+
+
+def pad_fraction(batches: Iterable[dict[str, torch.Tensor]]) -> float:
+    """Fraction of padded positions (attention_mask == 0) over all positions of the batches."""
+    padded = total = 0
+    for batch in batches:
+        mask = batch["attention_mask"]
+        padded += int((mask == 0).sum())
+        total += mask.numel()
+    return padded / total if total else 0.0

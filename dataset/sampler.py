@@ -1,0 +1,138 @@
+"""A distributed sampler whose global order ignores world size, so training can resume mid-epoch.
+
+The global order of an epoch depends only on (seed, epoch) (and the lengths in length-grouped
+mode). With ``k`` samples already consumed globally, the remaining order ``order[k:]`` is padded
+by repeating the epoch order's start to a multiple of ``num_replicas`` (or truncated with ``drop_last``) and
+rank ``r`` takes ``remaining[r::num_replicas]``. Hence the union of all ranks' batch ``j`` (batch
+size ``B`` each) is ``remaining[j*B*W:(j+1)*B*W]`` for any world size ``W``: a resumed run sees
+exactly what an uninterrupted run would have seen next, even on a different number of GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    """``DistributedSampler`` semantics plus a global start offset and optional length grouping.
+
+    Args:
+        dataset_len: number of samples, or a sequence of per-sample lengths (then also ``lengths``).
+        num_replicas, rank: default to the ``torch.distributed`` world (or 1 and 0).
+        shuffle, seed, drop_last: as in ``DistributedSampler``; the permutation comes from a
+            ``torch.Generator`` seeded with ``seed + epoch``.
+        start_index: samples of the current epoch already consumed globally (see ``set_start_index``).
+        lengths, group_size: length-grouped mode. The shuffled order is cut into megabatches of
+            ``group_size * megabatch_groups`` samples, each sorted by length and cut into groups of
+            ``group_size``; the groups are shuffled (an incomplete last group goes last). Pass
+            ``group_size = batch_size * world_size`` (the global micro-batch) so that the
+            interleaved per-rank shards of one group form every rank's batch, all of similar length.
+        epoch: the starting epoch.
+
+    Epoch and start index: ``set_epoch(e)`` with a new epoch resets the start index to 0, with
+    the current epoch it keeps it. So a resuming trainer may call ``set_epoch(e)`` then
+    ``set_start_index(k)``, and still call ``set_epoch(e)`` again at the top of its epoch loop.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int | Sequence[int] | np.ndarray,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        start_index: int = 0,
+        lengths: Sequence[int] | np.ndarray | None = None,
+        group_size: int | None = None,
+        megabatch_groups: int = 50,
+        epoch: int = 0,
+    ):
+        if not isinstance(dataset_len, (int, np.integer)):
+            lengths = dataset_len if lengths is None else lengths
+            dataset_len = len(dataset_len)
+        if num_replicas is None or rank is None:
+            import torch.distributed as dist
+
+            initialized = dist.is_available() and dist.is_initialized()
+            num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if initialized else 1)
+            rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+        if group_size is not None and lengths is None:
+            raise ValueError("group_size needs lengths")
+        if lengths is not None and len(lengths) != dataset_len:
+            raise ValueError(f"got {len(lengths)} lengths for {dataset_len} samples")
+        self.dataset_len = int(dataset_len)
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
+        self.group_size = group_size
+        self.megabatch_groups = megabatch_groups
+        self.epoch = epoch
+        self.start_index = 0
+        self.set_start_index(start_index)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order; a different epoch than the current one restarts it at 0."""
+        if epoch != self.epoch:
+            self.start_index = 0
+        self.epoch = epoch
+
+    def set_start_index(self, start_index: int) -> None:
+        """Skip the first ``start_index`` samples of the current epoch's global order."""
+        if start_index < 0:
+            raise ValueError(f"start_index must be >= 0, got {start_index}")
+        self.start_index = int(start_index)
+
+    def global_order(self) -> np.ndarray:
+        """The whole epoch's order of sample indices, identical on every rank and world size."""
+        if not self.shuffle:
+            return np.arange(self.dataset_len, dtype=np.int64)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.dataset_len, generator=generator).numpy()
+        if self.group_size is None:
+            return order
+        return self._group_by_length(order, generator)
+
+    def _group_by_length(self, order: np.ndarray, generator: torch.Generator) -> np.ndarray:
+        megabatch = self.group_size * self.megabatch_groups
+        groups = []
+        for start in range(0, len(order), megabatch):
+            chunk = order[start : start + megabatch]
+            chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
+            groups.extend(chunk[i : i + self.group_size] for i in range(0, len(chunk), self.group_size))
+        tail = [groups.pop()] if groups and len(groups[-1]) < self.group_size else []
+        permutation = torch.randperm(len(groups), generator=generator).tolist()
+        return np.concatenate([groups[i] for i in permutation] + tail).astype(np.int64)
+
+    def remaining(self) -> np.ndarray:
+        """``order[start_index:]`` padded with ``order[0], order[1], ...`` (or truncated) to a multiple of ``num_replicas``."""
+        order = self.global_order()
+        remaining = order[self.start_index :]
+        if self.drop_last:
+            return remaining[: len(remaining) // self.num_replicas * self.num_replicas]
+        padding = -len(remaining) % self.num_replicas
+        if padding and len(order):
+            # Pad from the start of the whole epoch's order (not of the remainder): a run resumed
+            # on the same world size then pads exactly like the uninterrupted run did.
+            repeats = -(-padding // len(order))
+            remaining = np.concatenate([remaining, np.tile(order, repeats)[:padding]])
+        return remaining
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.remaining()[self.rank :: self.num_replicas].tolist())
+
+    def __len__(self) -> int:
+        remaining = max(self.dataset_len - self.start_index, 0)
+        if self.drop_last:
+            return remaining // self.num_replicas
+        return -(-remaining // self.num_replicas)

@@ -1,0 +1,144 @@
+"""Train the byte-level BPE tokenizer with ChatML special tokens and save it for transformers.
+
+The saved directory loads with ``transformers.AutoTokenizer.from_pretrained(dir)`` and carries a
+ChatML chat template::
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n      (for every message)
+    <|im_start|>assistant\\n                         (with add_generation_prompt=True)
+
+Special tokens: ``<|endoftext|>`` (id 0, pad/unk), ``<|im_start|>`` (id 1, bos), ``<|im_end|>``
+(id 2, eos). The training text is every message of the given jsonl files plus a deterministic
+extra corpus (numbers, letter pairs, CJK characters) so that vocab_size is reached. Each CJK
+character is pre-tokenized on its own (English words still merge as in GPT-2).
+
+Usage: python scripts/train_tokenizer.py [--data dataset/demo/sft_train.jsonl ...]
+       [--out-dir model/tokenizer] [--vocab-size 6400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<|im_start|>"
+EOS_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
+# Every CJK ideograph is its own pre-token, so Chinese names tokenize the same in any sentence.
+CJK_CHAR = Regex("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def iter_jsonl_texts(paths: list[Path]) -> Iterator[str]:
+    """Yield "role\ncontent" for every message of MiniMind / OpenAI style jsonl files.
+
+    The role names are included so they become single tokens, as in the rendered ChatML text.
+    """
+    for path in paths:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                for message in row.get("conversations") or row.get("messages") or []:
+                    yield f"{message['role']}\n{message['content']}"
+
+
+def iter_extra_texts() -> Iterator[str]:
+    """Deterministic extra text: numbers 0-999, two-letter ASCII pieces and 3000 CJK characters.
+
+    It only matters after the demo data's own merges: it fills the vocabulary up to vocab_size
+    with pieces that keep unseen English / Chinese text reasonably short.
+    """
+    for n in range(1000):
+        yield f"{n} {n}, {n}. {n}\n"
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for a in letters:
+        for b in letters:
+            yield f"{a}{b} {a.upper()}{b.upper()} {a}{b}{a} {a.upper()}{b}"
+    yield "".join(chr(0x4E00 + i) for i in range(3000))
+
+
+def build_tokenizer(texts: Iterator[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE on ``texts`` with the special tokens at ids 0, 1, 2."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(CJK_CHAR, behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def wrap_for_transformers(tokenizer: Tokenizer, chat_template: str = CHATML_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Wrap a trained ``tokenizers.Tokenizer`` as a transformers fast tokenizer with ChatML roles."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=PAD_TOKEN,
+        chat_template=chat_template,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def train_and_save(data_paths: list[Path], out_dir: Path, vocab_size: int = 6400) -> PreTrainedTokenizerFast:
+    """Train on the data files plus the extra corpus and save a transformers tokenizer dir."""
+    def texts() -> Iterator[str]:
+        yield from iter_jsonl_texts(data_paths)
+        yield from iter_extra_texts()
+
+    hf_tokenizer = wrap_for_transformers(build_tokenizer(texts(), vocab_size))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_tokenizer.save_pretrained(str(out_dir))
+    make_config_portable(out_dir / "tokenizer_config.json", hf_tokenizer.chat_template)
+    return hf_tokenizer
+
+
+def make_config_portable(config_path: Path, chat_template: str) -> None:
+    """Let transformers 4.x load the directory too: a class name it knows, the template inline.
+
+    transformers 5 writes ``tokenizer_class: TokenizersBackend`` and the template only to
+    ``chat_template.jinja``; ``PreTrainedTokenizerFast`` is the same class under its 4.x name.
+    """
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = chat_template
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", nargs="+", default=["dataset/demo/sft_train.jsonl"])
+    parser.add_argument("--out-dir", default="model/tokenizer")
+    parser.add_argument("--vocab-size", type=int, default=6400)
+    args = parser.parse_args()
+
+    tokenizer = train_and_save([Path(p) for p in args.data], Path(args.out_dir), args.vocab_size)
+    print(f"saved tokenizer with {len(tokenizer)} tokens to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
