@@ -22,6 +22,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,6 +73,14 @@ def check_data_file(path: Path) -> None:
 def _init_worker(tokenizer) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
+
+
+def _init_pool_worker(tokenizer) -> None:
+    # A forked worker inherits the parent's Python signal handlers (the trainer turns SIGTERM
+    # into a "stop at the next step" flag); Pool.terminate() needs SIGTERM to end the worker.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(tokenizer)
 
 
 def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
@@ -149,7 +158,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     pool = None
     try:
         if num_workers > 1:
-            pool = _pool_context().Pool(num_workers, _init_worker, (tokenizer,))
+            pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
         if pool is None:
             _init_worker(tokenizer)
             results = map(_encode_chunk, _iter_chunks(path, max_seq_len))

@@ -15,14 +15,13 @@ that is not a minisft model) raises ``ModelLoadError`` with a one-line message.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
 
-from .checkpoint import FORMAT, FORMAT_VERSION, list_checkpoints
+from .checkpoint import CheckpointError, list_checkpoints, load_resume_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Prefixes added by torch.compile / DistributedDataParallel wrappers.
@@ -69,36 +68,10 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
 
 def read_checkpoint(path: str | Path) -> dict:
     """Safely read a minisft resume checkpoint (``weights_only=True``) and check its format."""
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: checkpoint file does not exist")
-    if path.stat().st_size == 0:
-        raise ModelLoadError(f"{path}: checkpoint file is empty")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as error:
-        text = str(error)
-        if "allowed global" in text or "Unsupported global" in text or "is blocked" in text:
-            raise ModelLoadError(
-                f"{path}: refused to load: the file references Python objects that the safe (weights_only) "
-                "loader does not allow; it is not a minisft checkpoint and may be malicious"
-            ) from None
-        raise ModelLoadError(
-            f"{path}: refused by the safe (weights_only) loader: corrupt, or not a PyTorch checkpoint of plain tensors"
-        ) from None
-    except Exception as error:  # noqa: BLE001 - torch raises many types for a damaged file
-        raise ModelLoadError(f"{path}: corrupt or truncated checkpoint ({_first_line(error)})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ModelLoadError(f"{path}: not a minisft resume checkpoint (missing format '{FORMAT}')")
-    version = state.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise ModelLoadError(
-            f"{path}: unsupported checkpoint format version {version!r} (this code reads <= {FORMAT_VERSION})"
-        )
-    for key in ("model_config", "model"):
-        if not isinstance(state.get(key), dict):
-            raise ModelLoadError(f"{path}: checkpoint has no '{key}' dictionary")
-    return state
+        return load_resume_checkpoint(str(path), required=("model_config", "model"))
+    except CheckpointError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def _clean_state_dict(state: dict, config: MiniMindConfig) -> dict:
