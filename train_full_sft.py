@@ -20,7 +20,6 @@ See README.md for multi-node, SLURM and elastic launches.
 import sys
 
 import torch
-import torch.distributed
 
 from dataset import DataError, load_tokenizer
 from trainer.args import parse_args
@@ -28,7 +27,8 @@ from trainer.checkpoint import CheckpointError, check_model_config, ensure_writa
 from trainer.checkpoint import load_resume_checkpoint
 from trainer.data_setup import build_eval_loader, build_train_data
 from trainer.distributed import (
-    DistributedError, broadcast_object, cleanup, first_line, init_distributed, spawn_local_workers, spawned_by_us,
+    DistributedError, broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message,
+    spawn_local_workers, spawned_by_us,
 )
 from trainer.loop import Run, TrainingError, restore, train
 from trainer.model_setup import (
@@ -39,8 +39,9 @@ from trainer.preemption import PreemptionFlag
 from trainer.run_logger import RunLogger
 from trainer.seeding import setup_seed
 
-# Problems with the user's input or environment: reported as one line, exit code 2.
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError)
+# Problems with the user's input or environment (OSError: e.g. a disk that filled up while
+# writing metrics.jsonl): reported as one line, exit code 2.
+USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, OSError)
 
 
 def locate_resume(args, config, ctx, log) -> dict | None:
@@ -99,7 +100,9 @@ def run_training(args) -> int:
     # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
     status = train(run)
 
-    # 9. Clean shutdown.
+    # 9. Clean shutdown. The DDP wrapper goes first, while its process group is still alive:
+    # freeing it after destroy_process_group can deadlock gloo's worker thread on the GIL.
+    run.model = None
     logger.finish()
     preemption.uninstall()
     cleanup(ctx)
@@ -120,8 +123,10 @@ def main(argv=None) -> int:
     except TrainingError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
-    except torch.distributed.DistError as error:
-        print(f"error: a peer process failed or stopped responding ({first_line(error)})", file=sys.stderr, flush=True)
+    except RuntimeError as error:
+        if not is_peer_failure(error):
+            raise
+        print(f"error: {peer_failure_message(error)}", file=sys.stderr, flush=True)
         return 1
 
 

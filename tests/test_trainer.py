@@ -9,25 +9,10 @@ import pytest
 import torch
 
 from tests.trainer_launch import (
-    REPO, TINY, assert_weights_equal, checkpoint_at, clean_env, final_weights, free_port, run_trainer,
-    torchrun_cmd, train_losses,
+    REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_trainer, train_losses,
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """96 demo conversations (varied lengths, so batches carry unequal loss-token counts)."""
-    folder = tmp_path_factory.mktemp("data")
-    lines = open(os.path.join(REPO, "dataset", "demo", "sft_train.jsonl"), encoding="utf-8").readlines()
-    (folder / "train.jsonl").write_text("".join(lines[:96]), encoding="utf-8")
-    (folder / "eval.jsonl").write_text("".join(lines[-16:]), encoding="utf-8")
-    return folder
-
-
-def flags(data, save_dir, *extra) -> list[str]:
-    return [*TINY, "--data_path", str(data / "train.jsonl"), "--save_dir", str(save_dir), *extra]
 
 
 def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(data, tmp_path):

@@ -18,6 +18,11 @@ TINY = [
 ]
 
 
+def flags(data, save_dir, *extra) -> list[str]:
+    """TINY flags on the `data` fixture's train.jsonl, saving to `save_dir`."""
+    return [*TINY, "--data_path", str(data / "train.jsonl"), "--save_dir", str(save_dir), *extra]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -35,23 +35,25 @@ def build_parser() -> argparse.ArgumentParser:
     seed.add_argument("--seed", type=int, default=42, help="base seed; each rank uses seed + rank")
 
     cfg = parser.add_argument_group("3. model config and resume")
-    cfg.add_argument("--hidden_size", type=int, default=768)
-    cfg.add_argument("--num_hidden_layers", type=int, default=8)
-    cfg.add_argument("--num_attention_heads", type=int, default=8)
-    cfg.add_argument("--num_key_value_heads", type=int, default=4)
-    cfg.add_argument("--use_moe", type=int, choices=(0, 1), default=0)
-    cfg.add_argument("--num_experts", type=int, default=4)
-    cfg.add_argument("--num_experts_per_tok", type=int, default=2)
-    cfg.add_argument("--dropout", type=float, default=0.0)
+    cfg.add_argument("--hidden_size", type=int, default=768, help="model width (MiniMind: 512 or 768)")
+    cfg.add_argument("--num_hidden_layers", type=int, default=8, help="transformer blocks")
+    cfg.add_argument("--num_attention_heads", type=int, default=8, help="query heads; must divide hidden_size")
+    cfg.add_argument("--num_key_value_heads", type=int, default=4, help="key/value heads (GQA); must divide the query heads")
+    cfg.add_argument("--use_moe", type=int, choices=(0, 1), default=0, help="1 = top-k routed mixture-of-experts MLPs")
+    cfg.add_argument("--num_experts", type=int, default=4, help="experts per MoE layer")
+    cfg.add_argument("--num_experts_per_tok", type=int, default=2, help="experts each token is routed to")
+    cfg.add_argument("--dropout", type=float, default=0.0, help="dropout on embeddings, attention and MLP outputs")
     cfg.add_argument("--from_resume", type=int, choices=(0, 1), default=0,
                      help="1 = continue from the latest valid resume checkpoint in --save_dir (if any)")
     cfg.add_argument("--resume_from", default=None, help="continue from this resume checkpoint file")
 
     data = parser.add_argument_group("4. data")
-    data.add_argument("--data_path", "--train_data_path", default=DEFAULT_TRAIN_DATA)
-    data.add_argument("--eval_data_path", "--valid_data_path", default=None)
+    data.add_argument("--data_path", "--train_data_path", default=DEFAULT_TRAIN_DATA,
+                      help="training jsonl (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
+    data.add_argument("--eval_data_path", "--valid_data_path", default=None,
+                      help="held-out jsonl; its loss is logged every --eval_interval steps and at the end")
     data.add_argument("--tokenizer_path", default=None, help="HF tokenizer dir; default: the shipped model/tokenizer")
-    data.add_argument("--max_seq_len", type=int, default=512)
+    data.add_argument("--max_seq_len", type=int, default=512, help="samples are truncated to this many tokens")
     data.add_argument("--packing", type=int, choices=(0, 1), default=0,
                       help="1 = concatenate samples into rows of max_seq_len (attention kept per document)")
     data.add_argument("--group_by_length", type=int, choices=(0, 1), default=0,
@@ -69,16 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     mdl.add_argument("--use_compile", type=int, choices=(0, 1), default=0, help="1 = torch.compile the model")
 
     loop = parser.add_argument_group("6. training loop")
-    loop.add_argument("--epochs", type=int, default=1)
+    loop.add_argument("--epochs", type=int, default=1, help="passes over the training data")
     loop.add_argument("--max_steps", "--total_steps", type=int, default=0,
                       help="stop after this many optimizer steps (0 = run all epochs)")
     loop.add_argument("--batch_size", type=int, default=16, help="samples per process per micro-step")
-    loop.add_argument("--accumulation_steps", "--gradient_accumulation_steps", type=int, default=1)
-    loop.add_argument("--learning_rate", type=float, default=5e-4)
+    loop.add_argument("--accumulation_steps", "--gradient_accumulation_steps", type=int, default=1,
+                      help="micro-batches per optimizer step (gradients all-reduced once per step)")
+    loop.add_argument("--learning_rate", type=float, default=5e-4, help="peak LR of the cosine schedule")
     loop.add_argument("--min_lr_ratio", type=float, default=0.1, help="cosine floor as a fraction of the peak LR")
     loop.add_argument("--warmup_steps", type=int, default=None, help="default: 3%% of all steps")
-    loop.add_argument("--weight_decay", type=float, default=0.01)
-    loop.add_argument("--grad_clip", type=float, default=1.0)
+    loop.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
+    loop.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     loop.add_argument("--dtype", choices=DTYPES, default="auto",
                       help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
     loop.add_argument("--max_bad_steps", type=int, default=5,
@@ -87,17 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="evaluate every N optimizer steps (0 = only at the end, if --eval_data_path)")
 
     save = parser.add_argument_group("7. saving")
-    save.add_argument("--save_dir", default="out")
+    save.add_argument("--save_dir", default="out", help="checkpoints/, model/ and metrics.jsonl go here")
     save.add_argument("--save_interval", type=int, default=100, help="save every N optimizer steps (0 = only at the end)")
     save.add_argument("--save_dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                       help="dtype of the inference weights (resume checkpoints are always fp32)")
     save.add_argument("--keep_last", type=int, default=3, help="resume checkpoints to keep")
 
     log = parser.add_argument_group("8. logging")
-    log.add_argument("--log_interval", type=int, default=10)
-    log.add_argument("--use_wandb", type=int, choices=(0, 1), default=0)
-    log.add_argument("--wandb_project", default="minisft")
-    log.add_argument("--wandb_run_name", default=None)
+    log.add_argument("--log_interval", type=int, default=10, help="print and record figures every N optimizer steps")
+    log.add_argument("--use_wandb", type=int, choices=(0, 1), default=0,
+                     help="1 = also log to wandb (WANDB_MODE=offline works; a resumed run continues its wandb run)")
+    log.add_argument("--wandb_project", default="minisft", help="wandb project")
+    log.add_argument("--wandb_run_name", default=None, help="wandb run name")
     return parser
 
 

@@ -6,7 +6,8 @@ Layout under `--save_dir`:
                                    (`--save_dtype`), the model code and the tokenizer
 
 Every file is written to a temporary name, fsynced and renamed, so a crash or a full disk in
-the middle of a save never damages the checkpoint that was already there.
+the middle of a save never damages the checkpoint that was already there. Temporary files that a
+killed process left behind are removed by the next save.
 """
 
 import json
@@ -16,6 +17,7 @@ import re
 import shutil
 
 import torch
+from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
 FORMAT = "minisft-resume"
@@ -82,13 +84,46 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class _WriteErrorRecorder:
+    """A write-only file wrapper for `torch.save`, which reports a failed write (disk full, file size
+    limit) only as "unexpected pos ..."; this keeps the OSError so the message can name the cause."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def remove_stale_temporaries(folder: str) -> None:
+    """Delete `*.tmp.<pid>` files of saves that a crash (kill -9, power loss) interrupted."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        if ".tmp." in name:
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
 def atomic_torch_save(obj, path: str) -> None:
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
+    recorder = None
     try:
         with open(tmp, "wb") as handle:
-            torch.save(obj, handle)
+            recorder = _WriteErrorRecorder(handle)
+            torch.save(obj, recorder)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
@@ -96,8 +131,9 @@ def atomic_torch_save(obj, path: str) -> None:
     except BaseException as error:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(error, OSError):
-            raise CheckpointError(f"could not write {path}: {error.strerror or error}") from error
+        cause = (recorder.error if recorder else None) or error
+        if isinstance(cause, OSError):
+            raise CheckpointError(f"could not write {path}: {cause.strerror or cause}") from error
         raise
 
 
@@ -105,6 +141,8 @@ def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) 
     """Write `<save_dir>/model/` (an HF directory) atomically; return its path."""
     final = os.path.join(save_dir, "model")
     tmp, old = os.path.join(save_dir, ".model.tmp"), os.path.join(save_dir, ".model.old")
+    if os.path.isdir(old) and not os.path.exists(final):  # a crash between the two renames below
+        os.replace(old, final)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tied = model.config.tie_word_embeddings
@@ -131,11 +169,12 @@ def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) 
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(save_dir)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as SafetensorError
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.exists(final) and os.path.exists(old):
             os.replace(old, final)
-        raise CheckpointError(f"could not write inference weights to {final}: {error.strerror or error}") from error
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+        raise CheckpointError(f"could not write inference weights to {final}: {reason}") from error
     return final
 
 
@@ -145,6 +184,7 @@ def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) 
 def save_resume_checkpoint(state: dict, save_dir: str, keep_last: int) -> str:
     """Write one resume checkpoint, then drop all but the newest `keep_last`."""
     path = checkpoint_path(save_dir, state["step"])
+    remove_stale_temporaries(checkpoints_dir(save_dir))
     atomic_torch_save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, path)
     for stale in list_checkpoints(save_dir)[keep_last:]:
         try:
@@ -157,10 +197,15 @@ def save_resume_checkpoint(state: dict, save_dir: str, keep_last: int) -> str:
 REQUIRED_KEYS = ("model_config", "model", "optimizer", "step", "epoch", "samples_in_epoch", "rng", "world_size", "args")
 
 
-def load_resume_checkpoint(path: str) -> dict:
-    """Read and validate a resume checkpoint; never unpickles arbitrary objects."""
+def load_resume_checkpoint(path: str, required=REQUIRED_KEYS) -> dict:
+    """Read and validate a resume checkpoint; never unpickles arbitrary objects.
+
+    `required` names the entries the caller needs (inference needs only the model).
+    """
     if not os.path.isfile(path):
         raise CheckpointError(f"resume checkpoint {path} does not exist")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"resume checkpoint {path} is empty")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -180,7 +225,7 @@ def load_resume_checkpoint(path: str) -> dict:
             f"{path} was written by a newer minisft (format version {version}; this version reads up to "
             f"{FORMAT_VERSION}): upgrade minisft to resume from it"
         )
-    missing = [key for key in REQUIRED_KEYS if key not in state]
+    missing = [key for key in required if key not in state]
     if missing:
         raise CheckpointError(f"resume checkpoint {path} is incomplete (missing {', '.join(missing)})")
     return state

@@ -10,6 +10,7 @@ Launchers understood:
 
 import datetime
 import os
+import re
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -103,7 +104,8 @@ def init_distributed(args) -> DistContext:
         raise DistributedError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     try:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                **elastic_store(rank, world_size, timeout))
         # Rendezvous only proves the store is up; a collective proves every peer is here.
         barrier(device)
     except Exception as error:  # noqa: BLE001 - turned into one clear line
@@ -115,9 +117,51 @@ def init_distributed(args) -> DistContext:
     return DistContext(rank, local_rank, world_size, device, backend)
 
 
+def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
+    """Under `torchrun --max-restarts N`: the store arguments of init_process_group for this attempt.
+
+    torchrun's workers share the agent's TCPStore across restarts, and torch keys the process
+    group's entries the same way in every attempt, so a restarted group can read the dead
+    group's addresses (gloo: "connectFullMesh failed ... Connection refused"). A prefix per
+    attempt (TORCHELASTIC_RESTART_COUNT, the same on every agent) keeps the attempts apart.
+    Elsewhere: {} (the default env:// rendezvous).
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
+                                timeout=timeout)
+    store = dist.PrefixStore(f"minisft/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+    return {"store": store, "rank": rank, "world_size": world_size}
+
+
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:300] if text else type(error).__name__
+
+
+# What gloo / NCCL put in the plain RuntimeError they raise when a peer dies or times out.
+PEER_FAILURE_MARKERS = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "Timed out")
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether `error` comes from a collective that lost a peer (killed, crashed, hung past --dist_timeout).
+
+    gloo raises a plain RuntimeError for that (e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error
+    ...: Connection reset by peer"), not a torch.distributed.DistError.
+    """
+    if isinstance(error, dist.DistError):
+        return True
+    if not (isinstance(error, RuntimeError) and dist.is_available() and dist.is_initialized()):
+        return False
+    return any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
+
+
+def peer_failure_message(error: BaseException) -> str:
+    """One line for a lost peer, without the C++ source location that gloo puts first."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error)).split(". ")[0]
+    return f"rank {rank}: a peer process failed or stopped responding ({type(error).__name__}: {detail})"
 
 
 def barrier(device: torch.device | None = None) -> None:

@@ -15,6 +15,7 @@ of the gradient norm) and one per log interval (the loss); none per micro-step.
 import contextlib
 import itertools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,10 @@ from trainer.model_setup import autocast, unwrap
 from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
 
 IGNORE_INDEX = -100
+# Fault injection for tests/test_fault_tolerance.py, read in `injected_nan_steps` and nowhere else:
+# a comma-separated list of optimizer steps (numbered from 1, as in the logs) whose loss is made
+# NaN, e.g. MINISFT_FAULT_NAN_STEPS="3,4,5". Leave it unset for real training.
+FAULT_NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
 
 
 class TrainingError(RuntimeError):
@@ -178,8 +183,18 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
     return inputs
 
 
-def optimizer_step(run: Run, micro_batches: list[dict], loss_tokens: int, lr: float):
-    """Forward/backward over the micro-batches, clip, step. Returns (loss contribution, grad norm, applied)."""
+def injected_nan_steps() -> frozenset[int]:
+    text = os.environ.get(FAULT_NAN_STEPS_ENV, "")
+    try:
+        return frozenset(int(part) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise TrainingError(f"{FAULT_NAN_STEPS_ENV}={text!r}: expected step numbers like 3,4,5") from error
+
+
+def optimizer_step(run: Run, micro_batches: list[dict], loss_tokens: int, lr: float, inject_nan: bool = False):
+    """Forward/backward over the micro-batches, clip, step. Returns (loss contribution, grad norm, applied).
+
+    `inject_nan` (fault injection, see FAULT_NAN_STEPS_ENV) makes this step's loss NaN."""
     model, ctx, scaler = run.model, run.ctx, run.scaler
     set_lr(run.optimizer, lr)
     local_loss = torch.zeros((), device=ctx.device)
@@ -189,10 +204,11 @@ def optimizer_step(run: Run, micro_batches: list[dict], loss_tokens: int, lr: fl
         with sync:
             with autocast(ctx.device, run.dtype):
                 out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(loss_tokens, 1), skip_logits=True)
+            loss = out.loss * float("nan") if inject_nan else out.loss
             # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens.
-            objective = out.loss * ctx.world_size + out.aux_loss / len(micro_batches)
+            objective = loss * ctx.world_size + out.aux_loss / len(micro_batches)
             scaler.scale(objective).backward()
-        local_loss += out.loss.detach().float()
+        local_loss += loss.detach().float()
     scaler.unscale_(run.optimizer)
     max_norm = run.args.grad_clip if run.args.grad_clip > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), max_norm)
@@ -218,6 +234,10 @@ def track_bad_steps(run: Run, finite: bool) -> None:
     if run.scaler.is_enabled() and run.scaler.get_scale() >= 1.0:
         return
     state.bad_steps_in_a_row += 1
+    run.logger.print(
+        f"warning: step {state.step} had a non-finite loss or gradient norm: optimizer step skipped "
+        f"({state.bad_steps_in_a_row} in a row, {state.skipped_steps} in total)"
+    )
     if state.bad_steps_in_a_row >= run.args.max_bad_steps:
         save(run)
         raise TrainingError(
@@ -259,6 +279,7 @@ def train(run: Run) -> str:
         f"device {run.ctx.device}"
     )
     interval = {"loss": torch.zeros((), device=run.ctx.device), "steps": 0, "tokens": 0, "start": time.time()}
+    nan_steps = injected_nan_steps()
     last_saved = last_eval = state.step
     status = "finished"
     while state.step < total_steps and state.epoch < args.epochs:
@@ -276,7 +297,8 @@ def train(run: Run) -> str:
                 status = "preempted"
                 break
             lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
-            loss, grad_norm, finite = optimizer_step(run, micro_batches, loss_tokens, lr)
+            loss, grad_norm, finite = optimizer_step(run, micro_batches, loss_tokens, lr,
+                                                     inject_nan=state.step + 1 in nan_steps)
             state.step += 1
             consumed = sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
             state.samples_in_epoch += consumed
@@ -315,13 +337,15 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
     elapsed = max(time.time() - interval["start"], 1e-9)
     steps = max(interval["steps"], 1)
     seconds_per_step = elapsed / max(steps, 1)
-    figures = {
-        "loss": loss_sum / steps,
+    norm = float(grad_norm)
+    figures = {  # None (JSON null) rather than NaN: every step was skipped / the last norm was not finite
+        "loss": loss_sum / interval["steps"] if interval["steps"] else None,
         "lr": lr,
-        "grad_norm": float(grad_norm),
+        "grad_norm": norm if math.isfinite(norm) else None,
         "tokens_per_s": interval["tokens"] / elapsed,
         "skipped_steps": state.skipped_steps,
     }
-    run.logger.log_train(state.step, total_steps, state.epoch, run.args.epochs, figures,
+    shown_epoch = min(state.epoch, run.args.epochs - 1)  # the step that ends the last epoch belongs to it
+    run.logger.log_train(state.step, total_steps, shown_epoch, run.args.epochs, figures,
                          eta_s=seconds_per_step * (total_steps - state.step))
     interval.update(loss=torch.zeros((), device=run.ctx.device), steps=0, tokens=0, start=time.time())

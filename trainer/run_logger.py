@@ -17,6 +17,10 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def format_figure(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 class RunLogger:
     """Does nothing on ranks other than 0."""
 
@@ -46,8 +50,8 @@ class RunLogger:
         if not self.enabled:
             return
         line = (
-            f"step {step}/{total_steps} (epoch {epoch + 1}/{epochs}) | loss {figures['loss']:.4f} | "
-            f"lr {figures['lr']:.2e} | grad_norm {figures['grad_norm']:.3f} | "
+            f"step {step}/{total_steps} (epoch {epoch + 1}/{epochs}) | loss {format_figure(figures['loss'], '.4f')} | "
+            f"lr {figures['lr']:.2e} | grad_norm {format_figure(figures['grad_norm'], '.3f')} | "
             f"{figures['tokens_per_s']:,.0f} tok/s | eta {format_duration(eta_s)}"
         )
         if figures.get("skipped_steps"):

@@ -1,0 +1,17 @@
+"""Fixtures shared by the end-to-end trainer tests."""
+
+import os
+
+import pytest
+
+from tests.trainer_launch import REPO
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """96 demo conversations (varied lengths, so batches carry unequal loss-token counts)."""
+    folder = tmp_path_factory.mktemp("data")
+    lines = open(os.path.join(REPO, "dataset", "demo", "sft_train.jsonl"), encoding="utf-8").readlines()
+    (folder / "train.jsonl").write_text("".join(lines[:96]), encoding="utf-8")
+    (folder / "eval.jsonl").write_text("".join(lines[-16:]), encoding="utf-8")
+    return folder

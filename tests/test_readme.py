@@ -1,0 +1,30 @@
+"""The README stays true: every flag is documented, and CI runs the README's two commands verbatim."""
+
+import os
+import re
+
+from trainer.args import build_parser
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read(name: str) -> str:
+    with open(os.path.join(REPO, name), encoding="utf-8") as handle:
+        return handle.read()
+
+
+def test_every_flag_of_the_trainer_is_in_the_readme():
+    readme = read("README.md")
+    flags = [option for action in build_parser()._actions for option in action.option_strings
+             if option.startswith("--") and option != "--help"]
+    missing = [flag for flag in flags if f"`{flag}`" not in readme]
+    assert not missing, f"flags missing from README.md: {missing}"
+
+
+def test_ci_runs_the_two_readme_commands_verbatim():
+    readme, ci = read("README.md"), read(".ci/run")
+    section = readme.split("## The two commands", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.+?)\n```", section, flags=re.S)[:2]
+    assert len(commands) == 2 and all("pip install -r requirements.txt" in c for c in commands), commands
+    for command in commands:
+        assert command.strip() in ci, f"not in .ci/run: {command}"
