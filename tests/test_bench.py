@@ -1,0 +1,68 @@
+"""scripts/bench.py on a tiny config: every column is reported with sensible values (no speed targets)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from scripts.bench import COLUMNS, build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "dataset" / "demo" / "sft_train.jsonl"
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_the_flags():
+    text = build_parser().format_help()
+    for flag in ("--hidden_size", "--num_hidden_layers", "--max_seq_len", "--batch_size", "--accumulation_steps",
+                 "--steps", "--warmup_steps", "--data_path", "--modes", "--dtypes", "--device", "--use_compile",
+                 "--json_out", "--scaling"):
+        assert flag in text
+
+
+def test_tiny_benchmark_reports_every_column(tmp_path):
+    data = tmp_path / "small.jsonl"
+    with open(DEMO, encoding="utf-8") as source:
+        data.write_text("".join(line for _, line in zip(range(200), source)), encoding="utf-8")
+    json_out = tmp_path / "bench.json"
+    completed = run_bench(
+        "--hidden_size", "32", "--num_hidden_layers", "2", "--max_seq_len", "128", "--batch_size", "4",
+        "--steps", "3", "--warmup_steps", "1", "--rounds", "3", "--modes", "minimind,dynamic", "--dtypes", "float32",
+        "--device", "cpu", "--matmul_size", "256", "--data_path", str(data), "--cache_dir", str(tmp_path / "cache"),
+        "--json_out", str(json_out),
+    )
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("mode "))
+    for _, title, _ in COLUMNS:
+        assert title in header
+    assert any(line.startswith("summary:") for line in lines)
+    assert "to first step: fresh cache" in completed.stdout
+
+    report = json.loads(json_out.read_text(encoding="utf-8"))
+    rows = {row["mode"]: row for row in report["results"]}
+    assert set(rows) == {"minimind", "dynamic"}
+    for row in rows.values():
+        for key, _, _ in COLUMNS:
+            assert key in row
+            if not isinstance(row[key], str):
+                assert math.isfinite(row[key]), (key, row[key])
+        assert row["dtype"] == "float32"
+        assert row["steps"] == 3
+        assert 0 <= row["pad_fraction"] < 1
+        for key in ("steps_per_s", "samples_per_s", "computed_tokens_per_s", "real_tokens_per_s",
+                    "loss_tokens_per_s", "gflop_per_loss_token", "mfu", "peak_memory_mib"):
+            assert row[key] > 0, key
+        assert row["computed_tokens_per_s"] >= row["real_tokens_per_s"] >= row["loss_tokens_per_s"]
+    assert rows["dynamic"]["pad_fraction"] < rows["minimind"]["pad_fraction"]
+    assert rows["minimind"]["speedup_vs_minimind"] == 1.0
+    # Full logits at every padded position: more FLOPs per loss token than the trainer's path.
+    assert rows["minimind"]["gflop_per_loss_token"] > rows["dynamic"]["gflop_per_loss_token"]
+    startup = report["startup"]
+    assert startup["to_first_step_fresh_cache_s"] > 0 and startup["to_first_step_existing_cache_s"] > 0
+    assert report["peak_flops"]["float32"] > 0
