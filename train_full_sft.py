@@ -17,6 +17,7 @@ Examples:
 See README.md for multi-node, SLURM and elastic launches.
 """
 
+import os
 import sys
 
 import torch
@@ -118,17 +119,24 @@ def main(argv=None) -> int:
     try:
         return run_training(args)
     except USER_ERRORS as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        return fail(f"error: {error}", 2)
     except TrainingError as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        return 1
+        return fail(f"error: {error}", 1)
     except RuntimeError as error:
         if not is_peer_failure(error):
             raise
-        print(f"error: {peer_failure_message(error)}", file=sys.stderr, flush=True)
-        return 1
+        return fail(f"error: {peer_failure_message(error)}", 1)
 
+
+def fail(message: str, code: int) -> int:
+    """Print one line and return the exit code. With a live process group, leave at once
+    instead: freeing a DDP model after a failure can deadlock gloo's teardown, and the peers
+    are failing (or already gone) anyway."""
+    print(message, file=sys.stderr, flush=True)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,9 +28,10 @@ class ResumableDistributedSampler(Sampler[int]):
         start_index: samples of the current epoch already consumed globally (see ``set_start_index``).
         lengths, group_size: length-grouped mode. The shuffled order is cut into megabatches of
             ``group_size * megabatch_groups`` samples, each sorted by length and cut into groups of
-            ``group_size``; the groups are shuffled (an incomplete last group goes last). Pass
-            ``group_size = batch_size * world_size`` (the global micro-batch) so that the
-            interleaved per-rank shards of one group form every rank's batch, all of similar length.
+            ``group_size``; the groups are shuffled (an incomplete last group goes last). The
+            trainer passes ``group_size = batch_size * world_size * accumulation_steps`` (one
+            optimizer step's global batch): the interleaved per-rank shards of one group form every
+            rank's micro-batches, all of similar length, for any split of that global batch.
         epoch: the starting epoch.
 
     Epoch and start index: ``set_epoch(e)`` with a new epoch resets the start index to 0, with

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(data, tmp_path):
-    steps = ["--max_steps", "4", "--save_interval", "0"]
+    # Adam's first steps divide by |gradient|: an element whose gradient is ~1e-8 turns float
+    # reassociation noise into visible weight differences. A warmup keeps those below 1e-5.
+    steps = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", "--warmup_steps", "10"]
     run_trainer(flags(data, tmp_path / "one", "--batch_size", "8", *steps))
     run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *steps), nproc=2)
     run_trainer(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *steps))
@@ -28,20 +30,73 @@ def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigg
         for step, loss in train_losses(tmp_path / other).items():
             assert loss == pytest.approx(losses[step], abs=1e-5)
     # the training changed the weights (the equality above is not trivial)
-    initial = torch.load(checkpoint_at(tmp_path / "one", 4), weights_only=True)
-    assert initial["step"] == 4 and initial["samples_in_epoch"] == 32
+    initial = torch.load(checkpoint_at(tmp_path / "one", 3), weights_only=True)
+    assert initial["step"] == 3 and initial["samples_in_epoch"] == 24
 
 
-def test_unequal_loss_token_counts_are_weighted_per_token(data):
-    """Sanity of the fixture: the micro-batches of the equivalence test carry unequal counts."""
+def test_the_equivalence_runs_split_batches_of_unequal_loss_token_counts(data):
+    """The first step of the runs above: its halves (2 ranks, or 2 micro-batches) carry different
+    numbers of loss tokens, so a per-micro-batch mean would not give equal weights."""
     from dataset import ResumableDistributedSampler, SFTCollator, SFTDataset, load_tokenizer
 
     tokenizer = load_tokenizer(None)
     dataset = SFTDataset(data / "train.jsonl", tokenizer, 128)
-    order = list(ResumableDistributedSampler(len(dataset), num_replicas=1, rank=0, seed=42))
     collate = SFTCollator(pad_token_id=tokenizer.pad_token_id)
-    counts = [int((collate([dataset[i] for i in order[k:k + 4]])["labels"] != -100).sum()) for k in (0, 4)]
-    assert counts[0] != counts[1]
+    order = list(ResumableDistributedSampler(len(dataset), 1, 0, seed=42, lengths=dataset.lengths, group_size=8))
+
+    def loss_tokens(indices):
+        return int((collate([dataset[i] for i in indices])["labels"][:, 1:] != -100).sum())
+
+    steps = [order[8 * k:8 * (k + 1)] for k in range(4)]
+    assert any(loss_tokens(step[0::2]) != loss_tokens(step[1::2]) for step in steps)  # rank 0 vs rank 1
+    assert any(loss_tokens(step[:4]) != loss_tokens(step[4:]) for step in steps)  # micro-batch 1 vs 2
+
+
+@pytest.mark.parametrize("style", ["legacy_launch", "self_spawn", "slurm"])
+def test_other_launch_styles_train_the_same_as_one_process(data, tmp_path, style):
+    args = flags(data, tmp_path / style, "--batch_size", "4", "--max_steps", "3", "--save_interval", "0")
+    if style == "legacy_launch":  # passes --local-rank to each worker
+        run_trainer(args, launcher=[sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+                                    "--master_addr", "127.0.0.1", "--master_port", str(free_port())])
+    elif style == "self_spawn":  # seed 004's method C: the script starts its own workers
+        run_trainer([*args, "--world_size", "2"])
+    else:  # what `srun --ntasks 2` sets for each task (MASTER_* given: no scontrol here)
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "train_full_sft.py"), *args], cwd=REPO,
+                                  env=clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                                                SLURM_JOB_ID="7", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in (0, 1)]
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        assert "2 process(es) x batch 4" in outputs[0]
+    run_trainer(flags(data, tmp_path / "single", "--batch_size", "8", "--max_steps", "3", "--save_interval", "0"))
+    assert_weights_equal(final_weights(tmp_path / style), final_weights(tmp_path / "single"), atol=1e-5)
+
+
+def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):
+    for dtype in ("bfloat16", "float32"):
+        run_trainer(flags(data, tmp_path / dtype, "--batch_size", "4", "--max_steps", "3", "--dtype", dtype))
+    weights = final_weights(tmp_path / "bfloat16")
+    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())  # fp32 master
+    bf16, fp32 = train_losses(tmp_path / "bfloat16"), train_losses(tmp_path / "float32")
+    for step in (1, 2, 3):  # the same training, computed in bf16: close to fp32 but not equal
+        assert 0 < abs(bf16[step] - fp32[step]) < 0.02 * fp32[step]
+    result = run_trainer(flags(data, tmp_path / "fp16", "--max_steps", "1", "--dtype", "float16"), check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"
+
+
+def test_wandb_offline_run_is_continued_after_resume(data, tmp_path):
+    env = clean_env(WANDB_MODE="offline", WANDB_SILENT="true")
+    common = ["--batch_size", "4", "--use_wandb", "1", "--save_interval", "2"]
+    run_trainer(flags(data, tmp_path, *common, "--max_steps", "2"), env=env)
+    run_trainer(flags(data, tmp_path, *common, "--max_steps", "4", "--from_resume", "1"), env=env)
+    runs = sorted(name for name in os.listdir(tmp_path / "wandb") if name.startswith("offline-run-"))
+    assert len(runs) == 2
+    run_ids = {name.rsplit("-", 1)[-1] for name in runs}
+    assert len(run_ids) == 1  # the resumed run continues the same wandb run
+    assert torch.load(checkpoint_at(tmp_path, 4), weights_only=True)["wandb_run_id"] in run_ids
 
 
 def test_two_torchrun_agents_as_two_nodes_train_together(data, tmp_path):

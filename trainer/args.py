@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max_seq_len", type=int, default=512, help="samples are truncated to this many tokens")
     data.add_argument("--packing", type=int, choices=(0, 1), default=0,
                       help="1 = concatenate samples into rows of max_seq_len (attention kept per document)")
-    data.add_argument("--group_by_length", type=int, choices=(0, 1), default=0,
-                      help="1 = batch samples of similar length together (batch order stays random)")
+    data.add_argument("--group_by_length", type=int, choices=(0, 1), default=1,
+                      help="1 = batch samples of similar length together (batch order stays random); "
+                           "0 = plain shuffled batches (more padding)")
     data.add_argument("--bad_data", choices=("error", "skip"), default="error",
                       help="what to do with a malformed data line")
     data.add_argument("--num_workers", type=int, default=None, help="DataLoader workers; default 4 on CUDA, 0 on CPU")

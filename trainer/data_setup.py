@@ -40,7 +40,10 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths if group else None,
-        group_size=args.batch_size * ctx.world_size if group else None,
+        # One group = one optimizer step's global batch: every rank and micro-step gets samples of
+        # similar length, and the order stays the same for any split of that batch into
+        # processes x micro-batches (so those equivalences and resumes keep holding).
+        group_size=args.batch_size * ctx.world_size * args.accumulation_steps if group else None,
     )
     workers = default_num_workers(args, ctx.device)
     loader = DataLoader(

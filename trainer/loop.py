@@ -278,7 +278,8 @@ def train(run: Run) -> str:
         f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
         f"device {run.ctx.device}"
     )
-    interval = {"loss": torch.zeros((), device=run.ctx.device), "steps": 0, "tokens": 0, "start": time.time()}
+    interval = {"loss": torch.zeros((), device=run.ctx.device), "steps": 0, "tokens": 0, "start": time.time(),
+                "run_start": time.time(), "run_first_step": state.step}
     nan_steps = injected_nan_steps()
     last_saved = last_eval = state.step
     status = "finished"
@@ -335,8 +336,8 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
     state = run.state
     loss_sum = all_reduce_sum(interval["loss"].clone()).item()
     elapsed = max(time.time() - interval["start"], 1e-9)
-    steps = max(interval["steps"], 1)
-    seconds_per_step = elapsed / max(steps, 1)
+    steps_this_run = max(state.step - interval["run_first_step"], 1)
+    seconds_per_step = (time.time() - interval["run_start"]) / steps_this_run  # ETA from the run's average
     norm = float(grad_norm)
     figures = {  # None (JSON null) rather than NaN: every step was skipped / the last norm was not finite
         "loss": loss_sum / interval["steps"] if interval["steps"] else None,

@@ -5,6 +5,7 @@ logging adds no host synchronisation beyond the one per log interval done by the
 """
 
 import json
+import secrets
 import os
 import sys
 import time
@@ -35,7 +36,7 @@ class RunLogger:
     def _start_wandb(self, args) -> None:
         import wandb
 
-        run_id = self.wandb_run_id or wandb.util.generate_id()
+        run_id = self.wandb_run_id or secrets.token_hex(4)  # kept in every checkpoint, reused on resume
         self.wandb = wandb.init(
             project=args.wandb_project, name=args.wandb_run_name, id=run_id, resume="allow",
             config=vars(args), dir=args.save_dir,
