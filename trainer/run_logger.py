@@ -1,12 +1,13 @@
-"""Step 8: what rank 0 tells the user: progress lines, `metrics.jsonl`, and optionally wandb.
+"""Step 8: what rank 0 tells the user: a progress bar (on a terminal) or progress lines (in a
+log file), `metrics.jsonl`, and optionally wandb.
 
 Figures arrive here already reduced over ranks; this module never touches a device tensor, so
 logging adds no host synchronisation beyond the one per log interval done by the loop.
 """
 
 import json
-import secrets
 import os
+import secrets
 import sys
 import time
 
@@ -16,6 +17,14 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def terminal_width() -> int:
+    """Columns of the terminal on stdout; 0 when stdout is a file or pipe (log lines instead)."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 0
+    except (OSError, ValueError):
+        return 0
 
 
 def format_figure(value, spec: str) -> str:
@@ -30,6 +39,8 @@ class RunLogger:
         self.metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
         self.wandb = None
         self.wandb_run_id = wandb_run_id
+        self.bar = None  # a tqdm bar when stdout is a terminal, else one line per log interval
+        self.use_bar = is_main and terminal_width() > 0
         if self.enabled and args.use_wandb:
             self._start_wandb(args)
 
@@ -43,10 +54,6 @@ class RunLogger:
         )
         self.wandb_run_id = run_id
 
-    def print(self, message: str) -> None:
-        if self.enabled:
-            print(message, flush=True)
-
     def log_train(self, step: int, total_steps: int, epoch: int, epochs: int, figures: dict, eta_s: float) -> None:
         if not self.enabled:
             return
@@ -57,13 +64,16 @@ class RunLogger:
         )
         if figures.get("skipped_steps"):
             line += f" | skipped {figures['skipped_steps']}"
-        print(line, flush=True)
+        if self.use_bar:
+            self._update_bar(step, total_steps, line)
+        else:
+            print(line, flush=True)
         self._record({"kind": "train", "step": step, "epoch": epoch, **figures})
 
     def log_eval(self, step: int, eval_loss: float) -> None:
         if not self.enabled:
             return
-        print(f"eval step {step} | eval_loss {eval_loss:.4f}", flush=True)
+        self.print(f"eval step {step} | eval_loss {eval_loss:.4f}")
         self._record({"kind": "eval", "step": step, "eval_loss": eval_loss})
 
     def _record(self, row: dict) -> None:
@@ -73,7 +83,25 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k not in ("kind", "step")}, step=row["step"])
 
+    def _update_bar(self, step: int, total_steps: int, line: str) -> None:
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True, file=sys.stdout)
+        self.bar.update(step - self.bar.n)
+        self.bar.set_description_str(line.split(" | ", 1)[1], refresh=True)  # loss, lr, grad norm, tok/s, eta
+
+    def print(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message)
+        else:
+            print(message, flush=True)
+
     def finish(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
         sys.stdout.flush()
