@@ -22,7 +22,6 @@ from dataset import (
     load_tokenizer,
     pad_fraction,
 )
-from scripts.train_tokenizer import build_tokenizer, wrap_for_transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_TRAIN = ROOT / "dataset" / "demo" / "sft_train.jsonl"
