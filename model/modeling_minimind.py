@@ -27,6 +27,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .configuration_minimind import MiniMindConfig
+from .packed_attention import PackedDocuments
 
 IGNORE_INDEX = -100
 
@@ -123,7 +124,9 @@ class MiniMindAttention(nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         dropout = self.dropout if self.training else 0.0
-        if self.use_sdpa:
+        if self.use_sdpa and mask.documents is not None:
+            out = mask.documents.attend(q, k, v, dropout)  # packed rows, no dense mask
+        elif self.use_sdpa:
             # `mask` is None for a plain causal block (the fast kernels) or a boolean [B,1,T,S].
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask.allowed if mask.allowed is not None else None,
@@ -224,24 +227,33 @@ class MiniMindBlock(GradientCheckpointingLayer):
 class AttentionMask:
     """Which keys each query may see.
 
-    `allowed is None` means "plain causal" so SDPA can use its fused causal kernels; otherwise
+    Three forms: `documents` set = packed rows, causal within each document (see
+    packed_attention.py; no dense mask is built unless eager attention asks for one);
+    `allowed is None` = plain causal, so SDPA can use its fused causal kernels; otherwise
     `allowed` is a boolean [B, 1, T, S] tensor (True = attend).
     """
 
-    def __init__(self, allowed: torch.Tensor | None, is_causal: bool):
-        self.allowed, self.is_causal = allowed, is_causal
+    def __init__(self, allowed: torch.Tensor | None, is_causal: bool, documents: PackedDocuments | None = None):
+        self.allowed, self.is_causal, self.documents = allowed, is_causal, documents
 
     def dense(self, q_len: int, k_len: int, device) -> torch.Tensor:
+        if self.documents is not None:
+            return self.documents.dense()
         if self.allowed is not None:
             return self.allowed
         offset = k_len - q_len
         return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=offset)
 
     @classmethod
-    def build(cls, batch, q_len, past_len, attention_mask, document_ids, device):
+    def build(cls, batch, q_len, past_len, attention_mask, position_ids, packed, device):
+        """`packed`: position_ids came from the caller with no cache, so a 0 opens a document."""
+        if packed and attention_mask is None:
+            return cls(None, is_causal=False, documents=PackedDocuments(position_ids))
+        document_ids = (position_ids == 0).long().cumsum(dim=-1) if packed else None
         if attention_mask is None and document_ids is None:
             if past_len == 0:
-                return cls(None, is_causal=q_len > 1)
+                # (a branch, not `q_len > 1`, so that torch.compile with dynamic shapes passes a plain bool)
+                return cls(None, is_causal=True if q_len > 1 else False)
             if q_len == 1:
                 return cls(None, is_causal=False)  # one new token sees the whole cache
         k_len = past_len + q_len
@@ -326,7 +338,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
             past_key_values = DynamicCache(config=self.config)
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
 
-        document_ids = None
+        packed = position_ids is not None and past_len == 0
         if position_ids is None:
             if attention_mask is not None:
                 # Left-padded generation: count only real tokens.
@@ -334,15 +346,12 @@ class MiniMindModel(MiniMindPreTrainedModel):
             else:
                 position_ids = torch.arange(past_len, past_len + q_len, device=hidden.device)
                 position_ids = position_ids.unsqueeze(0).expand(batch, -1)
-        elif past_len == 0:
-            # Packed rows: a position of 0 opens a new document.
-            document_ids = (position_ids == 0).long().cumsum(dim=-1)
         if past_len + q_len > self.config.max_position_embeddings:
             raise ValueError(
                 f"MiniMindModel: sequence of {past_len + q_len} tokens exceeds "
                 f"max_position_embeddings={self.config.max_position_embeddings}"
             )
-        mask = AttentionMask.build(batch, q_len, past_len, attention_mask, document_ids, hidden.device)
+        mask = AttentionMask.build(batch, q_len, past_len, attention_mask, position_ids, packed, hidden.device)
         cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
 
         hidden = self.dropout(hidden)

@@ -53,11 +53,11 @@ Model FLOPs of one micro-batch (forward + backward = 3 x forward; a multiply-add
   + 6 * hidden_size * vocab_size * logit_positions   LM head: every position (minimind) or only
                                                      the loss positions (skip_logits)
   + 12 * layers * heads * head_dim * causal_pairs    attention scores and weighted sum;
-                                                     causal_pairs = T(T+1)/2 per row of length T
+                                                     causal_pairs = T(T+1)/2 per row of length T,
+                                                     or per document of length T of a packed row
 
-Pads count as computed work (the kernels compute them). A packed row is counted as one causal
-row of length T, what a causal kernel computes; its attention is restricted to each document,
-which a masked kernel does not exploit.
+Pads count as computed work (the kernels compute them). A packed row's attention runs per
+document (model/packed_attention.py), so its pairs are counted per document.
 
 Startup (in this process, `import torch` excluded): tokenizer load, SFTDataset from a fresh
 cache directory (tokenizes the file) and from the existing cache, model + optimizer build, and
@@ -114,6 +114,7 @@ MIB = 1024 * 1024
 COLUMNS = [  # (JSON key, header, number format; text columns have none and are left-aligned)
     ("mode", "mode", ""),
     ("dtype", "dtype", ""),
+    ("compiled", "compiled", ""),
     ("steps_per_s", "steps/s", ".3f"),
     ("samples_per_s", "samples/s", ".1f"),
     ("computed_tokens_per_s", "comp tok/s", ".0f"),
@@ -152,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     run.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16 (GPU)")
     run.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    run.add_argument("--use_compile", type=int, choices=(0, 1), default=0, help="1 = torch.compile the model")
+    run.add_argument("--use_compile", choices=("0", "1", "both"), default="0",
+                     help="1 = torch.compile the model (the trainer's --use_compile 1); both = every mode eager "
+                          "and compiled, side by side")
     run.add_argument("--seed", type=int, default=42)
     run.add_argument("--matmul_size", type=int, default=2048, help="side of the square matmul that measures the peak")
     run.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
@@ -281,14 +284,15 @@ def machine_description(device) -> str:
 # --------------------------------------------------------------------------- the trainer's pieces
 
 
-def trainer_args(options, mode: str = "dynamic", dtype_name: str = "float32", cache_dir=None) -> argparse.Namespace:
+def trainer_args(options, mode: str = "dynamic", dtype_name: str = "float32", cache_dir=None,
+                 compiled: bool = False) -> argparse.Namespace:
     """The trainer's own flags (trainer/args.py) for this benchmark mode."""
     argv = [
         "--hidden_size", str(options.hidden_size), "--num_hidden_layers", str(options.num_hidden_layers),
         "--max_seq_len", str(options.max_seq_len), "--batch_size", str(options.batch_size),
         "--accumulation_steps", str(options.accumulation_steps), "--data_path", options.data_path,
         "--packing", str(int(mode == "packed")), "--group_by_length", str(int(mode == "grouped")),
-        "--dtype", dtype_name, "--seed", str(options.seed), "--use_compile", str(options.use_compile),
+        "--dtype", dtype_name, "--seed", str(options.seed), "--use_compile", str(int(compiled)),
         "--device", str(options.device),
     ]
     cache_dir = cache_dir or options.cache_dir
@@ -381,7 +385,19 @@ class Counts:
         self.real_tokens += int(batch["attention_mask"].sum())
         self.loss_tokens += loss_tokens
         self.logit_positions += rows * length if full_logits else loss_tokens
-        self.causal_pairs += rows * length * (length + 1) // 2
+        self.causal_pairs += causal_pairs(batch)
+
+
+def causal_pairs(batch: dict) -> int:
+    """(query, key) pairs a causal kernel computes: per row, or per document of a packed row."""
+    rows, length = batch["input_ids"].shape
+    if "position_ids" not in batch:
+        return rows * length * (length + 1) // 2
+    starts = batch["position_ids"] == 0
+    starts[:, 0] = True
+    flat_starts = starts.reshape(-1).nonzero().squeeze(1)
+    lengths = torch.diff(flat_starts, append=torch.tensor([rows * length]))
+    return int((lengths * (lengths + 1) // 2).sum())
 
 
 def model_flops(model, counts: Counts) -> float:
@@ -409,26 +425,31 @@ class ModeRun:
 
     mode: str
     dtype_name: str
+    compiled: bool
     args: argparse.Namespace
     run: Run
     batches: Iterator[dict]
     counts: Counts = dataclasses.field(default_factory=Counts)
     steps: int = 0
     seconds: float = 0.0
+    warmup_seconds: float = 0.0  # includes torch.compile's compilation when compiled
     peak_memory_mib: float = 0.0
     step_memory_mib: float = 0.0  # peak above the memory in use before its memory step
 
 
-def prepare_mode(options, tokenizer, ctx, mode: str, dtype_name: str) -> ModeRun:
+def prepare_mode(options, tokenizer, ctx, mode: str, dtype_name: str, compiled: bool) -> ModeRun:
     """Build the mode's loader, model and optimizer (seeded), run its warm-up steps, then one
     untimed step that measures its peak memory (before the other modes' steps have run)."""
-    args = trainer_args(options, mode, dtype_name)
+    args = trainer_args(options, mode, dtype_name, compiled=compiled)
     with contextlib.redirect_stdout(io.StringIO()):  # the dataset's notes, already printed by the startup
         data = build_data(args, tokenizer, ctx, mode)
     run = build_run(args, tokenizer, ctx, data, getattr(torch, dtype_name), mode)
-    mode_run = ModeRun(mode, dtype_name, args, run, endless_batches(data))
+    mode_run = ModeRun(mode, dtype_name, compiled, args, run, endless_batches(data))
+    start = time.perf_counter()
     for _ in range(options.warmup_steps):
         optimizer_step_once(run, mode_run.batches, args)
+    synchronize(ctx.device)
+    mode_run.warmup_seconds = time.perf_counter() - start
     release_memory()
     reset_peak_memory(ctx.device)
     in_use = memory_in_use_mib(ctx.device)
@@ -464,6 +485,8 @@ def mode_result(mode_run: ModeRun, peak_flops: float) -> dict:
     return {
         "mode": mode_run.mode,
         "dtype": mode_run.dtype_name,
+        "compiled": "yes" if mode_run.compiled else "no",
+        "warmup_s": mode_run.warmup_seconds,
         "steps": mode_run.steps,
         "seconds": elapsed,
         "steps_per_s": mode_run.steps / elapsed,
@@ -550,15 +573,23 @@ def run_modes(options) -> dict:
           + ", ".join(f"{name} {flops / 1e9:.1f} GFLOP/s" for name, flops in peak_flops.items()))
 
     tokenizer = load_tokenizer(None)
-    mode_runs = [prepare_mode(options, tokenizer, ctx, mode, dtype_name)
-                 for dtype_name in options.dtypes for mode in options.modes]
+    variants = {"0": [False], "1": [True], "both": [False, True]}[options.use_compile]
+    if True in variants:
+        # Every compiled model here is another instance of the same forward code, which counts
+        # against dynamo's per-function recompile limit (8): without this, the last ones would
+        # silently run eager.
+        torch._dynamo.config.recompile_limit = 16 * len(options.modes) * len(options.dtypes)
+    mode_runs = [prepare_mode(options, tokenizer, ctx, mode, dtype_name, compiled)
+                 for dtype_name in options.dtypes for mode in options.modes for compiled in variants]
     # Interleaved rounds: a change in the machine's background load hits every mode alike.
     for round_steps in split_steps(options.steps, options.rounds):
         for mode_run in mode_runs:
             time_steps(mode_run, round_steps, device)
     rows = [mode_result(mode_run, peak_flops[mode_run.dtype_name]) for mode_run in mode_runs]
+    baseline_compiled = "yes" if options.use_compile == "1" else "no"  # with "both": eager minimind
     for row in rows:
-        baseline = next((other for other in rows if other["mode"] == "minimind" and other["dtype"] == row["dtype"]), None)
+        baseline = next((other for other in rows if other["mode"] == "minimind" and other["dtype"] == row["dtype"]
+                         and other["compiled"] == baseline_compiled), None)
         row["speedup_vs_minimind"] = row["loss_tokens_per_s"] / baseline["loss_tokens_per_s"] if baseline else float("nan")
     print()
     print(format_header())
@@ -584,16 +615,25 @@ def run_modes(options) -> dict:
 
 
 def summarize(rows: list[dict]) -> str:
-    """One line: the best mode and its loss-token speed-up over minimind (same dtype), bf16 vs fp32."""
+    """One line: the best mode and its loss-token speed-up over minimind (same dtype), bf16 vs fp32,
+    and with --use_compile both, compiled vs eager (with the warm-up time compilation costs)."""
     best = max(rows, key=lambda row: row["loss_tokens_per_s"])
-    parts = [f"best {best['mode']} {best['dtype']}: {best['loss_tokens_per_s']:.0f} loss tok/s"]
+    compiled_note = " compiled" if best["compiled"] == "yes" else ""
+    parts = [f"best {best['mode']} {best['dtype']}{compiled_note}: {best['loss_tokens_per_s']:.0f} loss tok/s"]
     if best["speedup_vs_minimind"] == best["speedup_vs_minimind"]:  # not NaN
         parts.append(f"{best['speedup_vs_minimind']:.2f}x minimind {best['dtype']}")
-    by_key = {(row["mode"], row["dtype"]): row for row in rows}
-    ratios = [f"{mode} {by_key[(mode, 'bfloat16')]['loss_tokens_per_s'] / by_key[(mode, 'float32')]['loss_tokens_per_s']:.2f}"
-              for mode in MODES if (mode, "bfloat16") in by_key and (mode, "float32") in by_key]
+    speed = {(row["mode"], row["dtype"], row["compiled"]): row["loss_tokens_per_s"] for row in rows}
+    warmup = {(row["mode"], row["dtype"], row["compiled"]): row["warmup_s"] for row in rows}
+    first = rows[0]["compiled"]
+    ratios = [f"{mode} {speed[(mode, 'bfloat16', first)] / speed[(mode, 'float32', first)]:.2f}"
+              for mode in MODES if (mode, "bfloat16", first) in speed and (mode, "float32", first) in speed]
     if ratios:
         parts.append("bf16/fp32 loss tok/s: " + ", ".join(ratios))
+    gains = [f"{mode} {dtype} {speed[(mode, dtype, 'yes')] / speed[(mode, dtype, 'no')]:.2f} "
+             f"(warm-up {warmup[(mode, dtype, 'yes')]:.0f} s vs {warmup[(mode, dtype, 'no')]:.0f} s)"
+             for (mode, dtype, compiled) in speed if compiled == "no" and (mode, dtype, "yes") in speed]
+    if gains:
+        parts.append("compiled/eager loss tok/s: " + ", ".join(gains))
     return "summary: " + "; ".join(parts)
 
 

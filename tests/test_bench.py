@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.bench import COLUMNS, build_parser
+import torch
+
+from scripts.bench import COLUMNS, build_parser, causal_pairs
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "dataset" / "demo" / "sft_train.jsonl"
@@ -66,3 +68,11 @@ def test_tiny_benchmark_reports_every_column(tmp_path):
     startup = report["startup"]
     assert startup["to_first_step_fresh_cache_s"] > 0 and startup["to_first_step_existing_cache_s"] > 0
     assert report["peak_flops"]["float32"] > 0
+
+
+def test_attention_pairs_are_counted_per_row_or_per_packed_document():
+    padded = {"input_ids": torch.zeros(2, 4, dtype=torch.long)}
+    assert causal_pairs(padded) == 2 * (4 * 5 // 2)
+    # One row: documents of 3 and 2 tokens, then a pad (position 0: a 1-token document).
+    packed = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}
+    assert causal_pairs(packed) == 6 + 3 + 1

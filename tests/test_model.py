@@ -157,6 +157,52 @@ def test_packed_row_gives_each_document_its_own_logits(flash_attn):
     assert torch.allclose(packed[6:10], model(doc_b.unsqueeze(0)).logits[0], atol=1e-5)
 
 
+def packed_rows(lengths_per_row, row_len, seed=3):
+    """Random packed rows: documents of the given lengths back to back, pads (position 0) after."""
+    torch.manual_seed(seed)
+    ids = torch.randint(3, 97, (len(lengths_per_row), row_len))
+    positions = torch.zeros_like(ids)
+    for row, lengths in enumerate(lengths_per_row):
+        start = 0
+        for n in lengths:
+            positions[row, start:start + n] = torch.arange(n)
+            start += n
+        ids[row, start:] = 0
+    return ids, positions
+
+
+def test_packed_attention_matches_the_dense_document_mask_in_values_and_gradients():
+    # Lengths spread over several power-of-two buckets, a row that is one document, pad tails.
+    ids, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40], [33, 2, 1, 1], [7, 7, 7, 7, 7]], row_len=40)
+    reference, packed = tiny_model(flash_attn=False).train(), tiny_model(flash_attn=True).train()
+    assert packed.model.layers[0].self_attn.use_sdpa and not reference.model.layers[0].self_attn.use_sdpa
+    results = []
+    for model in (reference, packed):
+        out = model(ids, position_ids=positions, labels=ids)
+        out.loss.backward()
+        results.append((out.logits, out.loss, [p.grad for p in model.parameters()]))
+    (ref_logits, ref_loss, ref_grads), (logits, loss, grads) = results
+    assert torch.allclose(logits, ref_logits, atol=1e-5)
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    for ref_grad, grad in zip(ref_grads, grads):
+        assert torch.allclose(grad, ref_grad, atol=1e-5)
+
+
+def test_packed_attention_builds_no_dense_mask_and_pads_a_bucket_at_most_twofold():
+    from model.packed_attention import PackedDocuments
+
+    _, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40]], row_len=40)
+    layout = PackedDocuments(positions)
+    assert layout.cu_seqlens.tolist() == [0, 1, 3, 6, 15, 32, 37, 38, 39, 40, 80]
+    assert layout.max_length == 40
+    # (0,1]: the three 1-token pads and the 1-token document; (1,2]; (2,4]; (4,8]; (8,16]; (16,32]; (32,64]
+    shapes = [tuple(index.shape) for index, _ in layout.buckets]
+    assert shapes == [(4, 1), (1, 2), (1, 3), (1, 5), (1, 9), (1, 17), (1, 40)]
+    for index, real in layout.buckets:
+        assert index.numel() <= 2 * real.numel()
+    assert sorted(layout.restore.tolist()) == list(range(80))
+
+
 def test_eager_and_sdpa_attention_agree():
     ids = torch.randint(0, 97, (2, 12))
     sdpa = tiny_model(flash_attn=True)(ids).logits
@@ -230,7 +276,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = tiny_model().train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             assert model.model.layers[0].gradient_checkpointing
         model(ids, labels=ids).loss.backward()
         grads.append(model.model.layers[0].mlp.up_proj.weight.grad.clone())
@@ -276,3 +322,18 @@ def test_cpu_autocast_forward_and_backward(dtype):
     grad = model.model.embed_tokens.weight.grad
     assert grad is not None and grad.dtype == torch.float32 and torch.isfinite(grad).all()
     assert torch.isfinite(out.loss)
+
+
+def test_torch_compile_traces_the_body_as_one_graph_for_any_length():
+    # Batches of varying length (dynamic shapes) must not make dynamo fall back to eager: the
+    # only graph breaks allowed are skip_logits' data-dependent selection of loss positions.
+    model = tiny_model().train()
+    ids = torch.randint(3, 97, (2, 12))
+    torch._dynamo.mark_dynamic(ids, 1)
+    explanation = torch._dynamo.explain(model)(ids, labels=ids, skip_logits=True)
+    assert explanation.graph_break_count == 2
+    for graph_break in explanation.break_reasons:
+        assert "aten.nonzero" in graph_break.reason, graph_break.reason
+    body = explanation.graphs[0]
+    assert sum(node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
+               for node in body.graph.nodes) == model.config.num_hidden_layers

@@ -45,7 +45,7 @@ def build_model(args, config: MiniMindConfig, device: torch.device) -> MiniMindF
     if args.from_weight not in ("none", ""):
         load_initial_weights(model, args.from_weight)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
 
 

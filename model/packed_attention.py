@@ -1,0 +1,101 @@
+"""Attention for packed rows without a [B, 1, T, T] mask.
+
+A packed row holds several documents back to back; `position_ids` restart at 0 where a new one
+begins. Each document must attend causally to itself only. A dense boolean mask says that, but
+it costs T x T per row and keeps SDPA off its fused kernels. Instead the rows are flattened
+to B x T tokens and each document is treated as a sequence of its own:
+
+- CUDA, bf16/fp16, no dropout: `torch.nn.attention.varlen.varlen_attn` (FlashAttention's
+  variable-length kernel) on the flat tokens with cumulative document lengths;
+- everywhere else: documents of similar length (same power-of-two bucket) are gathered into a
+  small [n, L, heads, head_dim] batch, right-padded, and run through SDPA with `is_causal=True`.
+  The padding sits after every real token, so causal attention never lets a real token see it;
+  a bucket pads a document to at most twice its length.
+
+Both paths give the same result as the dense document mask (tests/test_model.py checks it
+against the eager reference). The layout is built once per forward pass on the CPU from
+`position_ids` (one host sync per forward) and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # torch >= 2.10 (CUDA only at run time)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
+
+
+class PackedDocuments:
+    """Where the documents of packed [B, T] rows lie once the rows are flattened to B x T tokens."""
+
+    @torch.compiler.disable
+    def __init__(self, position_ids: torch.Tensor):
+        batch, length = position_ids.shape
+        device = position_ids.device
+        starts_here = position_ids.detach().cpu() == 0
+        starts_here[:, 0] = True  # a document never continues across rows
+        self.shape = (batch, length)
+        self.document_ids = starts_here.long().cumsum(-1).to(device, non_blocking=True)
+        starts = starts_here.reshape(-1).nonzero().squeeze(1)
+        lengths = torch.diff(starts, append=torch.tensor([batch * length]))
+        self.max_length = int(lengths.max())
+        self.cu_seqlens = torch.cat([starts, torch.tensor([batch * length])]).to(torch.int32).to(device)
+
+        # Power-of-two buckets: (0, 1], (1, 2], (2, 4], ... so padding at most doubles a document.
+        bucket_of = torch.ceil(torch.log2(lengths.double())).long()
+        self.buckets = []  # (gather index [n, L], positions of the real tokens in it)
+        order = []
+        for bucket in torch.unique(bucket_of).tolist():
+            chosen = (bucket_of == bucket).nonzero().squeeze(1)
+            bucket_len = int(lengths[chosen].max())
+            offsets = torch.arange(bucket_len)
+            real = offsets < lengths[chosen].view(-1, 1)
+            index = starts[chosen].view(-1, 1) + offsets
+            index = torch.where(real, index, starts[chosen].view(-1, 1))  # pads repeat a real token
+            self.buckets.append((index.to(device), real.reshape(-1).nonzero().squeeze(1).to(device)))
+            order.append(index[real])
+        # Concatenating the buckets' real outputs gives the tokens in bucket order; this undoes it.
+        self.restore = torch.argsort(torch.cat(order)).to(device)
+
+    @torch.compiler.disable
+    def attend(self, q, k, v, dropout: float) -> torch.Tensor:
+        """q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], causal within each document."""
+        batch, length = self.shape
+        heads, head_dim = q.shape[1], q.shape[-1]
+        flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (q, k, v)]
+        half = _half_precision_dtype(q)
+        if half is not None and dropout == 0.0 and varlen_attn is not None:
+            qf, kf, vf = (t.to(half) for t in flat)
+            out = varlen_attn(qf, kf, vf, self.cu_seqlens, self.cu_seqlens, self.max_length, self.max_length,
+                              window_size=(-1, 0), enable_gqa=True)
+        else:
+            pieces = []
+            for index, real in self.buckets:
+                qb, kb, vb = (t[index].transpose(1, 2) for t in flat)  # [n, H, L, D]
+                ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout, enable_gqa=True)
+                pieces.append(ob.transpose(1, 2).reshape(-1, heads, head_dim)[real])
+            out = torch.cat(pieces)[self.restore]
+        return out.view(batch, length, heads, head_dim).transpose(1, 2)
+
+    def dense(self) -> torch.Tensor:
+        """The equivalent boolean [B, 1, T, T] mask (True = attend), for eager attention."""
+        batch, length = self.shape
+        ids = self.document_ids
+        same = ids.view(batch, 1, length, 1) == ids.view(batch, 1, 1, length)
+        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
+        return same & causal
+
+
+def _half_precision_dtype(q: torch.Tensor):
+    """bf16/fp16 if this CUDA attention runs in half precision (as a tensor or under autocast)."""
+    if not q.is_cuda:
+        return None
+    if q.dtype in (torch.float16, torch.bfloat16):
+        return q.dtype
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        return dtype if dtype in (torch.float16, torch.bfloat16) else None
+    return None
