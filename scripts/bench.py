@@ -28,6 +28,13 @@ per step. The fair comparison is loss tokens/s (the "x minimind" column). The ti
 interleaved: --rounds rounds, each running a chunk of every mode's steps in turn, so that a
 change of the machine's background load affects all modes alike (default: one step per chunk).
 
+--use_compile 1 compiles every mode's model (the trainer's --use_compile 1); --use_compile both
+runs every mode twice, eager and compiled, side by side ("compiled" column; the summary gives
+compiled/eager loss tok/s and the warm-up seconds, which hold the compilation). A compiled
+mode warms up longer: until 5 steps in a row compiled nothing new (torch.compile specializes on
+a few ranges of batch length), so that no compilation lands in the timed steps. Inductor keeps
+compiled kernels in an on-disk cache (TORCHINDUCTOR_CACHE_DIR), so a second run warms up faster.
+
 Columns:
   steps/s         timed optimizer steps / timed wall time (data loading and collation included)
   samples/s       conversations consumed per second (a packed row counts its samples)
@@ -432,6 +439,7 @@ class ModeRun:
     counts: Counts = dataclasses.field(default_factory=Counts)
     steps: int = 0
     seconds: float = 0.0
+    warmup_steps: int = 0
     warmup_seconds: float = 0.0  # includes torch.compile's compilation when compiled
     peak_memory_mib: float = 0.0
     step_memory_mib: float = 0.0  # peak above the memory in use before its memory step
@@ -444,10 +452,12 @@ def prepare_mode(options, tokenizer, ctx, mode: str, dtype_name: str, compiled: 
     with contextlib.redirect_stdout(io.StringIO()):  # the dataset's notes, already printed by the startup
         data = build_data(args, tokenizer, ctx, mode)
     run = build_run(args, tokenizer, ctx, data, getattr(torch, dtype_name), mode)
-    mode_run = ModeRun(mode, dtype_name, compiled, args, run, endless_batches(data))
+    mode_run = ModeRun(mode, dtype_name, compiled, args, run, endless_batches(data), warmup_steps=options.warmup_steps)
     start = time.perf_counter()
     for _ in range(options.warmup_steps):
         optimizer_step_once(run, mode_run.batches, args)
+    if compiled:
+        mode_run.warmup_steps = options.warmup_steps + warm_up_until_compiled(run, mode_run.batches, args)
     synchronize(ctx.device)
     mode_run.warmup_seconds = time.perf_counter() - start
     release_memory()
@@ -457,7 +467,25 @@ def prepare_mode(options, tokenizer, ctx, mode: str, dtype_name: str, compiled: 
     synchronize(ctx.device)
     mode_run.peak_memory_mib = peak_memory_mib(ctx.device)
     mode_run.step_memory_mib = mode_run.peak_memory_mib - in_use
+    # The timed steps start again from the first batch: every variant of a mode (eager and
+    # compiled, fp32 and bf16) is timed on the same batches, however long it warmed up.
+    mode_run.batches = endless_batches(data)
     return mode_run
+
+
+def warm_up_until_compiled(run, batches, args, quiet_steps: int = 5, limit: int = 60) -> int:
+    """Extra warm-up steps for a compiled model until `quiet_steps` steps in a row compiled no
+    new graph: torch.compile specializes on a few ranges of batch length, and a compilation in
+    the timed steps would be counted as training time. Returns the number of extra steps."""
+    from torch._dynamo.utils import counters
+
+    quiet = extra = 0
+    while quiet < quiet_steps and extra < limit:
+        graphs = counters["stats"]["unique_graphs"]
+        optimizer_step_once(run, batches, args)
+        extra += 1
+        quiet = quiet + 1 if counters["stats"]["unique_graphs"] == graphs else 0
+    return extra
 
 
 def time_steps(mode_run: ModeRun, steps: int, device) -> None:
@@ -486,6 +514,7 @@ def mode_result(mode_run: ModeRun, peak_flops: float) -> dict:
         "mode": mode_run.mode,
         "dtype": mode_run.dtype_name,
         "compiled": "yes" if mode_run.compiled else "no",
+        "warmup_steps": mode_run.warmup_steps,
         "warmup_s": mode_run.warmup_seconds,
         "steps": mode_run.steps,
         "seconds": elapsed,
@@ -630,7 +659,7 @@ def summarize(rows: list[dict]) -> str:
     if ratios:
         parts.append("bf16/fp32 loss tok/s: " + ", ".join(ratios))
     gains = [f"{mode} {dtype} {speed[(mode, dtype, 'yes')] / speed[(mode, dtype, 'no')]:.2f} "
-             f"(warm-up {warmup[(mode, dtype, 'yes')]:.0f} s vs {warmup[(mode, dtype, 'no')]:.0f} s)"
+             f"(warm-up {warmup[(mode, dtype, 'yes')]:.0f} s vs {warmup[(mode, dtype, 'no')]:.0f} s eager)"
              for (mode, dtype, compiled) in speed if compiled == "no" and (mode, dtype, "yes") in speed]
     if gains:
         parts.append("compiled/eager loss tok/s: " + ", ".join(gains))

@@ -76,3 +76,20 @@ def test_attention_pairs_are_counted_per_row_or_per_packed_document():
     # One row: documents of 3 and 2 tokens, then a pad (position 0: a 1-token document).
     packed = {"input_ids": torch.zeros(1, 6, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0]])}
     assert causal_pairs(packed) == 6 + 3 + 1
+
+
+def test_summary_compares_compiled_with_eager_and_bf16_with_fp32():
+    from scripts.bench import summarize
+
+    def row(mode, dtype, compiled, speed, warmup):
+        return {"mode": mode, "dtype": dtype, "compiled": compiled, "loss_tokens_per_s": speed, "warmup_s": warmup,
+                "speedup_vs_minimind": speed / 10.0}
+
+    rows = [row("minimind", "float32", "no", 10.0, 1.0), row("minimind", "float32", "yes", 15.0, 30.0),
+            row("grouped", "float32", "no", 100.0, 1.0), row("grouped", "float32", "yes", 120.0, 40.0),
+            row("grouped", "bfloat16", "no", 110.0, 1.0), row("grouped", "bfloat16", "yes", 160.0, 50.0)]
+    assert summarize(rows) == (
+        "summary: best grouped bfloat16 compiled: 160 loss tok/s; 16.00x minimind bfloat16; "
+        "bf16/fp32 loss tok/s: grouped 1.10; compiled/eager loss tok/s: minimind float32 1.50 (warm-up 30 s vs "
+        "1 s eager), grouped float32 1.20 (warm-up 40 s vs 1 s eager), grouped bfloat16 1.45 (warm-up 50 s vs 1 s eager)"
+    )

@@ -273,6 +273,33 @@ def test_elastic_restart_resumes_from_the_latest_checkpoint(data, reference_two,
     assert_weights_equal(final_weights(save_dir), final_weights(reference_two))
 
 
+@pytest.mark.parametrize("shared_store", ["shared agent store", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"])
+def test_two_node_elastic_restart_with_c10d_rendezvous(data, reference_two, launcher, tmp_path, shared_store):
+    """Two torchrun agents (two "nodes" of one process each) with the c10d rendezvous, as in a
+    multi-node job: a worker killed on node 1 makes both agents restart their workers (only
+    node 1 counts it as a restart), and the new group resumes from the latest checkpoint."""
+    save_dir, port = tmp_path / "run", free_port()
+    extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if shared_store.startswith("TORCH_") else {}
+    args = flags(data, save_dir, *TWO_PROCESSES, "--from_resume", "1")
+    agents = []
+    for node in (0, 1):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "minisft-test",
+                    "--max-restarts", "2"]
+        agents.append(launcher.start(args, f"node{node}", launcher=torchrun, env=clean_env(**extra)))
+    wait_until(lambda: os.path.exists(checkpoint_at(save_dir, 2)), agents[0], launcher, what="the first checkpoint")
+    os.kill(next(iter(worker_pids(agents[1].pid).values())), signal.SIGKILL)
+    for agent in agents:
+        assert launcher.wait(agent) == 0, launcher.output(agent)
+    out = launcher.output(agents[0])[0] + launcher.output(agents[1])[0]
+    err = launcher.output(agents[0])[1] + launcher.output(agents[1])[1]
+    assert "resuming from" in out
+    # The shared store works here because the survivor's worker fails at once too (so both
+    # agents count the restart); the note recommends the fresh-store setting all the same.
+    assert ("warning: torchrun on several nodes with --max-restarts" in err) == (not extra)
+    assert_weights_equal(final_weights(save_dir), final_weights(reference_two))
+
+
 # --------------------------------------------------------------------------- SIGTERM
 
 

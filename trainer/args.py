@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="initial weights: none (from scratch), a safetensors file, or an HF model directory")
     mdl.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0,
                      help="1 = recompute activations in backward (less memory, ~30%% more compute)")
-    mdl.add_argument("--use_compile", type=int, choices=(0, 1), default=0, help="1 = torch.compile the model")
+    mdl.add_argument("--use_compile", type=int, choices=(0, 1), default=0,
+                     help="1 = torch.compile the model (compiling takes a while first; gain: README, Figures)")
 
     loop = parser.add_argument_group("6. training loop")
     loop.add_argument("--epochs", type=int, default=1, help="passes over the training data")

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,12 @@ def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
+    if rank == 0 and int(env.get("GROUP_WORLD_SIZE", "1")) > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        # Each agent counts only its own restarts; a node whose workers were restarted for a
+        # failure elsewhere may count differently, and then the attempts' prefixes differ.
+        print("warning: torchrun on several nodes with --max-restarts shares one store across restarts; "
+              "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every torchrun (with --rdzv-backend c10d) so that "
+              "each restart gets a fresh one", file=sys.stderr, flush=True)
     agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
                                 timeout=timeout)
     store = dist.PrefixStore(f"minisft/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
