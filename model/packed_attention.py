@@ -5,16 +5,17 @@ begins. Each document must attend causally to itself only. A dense boolean mask 
 it costs T x T per row and keeps SDPA off its fused kernels. Instead the rows are flattened
 to B x T tokens and each document is treated as a sequence of its own:
 
-- CUDA, bf16/fp16, no dropout: `torch.nn.attention.varlen.varlen_attn` (FlashAttention's
-  variable-length kernel) on the flat tokens with cumulative document lengths;
+- CUDA (Ampere or newer), bf16/fp16, no dropout: `torch.nn.attention.varlen.varlen_attn`
+  (FlashAttention's variable-length kernel) on the flat tokens with cumulative document lengths;
 - everywhere else: documents of similar length (same power-of-two bucket) are gathered into a
   small [n, L, heads, head_dim] batch, right-padded, and run through SDPA with `is_causal=True`.
   The padding sits after every real token, so causal attention never lets a real token see it;
   a bucket pads a document to at most twice its length.
 
-Both paths give the same result as the dense document mask (tests/test_model.py checks it
-against the eager reference). The layout is built once per forward pass on the CPU from
-`position_ids` (one host sync per forward) and shared by every layer.
+Both paths give the same result as the dense document mask: tests/test_model.py checks the
+bucketed path against the eager reference, tests/test_cuda.py the varlen kernel against the
+bucketed path (on a GPU). The layout is built once per forward pass on the CPU from
+`position_ids` and shared by every layer; on a GPU that costs one host sync per forward.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class PackedDocuments:
         heads, head_dim = q.shape[1], q.shape[-1]
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (q, k, v)]
         half = _half_precision_dtype(q)
-        if half is not None and dropout == 0.0 and varlen_attn is not None:
+        if half is not None and dropout == 0.0 and _flash_varlen_available(q):
             qf, kf, vf = (t.to(half) for t in flat)
             out = varlen_attn(qf, kf, vf, self.cu_seqlens, self.cu_seqlens, self.max_length, self.max_length,
                               window_size=(-1, 0), enable_gqa=True)
@@ -87,6 +88,12 @@ class PackedDocuments:
         same = ids.view(batch, 1, length, 1) == ids.view(batch, 1, 1, length)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         return same & causal
+
+
+def _flash_varlen_available(q: torch.Tensor) -> bool:
+    """varlen_attn runs FlashAttention 2: Ampere (sm80) or newer, head_dim up to 256."""
+    return (varlen_attn is not None and q.shape[-1] <= 256
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
 def _half_precision_dtype(q: torch.Tensor):

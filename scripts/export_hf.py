@@ -3,7 +3,7 @@
     python scripts/export_hf.py --model_path out/checkpoints/step_00000100.pt --out_dir export [--dtype bfloat16]
 
 The directory holds config.json (with ``auto_map``), model.safetensors, the model code
-(configuration_minimind.py, modeling_minimind.py) and the tokenizer files with the chat
+(configuration_minimind.py, modeling_minimind.py, packed_attention.py) and the tokenizer files with the chat
 template, so a plain transformers install loads it without this repo:
 
     AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)

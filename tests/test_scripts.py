@@ -231,7 +231,7 @@ def test_export_loads_in_a_fresh_process_with_equal_logits(trained, tmp_path):
     assert result.returncode == 0, result.stderr
     names = {p.name for p in out_dir.iterdir()}
     assert {"config.json", "model.safetensors", "configuration_minimind.py", "modeling_minimind.py",
-            "tokenizer.json", "tokenizer_config.json"} <= names
+            "packed_attention.py", "tokenizer.json", "tokenizer_config.json"} <= names
     assert "auto_map" in json.loads((out_dir / "config.json").read_text())
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "0 = plain shuffled batches (more padding)")
     data.add_argument("--bad_data", choices=("error", "skip"), default="error",
                       help="what to do with a malformed data line")
-    data.add_argument("--num_workers", type=int, default=None, help="DataLoader workers; default 4 on CUDA, 0 on CPU")
+    data.add_argument("--num_workers", type=int, default=None,
+                      help="DataLoader workers; default on CUDA: up to 4 per process, from the spare cores; on CPU 0")
     data.add_argument("--cache_dir", default=None, help="where the tokenized cache lives; default next to the data")
 
     mdl = parser.add_argument_group("5. model weights")

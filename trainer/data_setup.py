@@ -1,6 +1,7 @@
 """Step 4: tokenizer, SFT dataset (tokenized once, memory-mapped), the resumable distributed
 sampler and the DataLoaders."""
 
+import os
 import signal
 from dataclasses import dataclass
 
@@ -24,9 +25,18 @@ def _worker_ignores_preemption(_worker_id: int) -> None:
 
 
 def default_num_workers(args, device: torch.device) -> int:
+    """--num_workers if given; on CPU 0 (the cores compute); on CUDA up to 4 per process, from
+    the cores this process may use beyond its own (shared by the processes of this node)."""
     if args.num_workers is not None:
         return args.num_workers
-    return 4 if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(0, min(4, usable_cpus() // processes_here - 1))
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def build_dataset(path, args, tokenizer):
