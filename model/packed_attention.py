@@ -15,10 +15,13 @@ to B x T tokens and each document is treated as a sequence of its own:
 Both paths give the same result as the dense document mask: tests/test_model.py checks the
 bucketed path against the eager reference, tests/test_cuda.py the varlen kernel against the
 bucketed path (on a GPU). The layout is built once per forward pass on the CPU from
-`position_ids` and shared by every layer; on a GPU that costs one host sync per forward.
+`position_ids` and shared by every layer (the SDPA buckets only when that path runs); on a
+GPU that costs one host sync per forward.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -29,26 +32,35 @@ except ImportError:  # pragma: no cover - older torch
     varlen_attn = None
 
 
+def document_starts(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed [B, T] rows (CPU) flattened to B x T tokens: the flat index where each document
+    starts and each document's length. A 0 starts a document, and so does every row."""
+    batch, length = position_ids.shape
+    starts_here = position_ids == 0
+    starts_here[:, 0] = True  # a document never continues across rows
+    starts = starts_here.reshape(-1).nonzero().squeeze(1)
+    return starts, torch.diff(starts, append=torch.tensor([batch * length]))
+
+
 class PackedDocuments:
     """Where the documents of packed [B, T] rows lie once the rows are flattened to B x T tokens."""
 
     @torch.compiler.disable
     def __init__(self, position_ids: torch.Tensor):
         batch, length = position_ids.shape
-        device = position_ids.device
-        starts_here = position_ids.detach().cpu() == 0
-        starts_here[:, 0] = True  # a document never continues across rows
-        self.shape = (batch, length)
-        self.document_ids = starts_here.long().cumsum(-1).to(device, non_blocking=True)
-        starts = starts_here.reshape(-1).nonzero().squeeze(1)
-        lengths = torch.diff(starts, append=torch.tensor([batch * length]))
-        self.max_length = int(lengths.max())
-        self.cu_seqlens = torch.cat([starts, torch.tensor([batch * length])]).to(torch.int32).to(device)
+        self.shape, self.device = (batch, length), position_ids.device
+        self.starts, self.lengths = document_starts(position_ids.detach().cpu())
+        self.max_length = int(self.lengths.max())
+        self.cu_seqlens = torch.cat([self.starts, torch.tensor([batch * length])]).to(torch.int32).to(self.device)
 
+    @functools.cached_property
+    def buckets(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """For the SDPA path only: ([(gather index [n, L], positions of the real tokens in it)],
+        the permutation that puts the buckets' real outputs back in token order)."""
+        starts, lengths, device = self.starts, self.lengths, self.device
         # Power-of-two buckets: (0, 1], (1, 2], (2, 4], ... so padding at most doubles a document.
         bucket_of = torch.ceil(torch.log2(lengths.double())).long()
-        self.buckets = []  # (gather index [n, L], positions of the real tokens in it)
-        order = []
+        buckets, order = [], []
         for bucket in torch.unique(bucket_of).tolist():
             chosen = (bucket_of == bucket).nonzero().squeeze(1)
             bucket_len = int(lengths[chosen].max())
@@ -56,10 +68,10 @@ class PackedDocuments:
             real = offsets < lengths[chosen].view(-1, 1)
             index = starts[chosen].view(-1, 1) + offsets
             index = torch.where(real, index, starts[chosen].view(-1, 1))  # pads repeat a real token
-            self.buckets.append((index.to(device), real.reshape(-1).nonzero().squeeze(1).to(device)))
+            buckets.append((index.to(device), real.reshape(-1).nonzero().squeeze(1).to(device)))
             order.append(index[real])
         # Concatenating the buckets' real outputs gives the tokens in bucket order; this undoes it.
-        self.restore = torch.argsort(torch.cat(order)).to(device)
+        return buckets, torch.argsort(torch.cat(order)).to(device)
 
     @torch.compiler.disable
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
@@ -73,18 +85,21 @@ class PackedDocuments:
             out = varlen_attn(qf, kf, vf, self.cu_seqlens, self.cu_seqlens, self.max_length, self.max_length,
                               window_size=(-1, 0), enable_gqa=True)
         else:
+            buckets, restore = self.buckets
             pieces = []
-            for index, real in self.buckets:
+            for index, real in buckets:
                 qb, kb, vb = (t[index].transpose(1, 2) for t in flat)  # [n, H, L, D]
                 ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout, enable_gqa=True)
                 pieces.append(ob.transpose(1, 2).reshape(-1, heads, head_dim)[real])
-            out = torch.cat(pieces)[self.restore]
+            out = torch.cat(pieces)[restore]
         return out.view(batch, length, heads, head_dim).transpose(1, 2)
 
     def dense(self) -> torch.Tensor:
         """The equivalent boolean [B, 1, T, T] mask (True = attend), for eager attention."""
         batch, length = self.shape
-        ids = self.document_ids
+        ids = torch.zeros(batch * length, dtype=torch.long)
+        ids[self.starts] = 1
+        ids = ids.cumsum(0).view(batch, length).to(self.device)  # document number of every token
         same = ids.view(batch, 1, length, 1) == ids.view(batch, 1, 1, length)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         return same & causal

@@ -103,6 +103,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset import SFTCollator, SFTDataset, load_tokenizer  # noqa: E402
+from model.packed_attention import document_starts  # noqa: E402
 from scripts._common import REPO_DIR, ArgumentParser, fail, resolve_device  # noqa: E402
 from trainer.args import parse_args  # noqa: E402
 from trainer.data_setup import build_train_data  # noqa: E402
@@ -400,10 +401,7 @@ def causal_pairs(batch: dict) -> int:
     rows, length = batch["input_ids"].shape
     if "position_ids" not in batch:
         return rows * length * (length + 1) // 2
-    starts = batch["position_ids"] == 0
-    starts[:, 0] = True
-    flat_starts = starts.reshape(-1).nonzero().squeeze(1)
-    lengths = torch.diff(flat_starts, append=torch.tensor([rows * length]))
+    _, lengths = document_starts(batch["position_ids"])
     return int((lengths * (lengths + 1) // 2).sum())
 
 
@@ -452,12 +450,12 @@ def prepare_mode(options, tokenizer, ctx, mode: str, dtype_name: str, compiled: 
     with contextlib.redirect_stdout(io.StringIO()):  # the dataset's notes, already printed by the startup
         data = build_data(args, tokenizer, ctx, mode)
     run = build_run(args, tokenizer, ctx, data, getattr(torch, dtype_name), mode)
-    mode_run = ModeRun(mode, dtype_name, compiled, args, run, endless_batches(data), warmup_steps=options.warmup_steps)
+    mode_run = ModeRun(mode, dtype_name, compiled, args, run, endless_batches(data))
     start = time.perf_counter()
     for _ in range(options.warmup_steps):
         optimizer_step_once(run, mode_run.batches, args)
-    if compiled:
-        mode_run.warmup_steps = options.warmup_steps + warm_up_until_compiled(run, mode_run.batches, args)
+    extra_steps = warm_up_until_compiled(run, mode_run.batches, args) if compiled else 0
+    mode_run.warmup_steps = options.warmup_steps + extra_steps
     synchronize(ctx.device)
     mode_run.warmup_seconds = time.perf_counter() - start
     release_memory()
@@ -615,7 +613,7 @@ def run_modes(options) -> dict:
         for mode_run in mode_runs:
             time_steps(mode_run, round_steps, device)
     rows = [mode_result(mode_run, peak_flops[mode_run.dtype_name]) for mode_run in mode_runs]
-    baseline_compiled = "yes" if options.use_compile == "1" else "no"  # with "both": eager minimind
+    baseline_compiled = rows[0]["compiled"]  # the first variant: eager, unless only compiled ran
     for row in rows:
         baseline = next((other for other in rows if other["mode"] == "minimind" and other["dtype"] == row["dtype"]
                          and other["compiled"] == baseline_compiled), None)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dataset.rendering import load_tokenizer
-from model import MiniMindConfig, MiniMindForCausalLM
-from trainer.args import parse_args
+from tests.test_model import tiny_model
 from trainer import data_setup
+from trainer.args import parse_args
 from trainer.data_setup import build_train_data
 from trainer.distributed import DistContext
 from trainer.model_setup import build_optimizer
@@ -19,9 +19,7 @@ def context(device: str) -> DistContext:
 
 @pytest.mark.parametrize(("device", "fused"), [("cuda", True), ("cpu", False)])
 def test_adamw_is_fused_on_cuda_only_and_decays_matrices_only(device, fused):
-    torch.manual_seed(0)
-    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=97, hidden_size=32, num_hidden_layers=1,
-                                               num_attention_heads=4, num_key_value_heads=2))
+    model = tiny_model()
     args = parse_args(["--weight_decay", "0.1", "--learning_rate", "1e-3"])
     optimizer = build_optimizer(model, args, torch.device(device))
     assert bool(optimizer.defaults["fused"]) is fused
