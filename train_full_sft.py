@@ -2,7 +2,8 @@
 
     1. init distributed        (torchrun / SLURM / legacy launch / --world_size N / plain python)
     2. seed                    (base seed + rank)
-    3. config + lm_checkpoint  (model config from flags; find and check the resume checkpoint)
+    3. config + lm_checkpoint  (--from_weight and its tokenizer; model config from the weights or the
+                                flags; find and check the resume checkpoint)
     4. data                    (SFT dataset, tokenized once; resumable DistributedSampler)
     5. model                   (from scratch or --from_weight; DDP ignoring the RoPE buffers)
     6. training loop           (autocast + GradScaler, gradient accumulation with no_sync)
@@ -22,7 +23,7 @@ import sys
 
 import torch
 
-from dataset import DataError, load_tokenizer
+from dataset import DataError
 from trainer.args import parse_args
 from trainer.checkpoint import CheckpointError, check_model_config, ensure_writable_dir, find_resume_checkpoint
 from trainer.checkpoint import load_resume_checkpoint
@@ -33,8 +34,8 @@ from trainer.distributed import (
 )
 from trainer.loop import Run, TrainingError, restore, train
 from trainer.model_setup import (
-    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, resolve_dtype,
-    wrap_for_distributed,
+    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, load_tokenizer_for_weights,
+    read_initial_weights, resolve_dtype, wrap_for_distributed,
 )
 from trainer.preemption import PreemptionFlag
 from trainer.run_logger import RunLogger
@@ -74,10 +75,12 @@ def run_training(args) -> int:
         ensure_writable_dir(args.save_dir)
     preemption = PreemptionFlag().install()
 
-    # 3. Config from the flags, and the resume checkpoint (lm_checkpoint) if asked for.
-    tokenizer = load_tokenizer(args.tokenizer_path)
-    config = build_model_config(args, tokenizer)
+    # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
+    # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
     log = print if ctx.is_main else (lambda message: None)
+    weights = read_initial_weights(args, log)
+    tokenizer = load_tokenizer_for_weights(args, weights, log)
+    config = build_model_config(args, tokenizer, weights)
     saved = locate_resume(args, config, ctx, log)
 
     # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch.
@@ -85,7 +88,7 @@ def run_training(args) -> int:
     eval_loader = build_eval_loader(args, tokenizer, ctx)
 
     # 5. Model (+ optimizer and mixed precision), resume state, then the DDP wrapper.
-    model = build_model(args, config, ctx.device)
+    model = build_model(args, config, ctx.device, weights)
     optimizer = build_optimizer(model, args, ctx.device)
     dtype = resolve_dtype(args.dtype, ctx.device)
     logger = RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None)

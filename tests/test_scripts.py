@@ -227,7 +227,8 @@ FRESH_LOAD = textwrap.dedent("""
 
 def test_export_loads_in_a_fresh_process_with_equal_logits(trained, tmp_path):
     out_dir = tmp_path / "export"
-    result = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir))
+    result = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir),
+                    "--format", "remote-code")
     assert result.returncode == 0, result.stderr
     names = {p.name for p in out_dir.iterdir()}
     assert {"config.json", "model.safetensors", "configuration_minimind.py", "modeling_minimind.py",

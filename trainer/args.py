@@ -7,6 +7,7 @@ Relative paths are relative to the current directory; the defaults point into th
 """
 
 import argparse
+import copy
 import os
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--num_key_value_heads", type=int, default=4, help="key/value heads (GQA); must divide the query heads")
     cfg.add_argument("--use_moe", type=int, choices=(0, 1), default=0, help="1 = top-k routed mixture-of-experts MLPs")
     cfg.add_argument("--num_experts", type=int, default=4, help="experts per MoE layer")
-    cfg.add_argument("--num_experts_per_tok", type=int, default=2, help="experts each token is routed to")
+    cfg.add_argument("--num_experts_per_tok", type=int, default=1, help="experts each token is routed to")
+    cfg.add_argument("--rms_norm_eps", type=float, default=1e-6, help="epsilon of every RMSNorm (MiniMind and Qwen3: 1e-6)")
+    cfg.add_argument("--aux_loss_coef", type=float, default=5e-4,
+                     help="MoE load-balancing loss coefficient (the config's router_aux_loss_coef)")
     cfg.add_argument("--dropout", type=float, default=0.0, help="dropout on embeddings, attention and MLP outputs")
     cfg.add_argument("--from_resume", type=int, choices=(0, 1), default=0,
                      help="1 = continue from the latest valid resume checkpoint in --save_dir (if any)")
@@ -67,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     mdl = parser.add_argument_group("5. model weights")
     mdl.add_argument("--from_weight", default="none",
-                     help="initial weights: none (from scratch), a safetensors file, or an HF model directory")
+                     help="initial weights: none (from scratch); a MiniMind .pth state dict; a MiniMind name such as "
+                          "pretrain (= SAVE_DIR/pretrain_HIDDEN[_moe].pth); an HF directory of this model or of "
+                          "Qwen3 / Qwen3-MoE (sharded too); a .safetensors file. The architecture comes from the "
+                          "weights (docs/weights.md)")
     mdl.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0,
                      help="1 = recompute activations in backward (less memory, ~30%% more compute)")
     mdl.add_argument("--use_compile", type=int, choices=(0, 1), default=0,
@@ -101,16 +108,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     log = parser.add_argument_group("8. logging")
     log.add_argument("--log_interval", type=int, default=10, help="print and record figures every N optimizer steps")
-    log.add_argument("--use_wandb", type=int, choices=(0, 1), default=0,
-                     help="1 = also log to wandb (WANDB_MODE=offline works; a resumed run continues its wandb run)")
+    log.add_argument("--use_wandb", type=int, choices=(0, 1), default=0, nargs="?", const=1,
+                     help="1 (or bare --use_wandb) = also log to wandb (WANDB_MODE=offline works; a resumed run continues its wandb run)")
     log.add_argument("--wandb_project", default="minisft", help="wandb project")
     log.add_argument("--wandb_run_name", default=None, help="wandb run name")
     return parser
 
 
+def explicit_flags(parser: argparse.ArgumentParser, argv=None) -> tuple[str, ...]:
+    """The destinations of the flags given on the command line (not left at their default)."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=parser.allow_abbrev)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            probe._add_action(copy.copy(action)).default = argparse.SUPPRESS
+    given, _ = probe.parse_known_args(argv)
+    return tuple(sorted(vars(given)))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Which flags the user set: an architecture flag that contradicts --from_weight is refused.
+    args.explicit_flags = explicit_flags(parser, argv)
     problems = []
     for name in ("batch_size", "accumulation_steps", "max_seq_len", "epochs", "log_interval", "world_size",
                  "keep_last", "max_bad_steps"):
@@ -131,6 +150,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         value = getattr(args, name)
         if value:
             setattr(args, name, os.path.abspath(value))
-    if args.from_weight not in ("none", ""):
-        args.from_weight = os.path.abspath(args.from_weight)
+    if args.from_weight not in ("none", "") and os.path.exists(args.from_weight):
+        args.from_weight = os.path.abspath(args.from_weight)  # else a MiniMind name, resolved in SAVE_DIR
     return args

@@ -3,14 +3,14 @@
 Layout under `--save_dir`:
     checkpoints/step_00000100.pt   resume state (one file, `torch.load(weights_only=True)`)
     model/                         inference weights: config.json, model.safetensors
-                                   (`--save_dtype`), the model code and the tokenizer
+                                   (`--save_dtype`) and the tokenizer; a standard Qwen3 /
+                                   Qwen3-MoE directory (trainer/weights_io.py)
 
 Every file is written to a temporary name, fsynced and renamed, so a crash or a full disk in
 the middle of a save never damages the checkpoint that was already there. Temporary files that a
 killed process left behind are removed by the next save.
 """
 
-import json
 import os
 import pickle
 import re
@@ -18,7 +18,6 @@ import shutil
 
 import torch
 from safetensors import SafetensorError
-from transformers.utils import logging as hf_logging
 
 FORMAT = "minisft-resume"
 FORMAT_VERSION = 1
@@ -27,9 +26,10 @@ CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.pt$")
 ARCHITECTURE_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "use_moe", "num_experts", "num_experts_per_tok",
-    "moe_intermediate_size", "tie_word_embeddings", "rope_theta",
+    "moe_intermediate_size", "tie_word_embeddings", "rope_theta", "rope_yarn", "rms_norm_eps", "norm_topk_prob",
+    "router_aux_loss_coef",
 )
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
 
 
 class CheckpointError(ValueError):
@@ -145,20 +145,9 @@ def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) 
         os.replace(old, final)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tied = model.config.tie_word_embeddings
-        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-        hf_logging.disable_progress_bar()
-        try:
-            model.save_pretrained(tmp, state_dict=state)
-        finally:
-            hf_logging.enable_progress_bar()
-        # save_pretrained records the live (fp32) model's dtype; record the saved weights' dtype.
-        config_file = os.path.join(tmp, "config.json")
-        with open(config_file, encoding="utf-8") as handle:
-            config = json.load(handle)
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        with open(config_file, "w", encoding="utf-8") as handle:
-            json.dump(config, handle, indent=2, sort_keys=True)
+        from trainer.weights_io import write_inference_dir
+
+        write_inference_dir(model, tmp, dtype)
         tokenizer.save_pretrained(tmp)
         for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb") as handle:
