@@ -152,6 +152,21 @@ def test_config_comes_from_the_weights_and_contradicting_flags_are_refused(qwen3
         "the architecture)")
 
 
+def test_minimind_name_resolves_in_save_dir_and_moe_shapes_give_the_config(tmp_path):
+    torch.manual_seed(3)
+    moe = MiniMindForCausalLM(MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2, use_moe=True, num_experts=3,
+                                             moe_intermediate_size=24))
+    torch.save({k: v.bfloat16() for k, v in moe.state_dict().items()}, tmp_path / "pretrain_32_moe.pth")
+    argv = ["--from_weight", "pretrain", "--save_dir", str(tmp_path), "--hidden_size", "32", "--use_moe", "1"]
+    config = setup([*argv, "--num_experts_per_tok", "2", "--aux_loss_coef", "0.01"])
+    assert (config.num_hidden_layers, config.num_experts, config.moe_intermediate_size) == (1, 3, 24)
+    assert (config.num_experts_per_tok, config.router_aux_loss_coef, config.rms_norm_eps) == (2, 0.01, 1e-6)
+    assert config.tie_word_embeddings  # lm_head.weight present and equal to the embedding
+    with pytest.raises(CheckpointError, match=f"--from_weight sft: neither a path nor MiniMind's {tmp_path}/sft_32.pth"):
+        setup(["--from_weight", "sft", "--save_dir", str(tmp_path), "--hidden_size", "32"])
+
+
 def test_a_tokenizer_that_does_not_match_the_weights_is_refused(qwen3_dirs, tmp_path, tokenizer):
     # same size, two ids swapped: another vocabulary
     spec = json.loads(tokenizer.backend_tokenizer.to_str())

@@ -38,8 +38,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP
 QWEN3_TYPES = ("qwen3", "qwen3_moe")
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-# Config fields that a `.pth` does not record: they come from the flags (or MiniMind's defaults).
-NOT_IN_SHAPES = ("rms_norm_eps", "num_experts_per_tok", "router_aux_loss_coef", "rope_theta", "norm_topk_prob")
 
 
 @dataclass
@@ -50,7 +48,6 @@ class Weights:
     config: dict  # MiniMindConfig keyword arguments
     source: str  # for the log: what was read
     tokenizer_dir: str | None = None  # a tokenizer saved with the weights
-    from_shapes: bool = False  # config inferred from tensor shapes: NOT_IN_SHAPES are unknown
 
 
 # --------------------------------------------------------------------------- reading
@@ -79,7 +76,7 @@ def read_weights(path: str) -> Weights:
         state = _load_safetensors([path])
         if os.path.isfile(config_file):
             return _from_config_json(_read_json(config_file), state, path, _tokenizer_dir(os.path.dirname(path)))
-        return Weights(state, config_from_shapes(state, path), f"safetensors file {path}", from_shapes=True)
+        return Weights(state, config_from_shapes(state, path), f"safetensors file {path}")
     return _read_torch_file(path)
 
 
@@ -158,7 +155,7 @@ def _read_torch_file(path: str) -> Weights:
     if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise CheckpointError(f"{path} is not a minisft resume checkpoint or a state dict (names to tensors)")
     state = clean_state_dict(loaded)
-    return Weights(state, config_from_shapes(state, path), f"MiniMind state dict {path}", from_shapes=True)
+    return Weights(state, config_from_shapes(state, path), f"MiniMind state dict {path}")
 
 
 def saved_run_args(path: str) -> dict | None:
@@ -195,7 +192,9 @@ def clean_state_dict(state: dict) -> dict:
 
 
 def config_from_shapes(state: dict, source: str) -> dict:
-    """The architecture a MiniMind-layout state dict implies (fields in NOT_IN_SHAPES excluded)."""
+    """The architecture a MiniMind-layout state dict implies. Not recorded in the shapes, so left to the
+    flags or MiniMind's defaults: rms_norm_eps, rope_theta, num_experts_per_tok, the aux coefficient,
+    norm_topk_prob, max_position_embeddings."""
     needed = (EMBED, "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
               "model.layers.0.self_attn.q_norm.weight")
     missing = [name for name in needed if name not in state]
