@@ -130,6 +130,19 @@ def test_unsupported_qwen3_settings_are_refused_with_the_reason(tmp_path):
         read_weights(str(tmp_path / "other"))
 
 
+def test_a_config_without_a_qwen3_form_is_saved_with_remote_code_and_refused_by_the_qwen3_export(tmp_path):
+    from trainer.weights_io import qwen3_unsupported, write_inference_dir
+
+    yarn = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "mscale": 0.7}
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, rope_scaling=yarn))
+    assert qwen3_unsupported(model.config) == "rope_scaling has settings transformers' YaRN does not read: ['mscale']"
+    assert write_inference_dir(model, str(tmp_path / "model"), torch.float32) == "remote-code"
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["model_type"] == "minimind"
+    assert write_inference_dir(MiniMindForCausalLM(MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1)),
+                               str(tmp_path / "plain"), torch.float32) == "qwen3"
+
+
 # --------------------------------------------------------------------------- flags and tokenizer
 
 
