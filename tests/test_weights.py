@@ -163,6 +163,8 @@ def test_config_comes_from_the_weights_and_contradicting_flags_are_refused(qwen3
         f"flags contradict the --from_weight architecture (qwen3_moe model {qwen3_dirs['moe']}): --hidden_size 768 but "
         "hidden_size is 32; --rms_norm_eps 1e-05 but rms_norm_eps is 1e-06; leave those flags out (the weights define "
         "the architecture)")
+    with pytest.raises(ConfigError, match="--save_weight: this model has no MiniMind .pth form: the LM head is not tied"):
+        setup(["--from_weight", str(qwen3_dirs["moe"]), "--save_weight", "full_sft"])
 
 
 def test_minimind_name_resolves_in_save_dir_and_moe_shapes_give_the_config(tmp_path):
@@ -288,7 +290,8 @@ def test_minimind_fp16_pth_without_lm_head_round_trips(data, tmp_path, tokenizer
     half = {k: v.half() for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
     torch.save(half, run / "pretrain_32.pth")
     result = run_trainer([*RUN, "--from_weight", "pretrain", "--hidden_size", "32", "--data_path",
-                          str(data / "eight.jsonl"), "--batch_size", "8", "--max_steps", "1", "--save_dir", str(run)])
+                          str(data / "eight.jsonl"), "--batch_size", "8", "--max_steps", "1", "--save_dir", str(run),
+                          "--save_weight", "sft"])
     assert f"weights: MiniMind state dict {run / 'pretrain_32.pth'}" in result.stdout
     start = MiniMindForCausalLM(MiniMindConfig(**layout)).eval()
     start.load_state_dict({**half, "lm_head.weight": half["model.embed_tokens.weight"]})
@@ -305,6 +308,8 @@ def test_minimind_fp16_pth_without_lm_head_round_trips(data, tmp_path, tokenizer
            "num_key_value_heads=2, head_dim=8)" in done.stdout
     state = torch.load(export / "full_sft_32.pth", weights_only=True)
     assert {v.dtype for v in state.values()} == {torch.float16} and "lm_head.weight" in state
+    saved_by_trainer = torch.load(run / "sft_32.pth", weights_only=True)  # --save_weight sft
+    assert_weights_equal(saved_by_trainer, state)
     minimind = MiniMindForCausalLM(MiniMindConfig(**layout, head_dim=8)).eval()
     minimind.load_state_dict(state, strict=True)
     trained = load_model_for_inference(run).half().float()  # the trained weights, in MiniMind's fp16

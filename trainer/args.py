@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--save_dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                       help="dtype of the inference weights (resume checkpoints are always fp32)")
     save.add_argument("--keep_last", type=int, default=3, help="resume checkpoints to keep")
+    save.add_argument("--save_weight", default=None,
+                      help="MiniMind's prefix: also write SAVE_DIR/PREFIX_HIDDEN[_moe].pth (fp16, MiniMind's state dict, "
+                           "for its eval_llm.py) at every save, e.g. --save_weight full_sft")
 
     log = parser.add_argument_group("8. logging")
     log.add_argument("--log_interval", type=int, default=10, help="print and record figures every N optimizer steps")

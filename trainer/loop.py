@@ -26,6 +26,7 @@ from trainer.distributed import all_gather_objects, all_reduce_sum, barrier, bro
 from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
 from trainer.model_setup import autocast, unwrap
 from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
+from trainer.weights_io import save_minimind_copy
 
 IGNORE_INDEX = -100
 # Fault injection for tests/test_fault_tolerance.py, read in `injected_nan_steps` and nowhere else:
@@ -131,6 +132,8 @@ def save(run: Run) -> None:
             path = checkpoint.save_resume_checkpoint(content, run.args.save_dir, run.args.keep_last)
             save_dtype = getattr(torch, run.args.save_dtype)
             checkpoint.save_inference_weights(run.raw_model, run.tokenizer, run.args.save_dir, save_dtype)
+            if run.args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
+                save_minimind_copy(run.raw_model, run.args.save_dir, run.args.save_weight)
             run.logger.print(f"saved {path}")
         except checkpoint.CheckpointError as failure:
             error = str(failure)

@@ -10,7 +10,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dataset import load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
-from trainer.weights_io import Weights, build_config, load_into, read_weights, resolve_minimind_name
+from trainer.weights_io import (
+    Weights, build_config, load_into, minimind_unsupported, read_weights, resolve_minimind_name,
+)
 
 ROPE_BUFFERS = ("freqs_cos", "freqs_sin")
 
@@ -61,6 +63,14 @@ def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
 
 def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniMindConfig:
     """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them."""
+    config = _model_config(args, tokenizer, weights)
+    reason = minimind_unsupported(config) if getattr(args, "save_weight", None) else None
+    if reason:
+        raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")
+    return config
+
+
+def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
     flags = dict(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,

@@ -438,6 +438,13 @@ def minimind_settings(config: MiniMindConfig) -> dict:
     return settings
 
 
+def save_minimind_copy(model, save_dir: str, prefix: str) -> str:
+    """The trainer's `--save_weight PREFIX`: MiniMind's own `{save_dir}/{prefix}_{hidden}[_moe].pth`."""
+    path = os.path.join(save_dir, minimind_pth_name(model.config, prefix))
+    write_minimind_pth(model, path)
+    return path
+
+
 def write_minimind_pth(model, path: str) -> None:
     """MiniMind's `torch.save({k: v.half() for k in model.state_dict()})`, lm_head.weight included."""
     from trainer.checkpoint import atomic_torch_save
