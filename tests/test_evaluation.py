@@ -196,3 +196,18 @@ def test_two_process_evaluation_equals_one_process(data, tmp_path):
     assert "eval_exact_match/train" in one["figures"]
     for key, value in one["figures"].items():  # counts exact; losses up to float32 summation order
         assert two["figures"][key] == (pytest.approx(value, rel=1e-6) if "eval_loss/" in key + "/" else value), key
+
+
+def test_a_resumed_run_keeps_comparing_against_the_best_of_the_run_before(data, tmp_path):
+    common = ["--batch_size", "8", "--max_steps", "6", "--eval_interval", "1", "--eval_data_path",
+              str(data / "eval.jsonl"), "--keep_best", "eval_loss", "--learning_rate", "3e-2", "--warmup_steps", "0"]
+    run_trainer(flags(data, tmp_path / "full", *common, "--save_interval", "3"))
+    run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",
+                      "--resume_from", checkpoint_at(tmp_path / "full", 3)))
+    full, _ = eval_rows(tmp_path / "full")
+    resumed, _ = eval_rows(tmp_path / "resumed")
+    fields = ("step", "eval_loss", "best_value", "best_step", "new_best")
+    assert [[row[k] for k in fields] for row in resumed] == [[row[k] for k in fields] for row in full[3:]]
+    saved = torch.load(checkpoint_at(tmp_path / "full", 3), weights_only=True)
+    assert (saved["best_value"], saved["best_step"]) == (full[2]["best_value"], full[2]["best_step"])
+    assert saved["evals_without_improvement"] == 3 - full[2]["best_step"]
