@@ -278,7 +278,8 @@ def save_best(run: Run) -> None:
 def evaluate_and_select(run: Run) -> bool:
     """Evaluate, log, keep the best model; True when early stopping says the run should end."""
     state, args = run.state, run.args
-    figures = evaluate(run)
+    # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
+    figures = broadcast_object(evaluate(run))
     new_best = stop = False
     if args.keep_best:
         new_best, stop = update_selection(state, args.keep_best, figures, args.early_stop_patience)
