@@ -27,12 +27,14 @@ from dataset import DataError
 from trainer.args import parse_args
 from trainer.checkpoint import CheckpointError, check_model_config, ensure_writable_dir, find_resume_checkpoint
 from trainer.checkpoint import load_resume_checkpoint
-from trainer.data_setup import build_eval_loader, build_train_data
+from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.distributed import (
     DistributedError, broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message,
     spawn_local_workers, spawned_by_us,
 )
+from trainer.evaluation import metric_names
 from trainer.loop import Run, TrainingError, restore, train
+from trainer.model_selection import SelectionError, check_selection
 from trainer.model_setup import (
     ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, load_tokenizer_for_weights,
     read_initial_weights, resolve_dtype, wrap_for_distributed,
@@ -43,7 +45,7 @@ from trainer.seeding import setup_seed
 
 # Problems with the user's input or environment (OSError: e.g. a disk that filled up while
 # writing metrics.jsonl): reported as one line, exit code 2.
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, OSError)
+USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, OSError)
 
 
 def locate_resume(args, config, ctx, log) -> dict | None:
@@ -85,14 +87,15 @@ def run_training(args) -> int:
 
     # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch.
     data = build_train_data(args, tokenizer, ctx)
-    eval_loader = build_eval_loader(args, tokenizer, ctx)
+    eval_sets = build_eval_sets(args, tokenizer, ctx)
+    check_selection(args, metric_names(eval_sets))
 
     # 5. Model (+ optimizer and mixed precision), resume state, then the DDP wrapper.
     model = build_model(args, config, ctx.device, weights)
     optimizer = build_optimizer(model, args, ctx.device)
     dtype = resolve_dtype(args.dtype, ctx.device)
     logger = RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None)
-    run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_loader,
+    run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
               tokenizer, logger, preemption)
     if saved is not None:
         restore(run, saved)
@@ -112,6 +115,8 @@ def run_training(args) -> int:
     cleanup(ctx)
     if status == "preempted":
         log("stopped after SIGTERM; continue with --from_resume 1")
+    elif status == "early_stopped":
+        log(f"stopped early: no improvement of {args.keep_best} in {args.early_stop_patience} evaluations")
     return 0
 
 

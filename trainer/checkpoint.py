@@ -5,6 +5,8 @@ Layout under `--save_dir`:
     model/                         inference weights: config.json, model.safetensors
                                    (`--save_dtype`) and the tokenizer; a standard Qwen3 /
                                    Qwen3-MoE directory (trainer/weights_io.py)
+    best/                          the same, for the best evaluation (`--keep_best`), with
+                                   best.json (trainer/model_selection.py); never rotated
 
 Every file is written to a temporary name, fsynced and renamed, so a crash or a full disk in
 the middle of a save never damages the checkpoint that was already there. Temporary files that a
@@ -137,10 +139,12 @@ def atomic_torch_save(obj, path: str) -> None:
         raise
 
 
-def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) -> str:
-    """Write `<save_dir>/model/` (an HF directory) atomically; return its path."""
-    final = os.path.join(save_dir, "model")
-    tmp, old = os.path.join(save_dir, ".model.tmp"), os.path.join(save_dir, ".model.old")
+def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype, name: str = "model",
+                           extra_files: dict[str, str] | None = None) -> str:
+    """Write `<save_dir>/<name>/` (an HF directory, plus `extra_files`: file name -> text) atomically;
+    return its path."""
+    final = os.path.join(save_dir, name)
+    tmp, old = os.path.join(save_dir, f".{name}.tmp"), os.path.join(save_dir, f".{name}.old")
     if os.path.isdir(old) and not os.path.exists(final):  # a crash between the two renames below
         os.replace(old, final)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -149,8 +153,11 @@ def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) 
 
         write_inference_dir(model, tmp, dtype)
         tokenizer.save_pretrained(tmp)
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as handle:
+        for file_name, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, file_name), "w", encoding="utf-8") as handle:
+                handle.write(text)
+        for file_name in os.listdir(tmp):
+            with open(os.path.join(tmp, file_name), "rb") as handle:
                 os.fsync(handle.fileno())
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(final):
