@@ -440,7 +440,7 @@ class MiniMindModel(MiniMindPreTrainedModel):
 
 class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    # skip_logits' loss in chunks (chunked_lm_loss); False = all loss positions' logits at once
+    # skip_logits' training loss in chunks (chunked_lm_loss); False = all loss positions' logits at once
     # (the reference the tests and scripts/bench.py's "unchunked" mode compare against).
     chunk_lm_loss = True
 
@@ -501,7 +501,9 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
                 targets = labels.reshape(-1)[loss_positions + 1]  # the next token of the same row
                 chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, loss_positions)
                 count = num_items_in_batch if num_items_in_batch is not None else max(len(targets), 1)
-                if self.chunk_lm_loss:
+                # Without gradients (evaluation) nothing is kept for a backward: one call of the
+                # head, so that hooks on it see the loss positions' logits (trainer/evaluation.py).
+                if self.chunk_lm_loss and torch.is_grad_enabled():
                     loss = chunked_lm_loss(chosen, self.lm_head.weight, targets, self.loss_chunk_tokens()) / count
                 else:
                     loss = self._reduce_loss(self.lm_head(chosen), targets, count)
