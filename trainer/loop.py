@@ -203,7 +203,8 @@ def model_inputs(batch: dict, device: torch.device) -> dict:
     every copy is asynchronous."""
     inputs = {key: batch[key].to(device, non_blocking=True)
               for key in ("input_ids", "labels", "position_ids", "loss_positions", "packed_layout") if key in batch}
-    inputs["token_mask"] = batch["attention_mask"].to(device, non_blocking=True)
+    if "attention_mask" in batch:
+        inputs["token_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return inputs
 
 
