@@ -2,7 +2,8 @@
 
     1. init distributed        (torchrun / SLURM / legacy launch / --world_size N / plain python)
     2. seed                    (base seed + rank)
-    3. config + lm_checkpoint  (model config from flags; find and check the resume checkpoint)
+    3. config + lm_checkpoint  (--from_weight and its tokenizer; model config from the weights or the
+                                flags; find and check the resume checkpoint)
     4. data                    (SFT dataset, tokenized once; resumable DistributedSampler)
     5. model                   (from scratch or --from_weight; DDP ignoring the RoPE buffers)
     6. training loop           (autocast + GradScaler, gradient accumulation with no_sync)
@@ -22,21 +23,23 @@ import sys
 
 import torch
 
-from dataset import DataError, load_tokenizer
+from dataset import DataError
 from trainer.args import parse_args
 from trainer.checkpoint import (
     CheckpointError, SaveDirLock, check_model_config, claim_for_fresh_run, ensure_writable_dir,
     find_resume_checkpoint, inside_a_run_model_dir, load_resume_checkpoint,
 )
-from trainer.data_setup import build_eval_loader, build_train_data
+from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.distributed import (
     DistributedError, broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message,
     spawn_local_workers, spawned_by_us,
 )
+from trainer.evaluation import metric_names
 from trainer.loop import Run, TrainingError, restore, train
+from trainer.model_selection import SelectionError, check_selection
 from trainer.model_setup import (
-    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, resolve_dtype,
-    wrap_for_distributed,
+    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, load_tokenizer_for_weights,
+    read_initial_weights, resolve_dtype, wrap_for_distributed,
 )
 from trainer.preemption import PreemptionFlag
 from trainer.run_logger import RunLogger
@@ -44,7 +47,7 @@ from trainer.seeding import setup_seed
 
 # Problems with the user's input or environment (OSError: e.g. a disk that filled up while
 # writing metrics.jsonl): reported as one line, exit code 2.
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, OSError)
+USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, OSError)
 
 
 def claim_save_dir(args, ctx):
@@ -54,8 +57,8 @@ def claim_save_dir(args, ctx):
         return None
     run_model = inside_a_run_model_dir(args.save_dir)
     if run_model:
-        raise CheckpointError(f"--save_dir {args.save_dir} is inside {run_model}, a run's model/ that its next save "
-                              "replaces: choose a directory outside it")
+        raise CheckpointError(f"--save_dir {args.save_dir} is inside {run_model}, a run's weights folder that its "
+                              "next save replaces: choose a directory outside it")
     ensure_writable_dir(args.save_dir)
     return SaveDirLock(args.save_dir).acquire()
 
@@ -104,22 +107,25 @@ def run_training(args) -> int:
     save_dir_lock = claim_save_dir(args, ctx)
     preemption = PreemptionFlag().install()
 
-    # 3. Config from the flags, and the resume checkpoint (lm_checkpoint) if asked for.
-    tokenizer = load_tokenizer(args.tokenizer_path)
-    config = build_model_config(args, tokenizer)
+    # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
+    # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
     log = print if ctx.is_main else (lambda message: None)
+    weights = read_initial_weights(args, log)
+    tokenizer = load_tokenizer_for_weights(args, weights, log)
+    config = build_model_config(args, tokenizer, weights)
     saved = locate_resume(args, config, ctx, log)
 
     # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch.
     data = build_train_data(args, tokenizer, ctx)
-    eval_loader = build_eval_loader(args, tokenizer, ctx)
+    eval_sets = build_eval_sets(args, tokenizer, ctx)
+    check_selection(args, metric_names(eval_sets))
 
     # 5. Model (+ optimizer and mixed precision), resume state, then the DDP wrapper.
-    model = build_model(args, config, ctx.device)
+    model = build_model(args, config, ctx.device, weights)
     optimizer = build_optimizer(model, args, ctx.device)
     dtype = resolve_dtype(args.dtype, ctx.device)
     logger = RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None)
-    run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_loader,
+    run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
               tokenizer, logger, preemption)
     if saved is not None:
         restore(run, saved)
@@ -141,6 +147,8 @@ def run_training(args) -> int:
         save_dir_lock.release()
     if status == "preempted":
         log("stopped after SIGTERM; continue with --from_resume 1")
+    elif status == "early_stopped":
+        log(f"stopped early: no improvement of {args.keep_best} in {args.early_stop_patience} evaluations")
     return 0
 
 

@@ -341,7 +341,7 @@ def build_run(args, tokenizer, ctx, data, dtype, mode: str):
     if args.use_compile:
         wrapped = torch.compile(wrapped)
     run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data,
-              eval_loader=None, tokenizer=tokenizer, logger=None, preemption=PreemptionFlag())
+              eval_sets=[], tokenizer=tokenizer, logger=None, preemption=PreemptionFlag())
     run.model.train()
     return run
 

@@ -3,7 +3,10 @@
 Layout under `--save_dir`:
     checkpoints/step_00000100.pt   resume state (one file, `torch.load(weights_only=True)`)
     model/                         inference weights: config.json, model.safetensors
-                                   (`--save_dtype`), the model code and the tokenizer
+                                   (`--save_dtype`) and the tokenizer; a standard Qwen3 /
+                                   Qwen3-MoE directory (trainer/weights_io.py)
+    best/                          the same, for the best evaluation (`--keep_best`), with
+                                   best.json (trainer/model_selection.py); never rotated
 
 Every file is written to a temporary name, fsynced and renamed, so a crash or a full disk in
 the middle of a save never damages the checkpoint that was already there. Temporary files that a
@@ -12,7 +15,6 @@ killed process left behind are removed by the next save.
 
 import errno
 import fcntl
-import json
 import os
 import pickle
 import re
@@ -23,7 +25,6 @@ import zipfile
 
 import torch
 from safetensors import SafetensorError
-from transformers.utils import logging as hf_logging
 
 FORMAT = "minisft-resume"
 FORMAT_VERSION = 1
@@ -32,9 +33,10 @@ CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.pt$")
 ARCHITECTURE_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "use_moe", "num_experts", "num_experts_per_tok",
-    "moe_intermediate_size", "tie_word_embeddings", "rope_theta",
+    "moe_intermediate_size", "tie_word_embeddings", "rope_theta", "rope_yarn", "rms_norm_eps", "norm_topk_prob",
+    "router_aux_loss_coef",
 )
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
 
 
 class CheckpointError(ValueError):
@@ -151,33 +153,27 @@ def atomic_torch_save(obj, path: str) -> None:
         raise
 
 
-def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype) -> str:
-    """Write `<save_dir>/model/` (an HF directory) atomically; return its path."""
-    final = os.path.join(save_dir, "model")
-    tmp, old = os.path.join(save_dir, f".model.tmp.{os.getpid()}"), os.path.join(save_dir, ".model.old")
+def save_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype, name: str = "model",
+                           extra_files: dict[str, str] | None = None) -> str:
+    """Write `<save_dir>/<name>/` (an HF directory, plus `extra_files`: file name -> text) atomically;
+    return its path."""
+    final = os.path.join(save_dir, name)
+    tmp, old = os.path.join(save_dir, f".{name}.tmp.{os.getpid()}"), os.path.join(save_dir, f".{name}.old")
     if os.path.isdir(old) and not os.path.exists(final):  # a crash between the two renames below
         os.replace(old, final)
-    for name in os.listdir(save_dir):  # what killed saves left (the save_dir lock makes this safe)
-        if name.startswith(".model.tmp"):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    for entry in os.listdir(save_dir):  # what killed saves left (the save_dir lock makes this safe)
+        if entry.startswith(f".{name}.tmp"):
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
     try:
-        tied = model.config.tie_word_embeddings
-        state = {k: v.detach().to(dtype) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
-        hf_logging.disable_progress_bar()
-        try:
-            model.save_pretrained(tmp, state_dict=state)
-        finally:
-            hf_logging.enable_progress_bar()
-        # save_pretrained records the live (fp32) model's dtype; record the saved weights' dtype.
-        config_file = os.path.join(tmp, "config.json")
-        with open(config_file, encoding="utf-8") as handle:
-            config = json.load(handle)
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        with open(config_file, "w", encoding="utf-8") as handle:
-            json.dump(config, handle, indent=2, sort_keys=True)
+        from trainer.weights_io import write_inference_dir
+
+        write_inference_dir(model, tmp, dtype)
         tokenizer.save_pretrained(tmp)
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as handle:
+        for file_name, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, file_name), "w", encoding="utf-8") as handle:
+                handle.write(text)
+        for file_name in os.listdir(tmp):
+            with open(os.path.join(tmp, file_name), "rb") as handle:
                 os.fsync(handle.fileno())
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(final):
@@ -320,8 +316,8 @@ def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
 def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print) -> None:
     """Refuse to start a new run in a directory holding another run's checkpoints or model/,
     unless `overwrite`; then those (and its metrics.jsonl) are moved aside, not deleted."""
-    previous = [path for path in (checkpoints_dir(save_dir), os.path.join(save_dir, "model"),
-                                  os.path.join(save_dir, "metrics.jsonl")) if os.path.exists(path)]
+    previous = [os.path.join(save_dir, name) for name in ("checkpoints", "model", "best", "metrics.jsonl")
+                if os.path.exists(os.path.join(save_dir, name))]
     if not (list_checkpoints(save_dir) or os.path.isdir(os.path.join(save_dir, "model"))):
         return
     if not overwrite:
@@ -353,6 +349,8 @@ class SaveDirLock:
             handle.seek(0)
             holder = handle.read().strip() or "unknown"
             handle.close()
+            if holder == str(os.getpid()):  # an earlier run in this process (main() called again) still holds it
+                return self
             raise CheckpointError(
                 f"save_dir {os.path.dirname(self.path)} in use by pid {holder} (another training run writes there): "
                 "wait for it to end, or choose another --save_dir"
@@ -371,11 +369,12 @@ class SaveDirLock:
 
 
 def inside_a_run_model_dir(path: str) -> str | None:
-    """The `<run>/model` directory that `path` is or lies in (the next save replaces it), else None."""
+    """The `<run>/model` (or `<run>/best`) directory that `path` is or lies in (a later save replaces
+    it), else None."""
     current = os.path.abspath(path)
     while True:
         parent = os.path.dirname(current)
-        if os.path.basename(current) == "model" and (
+        if os.path.basename(current) in ("model", "best") and (
                 os.path.isdir(checkpoints_dir(parent)) or os.path.exists(os.path.join(parent, "metrics.jsonl"))):
             return current
         if parent == current:

@@ -23,9 +23,12 @@ import torch
 
 from trainer import checkpoint, sample_stream
 from trainer.distributed import all_gather_objects, all_reduce_sum, barrier, broadcast_object
+from trainer.evaluation import evaluate
 from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
+from trainer.model_selection import BEST_DIR, BEST_FILE, best_record, update_selection
 from trainer.model_setup import autocast, unwrap
 from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
+from trainer.weights_io import save_minimind_copy
 
 IGNORE_INDEX = -100
 # Fault injection for tests/test_fault_tolerance.py, read in `injected_nan_steps` and nowhere else:
@@ -49,6 +52,9 @@ class TrainState:
     bad_steps_in_a_row: int = 0
     wandb_run_id: str | None = None
     run_id: str = field(default_factory=checkpoint.new_run_id)  # one line of training, kept across resumes
+    best_value: float | None = None  # of the --keep_best metric, and the step that reached it
+    best_step: int | None = None
+    evals_without_improvement: int = 0
 
 
 @dataclass
@@ -62,7 +68,7 @@ class Run:
     scaler: torch.amp.GradScaler
     dtype: torch.dtype
     data: object
-    eval_loader: object
+    eval_sets: list  # trainer.evaluation.EvalSet per held-out file; empty without --eval_data_path
     tokenizer: object
     logger: object
     preemption: object
@@ -90,6 +96,9 @@ def resume_state(run: Run) -> dict:
         "samples_in_epoch": state.samples_in_epoch,
         "skipped_steps": state.skipped_steps,
         "bad_steps_in_a_row": state.bad_steps_in_a_row,
+        "best_value": state.best_value,
+        "best_step": state.best_step,
+        "evals_without_improvement": state.evals_without_improvement,
         "rng": rng_states,
         "world_size": run.ctx.world_size,
         "args": dict(vars(run.args)),
@@ -121,6 +130,8 @@ def restore(run: Run, saved: dict) -> None:
         step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
         skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
         wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
+        best_value=saved.get("best_value"), best_step=saved.get("best_step"),
+        evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
     # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
     if run.ctx.is_main and checkpoint.set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
@@ -150,6 +161,8 @@ def save(run: Run) -> None:
             path = checkpoint.save_resume_checkpoint(content, run.args.save_dir, run.args.keep_last)
             save_dtype = getattr(torch, run.args.save_dtype)
             checkpoint.save_inference_weights(run.raw_model, run.tokenizer, run.args.save_dir, save_dtype)
+            if run.args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
+                save_minimind_copy(run.raw_model, run.args.save_dir, run.args.save_weight)
             run.logger.print(f"saved {path}")
         except checkpoint.CheckpointError as failure:
             error = str(failure)
@@ -265,29 +278,45 @@ def track_bad_steps(run: Run, finite: bool) -> None:
         )
 
 
-@torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Token-weighted eval loss over the whole eval set, summed over all ranks."""
-    model, device = run.raw_model, run.ctx.device
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in run.eval_loader:
-        with autocast(device, run.dtype):
-            out = model(**model_inputs(batch, device), num_items_in_batch=1, skip_logits=True)
-        totals[0] += out.loss.double()
-        totals[1] += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    all_reduce_sum(totals)
-    model.train(was_training)
-    loss_sum, count = totals.tolist()
-    return loss_sum / max(count, 1)
+def save_best(run: Run) -> None:
+    """Rank 0 writes `<save_dir>/best/` (inference weights + best.json); a failed write stops every rank."""
+    state, args = run.state, run.args
+    error = None
+    if run.ctx.is_main:
+        try:
+            record = best_record(args.keep_best, state.best_value, state.best_step)
+            checkpoint.save_inference_weights(run.raw_model, run.tokenizer, args.save_dir, getattr(torch, args.save_dtype),
+                                              name=BEST_DIR, extra_files={BEST_FILE: record})
+        except checkpoint.CheckpointError as failure:
+            error = str(failure)
+    error = broadcast_object(error)
+    if error:
+        raise checkpoint.CheckpointError(error)
+
+
+def evaluate_and_select(run: Run) -> bool:
+    """Evaluate, log, keep the best model; True when early stopping says the run should end."""
+    state, args = run.state, run.args
+    # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
+    figures = broadcast_object(evaluate(run))
+    new_best = stop = False
+    if args.keep_best:
+        new_best, stop = update_selection(state, args.keep_best, figures, args.early_stop_patience)
+        if new_best:
+            save_best(run)
+    run.logger.log_eval(state.step, figures, args.keep_best, state.best_value, state.best_step, new_best)
+    if stop:
+        run.logger.log_early_stop(state.step, args.keep_best, state.evals_without_improvement,
+                                  state.best_value, state.best_step)
+    return stop
 
 
 # --------------------------------------------------------------------------- the loop
 
 
 def train(run: Run) -> str:
-    """Train until the last step, `--max_steps`, or preemption. Returns "finished" or "preempted"."""
+    """Train until the last step, `--max_steps`, preemption or an early stop (`--early_stop_patience`).
+    Returns "finished", "preempted" or "early_stopped"."""
     args, state, logger = run.args, run.state, run.logger
     logger.run_id = state.run_id
     total_steps = count_total_steps(run)
@@ -332,20 +361,22 @@ def train(run: Run) -> str:
             interval["tokens"] += real_tokens
             if state.step % args.log_interval == 0 or state.step == total_steps:
                 log_interval(run, interval, grad_norm, lr, total_steps)
-            if run.eval_loader is not None and args.eval_interval and state.step % args.eval_interval == 0:
-                logger.log_eval(state.step, evaluate(run))
+            if run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0:
                 last_eval = state.step
+                if evaluate_and_select(run):
+                    status = "early_stopped"
+                    break
             if args.save_interval and state.step % args.save_interval == 0:
                 save(run)
                 last_saved = state.step
             if state.samples_in_epoch == 0:
                 break  # epoch finished: the outer loop starts the next one
-        if status == "preempted":
+        if status != "finished":
             break
     if status == "preempted":
         logger.print(f"SIGTERM received: stopping at step {state.step} and saving a resume checkpoint")
-    elif run.eval_loader is not None and last_eval != state.step:
-        logger.log_eval(state.step, evaluate(run))
+    elif run.eval_sets and last_eval != state.step:
+        evaluate_and_select(run)
     if last_saved != state.step or status == "preempted" or state.step == 0:
         save(run)
     return status
