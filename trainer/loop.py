@@ -18,6 +18,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -192,26 +193,37 @@ def count_total_steps(run: Run) -> int:
     return min(natural, args.max_steps) if args.max_steps else natural
 
 
-def agree_on_step(run: Run, micro_batches: list[dict]) -> tuple[int, int, bool]:
-    """Global loss-token count, global real-token count, and whether any rank must stop now."""
+class StepTotals(NamedTuple):
+    """What the ranks agree on before an optimizer step (one all-reduce)."""
+
+    loss_tokens: int  # tokens with a label, all micro-batches of all ranks: the token loss divides by it
+    real_tokens: int  # non-pad tokens (for tokens/s)
+    sequences: int  # rows with a real token: the MoE balance loss divides by it
+    stop: bool  # some rank must stop now (preemption)
+
+
+def agree_on_step(run: Run, micro_batches: list[dict]) -> StepTotals:
+    """Global loss-token, real-token and row counts, and whether any rank must stop now."""
     loss_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
     real_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+    sequences = sum(int(mb["attention_mask"].any(dim=1).sum()) for mb in micro_batches)
     stop = int(run.preemption.requested)
     if run.ctx.distributed:
-        figures = torch.tensor([loss_tokens, real_tokens, stop], dtype=torch.int64, device=run.ctx.device)
-        loss_tokens, real_tokens, stop = all_reduce_sum(figures).tolist()
-    return loss_tokens, real_tokens, bool(stop)
+        figures = torch.tensor([loss_tokens, real_tokens, sequences, stop], dtype=torch.int64, device=run.ctx.device)
+        loss_tokens, real_tokens, sequences, stop = all_reduce_sum(figures).tolist()
+    return StepTotals(loss_tokens, real_tokens, sequences, bool(stop))
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:
-    """Right padding + causal attention: real tokens never see the pads, so no mask is needed
-    (and SDPA keeps its fused causal kernel). Packed rows carry position_ids instead."""
-    inputs = {
-        "input_ids": batch["input_ids"].to(device, non_blocking=True),
-        "labels": batch["labels"].to(device, non_blocking=True),
-    }
-    if "position_ids" in batch:
-        inputs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
+    """Right padding + causal attention: real tokens never see the pads, so no attention mask is
+    needed (and SDPA keeps its fused causal kernel); `token_mask` only tells the MoE balance loss
+    which tokens are real. Packed rows carry position_ids. The collator's precomputed
+    `loss_positions` / `packed_layout` spare the model host syncs (see model/modeling_minimind.py);
+    every copy is asynchronous."""
+    inputs = {key: batch[key].to(device, non_blocking=True)
+              for key in ("input_ids", "labels", "position_ids", "loss_positions", "packed_layout") if key in batch}
+    if "attention_mask" in batch:
+        inputs["token_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return inputs
 
 
@@ -223,9 +235,12 @@ def injected_nan_steps() -> frozenset[int]:
         raise TrainingError(f"{FAULT_NAN_STEPS_ENV}={text!r}: expected step numbers like 3,4,5") from error
 
 
-def optimizer_step(run: Run, micro_batches: list[dict], loss_tokens: int, lr: float, inject_nan: bool = False):
+def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: float, inject_nan: bool = False):
     """Forward/backward over the micro-batches, clip, step. Returns (loss contribution, grad norm, applied).
 
+    Every micro-batch's token loss is divided by the step's global loss-token count and its MoE
+    balance loss by the step's global row count, so the step's objective does not depend on how
+    the rows are split over ranks and micro-batches.
     `inject_nan` (fault injection, see FAULT_NAN_STEPS_ENV) makes this step's loss NaN."""
     model, ctx, scaler = run.model, run.ctx, run.scaler
     set_lr(run.optimizer, lr)
@@ -235,10 +250,11 @@ def optimizer_step(run: Run, micro_batches: list[dict], loss_tokens: int, lr: fl
         sync = contextlib.nullcontext() if (last or not ctx.distributed) else model.no_sync()
         with sync:
             with autocast(ctx.device, run.dtype):
-                out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(loss_tokens, 1), skip_logits=True)
+                out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(totals.loss_tokens, 1),
+                            num_sequences_in_batch=max(totals.sequences, 1), skip_logits=True)
             loss = out.loss * float("nan") if inject_nan else out.loss
-            # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens.
-            objective = loss * ctx.world_size + out.aux_loss / len(micro_batches)
+            # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens (rows).
+            objective = (loss + out.aux_loss) * ctx.world_size
             scaler.scale(objective).backward()
         local_loss += loss.detach().float()
     scaler.unscale_(run.optimizer)
@@ -342,12 +358,12 @@ def train(run: Run) -> str:
             if not micro_batches:  # defensive: the sampler always covers the epoch
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
                 break
-            loss_tokens, real_tokens, stop = agree_on_step(run, micro_batches)
-            if stop:
+            totals = agree_on_step(run, micro_batches)
+            if totals.stop:
                 status = "preempted"
                 break
             lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
-            loss, grad_norm, finite = optimizer_step(run, micro_batches, loss_tokens, lr,
+            loss, grad_norm, finite = optimizer_step(run, micro_batches, totals, lr,
                                                      inject_nan=state.step + 1 in nan_steps)
             state.step += 1
             consumed = sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
@@ -358,7 +374,7 @@ def train(run: Run) -> str:
             if finite:
                 interval["loss"] += loss
                 interval["steps"] += 1
-            interval["tokens"] += real_tokens
+            interval["tokens"] += totals.real_tokens
             if state.step % args.log_interval == 0 or state.step == total_steps:
                 log_interval(run, interval, grad_norm, lr, total_steps)
             if run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0:
