@@ -306,3 +306,22 @@ def test_export_into_a_runs_model_dir_is_refused(tmp_path, capsys):
         assert capsys.readouterr().err == (f"error: --out_dir {out_dir} is inside the training run's {run / 'model'}, "
                                            "which the run's next save replaces; choose a directory outside it\n")
     assert sorted(os.listdir(run / "model")) == []
+
+
+def test_rank_zero_reads_the_resume_file_once_and_memory_maps_it(tmp_path, monkeypatch):
+    import train_full_sft
+    from trainer.checkpoint import FORMAT
+
+    config = {"hidden_size": 32}
+    state = {"format": FORMAT, "format_version": 1, "model_config": config, "model": {"w": torch.ones(3)},
+             "optimizer": {}, "step": 3, "epoch": 0, "samples_in_epoch": 8, "rng": [], "world_size": 1, "args": {}}
+    (tmp_path / "checkpoints").mkdir()
+    torch.save(state, checkpoint_at(tmp_path, 3))
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("mmap")) or real_load(*a, **k))
+    args = SimpleNamespace(resume_from=None, from_resume=1, save_dir=str(tmp_path), overwrite=0)
+    ctx = SimpleNamespace(is_main=True)
+    saved = train_full_sft.locate_resume(args, SimpleNamespace(to_dict=lambda: config), ctx, lambda _: None)
+    assert saved["step"] == 3 and torch.equal(saved["model"]["w"], torch.ones(3))
+    assert loads == [True]
