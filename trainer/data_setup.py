@@ -50,7 +50,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     group = bool(args.group_by_length)
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
-        lengths=dataset.lengths if group else None,
+        lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order
         # One group = one optimizer step's global batch: every rank and micro-step gets samples of
         # similar length, and the order stays the same for any split of that batch into
         # processes x micro-batches (so those equivalences and resumes keep holding).

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from trainer import checkpoint
+from trainer import checkpoint, sample_stream
 from trainer.distributed import all_gather_objects, all_reduce_sum, barrier, broadcast_object
 from trainer.evaluation import evaluate
 from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
@@ -52,6 +52,7 @@ class TrainState:
     skipped_steps: int = 0
     bad_steps_in_a_row: int = 0
     wandb_run_id: str | None = None
+    run_id: str = field(default_factory=checkpoint.new_run_id)  # one line of training, kept across resumes
     best_value: float | None = None  # of the --keep_best metric, and the step that reached it
     best_step: int | None = None
     evals_without_improvement: int = 0
@@ -95,18 +96,30 @@ def resume_state(run: Run) -> dict:
         "epoch": state.epoch,
         "samples_in_epoch": state.samples_in_epoch,
         "skipped_steps": state.skipped_steps,
+        "bad_steps_in_a_row": state.bad_steps_in_a_row,
         "best_value": state.best_value,
         "best_step": state.best_step,
         "evals_without_improvement": state.evals_without_improvement,
         "rng": rng_states,
         "world_size": run.ctx.world_size,
         "args": dict(vars(run.args)),
+        # only rank 0 writes it (hashing the data file is not free)
+        "sample_stream": sample_stream.recorded(run.args, run.tokenizer, run.data.sampler) if run.ctx.is_main else None,
+        "run_id": state.run_id,
         "wandb_run_id": run.logger.wandb_run_id,
     }
 
 
 def restore(run: Run, saved: dict) -> None:
-    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position)."""
+    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position).
+
+    A resume that changes a setting of the sample stream is refused on every rank; another global
+    batch or grouping finishes the interrupted epoch in the checkpoint's order (`sample_stream`)."""
+    problem = sample_stream.check_and_pin(saved, run.args, run.tokenizer, run.data.sampler, run.ctx.is_main,
+                                          run.logger.print)
+    problem = broadcast_object(problem)
+    if problem:
+        raise checkpoint.CheckpointError(problem)
     try:
         run.raw_model.load_state_dict(saved["model"])
         run.optimizer.load_state_dict(saved["optimizer"])
@@ -116,12 +129,18 @@ def restore(run: Run, saved: dict) -> None:
         run.scaler.load_state_dict(saved["scaler"])
     run.state = TrainState(
         step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
-        skipped_steps=saved.get("skipped_steps", 0), wandb_run_id=saved.get("wandb_run_id"),
+        skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
+        wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
         best_value=saved.get("best_value"), best_step=saved.get("best_step"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
+    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
+    if run.ctx.is_main and checkpoint.set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
+        run.state.run_id = checkpoint.new_run_id()
     if saved["world_size"] == run.ctx.world_size:
-        restore_rng_state(saved["rng"][run.ctx.rank])
+        note = restore_rng_state(saved["rng"][run.ctx.rank])
+        if note:
+            run.logger.print(f"warning: {note}")
     else:
         # Same sample stream, new per-rank randomness (dropout) for the new world size.
         setup_seed(run.args.seed + run.ctx.rank + saved["step"])
@@ -315,6 +334,7 @@ def train(run: Run) -> str:
     """Train until the last step, `--max_steps`, preemption or an early stop (`--early_stop_patience`).
     Returns "finished", "preempted" or "early_stopped"."""
     args, state, logger = run.args, run.state, run.logger
+    logger.run_id = state.run_id
     total_steps = count_total_steps(run)
     warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup_steps(total_steps)
     run.model.train()

@@ -44,6 +44,7 @@ class RunLogger:
         self.metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
         self.wandb = None
         self.wandb_run_id = wandb_run_id
+        self.run_id = None  # set by the loop: every metrics.jsonl row names the run it belongs to
         self.bar = None  # a tqdm bar when stdout is a terminal, else one line per log interval
         self.use_bar = is_main and terminal_width() > 0
         if self.enabled and args.use_wandb:
@@ -103,7 +104,7 @@ class RunLogger:
                       "best_step": best_step, "evaluations_without_improvement": evaluations})
 
     def _record(self, row: dict) -> None:
-        row = {**row, "time": time.time()}
+        row = {**row, "run_id": self.run_id, "time": time.time()}
         with open(self.metrics_path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
         if self.wandb is not None:
