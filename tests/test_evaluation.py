@@ -165,12 +165,7 @@ def _evaluate_in_process(rank, world_size, init_file, data_path, out_dir):
                            packing=0, batch_size=3, eval_generate_samples=5, eval_max_new_tokens=4)
     ctx = SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"))
     eval_sets = build_eval_sets(args, tokenizer, ctx)
-    from model import MiniMindConfig, MiniMindForCausalLM
-
-    torch.manual_seed(0)
-    config = MiniMindConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256)
-    model = MiniMindForCausalLM(config)
+    model = tiny_model_for(tokenizer)
     run = SimpleNamespace(raw_model=model, ctx=ctx, dtype=torch.float32, args=args, tokenizer=tokenizer,
                           eval_sets=eval_sets)
     result = evaluate(run)
@@ -211,3 +206,80 @@ def test_a_resumed_run_keeps_comparing_against_the_best_of_the_run_before(data, 
     saved = torch.load(checkpoint_at(tmp_path / "full", 3), weights_only=True)
     assert (saved["best_value"], saved["best_step"]) == (full[2]["best_value"], full[2]["best_step"])
     assert saved["evals_without_improvement"] == 3 - full[2]["best_step"]
+
+
+# --------------------------------------------------------------------------- tool calls
+
+WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+
+
+def call_text(name, arguments):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_an_answer_is_right_by_its_calls_or_by_its_reply():
+    from trainer.evaluation import answer_is_right
+
+    think = "<think>\nthe user wants the weather\n</think>\n\n"
+    assert answer_is_right(think + call_text("get_weather", {"days": 2.0, "city": "Paris"}), "", [WEATHER])
+    assert not answer_is_right(call_text("get_weather", {"city": "Rome", "days": 2}), "", [WEATHER])
+    assert not answer_is_right(call_text("get_time", WEATHER["arguments"]), "", [WEATHER])
+    assert not answer_is_right("It is sunny in Paris.", "", [WEATHER])
+    assert not answer_is_right(call_text("get_weather", WEATHER["arguments"]) + "\n<tool_call>\n{oops\n</tool_call>",
+                               "", [WEATHER])
+    assert answer_is_right(think + "  Paris.\n", "Paris.", [])
+    assert not answer_is_right("Paris.\n" + call_text("get_weather", WEATHER["arguments"]), "Paris.", [])
+    assert not answer_is_right("Lyon.", "Paris.", [])
+
+
+def test_tool_call_accuracy_and_exact_match_are_counted_per_kind_of_turn(tmp_path, monkeypatch):
+    """The held-out references come out of the token cache with their calls; answers that make
+    the right calls / say the right reply count, the others do not."""
+    import trainer.evaluation as evaluation
+    from dataset import load_tokenizer
+    from trainer.data_setup import build_eval_sets
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
+                                                "parameters": {"type": "object", "properties": {}}}}]
+    rows = []
+    for city in ("Paris", "Rome", "Oslo"):
+        call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city, "days": 2}}}
+        rows.append({"messages": [{"role": "user", "content": f"Weather in {city}?"},
+                                  {"role": "assistant", "content": "", "tool_calls": [call]}], "tools": tools})
+    for city in ("Lumbria", "Vessa"):
+        rows.append({"messages": [{"role": "user", "content": f"Capital of {city}?"},
+                                  {"role": "assistant", "content": f"The capital is {city}ton."}]})
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    tokenizer = load_tokenizer(None)
+    args = SimpleNamespace(eval_data_path=str(tmp_path / "mixed.jsonl"), max_seq_len=512, bad_data="error",
+                           cache_dir=str(tmp_path), packing=0, batch_size=2, eval_generate_samples=10,
+                           eval_max_new_tokens=4)
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx)
+    assert (eval_set.num_replies, eval_set.num_tool_turns) == (2, 3)
+    assert [e.reference_calls for e in eval_set.examples[:3]] == [
+        [{"name": "get_weather", "arguments": {"city": city, "days": 2}}] for city in ("Paris", "Rome", "Oslo")]
+    assert [e.reference for e in eval_set.examples[3:]] == ["The capital is Lumbriaton.", "The capital is Vessaton."]
+    # A stand-in for the model's answers: right calls for Paris and Oslo, a wrong city for Rome,
+    # the right reply for Lumbria, a tool call instead of the reply for Vessa.
+    answers = [call_text("get_weather", {"city": "Paris", "days": 2}), call_text("get_weather", {"city": "Roma", "days": 2}),
+               call_text("get_weather", {"city": "Oslo", "days": 2}), "The capital is Lumbriaton.",
+               call_text("get_weather", {"city": "Vessa"})]
+    by_prompt = {tuple(e.prompt_ids): tokenizer.encode(a, add_special_tokens=False)
+                 for e, a in zip(eval_set.examples, answers)}
+    monkeypatch.setattr(evaluation, "greedy_generate", lambda model, prompts, *rest: [by_prompt[tuple(p)] for p in prompts])
+    run = SimpleNamespace(raw_model=tiny_model_for(tokenizer), ctx=ctx, dtype=torch.float32, args=args,
+                          tokenizer=tokenizer, eval_sets=[eval_set])
+    figures = evaluation.evaluate(run)
+    assert figures["eval_tool_call_accuracy"] == 2 / 3 and figures["eval_exact_match"] == 1 / 2
+    assert evaluation.metric_names([eval_set]) == ["eval_loss", "eval_token_accuracy", "eval_exact_match",
+                                                   "eval_tool_call_accuracy"]
+
+
+def tiny_model_for(tokenizer):
+    from model import MiniMindConfig, MiniMindForCausalLM
+
+    torch.manual_seed(0)
+    return MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                              num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                              max_position_embeddings=1024))

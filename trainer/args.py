@@ -104,12 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "every held-out file")
     evl.add_argument("--eval_generate_samples", type=int, default=0,
                      help="also answer the first N conversations of each held-out file greedily and report "
-                          "eval_exact_match (0 = off; ranks share the work)")
+                          "eval_exact_match and, where the answers call tools, eval_tool_call_accuracy (0 = off; "
+                          "ranks share the work)")
     evl.add_argument("--eval_max_new_tokens", type=int, default=64, help="most tokens generated per answer")
     evl.add_argument("--keep_best", default=None, metavar="METRIC",
                      help="keep the model of the best evaluation in SAVE_DIR/best/ (with best.json): eval_loss "
-                          "(lower is better), eval_token_accuracy, eval_exact_match (higher), or a per-file key "
-                          "such as eval_loss/NAME")
+                          "(lower is better), eval_token_accuracy, eval_exact_match, eval_tool_call_accuracy "
+                          "(higher), or a per-file key such as eval_loss/NAME")
     evl.add_argument("--early_stop_patience", type=int, default=0,
                      help="stop (and save) after N evaluations without improvement of --keep_best (0 = off)")
 

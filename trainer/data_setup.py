@@ -93,6 +93,8 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
             collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
             num_workers=0,
         )
-        examples = generation_examples(samples, args.eval_generate_samples, tokenizer.eos_token_id)
-        eval_sets.append(EvalSet(name, loader, examples[ctx.rank::ctx.world_size], len(examples)))
+        examples = generation_examples(samples, args.eval_generate_samples, tokenizer)
+        tool_turns = sum(bool(example.reference_calls) for example in examples)
+        eval_sets.append(EvalSet(name, loader, examples[ctx.rank::ctx.world_size], len(examples) - tool_turns,
+                                 tool_turns))
     return eval_sets

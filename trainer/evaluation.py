@@ -6,12 +6,14 @@ For every held-out file (`--eval_data_path a.jsonl,b.jsonl`), on every `--eval_i
 * token accuracy: the fraction of those tokens whose greedy (argmax) prediction is the label;
 * with `--eval_generate_samples N`: the first N conversations of the file are answered greedily
   (at most `--eval_max_new_tokens` tokens). The prompt is the sample's tokens before its last
-  assistant turn, the reference is that turn. Exact match: the generated text equals the
-  reference (whitespace stripped at both ends).
+  assistant turn, the reference is that turn; reasoning (`<think>...</think>`) is split off both
+  (`dataset.tool_calls`). Exact match (turns without tool calls): the reply equals the reference,
+  whitespace stripped at both ends, and calls no tool. Tool-call accuracy (turns with tool
+  calls): the same calls, names equal and arguments JSON-equal, in any order.
 
 Every rank evaluates a disjoint slice (every world_size-th sample from its rank) and all figures
 are sums, reduced in one all-reduce at the end: N ranks give the same numbers as one.
-`greedy_generate` is shared with `scripts/eval_sft.py`.
+`greedy_generate` and `answer_is_right` are shared with `scripts/eval_sft.py`.
 """
 
 from __future__ import annotations
@@ -23,22 +25,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dataset.tool_calls import calls_match, parse_reply
 from trainer.distributed import all_reduce_sum
 from trainer.model_setup import autocast
 
 IGNORE_INDEX = -100
 # The sums kept per held-out file, in this order in the all-reduced tensor.
-SUMS = ("loss_sum", "tokens", "tokens_correct", "replies", "replies_correct")
+SUMS = ("loss_sum", "tokens", "tokens_correct", "replies", "replies_correct", "tool_turns", "tool_turns_correct")
 # The figures reported, and whether a smaller value is better (for --keep_best).
-METRICS = {"eval_loss": "min", "eval_token_accuracy": "max", "eval_exact_match": "max"}
+METRICS = {"eval_loss": "min", "eval_token_accuracy": "max", "eval_exact_match": "max", "eval_tool_call_accuracy": "max"}
 
 
 @dataclass
 class GenerationExample:
-    """One prompt of the generation subset: token ids before the last assistant turn, and that turn."""
+    """One prompt of the generation subset: token ids before the last assistant turn, and that
+    turn as text with its tool calls (judged by tool-call accuracy when it has any, else by exact match)."""
 
     prompt_ids: list[int]
-    reference_ids: list[int]
+    reference: str
+    reference_calls: list[dict]
 
 
 @dataclass
@@ -48,7 +53,8 @@ class EvalSet:
     name: str
     loader: object
     examples: list[GenerationExample] = field(default_factory=list)  # this rank's share
-    num_examples: int = 0  # the whole generation subset (all ranks)
+    num_replies: int = 0  # in the whole generation subset (all ranks): answers judged by exact match
+    num_tool_turns: int = 0  # ... and answers judged by tool-call accuracy
 
 
 def eval_set_names(paths: list[str]) -> list[str]:
@@ -77,8 +83,9 @@ def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, eos_token_id:
     return start, int(positions[-1]) + 1
 
 
-def generation_examples(dataset, count: int, eos_token_id: int) -> list[GenerationExample]:
+def generation_examples(dataset, count: int, tokenizer) -> list[GenerationExample]:
     """The first `count` usable samples of an (unpacked) SFT dataset as prompts and references."""
+    eos_token_id = tokenizer.eos_token_id
     examples = []
     for index in range(len(dataset)):
         if len(examples) >= count:
@@ -88,18 +95,21 @@ def generation_examples(dataset, count: int, eos_token_id: int) -> list[Generati
         if span is not None:
             start, end = span
             ids = sample["input_ids"].tolist()
-            examples.append(GenerationExample(ids[:start], ids[start:end - 1]))
+            reference = parse_reply(tokenizer.decode(ids[start:end - 1], skip_special_tokens=True))
+            examples.append(GenerationExample(ids[:start], reference.content, reference.calls))
     return examples
 
 
 def metric_names(eval_sets: list[EvalSet]) -> list[str]:
     """The metric keys an evaluation of these held-out files reports (for --keep_best)."""
-    def names(generates: bool) -> list[str]:
-        return [key for key in METRICS if generates or key != "eval_exact_match"]
+    def names(replies: int, tool_turns: int) -> list[str]:
+        skip = {"eval_exact_match"} if not replies else set()
+        skip |= {"eval_tool_call_accuracy"} if not tool_turns else set()
+        return [key for key in METRICS if key not in skip]
 
-    result = names(any(s.num_examples for s in eval_sets))
+    result = names(sum(s.num_replies for s in eval_sets), sum(s.num_tool_turns for s in eval_sets))
     if len(eval_sets) > 1:
-        result += [f"{key}/{s.name}" for s in eval_sets for key in names(bool(s.num_examples))]
+        result += [f"{key}/{s.name}" for s in eval_sets for key in names(s.num_replies, s.num_tool_turns)]
     return result
 
 
@@ -145,6 +155,17 @@ def exact_match(answer: str, reference: str) -> bool:
     return answer.strip() == reference.strip()
 
 
+def answer_is_right(answer: str, reference: str, reference_calls: list[dict]) -> bool:
+    """Judge one generated answer (text after the generation prompt; reasoning is split off).
+    A reference with tool calls: the answer makes the same calls (names equal, arguments
+    JSON-equal, any order) and no malformed call. Otherwise: the reply equals the reference
+    (exact match) and calls no tool."""
+    reply = parse_reply(answer)
+    if reference_calls:
+        return calls_match(reply.calls, reference_calls) and not reply.bad_calls
+    return exact_match(reply.content, reference) and not (reply.calls or reply.bad_calls)
+
+
 # --------------------------------------------------------------------------- loss and token accuracy
 
 
@@ -186,11 +207,12 @@ def set_sums(run, eval_set: EvalSet) -> torch.Tensor:
         with autocast(device, run.dtype):
             answers = greedy_generate(model, [e.prompt_ids for e in eval_set.examples], run.tokenizer.pad_token_id,
                                       run.tokenizer.eos_token_id, args.batch_size, args.eval_max_new_tokens)
-        decode = run.tokenizer.decode
-        sums[3] = len(answers)
-        sums[4] = sum(exact_match(decode(answer, skip_special_tokens=True),
-                                  decode(example.reference_ids, skip_special_tokens=True))
-                      for answer, example in zip(answers, eval_set.examples))
+        for answer, example in zip(answers, eval_set.examples):
+            right = answer_is_right(run.tokenizer.decode(answer, skip_special_tokens=True), example.reference,
+                                    example.reference_calls)
+            column = SUMS.index("tool_turns" if example.reference_calls else "replies")
+            sums[column] += 1
+            sums[column + 1] += right
     return sums
 
 
@@ -204,6 +226,8 @@ def figures(sums: list[float]) -> dict:
     }
     if values["replies"]:
         result["eval_exact_match"] = values["replies_correct"] / values["replies"]
+    if values["tool_turns"]:
+        result["eval_tool_call_accuracy"] = values["tool_turns_correct"] / values["tool_turns"]
     return result
 
 

@@ -14,7 +14,7 @@ import time
 
 # Shown on the eval progress line: (metrics key, label, format).
 EVAL_FIGURES = (("eval_loss", "eval_loss", ".4f"), ("eval_token_accuracy", "token_acc", ".4f"),
-                ("eval_exact_match", "exact_match", ".4f"))
+                ("eval_exact_match", "exact_match", ".4f"), ("eval_tool_call_accuracy", "tool_calls", ".4f"))
 
 
 def format_duration(seconds: float) -> str:
