@@ -152,7 +152,8 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
     """[sum of token losses, loss tokens, correctly predicted loss tokens] over this rank's batches.
 
     The model computes its LM head only at the loss positions (`skip_logits=True`); a hook on
-    the head reads those logits for the argmax, so the accuracy costs no second forward."""
+    the head reads those logits for the argmax, so the accuracy costs no second forward. (A
+    change of the model that calls the head elsewhere fails here on the size, loudly.)"""
     from trainer.loop import model_inputs  # the same inputs as training
 
     totals = torch.zeros(3, dtype=torch.float64, device=device)
@@ -168,7 +169,9 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
             targets = targets[targets != IGNORE_INDEX]
             totals[0] += out.loss.double()
             totals[1] += targets.numel()
-            totals[2] += (captured[-1].argmax(dim=-1) == targets).sum()
+            # the head's outputs at the loss positions, in order (one call, or one per chunk)
+            predicted = torch.cat([logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) for logits in captured])
+            totals[2] += (predicted == targets).sum()
     finally:
         hook.remove()
     return totals
