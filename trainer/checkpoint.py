@@ -336,8 +336,12 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print) -> None:
 
 
 class SaveDirLock:
-    """An exclusive `flock` on `<save_dir>/.lock`, held while this process lives: a second run
-    writing to the same directory would mix or prune the first one's checkpoints."""
+    """An exclusive lock on `<save_dir>/.lock`, held while this process lives: a second run
+    writing to the same directory would mix or prune the first one's checkpoints.
+
+    A POSIX record lock (`lockf`), not `flock`: it belongs to this process only, so DataLoader
+    workers forked from it do not keep it after a `kill -9` of the trainer (an elastic restart
+    would otherwise find the directory "in use"); the kernel drops it when the process dies."""
 
     def __init__(self, save_dir: str):
         self.path = os.path.join(save_dir, ".lock")
@@ -346,7 +350,7 @@ class SaveDirLock:
     def acquire(self) -> "SaveDirLock":
         handle = open(self.path, "a+", encoding="utf-8")
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             if error.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 handle.close()
@@ -369,7 +373,7 @@ class SaveDirLock:
 
     def release(self) -> None:
         if self.handle is not None:
-            self.handle.close()  # closing the file drops the flock
+            self.handle.close()  # closing the file drops the lock
             self.handle = None
 
 
