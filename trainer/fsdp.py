@@ -36,7 +36,8 @@ def shard_model(model: MiniMindForCausalLM, world_size: int, device: torch.devic
     with seed + rank, and fully_shard keeps whatever slice of its own tensors a rank holds."""
     with torch.no_grad():
         for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
+            if not tensor.is_meta:  # a meta-device model (scripts/bench_memory.py) has no values
+                dist.broadcast(tensor, src=0)
     mesh = init_device_mesh(device.type, (world_size,))
     policy = mixed_precision(dtype)
     for block in model.model.layers:
