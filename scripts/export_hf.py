@@ -60,6 +60,12 @@ def check_out_dir(out_dir: Path, model_path: Path, overwrite: bool) -> None:
     target = out_dir.resolve()
     if target == source or target in source.parents:
         fail(f"--out_dir {out_dir} contains the model being exported ({model_path}); choose another directory")
+    from trainer.checkpoint import inside_a_run_model_dir
+
+    run_model = inside_a_run_model_dir(str(target))
+    if run_model:
+        fail(f"--out_dir {out_dir} is inside the training run's {run_model}, which the run's next save replaces; "
+             "choose a directory outside it")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         fail(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")
 

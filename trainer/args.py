@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data_path", "--train_data_path", default=DEFAULT_TRAIN_DATA,
                       help="training jsonl (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
     data.add_argument("--eval_data_path", "--valid_data_path", default=None,
-                      help="held-out jsonl; its loss is logged every --eval_interval steps and at the end")
+                      help="held-out jsonl file(s), comma-separated (each reported on its own); evaluated every "
+                           "--eval_interval steps and at the end")
     data.add_argument("--tokenizer_path", default=None, help="HF tokenizer dir; default: the shipped model/tokenizer")
     data.add_argument("--max_seq_len", type=int, default=512, help="samples are truncated to this many tokens")
     data.add_argument("--packing", type=int, choices=(0, 1), default=0,
@@ -98,8 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
     loop.add_argument("--max_bad_steps", type=int, default=5,
                       help="stop after this many non-finite optimizer steps in a row")
-    loop.add_argument("--eval_interval", type=int, default=0,
-                      help="evaluate every N optimizer steps (0 = only at the end, if --eval_data_path)")
+
+    evl = parser.add_argument_group("6b. evaluation (needs --eval_data_path)")
+    evl.add_argument("--eval_interval", type=int, default=0,
+                     help="evaluate every N optimizer steps (0 = only at the end): loss and token accuracy on "
+                          "every held-out file")
+    evl.add_argument("--eval_generate_samples", type=int, default=0,
+                     help="also answer the first N conversations of each held-out file greedily and report "
+                          "eval_exact_match (0 = off; ranks share the work)")
+    evl.add_argument("--eval_max_new_tokens", type=int, default=64, help="most tokens generated per answer")
+    evl.add_argument("--keep_best", default=None, metavar="METRIC",
+                     help="keep the model of the best evaluation in SAVE_DIR/best/ (with best.json): eval_loss "
+                          "(lower is better), eval_token_accuracy, eval_exact_match (higher), or a per-file key "
+                          "such as eval_loss/NAME")
+    evl.add_argument("--early_stop_patience", type=int, default=0,
+                     help="stop (and save) after N evaluations without improvement of --keep_best (0 = off)")
 
     save = parser.add_argument_group("7. saving")
     save.add_argument("--save_dir", default="out", help="checkpoints/, model/ and metrics.jsonl go here")
@@ -107,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--save_dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                       help="dtype of the inference weights (resume checkpoints are always fp32)")
     save.add_argument("--keep_last", type=int, default=3, help="resume checkpoints to keep")
+    save.add_argument("--overwrite", type=int, choices=(0, 1), default=0,
+                      help="1 = start a new run in a --save_dir that holds another run (its files are moved "
+                           "to <save_dir>/set_aside/, not deleted)")
     save.add_argument("--save_weight", default=None,
                       help="MiniMind's prefix: also write SAVE_DIR/PREFIX_HIDDEN[_moe].pth (fp16, MiniMind's state dict, "
                            "for its eval_llm.py) at every save, e.g. --save_weight full_sft")
@@ -140,9 +157,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "keep_last", "max_bad_steps"):
         if getattr(args, name) < 1:
             problems.append(f"--{name} must be >= 1 (got {getattr(args, name)})")
-    for name in ("max_steps", "save_interval", "eval_interval"):
+    for name in ("max_steps", "save_interval", "eval_interval", "eval_generate_samples", "early_stop_patience"):
         if getattr(args, name) < 0:
             problems.append(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.eval_max_new_tokens < 1:
+        problems.append(f"--eval_max_new_tokens must be >= 1 (got {args.eval_max_new_tokens})")
     if args.learning_rate <= 0:
         problems.append(f"--learning_rate must be > 0 (got {args.learning_rate})")
     if args.dist_timeout <= 0:
@@ -151,7 +170,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
     if problems:
         parser.error("; ".join(problems))
-    for name in ("data_path", "eval_data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir"):
+    if args.eval_data_path:  # several held-out files: a.jsonl,b.jsonl
+        args.eval_data_path = ",".join(os.path.abspath(path) for path in args.eval_data_path.split(",") if path)
+    for name in ("data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir"):
         value = getattr(args, name)
         if value:
             setattr(args, name, os.path.abspath(value))
