@@ -26,6 +26,8 @@ import zipfile
 import torch
 from safetensors import SafetensorError
 
+from trainer.model_selection import BEST_DIR, best_step_on_disk
+
 FORMAT = "minisft-resume"
 FORMAT_VERSION = 1
 CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.pt$")
@@ -305,6 +307,9 @@ def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
     """A resume to an earlier step starts a new line of training: the later checkpoints of the old
     line would outrank (and rotate away) the new ones, so they are moved aside, named, not deleted."""
     later = [path for path in list_checkpoints(save_dir) if step_of(path) > step]
+    best_step = best_step_on_disk(save_dir)
+    if best_step is not None and best_step > step:  # best/ of the old line: the new line keeps its own
+        later.append(os.path.join(save_dir, BEST_DIR))
     if later:
         names = ", ".join(os.path.basename(path) for path in reversed(later))
         folder = set_aside(save_dir, later, f"after-step-{step}")
