@@ -325,3 +325,21 @@ def test_rank_zero_reads_the_resume_file_once_and_memory_maps_it(tmp_path, monke
     saved = train_full_sft.locate_resume(args, SimpleNamespace(to_dict=lambda: config), ctx, lambda _: None)
     assert saved["step"] == 3 and torch.equal(saved["model"]["w"], torch.ones(3))
     assert loads == [True]
+
+
+def test_the_save_dir_lock_dies_with_its_process_not_with_its_forked_workers(tmp_path):
+    """A kill -9 of the trainer leaves its DataLoader workers alive for a moment: they must not keep the lock."""
+    script = ("import os, time; from trainer.checkpoint import SaveDirLock; "
+              f"lock = SaveDirLock({str(tmp_path)!r}).acquire(); child = os.fork()\n"
+              "if child == 0:\n    time.sleep(120); os._exit(0)\n"
+              "print(child, flush=True); os._exit(0)")
+    holder = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                              text=True)
+    worker = int(holder.stdout.readline())
+    holder.wait(timeout=60)  # the trainer is gone, its worker is not
+    holder.stdout.close()
+    try:
+        os.kill(worker, 0)  # the forked worker still runs
+        SaveDirLock(str(tmp_path)).acquire().release()
+    finally:
+        os.kill(worker, 9)

@@ -27,6 +27,8 @@ import zipfile
 import torch
 from safetensors import SafetensorError
 
+from trainer.model_selection import BEST_DIR, best_step_on_disk
+
 FORMAT = "minisft-resume"
 FORMAT_VERSION = 1
 # step_00000100.pt: one file; step_00000100.dcp: a directory of shards (trainer/sharded_checkpoint.py)
@@ -321,6 +323,9 @@ def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
     """A resume to an earlier step starts a new line of training: the later checkpoints of the old
     line would outrank (and rotate away) the new ones, so they are moved aside, named, not deleted."""
     later = [path for path in list_checkpoints(save_dir) if step_of(path) > step]
+    best_step = best_step_on_disk(save_dir)
+    if best_step is not None and best_step > step:  # best/ of the old line: the new line keeps its own
+        later.append(os.path.join(save_dir, BEST_DIR))
     if later:
         names = ", ".join(os.path.basename(path) for path in reversed(later))
         folder = set_aside(save_dir, later, f"after-step-{step}")
@@ -347,8 +352,12 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print) -> None:
 
 
 class SaveDirLock:
-    """An exclusive `flock` on `<save_dir>/.lock`, held while this process lives: a second run
-    writing to the same directory would mix or prune the first one's checkpoints."""
+    """An exclusive lock on `<save_dir>/.lock`, held while this process lives: a second run
+    writing to the same directory would mix or prune the first one's checkpoints.
+
+    A POSIX record lock (`lockf`), not `flock`: it belongs to this process only, so DataLoader
+    workers forked from it do not keep it after a `kill -9` of the trainer (an elastic restart
+    would otherwise find the directory "in use"); the kernel drops it when the process dies."""
 
     def __init__(self, save_dir: str):
         self.path = os.path.join(save_dir, ".lock")
@@ -357,7 +366,7 @@ class SaveDirLock:
     def acquire(self) -> "SaveDirLock":
         handle = open(self.path, "a+", encoding="utf-8")
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             if error.errno not in (errno.EWOULDBLOCK, errno.EACCES):
                 handle.close()
@@ -380,7 +389,7 @@ class SaveDirLock:
 
     def release(self) -> None:
         if self.handle is not None:
-            self.handle.close()  # closing the file drops the flock
+            self.handle.close()  # closing the file drops the lock
             self.handle = None
 
 
