@@ -201,13 +201,21 @@ def test_two_process_evaluation_equals_one_process(data, tmp_path):
 def test_a_resumed_run_keeps_comparing_against_the_best_of_the_run_before(data, tmp_path):
     common = ["--batch_size", "8", "--max_steps", "6", "--eval_interval", "1", "--eval_data_path",
               str(data / "eval.jsonl"), "--keep_best", "eval_loss", "--learning_rate", "3e-2", "--warmup_steps", "0"]
-    run_trainer(flags(data, tmp_path / "full", *common, "--save_interval", "3"))
-    run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",
-                      "--resume_from", checkpoint_at(tmp_path / "full", 3)))
-    full, _ = eval_rows(tmp_path / "full")
-    resumed, _ = eval_rows(tmp_path / "resumed")
+    run_trainer(flags(data, tmp_path / "run", *common, "--save_interval", "3"))
+    full, _ = eval_rows(tmp_path / "run")
+    old_best = (tmp_path / "run" / "best" / "best.json").read_text()
+    assert json.loads(old_best)["step"] > 3  # the loss falls fast: the best is after the step resumed below
+    # A rollback to step 3 in the same directory: a new line of training with the best of step 3's state.
+    run_trainer(flags(data, tmp_path / "run", *common, "--save_interval", "0",
+                      "--resume_from", checkpoint_at(tmp_path / "run", 3)))
+    resumed = eval_rows(tmp_path / "run")[0][len(full):]
     fields = ("step", "eval_loss", "best_value", "best_step", "new_best")
     assert [[row[k] for k in fields] for row in resumed] == [[row[k] for k in fields] for row in full[3:]]
-    saved = torch.load(checkpoint_at(tmp_path / "full", 3), weights_only=True)
+    saved = torch.load(checkpoint_at(tmp_path / "run", 3), weights_only=True)
     assert (saved["best_value"], saved["best_step"]) == (full[2]["best_value"], full[2]["best_step"])
     assert saved["evals_without_improvement"] == 3 - full[2]["best_step"]
+    # the old line's best/ was moved aside with its later checkpoint, and the new line wrote its own
+    aside = [os.path.join(root, "best.json") for root, _, files in os.walk(tmp_path / "run" / "set_aside")
+             if "best.json" in files]
+    assert len(aside) == 1 and open(aside[0], encoding="utf-8").read() == old_best
+    assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["step"] == resumed[-1]["best_step"]

@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)")
     dist.add_argument("--world_size", type=int, default=1,
                       help="start this many local workers yourself (for machines without torchrun)")
+    dist.add_argument("--fsdp", type=int, choices=(0, 1), default=0,
+                      help="1 = shard weights, gradients and optimizer state over the processes (FSDP2) instead of DDP")
     dist.add_argument("--local_rank", "--local-rank", type=int, default=None,
                       help="set by the legacy `python -m torch.distributed.launch`; not for users")
 

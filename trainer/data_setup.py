@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from dataset import PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
 from trainer.evaluation import EvalSet, eval_set_names, generation_examples
+from trainer.sample_stream import epoch_grouping
 
 
 @dataclass
@@ -47,14 +48,13 @@ def build_dataset(path, args, tokenizer):
 
 def build_train_data(args, tokenizer, ctx) -> TrainData:
     dataset = build_dataset(args.data_path, args, tokenizer)
-    group = bool(args.group_by_length)
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order
         # One group = one optimizer step's global batch: every rank and micro-step gets samples of
         # similar length, and the order stays the same for any split of that batch into
         # processes x micro-batches (so those equivalences and resumes keep holding).
-        group_size=args.batch_size * ctx.world_size * args.accumulation_steps if group else None,
+        group_size=epoch_grouping(args, ctx.world_size),
     )
     workers = default_num_workers(args, ctx.device)
     loader = DataLoader(

@@ -8,12 +8,14 @@ lower for losses, higher for accuracies), rank 0 writes the inference weights to
 rank decides on the same all-reduced figures, so all stop at the same step, and the run saves.
 
 The state (best value and step, evaluations since) lives in `TrainState` and so in every resume
-checkpoint: a resumed run keeps comparing against the best of the run before.
+checkpoint: a resumed run keeps comparing against the best of the run before. A resume to a
+step before the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 BEST_DIR = "best"
 BEST_FILE = "best.json"
@@ -62,3 +64,13 @@ def update_selection(state, metric: str, figures: dict, patience: int) -> tuple[
 def best_record(metric: str, value: float, step: int) -> str:
     """The content of best.json."""
     return json.dumps({"metric": metric, "mode": metric_mode(metric), "value": value, "step": step}, indent=2) + "\n"
+
+
+def best_step_on_disk(save_dir: str) -> int | None:
+    """The step recorded in `<save_dir>/best/best.json`, or None (no best/ or an unreadable record)."""
+    try:
+        with open(os.path.join(save_dir, BEST_DIR, BEST_FILE), encoding="utf-8") as handle:
+            step = json.load(handle).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
