@@ -11,8 +11,9 @@ Layout of ``<cache_root>/<key>/``:
 chat template), ``max_seq_len`` and ``CACHE_VERSION``. A cache is written to a temporary
 directory and renamed into place, so a crash never leaves a half-written cache. Lines are
 tokenized by a process pool over chunks of lines. Under ``torch.distributed`` only local rank 0
-builds; every rank then learns the result (cache path or error message) through a collective,
-so an error raises the same ``DataError`` on all ranks instead of hanging them.
+builds, holding no collective: the other ranks wait on a status file (see ``prepare_cache``), so
+a build longer than the process group's timeout is fine, and an error raises the same
+``DataError`` on all ranks instead of hanging them.
 
 SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (pool ended, temporary directory
 removed). Temporary directories are named ``.tmp-<key>-<host>.<pid>-*``; the next build on
@@ -29,8 +30,10 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +45,7 @@ from .rendering import TemplateError, encode_conversation, token_dtype, tokenize
 
 CACHE_VERSION = 1
 CHUNK_LINES = 512
+PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")
 
 _worker_tokenizer = None  # set in each pool worker by _init_worker
@@ -146,6 +150,7 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
         "lengths": np.asarray(lengths, dtype=np.int64),
         "bad": bad,
         "dropped": dropped,
+        "rows": len(lines),
     }
 
 
@@ -163,9 +168,28 @@ def _iter_chunks(path: Path, max_seq_len: int) -> Iterator[tuple[int, list[bytes
         yield first_line, lines, max_seq_len
 
 
-def _count_chunks(path: Path) -> int:
-    num_lines = sum(1 for _ in open_lines(path))
-    return -(-num_lines // CHUNK_LINES)
+def _count_lines(path: Path) -> int:
+    return sum(1 for _ in open_lines(path))
+
+
+class BuildProgress:
+    """One line to stderr every ``PROGRESS_S`` seconds while building: rows done, rows/s, ETA."""
+
+    def __init__(self, path: Path, total_rows: int):
+        self.path, self.total = path, total_rows
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def advance(self, rows: int) -> None:
+        self.done += rows
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_S or self.done == self.total:
+            self.last = now
+            elapsed = max(now - self.start, 1e-9)
+            rate = self.done / elapsed
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            print(f"tokenizing {self.path.name}: {self.done:,}/{self.total:,} rows ({100 * self.done / max(self.total, 1):.0f}%), "
+                  f"{rate:,.0f} rows/s, elapsed {elapsed:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
 
 
 def _pool_context():
@@ -187,14 +211,16 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     pool = None
     try:
         with _interrupts_raise():
-            num_workers = min(num_proc, _count_chunks(path))
+            num_lines = _count_lines(path)
+            num_workers = min(num_proc, -(-num_lines // CHUNK_LINES))
             if num_workers > 1:
                 pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
                 results = pool.imap(_encode_chunk, _iter_chunks(path, max_seq_len))
             else:
                 _init_worker(tokenizer)
                 results = map(_encode_chunk, _iter_chunks(path, max_seq_len))
-            _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data)
+            progress = BuildProgress(path, num_lines)
+            _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data, progress)
     finally:
         _init_worker(None)
         if pool is not None:
@@ -203,7 +229,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data) -> None:
+def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data, progress) -> None:
     dtype = token_dtype(len(tokenizer))
     lengths, num_bad, first_bad, dropped = [], 0, None, 0
     with open(tmp_dir / "tokens.bin", "wb") as tokens_file, open(tmp_dir / "loss_mask.bin", "wb") as mask_file:
@@ -221,6 +247,7 @@ def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_dat
             tokens_file.write(result["ids"].astype(dtype).tobytes())
             mask_file.write(result["mask"].astype(np.uint8).tobytes())
             lengths.append(result["lengths"])
+            progress.advance(result["rows"])
     lengths = np.concatenate(lengths)
     if len(lengths) == 0:
         raise DataError(
@@ -307,13 +334,21 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     return target
 
 
+WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
+WAIT_POLL_S = 0.2
+
+
 def prepare_cache(
     path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error", num_proc: int | None = None
 ) -> Path:
     """``build_or_reuse`` on this process, or on local rank 0 only under ``torch.distributed``.
 
-    Every rank gathers (error, cache path) from all ranks; if any builder failed, all ranks raise
-    the same ``DataError``. With NCCL, set the CUDA device before (``all_gather_object`` needs it).
+    The build holds no collective (NCCL's watchdog would kill the waiting ranks after the
+    process group's timeout): local rank 0 writes its outcome (cache path or error) to a status
+    file named by a nonce the ranks agree on first; the other ranks of its node poll for that
+    file, printing a line every ``WAIT_REPORT_S`` seconds. Only then, with everybody done, the
+    ranks gather the outcomes, so if any builder failed all ranks raise the same ``DataError``.
+    With NCCL, set the CUDA device before (the object collectives need it).
     """
     num_proc = num_proc or default_num_proc()
     import torch.distributed as dist
@@ -321,24 +356,49 @@ def prepare_cache(
     if not (dist.is_available() and dist.is_initialized()):
         return build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    result: tuple[str | None, str | None] = (None, None)
+    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
+    nonce = [os.urandom(8).hex() if rank == 0 else None]
+    dist.broadcast_object_list(nonce)  # quick: nobody is building yet
+    status_file = Path(cache_root) / f".build-{nonce[0]}-rank{rank - local_rank}.json"
     interrupted = None
     if local_rank == 0:
         try:
             result = (None, str(build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)))
         except BuildInterrupted as exc:
-            interrupted, result = exc, (f"rank {dist.get_rank()}: {exc}", None)
+            interrupted, result = exc, (f"rank {rank}: {exc}", None)
         except DataError as exc:
             result = (str(exc), None)
         except Exception as exc:  # noqa: BLE001 - must reach the other ranks, not hang them
-            result = (f"building the token cache failed on rank {dist.get_rank()}: {type(exc).__name__}: {exc}", None)
+            result = (f"building the token cache failed on rank {rank}: {type(exc).__name__}: {exc}", None)
+        _write_status(status_file, result)
+    else:
+        with _interrupts_raise():
+            result = _wait_for_status(status_file, rank)
     results: list = [None] * dist.get_world_size()
-    dist.all_gather_object(results, result)  # also the barrier: non-builders wait here
+    dist.all_gather_object(results, result)  # everybody has finished waiting: this is quick
+    if local_rank == 0:
+        status_file.unlink(missing_ok=True)
     errors = [error for error, _ in results if error is not None]
     if interrupted is not None:
         raise interrupted
     if errors:
         raise DataError(errors[0])
-    builder_rank = dist.get_rank() - local_rank
-    return Path(results[builder_rank][1])
+    return Path(result[1])
+
+
+def _write_status(status_file: Path, result: tuple) -> None:
+    status_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = status_file.with_name(status_file.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(result), encoding="utf-8")
+    os.replace(tmp, status_file)
+
+
+def _wait_for_status(status_file: Path, rank: int) -> tuple:
+    start = last_report = time.monotonic()
+    while not status_file.is_file():
+        time.sleep(WAIT_POLL_S)
+        now = time.monotonic()
+        if now - last_report >= WAIT_REPORT_S:
+            last_report = now
+            print(f"rank {rank}: waiting for local rank 0 to build the token cache ({now - start:.0f} s)", flush=True)
+    return tuple(json.loads(status_file.read_text(encoding="utf-8")))
