@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from dataset import DataError
+from dataset import BuildInterrupted, DataError
 from trainer.args import parse_args
 from trainer.checkpoint import (
     CheckpointError, SaveDirLock, check_model_config, claim_for_fresh_run, ensure_writable_dir,
@@ -161,6 +161,8 @@ def main(argv=None) -> int:
         return spawn_local_workers(main, argv if argv is not None else sys.argv[1:], args.world_size)
     try:
         return run_training(args)
+    except BuildInterrupted as interrupt:
+        return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2)
     except TrainingError as error:
