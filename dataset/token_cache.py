@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -44,6 +45,7 @@ from .rendering import TemplateError, encode_conversation, token_dtype, tokenize
 
 CACHE_VERSION = 1
 CHUNK_LINES = 512
+PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")
 
 _worker_tokenizer = None  # set in each pool worker by _init_worker
@@ -148,6 +150,7 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
         "lengths": np.asarray(lengths, dtype=np.int64),
         "bad": bad,
         "dropped": dropped,
+        "rows": len(lines),
     }
 
 
@@ -165,9 +168,28 @@ def _iter_chunks(path: Path, max_seq_len: int) -> Iterator[tuple[int, list[bytes
         yield first_line, lines, max_seq_len
 
 
-def _count_chunks(path: Path) -> int:
-    num_lines = sum(1 for _ in open_lines(path))
-    return -(-num_lines // CHUNK_LINES)
+def _count_lines(path: Path) -> int:
+    return sum(1 for _ in open_lines(path))
+
+
+class BuildProgress:
+    """One line to stderr every ``PROGRESS_S`` seconds while building: rows done, rows/s, ETA."""
+
+    def __init__(self, path: Path, total_rows: int):
+        self.path, self.total = path, total_rows
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def advance(self, rows: int) -> None:
+        self.done += rows
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_S or self.done == self.total:
+            self.last = now
+            elapsed = max(now - self.start, 1e-9)
+            rate = self.done / elapsed
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            print(f"tokenizing {self.path.name}: {self.done:,}/{self.total:,} rows ({100 * self.done / max(self.total, 1):.0f}%), "
+                  f"{rate:,.0f} rows/s, elapsed {elapsed:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
 
 
 def _pool_context():
@@ -189,14 +211,16 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     pool = None
     try:
         with _interrupts_raise():
-            num_workers = min(num_proc, _count_chunks(path))
+            num_lines = _count_lines(path)
+            num_workers = min(num_proc, -(-num_lines // CHUNK_LINES))
             if num_workers > 1:
                 pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
                 results = pool.imap(_encode_chunk, _iter_chunks(path, max_seq_len))
             else:
                 _init_worker(tokenizer)
                 results = map(_encode_chunk, _iter_chunks(path, max_seq_len))
-            _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data)
+            progress = BuildProgress(path, num_lines)
+            _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data, progress)
     finally:
         _init_worker(None)
         if pool is not None:
@@ -205,7 +229,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
-def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data) -> None:
+def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data, progress) -> None:
     dtype = token_dtype(len(tokenizer))
     lengths, num_bad, first_bad, dropped = [], 0, None, 0
     with open(tmp_dir / "tokens.bin", "wb") as tokens_file, open(tmp_dir / "loss_mask.bin", "wb") as mask_file:
@@ -223,6 +247,7 @@ def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_dat
             tokens_file.write(result["ids"].astype(dtype).tobytes())
             mask_file.write(result["mask"].astype(np.uint8).tobytes())
             lengths.append(result["lengths"])
+            progress.advance(result["rows"])
     lengths = np.concatenate(lengths)
     if len(lengths) == 0:
         raise DataError(

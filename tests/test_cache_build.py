@@ -188,3 +188,13 @@ def test_ranks_wait_for_a_build_longer_than_the_process_group_timeout(tmp_path):
     assert rank0 == rank1 and len(rank0["input_ids"]) == 12
     assert "rank 1: waiting for local rank 0 to build the token cache" in (out_dir / "stdout1.txt").read_text()
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+
+
+def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(token_cache, "PROGRESS_S", 0.0)
+    SFTDataset(write_rows(tmp_path / "p.jsonl", [chat_line(i) for i in range(12)]), tokenizer, 64, num_proc=1)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing p.jsonl: ")]
+    assert [line.split(": ")[1].split(" rows")[0] for line in lines] == ["5/12", "10/12", "12/12"]
+    assert all(" rows/s, elapsed " in line and ", ETA " in line for line in lines)
+    assert lines[-1].endswith("ETA 0 s")
