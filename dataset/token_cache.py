@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import DataError, LineError, parse_conversation
-from .rendering import TemplateError, encode_conversation, token_dtype, tokenizer_fingerprint
+from .formats import DataError, LineError, parse_line
+from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 
 CACHE_VERSION = 1
 CHUNK_LINES = 512
@@ -59,12 +59,29 @@ def cache_key(data_digest: str, tokenizer, max_seq_len: int) -> str:
 
 
 def check_data_file(path: Path) -> None:
-    """Raise a one-line ``DataError`` if the data file is missing or has no non-blank line."""
+    """Raise a one-line ``DataError`` if the data file is missing, a directory, a JSON array or has no
+    non-blank line."""
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; --data_path takes a .jsonl file (one conversation per line)")
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
     with path.open("rb") as f:
-        if not any(line.strip() for line in f):
-            raise DataError(f"{path}: data file is empty")
+        first = next((line.strip().removeprefix(b"\xef\xbb\xbf").lstrip() for line in f if line.strip()), b"")
+    if not first:
+        raise DataError(f"{path}: data file is empty")
+    if first.startswith(b"[") and not _is_json(first):
+        raise DataError(
+            f"{path}: is one JSON array, not JSON Lines (one conversation object per line); "
+            "convert it first, e.g. jq -c '.[]' in.json > out.jsonl"
+        )
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- building
@@ -97,12 +114,10 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise LineError(f"invalid UTF-8 at byte {exc.start}") from None
-            ids, mask = encode_conversation(tokenizer, parse_conversation(line), max_seq_len)
+            ids, mask = encode_conversation(tokenizer, parse_line(line), max_seq_len)
         except LineError as exc:
             bad.append((line_number, str(exc)))
             continue
-        except TemplateError as exc:
-            return {"fatal": (line_number, str(exc))}
         if not mask.any():
             dropped += 1
             continue
@@ -167,9 +182,6 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
         lengths, num_bad, first_bad, dropped = [], 0, None, 0
         with open(tmp_dir / "tokens.bin", "wb") as tokens_file, open(tmp_dir / "loss_mask.bin", "wb") as mask_file:
             for result in results:
-                if "fatal" in result:
-                    line_number, message = result["fatal"]
-                    raise DataError(f"{path}:{line_number}: {message}")
                 if result["bad"]:
                     line_number, message = result["bad"][0]
                     if bad_data == "error":

@@ -137,8 +137,10 @@ def test_two_torchrun_agents_as_two_nodes_train_together(data, tmp_path):
 
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
+    # With MiniMind's augmentations on: they are drawn per (seed, epoch, sample), also in workers.
     common = ["--batch_size", "4", "--max_steps", "7", "--dropout", "0.1", "--num_workers", workers,
-              "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2"]
+              "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2",
+              "--system_prompt_ratio", "0.5", "--drop_empty_think_ratio", "0.5"]
     run_trainer(flags(data, tmp_path / "full", *common, "--save_interval", "3"))
     # The state a crash after step 3 leaves behind is the step-3 checkpoint: continue from it.
     resumed = run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",

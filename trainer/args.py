@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--num_workers", type=int, default=None,
                       help="DataLoader workers; default on CUDA: up to 4 per process, from the spare cores; on CPU 0")
     data.add_argument("--cache_dir", default=None, help="where the tokenized cache lives; default next to the data")
+    data.add_argument("--system_prompt_ratio", type=float, default=0.0,
+                      help="augmentation: this fraction of the samples without a system prompt get a random one, "
+                           "drawn per (seed, epoch, sample) (MiniMind: 0.2)")
+    data.add_argument("--drop_empty_think_ratio", type=float, default=0.0,
+                      help="augmentation: in this fraction of the samples the empty <think> blocks are removed, "
+                           "drawn per (seed, epoch, sample) (MiniMind: 0.8)")
 
     mdl = parser.add_argument_group("5. model weights")
     mdl.add_argument("--from_weight", default="none",

@@ -287,6 +287,7 @@ def train(run: Run) -> str:
         sampler = run.data.sampler
         sampler.set_epoch(state.epoch)
         sampler.set_start_index(state.samples_in_epoch)
+        run.data.dataset.set_epoch(state.epoch)  # the epoch the augmentations are drawn for
         batches = iter(run.data.loader)
         while state.step < total_steps:
             micro_batches = list(itertools.islice(batches, args.accumulation_steps))
