@@ -109,7 +109,7 @@ def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path
     name = signal.Signals(signum).name
     assert stderr.strip().splitlines()[-1] == (
         f"stopped: {name} while building the token cache: stopped; run the same command again to build it")
-    assert temporaries(cache_root) == [] and list(cache_root.iterdir()) == []
+    assert temporaries(cache_root) == [] and [p.name for p in cache_root.iterdir()] == [".digests"]
 
 
 @pytest.mark.slow
@@ -187,7 +187,7 @@ def test_ranks_wait_for_a_build_longer_than_the_process_group_timeout(tmp_path):
     assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)  # old code: gloo timeout on rank 1
     assert rank0 == rank1 and len(rank0["input_ids"]) == 12
     assert "rank 1: waiting for local rank 0 to build the token cache" in (out_dir / "stdout1.txt").read_text()
-    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == [".digests"]
 
 
 def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatch, capsys):
@@ -198,3 +198,20 @@ def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatc
     assert [line.split(": ")[1].split(" rows")[0] for line in lines] == ["5/12", "10/12", "12/12"]
     assert all(" rows/s, elapsed " in line and ", ETA " in line for line in lines)
     assert lines[-1].endswith("ETA 0 s")
+
+
+def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashed(tokenizer, tmp_path, monkeypatch):
+    path = write_rows(tmp_path / "k.jsonl", [chat_line(i) for i in range(6)])
+    first = SFTDataset(path, tokenizer, 64, num_proc=1)
+    hashed = []
+    real_digest = token_cache.file_digest
+    monkeypatch.setattr(token_cache, "file_digest", lambda p: hashed.append(p) or real_digest(p))
+    assert SFTDataset(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
+    assert hashed == []  # the old code read the whole file at every start
+    stat = path.stat()
+    changed = path.read_bytes().replace(b"What is 0", b"What is 9", 1)  # same size; mtime restored below
+    path.write_bytes(changed)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = SFTDataset(path, tokenizer, 64, num_proc=1)
+    assert hashed == [path] and second.cache_path != first.cache_path
+    assert token_cache.data_digest(path, path.parent / ".cache") == real_digest(path)
