@@ -71,9 +71,6 @@ def build_parallelism(args, ctx, dtype: torch.dtype):
     """`--fsdp 1` with several processes shards the model; one process has nothing to shard."""
     if not args.fsdp or not ctx.distributed:
         return Replicated(ctx)
-    if getattr(args, "eval_data_path", None):
-        raise ConfigError("--fsdp 1 does not evaluate held-out data yet (ranks with unequal eval batches would stall "
-                          "the sharded forward's collectives): drop --eval_data_path, or train with DDP (--fsdp 0)")
     if dtype == torch.float16:
         raise ConfigError("--fsdp 1 trains in float32 or bfloat16; use --dtype bfloat16 (float16 needs loss scaling)")
     from trainer.fsdp import FullyShardedParallel
