@@ -78,7 +78,9 @@ def test_fsdp_equals_one_process_and_ddp_and_resumes_a_ddp_checkpoint(data, fsdp
 
 @pytest.mark.parametrize("nproc,batch,fsdp", [(1, 6, "1"), (3, 2, "1"), (2, 3, "0")])
 def test_a_sharded_checkpoint_resumes_on_other_process_counts_and_under_ddp(data, fsdp_run, tmp_path, nproc, batch, fsdp):
-    resumed = run_trainer(flags(data, tmp_path, "--batch_size", str(batch), *STEPS, "--save_interval", "0",
+    # the 3-process FSDP run also recomputes activations (--gradient_checkpointing 1): same weights
+    recompute = ["--gradient_checkpointing", "1"] if nproc == 3 else []
+    resumed = run_trainer(flags(data, tmp_path, "--batch_size", str(batch), *STEPS, "--save_interval", "0", *recompute,
                                 "--fsdp", fsdp, "--resume_from", dcp_at(fsdp_run, 2)), nproc=nproc)
     assert "training 4 optimizer steps from step 2" in resumed.stdout
     final = checkpoint_at(tmp_path, 4) if nproc == 1 or fsdp == "0" else dcp_at(tmp_path, 4)
@@ -137,3 +139,18 @@ def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(data, tmp_path
     assert f"resuming from {newest}" in finished.stdout
     assert not any(n.endswith(".tmp") for n in os.listdir(folder))  # the killed save's leftover is gone
     assert load_resume_checkpoint(dcp_at(save_dir, step + 1))["step"] == step + 1
+
+
+def test_fsdp_refuses_what_it_cannot_do_with_one_line_errors():
+    from types import SimpleNamespace
+
+    from trainer.distributed import DistContext
+    from trainer.model_setup import ConfigError
+    from trainer.parallelism import Replicated, build_parallelism
+
+    two = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend="gloo")
+    one = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    with pytest.raises(ConfigError, match="--dtype bfloat16"):
+        build_parallelism(SimpleNamespace(fsdp=1), two, torch.float16)
+    # one process has nothing to shard: it trains as without --fsdp
+    assert isinstance(build_parallelism(SimpleNamespace(fsdp=1), one, torch.float32), Replicated)

@@ -160,6 +160,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("max_steps", "save_interval", "eval_interval", "eval_generate_samples", "early_stop_patience"):
         if getattr(args, name) < 0:
             problems.append(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.fsdp and args.eval_generate_samples:
+        problems.append("--eval_generate_samples needs whole weights on every process, not --fsdp 1: evaluate "
+                        "the answers of SAVE_DIR/best/ or model/ with scripts/eval_sft.py instead")
     if args.eval_max_new_tokens < 1:
         problems.append(f"--eval_max_new_tokens must be >= 1 (got {args.eval_max_new_tokens})")
     if args.learning_rate <= 0:

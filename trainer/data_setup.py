@@ -1,6 +1,7 @@
 """Step 4: tokenizer, SFT dataset (tokenized once, memory-mapped), the resumable distributed
 sampler and the DataLoaders."""
 
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -94,5 +95,6 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
             num_workers=0,
         )
         examples = generation_examples(samples, args.eval_generate_samples, tokenizer.eos_token_id)
-        eval_sets.append(EvalSet(name, loader, examples[ctx.rank::ctx.world_size], len(examples)))
+        forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
+        eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size], len(examples)))
     return eval_sets
