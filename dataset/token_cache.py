@@ -1,4 +1,4 @@
-"""Tokenize a jsonl (or .jsonl.gz, read by ``sources``) file once into a memory-mapped on-disk cache.
+"""Tokenize a jsonl (or .jsonl.gz or .parquet, read by ``sources``) file once into a memory-mapped on-disk cache.
 
 Layout of ``<cache_root>/<key>/``:
 

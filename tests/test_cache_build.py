@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dataset.sources as sources
 import dataset.token_cache as token_cache
 from dataset import DataError, SFTDataset, load_tokenizer
 from tests.trainer_launch import REPO, SCRIPT, TINY, clean_env
@@ -215,3 +216,28 @@ def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashe
     second = SFTDataset(path, tokenizer, 64, num_proc=1)
     assert hashed == [path] and second.cache_path != first.cache_path
     assert token_cache.data_digest(path, path.parent / ".cache") == real_digest(path)
+
+
+# ----------------------------------------------------------------------------- .parquet
+
+
+def test_parquet_file_gives_the_same_cache_as_the_jsonl_file(tokenizer, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 4)
+    lines = [chat_line(i) for i in range(13)]
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), tmp_path / "a.parquet")
+    plain = SFTDataset(write_rows(tmp_path / "a.jsonl", lines), tokenizer, 64, num_proc=1)
+    table = SFTDataset(tmp_path / "a.parquet", tokenizer, 64, num_proc=2)
+    for a, b in zip(cache_arrays(plain), cache_arrays(table)):
+        assert np.array_equal(a, b)
+    rows = [json.loads(line) for line in lines]
+    rows[6]["conversations"][0]["role"] = "robot"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=f"^{tmp_path / 'bad.parquet'}:7: .*unknown role 'robot'"):
+        SFTDataset(tmp_path / "bad.parquet", tokenizer, 64, num_proc=1)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
+        SFTDataset(tmp_path / "junk.parquet", tokenizer, 64, num_proc=1)
