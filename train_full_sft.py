@@ -2,11 +2,12 @@
 
     1. init distributed        (torchrun / SLURM / legacy launch / --world_size N / plain python)
     2. seed                    (base seed + rank)
-    3. config + lm_checkpoint  (model config from flags; find and check the resume checkpoint)
+    3. config + lm_checkpoint  (--from_weight and its tokenizer; model config from the weights or the
+                                flags; find and check the resume checkpoint)
     4. data                    (SFT dataset, tokenized once; resumable DistributedSampler)
-    5. model                   (from scratch or --from_weight; DDP ignoring the RoPE buffers)
+    5. model                   (from scratch or --from_weight; DDP ignoring the RoPE buffers, or FSDP2)
     6. training loop           (autocast + GradScaler, gradient accumulation with no_sync)
-    7. saves on rank 0         (resume checkpoint + inference weights, atomic)
+    7. saves                   (resume checkpoint + inference weights, atomic; --fsdp 1: DCP shards)
     8. logging on rank 0       (progress, metrics.jsonl, wandb)
     9. clean shutdown
 
@@ -22,47 +23,81 @@ import sys
 
 import torch
 
-from dataset import DataError, load_tokenizer
+from dataset import BuildInterrupted, DataError
 from trainer.args import parse_args
-from trainer.checkpoint import CheckpointError, check_model_config, ensure_writable_dir, find_resume_checkpoint
-from trainer.checkpoint import load_resume_checkpoint
-from trainer.data_setup import build_eval_loader, build_train_data
+from trainer.checkpoint import (
+    CheckpointError, SaveDirLock, check_model_config, claim_for_fresh_run, ensure_writable_dir,
+    find_resume_checkpoint, inside_a_run_model_dir, load_resume_checkpoint,
+)
+from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.distributed import (
     DistributedError, broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message,
     spawn_local_workers, spawned_by_us,
 )
+from trainer.evaluation import metric_names
 from trainer.loop import Run, TrainingError, restore, train
+from trainer.model_selection import SelectionError, check_selection
 from trainer.model_setup import (
-    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, resolve_dtype,
-    wrap_for_distributed,
+    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, load_tokenizer_for_weights,
+    read_initial_weights, resolve_dtype,
 )
+from trainer.parallelism import build_parallelism
 from trainer.preemption import PreemptionFlag
 from trainer.run_logger import RunLogger
 from trainer.seeding import setup_seed
 
 # Problems with the user's input or environment (OSError: e.g. a disk that filled up while
 # writing metrics.jsonl): reported as one line, exit code 2.
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, OSError)
+USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, OSError)
+
+
+def claim_save_dir(args, ctx):
+    """Rank 0 checks that --save_dir can be written and locks it for this run (another process
+    writing there would mix or prune its checkpoints). Returns the lock (None on other ranks)."""
+    if not ctx.is_main:
+        return None
+    run_model = inside_a_run_model_dir(args.save_dir)
+    if run_model:
+        raise CheckpointError(f"--save_dir {args.save_dir} is inside {run_model}, a run's weights folder that its "
+                              "next save replaces: choose a directory outside it")
+    ensure_writable_dir(args.save_dir)
+    return SaveDirLock(args.save_dir).acquire()
 
 
 def locate_resume(args, config, ctx, log) -> dict | None:
-    """Step 3: the resume checkpoint to continue from (the same one on every rank), or None."""
-    path = None
-    if args.resume_from:
-        path = args.resume_from
-    elif args.from_resume and ctx.is_main:
-        found = find_resume_checkpoint(args.save_dir, log=log)
-        path = found[0] if found else None
-        if path is None:
-            log(f"--from_resume 1: no resume checkpoint in {args.save_dir}, starting from scratch")
-    if args.from_resume:
-        path = broadcast_object(path)
+    """Step 3: the resume checkpoint to continue from (the same one on every rank), or None.
+
+    Rank 0 chooses it (and refuses a fresh run into another run's --save_dir unless --overwrite 1);
+    every process then reads the file once, memory-mapped."""
+    path, saved, problem = None, None, None
+    if ctx.is_main:
+        try:
+            path, saved = choose_resume_checkpoint(args, log)
+        except CheckpointError as error:
+            problem = str(error)
+    path, problem = broadcast_object((path, problem))
+    if problem:
+        raise CheckpointError(problem)
     if path is None:
         return None
-    saved = load_resume_checkpoint(path)
+    if saved is None:
+        saved = load_resume_checkpoint(path)
     check_model_config(saved["model_config"], config)
     log(f"resuming from {path} (step {saved['step']}, epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']})")
     return saved
+
+
+def choose_resume_checkpoint(args, log) -> tuple[str | None, dict | None]:
+    """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run."""
+    if args.resume_from:
+        return args.resume_from, load_resume_checkpoint(args.resume_from)
+    found = find_resume_checkpoint(args.save_dir, log=log) if args.from_resume else None
+    if found:
+        return found
+    claim_for_fresh_run(args.save_dir, args.overwrite, log)
+    if args.from_resume:
+        log(f"--from_resume 1: no resume checkpoint in {args.save_dir}, starting from scratch")
+    return None, None
 
 
 def run_training(args) -> int:
@@ -70,31 +105,35 @@ def run_training(args) -> int:
     ctx = init_distributed(args)
     # 2. Seed: per-rank randomness; the data order has its own seed, shared by all ranks.
     setup_seed(args.seed + ctx.rank)
-    if ctx.is_main:
-        ensure_writable_dir(args.save_dir)
+    save_dir_lock = claim_save_dir(args, ctx)
     preemption = PreemptionFlag().install()
 
-    # 3. Config from the flags, and the resume checkpoint (lm_checkpoint) if asked for.
-    tokenizer = load_tokenizer(args.tokenizer_path)
-    config = build_model_config(args, tokenizer)
+    # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
+    # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
     log = print if ctx.is_main else (lambda message: None)
+    weights = read_initial_weights(args, log)
+    tokenizer = load_tokenizer_for_weights(args, weights, log)
+    config = build_model_config(args, tokenizer, weights)
     saved = locate_resume(args, config, ctx, log)
 
     # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch.
     data = build_train_data(args, tokenizer, ctx)
-    eval_loader = build_eval_loader(args, tokenizer, ctx)
+    eval_sets = build_eval_sets(args, tokenizer, ctx)
+    check_selection(args, metric_names(eval_sets))
 
-    # 5. Model (+ optimizer and mixed precision), resume state, then the DDP wrapper.
-    model = build_model(args, config, ctx.device)
-    optimizer = build_optimizer(model, args, ctx.device)
+    # 5. Model, its DDP (or --fsdp 1: FSDP2) wrapper, optimizer and mixed precision, resume state.
+    model = build_model(args, config, ctx.device, weights)
     dtype = resolve_dtype(args.dtype, ctx.device)
+    parallel = build_parallelism(args, ctx, dtype)
+    wrapped = parallel.wrap(model)  # DDP around the model, or the model itself sharded in place
+    optimizer = build_optimizer(model, args, ctx.device)
     logger = RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None)
-    run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_loader,
-              tokenizer, logger, preemption)
+    run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
+              tokenizer, logger, preemption, parallel)
+    del wrapped  # run.model stays its only reference (see step 9)
     if saved is not None:
         restore(run, saved)
         del saved
-    run.model = wrap_for_distributed(model, ctx)
     if args.use_compile:
         run.model = torch.compile(run.model)
 
@@ -107,8 +146,12 @@ def run_training(args) -> int:
     logger.finish()
     preemption.uninstall()
     cleanup(ctx)
+    if save_dir_lock:
+        save_dir_lock.release()
     if status == "preempted":
         log("stopped after SIGTERM; continue with --from_resume 1")
+    elif status == "early_stopped":
+        log(f"stopped early: no improvement of {args.keep_best} in {args.early_stop_patience} evaluations")
     return 0
 
 
@@ -118,6 +161,8 @@ def main(argv=None) -> int:
         return spawn_local_workers(main, argv if argv is not None else sys.argv[1:], args.world_size)
     try:
         return run_training(args)
+    except BuildInterrupted as interrupt:
+        return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2)
     except TrainingError as error:

@@ -1,6 +1,7 @@
 """Step 4: tokenizer, SFT dataset (tokenized once, memory-mapped), the resumable distributed
 sampler and the DataLoaders."""
 
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -9,6 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset import ChatAugmenter, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
+from trainer.evaluation import EvalSet, eval_set_names, generation_examples
+from trainer.sample_stream import epoch_grouping
 
 
 @dataclass
@@ -49,14 +52,13 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
     dataset = build_dataset(args.data_path, args, tokenizer, augmenter)
-    group = bool(args.group_by_length)
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
-        lengths=dataset.lengths if group else None,
+        lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order
         # One group = one optimizer step's global batch: every rank and micro-step gets samples of
         # similar length, and the order stays the same for any split of that batch into
         # processes x micro-batches (so those equivalences and resumes keep holding).
-        group_size=args.batch_size * ctx.world_size * args.accumulation_steps if group else None,
+        group_size=epoch_grouping(args, ctx.world_size),
     )
     workers = default_num_workers(args, ctx.device)
     loader = DataLoader(
@@ -74,15 +76,28 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     return TrainData(dataset, sampler, loader)
 
 
-def build_eval_loader(args, tokenizer, ctx) -> DataLoader | None:
-    """Each rank evaluates a disjoint slice (no padding duplicates); the loop sums over ranks."""
-    if not args.eval_data_path:
-        return None
-    dataset = build_dataset(args.eval_data_path, args, tokenizer)
-    return DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        sampler=list(range(ctx.rank, len(dataset), ctx.world_size)),
-        collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
-        num_workers=0,
-    )
+def eval_data_paths(args) -> list[str]:
+    """The held-out files of --eval_data_path (comma-separated)."""
+    return [path for path in (args.eval_data_path or "").split(",") if path]
+
+
+def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
+    """One EvalSet per held-out file. Each rank evaluates a disjoint slice of every file (no
+    padding duplicates) and answers every world_size-th prompt of its generation subset; the
+    evaluation sums over ranks."""
+    paths = eval_data_paths(args)
+    eval_sets = []
+    for name, path in zip(eval_set_names(paths), paths):
+        dataset = build_dataset(path, args, tokenizer)
+        samples = dataset.dataset if args.packing else dataset  # prompts come from whole conversations
+        loader = DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=list(range(ctx.rank, len(dataset), ctx.world_size)),
+            collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
+            num_workers=0,
+        )
+        examples = generation_examples(samples, args.eval_generate_samples, tokenizer.eos_token_id)
+        forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
+        eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size], len(examples)))
+    return eval_sets
