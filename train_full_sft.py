@@ -37,12 +37,12 @@ from trainer.model_setup import (
     wrap_for_distributed,
 )
 from trainer.preemption import PreemptionFlag
-from trainer.run_logger import RunLogger
+from trainer.run_logger import LoggingError, RunLogger, check_wandb_login
 from trainer.seeding import setup_seed
 
-# Problems with the user's input or environment (OSError: e.g. a disk that filled up while
-# writing metrics.jsonl): reported as one line, exit code 2.
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, OSError)
+# Problems the user can fix (data, paths, flags, checkpoints, the launch, a full disk named by
+# path): reported as one line, exit code 2. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, LoggingError)
 
 
 def locate_resume(args, config, ctx, log) -> dict | None:
@@ -65,14 +65,14 @@ def locate_resume(args, config, ctx, log) -> dict | None:
     return saved
 
 
-def run_training(args) -> int:
+def run_training(args, preemption: PreemptionFlag) -> int:
     # 1. Init distributed: process group (if launched with several processes) and device.
     ctx = init_distributed(args)
     # 2. Seed: per-rank randomness; the data order has its own seed, shared by all ranks.
     setup_seed(args.seed + ctx.rank)
     if ctx.is_main:
         ensure_writable_dir(args.save_dir)
-    preemption = PreemptionFlag().install()
+        check_wandb_login(args)
 
     # 3. Config from the flags, and the resume checkpoint (lm_checkpoint) if asked for.
     tokenizer = load_tokenizer(args.tokenizer_path)
@@ -87,37 +87,38 @@ def run_training(args) -> int:
     # 5. Model (+ optimizer and mixed precision), resume state, then the DDP wrapper.
     model = build_model(args, config, ctx.device)
     optimizer = build_optimizer(model, args, ctx.device)
-    dtype = resolve_dtype(args.dtype, ctx.device)
-    logger = RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None)
-    run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_loader,
-              tokenizer, logger, preemption)
-    if saved is not None:
-        restore(run, saved)
-        del saved
-    run.model = wrap_for_distributed(model, ctx)
-    if args.use_compile:
-        run.model = torch.compile(run.model)
+    dtype = resolve_dtype(args.dtype, ctx.device, log)
+    # The logger is finished (wandb.finish) however the run ends, also before fail()'s os._exit.
+    with RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None) as logger:
+        run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_loader,
+                  tokenizer, logger, preemption)
+        if saved is not None:
+            restore(run, saved)
+            del saved
+        run.model = wrap_for_distributed(model, ctx)
+        if args.use_compile:
+            run.model = torch.compile(run.model)
 
-    # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
-    status = train(run)
+        # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
+        status = train(run)
 
-    # 9. Clean shutdown. The DDP wrapper goes first, while its process group is still alive:
-    # freeing it after destroy_process_group can deadlock gloo's worker thread on the GIL.
-    run.model = None
-    logger.finish()
-    preemption.uninstall()
+        # 9. Clean shutdown. The DDP wrapper goes first, while its process group is still alive:
+        # freeing it after destroy_process_group can deadlock gloo's worker thread on the GIL.
+        run.model = None
     cleanup(ctx)
     if status == "preempted":
-        log("stopped after SIGTERM; continue with --from_resume 1")
+        log(f"stopped after {preemption.reason or 'a stop signal on another rank'}; continue with --from_resume 1")
     return 0
 
 
 def main(argv=None) -> int:
+    # First of all: SIGTERM / Ctrl-C from now until the process ends stop the run cleanly (exit 0).
+    preemption = PreemptionFlag().install()
     args = parse_args(argv)
     if args.world_size > 1 and spawned_by_us():
         return spawn_local_workers(main, argv if argv is not None else sys.argv[1:], args.world_size)
     try:
-        return run_training(args)
+        return run_training(args, preemption)
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2)
     except TrainingError as error:

@@ -24,7 +24,7 @@ import torch
 from trainer import checkpoint
 from trainer.distributed import all_gather_objects, all_reduce_sum, barrier, broadcast_object
 from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
-from trainer.model_setup import autocast, unwrap
+from trainer.model_setup import autocast, scaler_state_for_resume, unwrap
 from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
 
 IGNORE_INDEX = -100
@@ -103,7 +103,7 @@ def restore(run: Run, saved: dict) -> None:
     except (RuntimeError, ValueError, KeyError) as error:
         raise checkpoint.CheckpointError(f"resume checkpoint does not fit this run: {str(error).splitlines()[0]}") from error
     if saved.get("scaler") and run.scaler.is_enabled():
-        run.scaler.load_state_dict(saved["scaler"])
+        run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
     run.state = TrainState(
         step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
         skipped_steps=saved.get("skipped_steps", 0), wandb_run_id=saved.get("wandb_run_id"),
@@ -247,6 +247,19 @@ def track_bad_steps(run: Run, finite: bool) -> None:
 
 
 @torch.no_grad()
+def check_weights_finite(run: Run) -> None:
+    """After an applied update: stop before a non-finite weight can reach any file (the checkpoints
+    already on disk stay the last good ones). A finite gradient norm alone does not prove it: a
+    huge learning rate turns finite gradients into inf/NaN weights."""
+    largest = torch.stack(torch._foreach_norm(list(run.raw_model.parameters()), float("inf"))).max()
+    if not bool(torch.isfinite(largest)):
+        raise TrainingError(
+            f"step {run.state.step} made the weights non-finite (--learning_rate {run.args.learning_rate:g} or --weight_decay {run.args.weight_decay:g} too large?); "
+            f"stopped without saving them. The checkpoints in {run.args.save_dir} are the last good weights"
+        )
+
+
+@torch.no_grad()
 def evaluate(run: Run) -> float:
     """Token-weighted eval loss over the whole eval set, summed over all ranks."""
     model, device = run.raw_model, run.ctx.device
@@ -307,6 +320,8 @@ def train(run: Run) -> str:
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
             track_bad_steps(run, finite)
             if finite:
+                check_weights_finite(run)
+            if finite:
                 interval["loss"] += loss
                 interval["steps"] += 1
             interval["tokens"] += real_tokens
@@ -323,7 +338,7 @@ def train(run: Run) -> str:
         if status == "preempted":
             break
     if status == "preempted":
-        logger.print(f"SIGTERM received: stopping at step {state.step} and saving a resume checkpoint")
+        logger.print(f"{run.preemption.reason or 'a stop signal (on another rank)'} received: stopping at step {state.step} and saving a resume checkpoint")
     elif run.eval_loader is not None and last_eval != state.step:
         logger.log_eval(state.step, evaluate(run))
     if last_saved != state.step or status == "preempted" or state.step == 0:
