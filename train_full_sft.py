@@ -2,7 +2,8 @@
 
     1. init distributed        (torchrun / SLURM / legacy launch / --world_size N / plain python)
     2. seed                    (base seed + rank)
-    3. config + lm_checkpoint  (model config from flags; find and check the resume checkpoint)
+    3. config + lm_checkpoint  (--from_weight and its tokenizer; model config from the weights or the
+                                flags; find and check the resume checkpoint)
     4. data                    (SFT dataset, tokenized once; resumable DistributedSampler)
     5. model                   (from scratch or --from_weight; DDP ignoring the RoPE buffers)
     6. training loop           (autocast + GradScaler, gradient accumulation with no_sync)
@@ -22,19 +23,23 @@ import sys
 
 import torch
 
-from dataset import DataError, load_tokenizer
-from trainer.args import parse_args
-from trainer.checkpoint import CheckpointError, check_model_config, ensure_writable_dir, find_resume_checkpoint
-from trainer.checkpoint import load_resume_checkpoint
-from trainer.data_setup import build_eval_loader, build_train_data
+from dataset import DataError
+from trainer.args import names_a_user_path, parse_args
+from trainer.checkpoint import (
+    CheckpointError, SaveDirLock, check_model_config, claim_for_fresh_run, ensure_writable_dir,
+    find_resume_checkpoint, inside_a_run_model_dir, load_resume_checkpoint,
+)
+from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.distributed import (
     DistributedError, broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message,
     spawn_local_workers, spawned_by_us,
 )
+from trainer.evaluation import metric_names
 from trainer.loop import Run, TrainingError, restore, train
+from trainer.model_selection import SelectionError, check_selection
 from trainer.model_setup import (
-    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, resolve_dtype,
-    wrap_for_distributed,
+    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, load_tokenizer_for_weights,
+    read_initial_weights, resolve_dtype, wrap_for_distributed,
 )
 from trainer.preemption import PreemptionFlag
 from trainer.run_logger import LoggingError, RunLogger, check_wandb_login
@@ -42,27 +47,57 @@ from trainer.seeding import setup_seed
 
 # Problems the user can fix (data, paths, flags, checkpoints, the launch, a full disk named by
 # path): reported as one line, exit code 2. Anything else is a bug and keeps its traceback.
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, LoggingError)
+USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, LoggingError)
+
+
+def claim_save_dir(args, ctx):
+    """Rank 0 checks that --save_dir can be written and locks it for this run (another process
+    writing there would mix or prune its checkpoints). Returns the lock (None on other ranks)."""
+    if not ctx.is_main:
+        return None
+    run_model = inside_a_run_model_dir(args.save_dir)
+    if run_model:
+        raise CheckpointError(f"--save_dir {args.save_dir} is inside {run_model}, a run's weights folder that its "
+                              "next save replaces: choose a directory outside it")
+    ensure_writable_dir(args.save_dir)
+    check_wandb_login(args)
+    return SaveDirLock(args.save_dir).acquire()
 
 
 def locate_resume(args, config, ctx, log) -> dict | None:
-    """Step 3: the resume checkpoint to continue from (the same one on every rank), or None."""
-    path = None
-    if args.resume_from:
-        path = args.resume_from
-    elif args.from_resume and ctx.is_main:
-        found = find_resume_checkpoint(args.save_dir, log=log)
-        path = found[0] if found else None
-        if path is None:
-            log(f"--from_resume 1: no resume checkpoint in {args.save_dir}, starting from scratch")
-    if args.from_resume:
-        path = broadcast_object(path)
+    """Step 3: the resume checkpoint to continue from (the same one on every rank), or None.
+
+    Rank 0 chooses it (and refuses a fresh run into another run's --save_dir unless --overwrite 1);
+    every process then reads the file once, memory-mapped."""
+    path, saved, problem = None, None, None
+    if ctx.is_main:
+        try:
+            path, saved = choose_resume_checkpoint(args, log)
+        except CheckpointError as error:
+            problem = str(error)
+    path, problem = broadcast_object((path, problem))
+    if problem:
+        raise CheckpointError(problem)
     if path is None:
         return None
-    saved = load_resume_checkpoint(path)
+    if saved is None:
+        saved = load_resume_checkpoint(path)
     check_model_config(saved["model_config"], config)
     log(f"resuming from {path} (step {saved['step']}, epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']})")
     return saved
+
+
+def choose_resume_checkpoint(args, log) -> tuple[str | None, dict | None]:
+    """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run."""
+    if args.resume_from:
+        return args.resume_from, load_resume_checkpoint(args.resume_from)
+    found = find_resume_checkpoint(args.save_dir, log=log) if args.from_resume else None
+    if found:
+        return found
+    claim_for_fresh_run(args.save_dir, args.overwrite, log)
+    if args.from_resume:
+        log(f"--from_resume 1: no resume checkpoint in {args.save_dir}, starting from scratch")
+    return None, None
 
 
 def run_training(args, preemption: PreemptionFlag) -> int:
@@ -70,27 +105,28 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     ctx = init_distributed(args)
     # 2. Seed: per-rank randomness; the data order has its own seed, shared by all ranks.
     setup_seed(args.seed + ctx.rank)
-    if ctx.is_main:
-        ensure_writable_dir(args.save_dir)
-        check_wandb_login(args)
+    save_dir_lock = claim_save_dir(args, ctx)
 
-    # 3. Config from the flags, and the resume checkpoint (lm_checkpoint) if asked for.
-    tokenizer = load_tokenizer(args.tokenizer_path)
-    config = build_model_config(args, tokenizer)
+    # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
+    # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
     log = print if ctx.is_main else (lambda message: None)
+    weights = read_initial_weights(args, log)
+    tokenizer = load_tokenizer_for_weights(args, weights, log)
+    config = build_model_config(args, tokenizer, weights)
     saved = locate_resume(args, config, ctx, log)
 
     # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch.
     data = build_train_data(args, tokenizer, ctx)
-    eval_loader = build_eval_loader(args, tokenizer, ctx)
+    eval_sets = build_eval_sets(args, tokenizer, ctx)
+    check_selection(args, metric_names(eval_sets))
 
     # 5. Model (+ optimizer and mixed precision), resume state, then the DDP wrapper.
-    model = build_model(args, config, ctx.device)
+    model = build_model(args, config, ctx.device, weights)
     optimizer = build_optimizer(model, args, ctx.device)
     dtype = resolve_dtype(args.dtype, ctx.device, log)
     # The logger is finished (wandb.finish) however the run ends, also before fail()'s os._exit.
     with RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None) as logger:
-        run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_loader,
+        run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
                   tokenizer, logger, preemption)
         if saved is not None:
             restore(run, saved)
@@ -106,8 +142,12 @@ def run_training(args, preemption: PreemptionFlag) -> int:
         # freeing it after destroy_process_group can deadlock gloo's worker thread on the GIL.
         run.model = None
     cleanup(ctx)
+    if save_dir_lock:
+        save_dir_lock.release()
     if status == "preempted":
         log(f"stopped after {preemption.reason or 'a stop signal on another rank'}; continue with --from_resume 1")
+    elif status == "early_stopped":
+        log(f"stopped early: no improvement of {args.keep_best} in {args.early_stop_patience} evaluations")
     return 0
 
 
@@ -123,6 +163,10 @@ def main(argv=None) -> int:
         return fail(f"error: {error}", 2)
     except TrainingError as error:
         return fail(f"error: {error}", 1)
+    except OSError as error:
+        if not names_a_user_path(error, args):
+            raise
+        return fail(f"error: {error.filename}: {error.strerror or error}", 2)
     except RuntimeError as error:
         if not is_peer_failure(error):
             raise

@@ -7,6 +7,9 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from model.modeling_minimind import loss_positions_of
+from model.packed_attention import PackedDocuments, document_starts
+
 from .sft_dataset import IGNORE_INDEX
 
 
@@ -17,6 +20,11 @@ class SFTCollator:
     exactly ``pad_to_length`` if given (MiniMind's pad-to-max baseline). Returns ``input_ids``
     (pads: ``pad_token_id``), ``labels`` (pads: -100), ``attention_mask`` (1 real, 0 pad) and,
     when the items have them (packed rows), ``position_ids`` (pads: 0), all ``[B, T]`` long.
+
+    Also what the model would otherwise compute on its device, each a host sync on a GPU
+    (see model/modeling_minimind.py): ``loss_positions`` (flat indices of the tokens whose next
+    token has a label) and, for packed rows, ``packed_layout`` (a CPU ``PackedDocuments``; the
+    trainer's ``model_inputs`` moves it to the device with the tensors).
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, pad_to_length: int | None = None):
@@ -54,6 +62,10 @@ class SFTCollator:
             batch["attention_mask"][row, :n] = 1
             if has_positions:
                 batch["position_ids"][row, :n] = torch.as_tensor(item["position_ids"], dtype=torch.long)
+        batch["loss_positions"] = loss_positions_of(batch["labels"])
+        if has_positions:
+            starts, lengths = document_starts(batch["position_ids"])
+            batch["packed_layout"] = PackedDocuments(starts, lengths, batch["position_ids"].shape)
         return batch
 
 

@@ -34,6 +34,11 @@ class ResumableDistributedSampler(Sampler[int]):
             rank's micro-batches, all of similar length, for any split of that global batch.
         epoch: the starting epoch.
 
+    Pinned grouping: ``pin_epoch_grouping(e, g)`` makes epoch ``e`` use group size ``g`` (``None``:
+    no grouping) whatever ``group_size`` is. A run resumed with another global batch or
+    ``--group_by_length`` finishes the interrupted epoch in the order its checkpoint's run used, so
+    the consumed prefix ``order[:start_index]`` and the rest still partition the epoch.
+
     Epoch and start index: ``set_epoch(e)`` with a new epoch resets the start index to 0, with
     the current epoch it keeps it. So a resuming trainer may call ``set_epoch(e)`` then
     ``set_start_index(k)``, and still call ``set_epoch(e)`` again at the top of its epoch loop.
@@ -78,8 +83,19 @@ class ResumableDistributedSampler(Sampler[int]):
         self.group_size = group_size
         self.megabatch_groups = megabatch_groups
         self.epoch = epoch
+        self.pinned_grouping: dict[int, int | None] = {}
         self.start_index = 0
         self.set_start_index(start_index)
+
+    def pin_epoch_grouping(self, epoch: int, group_size: int | None) -> None:
+        """Order epoch ``epoch`` with ``group_size`` (``None``: no length grouping), not the default one."""
+        if group_size is not None and self.lengths is None:
+            raise ValueError("group_size needs lengths")
+        self.pinned_grouping = {epoch: group_size}
+
+    def epoch_group_size(self) -> int | None:
+        """The group size that orders the current epoch."""
+        return self.pinned_grouping.get(self.epoch, self.group_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order; a different epoch than the current one restarts it at 0."""
@@ -100,18 +116,19 @@ class ResumableDistributedSampler(Sampler[int]):
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.dataset_len, generator=generator).numpy()
-        if self.group_size is None:
+        group_size = self.epoch_group_size()
+        if group_size is None:
             return order
-        return self._group_by_length(order, generator)
+        return self._group_by_length(order, generator, group_size)
 
-    def _group_by_length(self, order: np.ndarray, generator: torch.Generator) -> np.ndarray:
-        megabatch = self.group_size * self.megabatch_groups
+    def _group_by_length(self, order: np.ndarray, generator: torch.Generator, group_size: int) -> np.ndarray:
+        megabatch = group_size * self.megabatch_groups
         groups = []
         for start in range(0, len(order), megabatch):
             chunk = order[start : start + megabatch]
             chunk = chunk[np.argsort(-self.lengths[chunk], kind="stable")]
-            groups.extend(chunk[i : i + self.group_size] for i in range(0, len(chunk), self.group_size))
-        tail = [groups.pop()] if groups and len(groups[-1]) < self.group_size else []
+            groups.extend(chunk[i : i + group_size] for i in range(0, len(chunk), group_size))
+        tail = [groups.pop()] if groups and len(groups[-1]) < group_size else []
         permutation = torch.randperm(len(groups), generator=generator).tolist()
         return np.concatenate([groups[i] for i in permutation] + tail).astype(np.int64)
 

@@ -4,6 +4,11 @@ A plain `transformers.PretrainedConfig`, so `save_pretrained` / `from_pretrained
 Auto classes work on it. Derived sizes (`head_dim`, `intermediate_size`) are filled in at
 construction and invalid combinations fail right here with a `ValueError`, not later with a
 shape error deep inside a matmul.
+
+Defaults are MiniMind's (model/model_minimind.py of jingyaogong/minimind): `rms_norm_eps`
+1e-6, MoE with 1 expert per token and aux-loss coefficient 5e-4, so a MiniMind `.pth` loads
+with no extra settings. `head_dim` may differ from hidden_size / num_attention_heads (as in
+Qwen3); only a derived head_dim needs the heads to divide the width.
 """
 
 import math
@@ -27,17 +32,17 @@ class MiniMindConfig(PretrainedConfig):
         max_position_embeddings: int = 32768,
         rope_theta: float = 1e6,
         rope_scaling: dict | None = None,
-        rms_norm_eps: float = 1e-5,
+        rms_norm_eps: float = 1e-6,
         dropout: float = 0.0,
         flash_attn: bool = True,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
         use_moe: bool = False,
         num_experts: int = 4,
-        num_experts_per_tok: int = 2,
+        num_experts_per_tok: int = 1,
         moe_intermediate_size: int | None = None,
         norm_topk_prob: bool = True,
-        router_aux_loss_coef: float = 0.01,
+        router_aux_loss_coef: float = 5e-4,
         pad_token_id: int = 0,
         bos_token_id: int = 1,
         eos_token_id: int = 2,
@@ -66,7 +71,7 @@ class MiniMindConfig(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         self.router_aux_loss_coef = router_aux_loss_coef
         self._fill_derived_sizes()
-        self._validate()
+        self._validate(head_dim_derived=head_dim is None)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -84,7 +89,7 @@ class MiniMindConfig(PretrainedConfig):
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
 
-    def _validate(self) -> None:
+    def _validate(self, head_dim_derived: bool) -> None:
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
@@ -93,7 +98,7 @@ class MiniMindConfig(PretrainedConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"MiniMindConfig: {name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads:
+        if head_dim_derived and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"MiniMindConfig: num_attention_heads ({self.num_attention_heads}) must divide "
                 f"hidden_size ({self.hidden_size})"
@@ -105,6 +110,10 @@ class MiniMindConfig(PretrainedConfig):
             )
         if self.head_dim % 2:
             raise ValueError(f"MiniMindConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
+            raise ValueError(f"MiniMindConfig: rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if not (isinstance(self.router_aux_loss_coef, (int, float)) and self.router_aux_loss_coef >= 0):
+            raise ValueError(f"MiniMindConfig: router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"MiniMindConfig: dropout must be in [0, 1), got {self.dropout}")
         if self.rope_theta <= 0:

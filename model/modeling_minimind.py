@@ -12,7 +12,21 @@ Nothing here knows about training or distribution. Inputs the trainer relies on:
 - `labels` (unshifted, -100 = no loss) and optionally `num_items_in_batch`, the number of
   loss tokens the caller will average over (the loss is then a sum divided by it, so
   micro-batches and ranks can be combined exactly);
-- `skip_logits=True` computes the LM head only where a label is set and returns no logits.
+- `skip_logits=True` computes the LM head only where a label is set and returns no logits;
+  the LM head + cross-entropy then run in chunks of tokens (`chunked_lm_loss`), so a large
+  vocabulary never holds [loss tokens x vocab] fp32 logits at once.
+
+Precomputed by the collator (dataset/collate.py) on the CPU, so that a CUDA forward/backward
+never waits for the GPU (no host sync); a caller that does not pass them gets them computed
+here (one host sync each on a GPU):
+- `loss_positions`: flat indices into the B x T tokens whose next token has a label
+  (`loss_positions_of(labels)`);
+- `packed_layout`: the documents of packed rows (`PackedDocuments`, packed_attention.py);
+- `token_mask` (1 = real token): which tokens the MoE load-balancing loss counts (pads are
+  excluded); without it `attention_mask` is used, or every token counts.
+MoE load balancing is MiniMind's sequence-wise loss (one term per row, see `MiniMindMoE`),
+summed over rows and divided by `num_sequences_in_batch` when given (else the number of rows
+in the batch), so that micro-batches and ranks combine exactly like the token loss.
 """
 
 import math
@@ -30,6 +44,16 @@ from .configuration_minimind import MiniMindConfig
 from .packed_attention import PackedDocuments
 
 IGNORE_INDEX = -100
+# Tokens x vocabulary entries of fp32 logits that the chunked LM loss holds at a time (256 MiB).
+LOSS_CHUNK_ELEMENTS = 1 << 26
+
+
+def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices into the B x T tokens of `labels` [B, T] whose NEXT token has a label (the
+    positions whose hidden state predicts something). On a GPU tensor this is a host sync."""
+    predicts = torch.zeros_like(labels, dtype=torch.bool)
+    predicts[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return predicts.reshape(-1).nonzero().squeeze(1)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -162,10 +186,19 @@ class MiniMindMLP(nn.Module):
 
 
 class MiniMindMoE(nn.Module):
-    """Top-k routed experts with the Switch-Transformer load-balancing loss.
+    """Top-k routed experts with MiniMind's sequence-wise load-balancing loss.
 
-    aux = coef * E * sum_e(fraction of routed slots that went to e * mean router prob of e);
-    it is 1 * coef for a perfectly balanced router and grows as routing collapses.
+    For every row s with n real tokens (pads excluded), E experts and k experts per token:
+        balance_s = E / (k * n^2) * sum_e (slots of s routed to e) * (sum of e's router probs over s)
+    = E * sum_e (fraction of s's slots on e) * (mean router prob of e over s); 1 for a perfectly
+    balanced router, larger as routing collapses. `forward` returns coef * balance_s per row; a
+    row is the unit, so how rows are split over micro-batches and ranks does not change the sum.
+
+    Two dispatches with the same result: "gather" runs each expert on the tokens routed to it
+    (the index lists have data-dependent sizes: free on the CPU, a host sync per expert on a
+    GPU); "dense" runs each expert on every token and weights the output by the routing weight
+    (0 where not routed): no sync, E/k times the expert FLOPs. `dispatch=None` picks "dense"
+    on CUDA and "gather" elsewhere.
     """
 
     def __init__(self, config: MiniMindConfig):
@@ -174,19 +207,29 @@ class MiniMindMoE(nn.Module):
         self.num_experts = config.num_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.aux_coef = config.router_aux_loss_coef
+        self.dispatch: str | None = None
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
             MiniMindMLP(config.hidden_size, config.moe_intermediate_size, config.dropout)
             for _ in range(config.num_experts)
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H]; token_mask [B, T] (1 = real token) or None. Returns (output, coef * balance [B])."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         probs = self.gate(tokens).float().softmax(dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        dispatch = self.dispatch or ("dense" if tokens.is_cuda else "gather")
+        if dispatch == "dense":
+            out = self._dense(tokens, top_probs, top_experts)
+        else:
+            out = self._gather(tokens, top_probs, top_experts)
+        return out.view(shape), self._balance(probs, top_experts, shape[0], token_mask)
+
+    def _gather(self, tokens, top_probs, top_experts):
         out = torch.zeros_like(tokens)
         for expert_id, expert in enumerate(self.experts):
             token_idx, slot = (top_experts == expert_id).nonzero(as_tuple=True)
@@ -194,10 +237,28 @@ class MiniMindMoE(nn.Module):
                 continue
             weight = top_probs[token_idx, slot].unsqueeze(-1).to(tokens.dtype)
             out.index_add_(0, token_idx, expert(tokens[token_idx]) * weight)
-        routed = F.one_hot(top_experts, self.num_experts).float().sum(dim=1)  # [N, E]
-        fraction = routed.mean(dim=0) / self.top_k
-        aux = self.aux_coef * self.num_experts * (fraction * probs.mean(dim=0)).sum()
-        return out.view(shape), aux
+        return out
+
+    def _dense(self, tokens, top_probs, top_experts):
+        weights = torch.zeros(tokens.shape[0], self.num_experts, device=tokens.device, dtype=top_probs.dtype)
+        weights = weights.scatter(1, top_experts, top_probs).to(tokens.dtype)  # [N, E], 0 = not routed
+        out = torch.zeros_like(tokens)
+        for expert_id, expert in enumerate(self.experts):
+            out = out + expert(tokens) * weights[:, expert_id:expert_id + 1]
+        return out
+
+    def _balance(self, probs, top_experts, rows, token_mask):
+        """coef * balance_s for every row s (0 for a row without real tokens)."""
+        experts = torch.arange(self.num_experts, device=probs.device)
+        routed = (top_experts.unsqueeze(-1) == experts).sum(dim=1).float()  # [N, E] slots per expert
+        if token_mask is not None:
+            real = token_mask.reshape(-1, 1).to(probs.dtype)
+            routed, probs = routed * real, probs * real
+        slots = routed.view(rows, -1, self.num_experts).sum(dim=1)  # [B, E]
+        prob_sums = probs.view(rows, -1, self.num_experts).sum(dim=1)
+        n = slots.sum(dim=-1) / self.top_k  # real tokens per row
+        balance = (slots * prob_sums).sum(dim=-1) * self.num_experts / (self.top_k * n.clamp(min=1) ** 2)
+        return self.aux_coef * balance
 
 
 class MiniMindBlock(GradientCheckpointingLayer):
@@ -212,10 +273,10 @@ class MiniMindBlock(GradientCheckpointingLayer):
         else:
             self.mlp = MiniMindMLP(config.hidden_size, config.intermediate_size, config.dropout)
 
-    def forward(self, hidden, cos, sin, mask, past_key_values=None):
+    def forward(self, hidden, cos, sin, mask, past_key_values=None, token_mask=None):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, past_key_values)
         if self.use_moe:
-            mlp_out, aux = self.mlp(self.post_attention_layernorm(hidden))
+            mlp_out, aux = self.mlp(self.post_attention_layernorm(hidden), token_mask)
         else:
             mlp_out, aux = self.mlp(self.post_attention_layernorm(hidden)), None
         return hidden + mlp_out, aux
@@ -245,10 +306,13 @@ class AttentionMask:
         return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=offset)
 
     @classmethod
-    def build(cls, batch, q_len, past_len, attention_mask, position_ids, packed, device):
-        """`packed`: position_ids came from the caller with no cache, so a 0 opens a document."""
+    def build(cls, batch, q_len, past_len, attention_mask, position_ids, packed, device, packed_layout=None):
+        """`packed`: position_ids came from the caller with no cache, so a 0 opens a document
+        (`packed_layout`: the documents, precomputed by the caller)."""
         if packed and attention_mask is None:
-            return cls(None, is_causal=False, documents=PackedDocuments(position_ids))
+            if packed_layout is None:
+                packed_layout = PackedDocuments.from_position_ids(position_ids)
+            return cls(None, is_causal=False, documents=packed_layout)
         document_ids = (position_ids == 0).long().cumsum(dim=-1) if packed else None
         if attention_mask is None and document_ids is None:
             if past_len == 0:
@@ -329,7 +393,13 @@ class MiniMindModel(MiniMindPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        packed_layout: PackedDocuments | None = None,
+        token_mask: torch.Tensor | None = None,
+        num_sequences_in_batch: int | torch.Tensor | None = None,
     ):
+        """Returns (final hidden states, MoE balance loss, cache). The balance loss is the sum of
+        every layer's per-row terms over the rows, divided by `num_sequences_in_batch` (default:
+        the rows of this batch that have a real token); 0 for a dense model."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("MiniMindModel: pass exactly one of input_ids or inputs_embeds")
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -351,21 +421,28 @@ class MiniMindModel(MiniMindPreTrainedModel):
                 f"MiniMindModel: sequence of {past_len + q_len} tokens exceeds "
                 f"max_position_embeddings={self.config.max_position_embeddings}"
             )
-        mask = AttentionMask.build(batch, q_len, past_len, attention_mask, position_ids, packed, hidden.device)
+        mask = AttentionMask.build(batch, q_len, past_len, attention_mask, position_ids, packed, hidden.device,
+                                   packed_layout)
         cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
+        if token_mask is None and attention_mask is not None:
+            token_mask = attention_mask[:, -q_len:]
 
         hidden = self.dropout(hidden)
-        aux_losses = []
+        balance = hidden.new_zeros(batch, dtype=torch.float32)  # per row, summed over the MoE layers
         for layer in self.layers:
-            hidden, aux = layer(hidden, cos, sin, mask, past_key_values)
+            hidden, aux = layer(hidden, cos, sin, mask, past_key_values, token_mask=token_mask)
             if aux is not None:
-                aux_losses.append(aux)
-        aux_loss = torch.stack(aux_losses).sum() if aux_losses else hidden.new_zeros((), dtype=torch.float32)
-        return self.norm(hidden), aux_loss, past_key_values
+                balance = balance + aux
+        if num_sequences_in_batch is None:
+            num_sequences_in_batch = token_mask.bool().any(dim=-1).sum().clamp(min=1) if token_mask is not None else batch
+        return self.norm(hidden), balance.sum() / num_sequences_in_batch, past_key_values
 
 
 class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # skip_logits' training loss in chunks (chunked_lm_loss); False = all loss positions' logits at once
+    # (the reference the tests and scripts/bench.py's "unchunked" mode compare against).
+    chunk_lm_loss = True
 
     def __init__(self, config: MiniMindConfig):
         super().__init__(config)
@@ -391,6 +468,10 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
         skip_logits: bool = False,
+        loss_positions: torch.LongTensor | None = None,
+        packed_layout: PackedDocuments | None = None,
+        token_mask: torch.Tensor | None = None,
+        num_sequences_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> MoeCausalLMOutputWithPast:
         """Causal LM forward.
@@ -398,6 +479,8 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         loss: shifted cross-entropy over labels != -100, the mean over those tokens, or their
         sum divided by `num_items_in_batch` when given. `aux_loss` (MoE load balancing, already
         multiplied by `router_aux_loss_coef`; 0 for a dense model) is returned separately.
+        With `skip_logits` the loss is computed from `loss_positions` (computed here if not
+        given) in chunks, and no logits are returned.
         """
         hidden, aux_loss, past_key_values = self.model(
             input_ids=input_ids,
@@ -406,18 +489,28 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
+            packed_layout=packed_layout,
+            token_mask=token_mask,
+            num_sequences_in_batch=num_sequences_in_batch,
         )
         logits, loss = None, None
         if labels is not None:
-            shifted = labels[:, 1:]
             if skip_logits:
-                keep = shifted != IGNORE_INDEX
-                token_logits = self.lm_head(hidden[:, :-1][keep])
-                loss = self._reduce_loss(token_logits, shifted[keep], num_items_in_batch)
+                if loss_positions is None:
+                    loss_positions = loss_positions_of(labels)
+                targets = labels.reshape(-1)[loss_positions + 1]  # the next token of the same row
+                chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, loss_positions)
+                count = num_items_in_batch if num_items_in_batch is not None else max(len(targets), 1)
+                # Without gradients (evaluation) nothing is kept for a backward: one call of the
+                # head, so that hooks on it see the loss positions' logits (trainer/evaluation.py).
+                if self.chunk_lm_loss and torch.is_grad_enabled():
+                    loss = chunked_lm_loss(chosen, self.lm_head.weight, targets, self.loss_chunk_tokens()) / count
+                else:
+                    loss = self._reduce_loss(self.lm_head(chosen), targets, count)
             else:
                 logits = self.lm_head(hidden)
                 loss = self._reduce_loss(
-                    logits[:, :-1].reshape(-1, logits.shape[-1]), shifted.reshape(-1), num_items_in_batch
+                    logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), num_items_in_batch
                 )
         if logits is None and not skip_logits:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -426,9 +519,64 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
             loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=past_key_values if use_cache else None
         )
 
+    def loss_chunk_tokens(self) -> int:
+        """Tokens per chunk of the LM loss: LOSS_CHUNK_ELEMENTS fp32 logits at a time."""
+        return max(1, LOSS_CHUNK_ELEMENTS // self.config.vocab_size)
+
     @staticmethod
     def _reduce_loss(logits, targets, num_items_in_batch):
         total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
         if num_items_in_batch is None:
             num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
         return total / num_items_in_batch
+
+
+# --------------------------------------------------------------------------- chunked LM loss
+
+
+@torch.compiler.disable
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """sum over tokens of cross_entropy(hidden @ weight.T, targets), fp32, `chunk_tokens` rows
+    of logits at a time in the forward and again in the backward. hidden [N, H], weight [V, H],
+    targets [N]. Under autocast the matmuls run in the autocast dtype, as `lm_head` would."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    elif hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    with torch.autocast(device_type, enabled=False):
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Saves only the inputs and one log-sum-exp per token; the backward recomputes each chunk's
+    logits: softmax - one_hot(target) is the gradient of the logits, never stored whole."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        log_norms = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            logits = (hidden[start:end] @ weight.t()).float()
+            log_norms[start:end] = logits.logsumexp(dim=-1)
+            total += (log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)).sum()
+        ctx.save_for_backward(hidden, weight, targets, log_norms)
+        ctx.chunk_tokens = chunk_tokens
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, targets, log_norms = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            end = start + ctx.chunk_tokens
+            chunk = hidden[start:end]
+            grad_logits = ((chunk @ weight.t()).float() - log_norms[start:end, None]).exp_()  # softmax
+            grad_logits.scatter_add_(1, targets[start:end, None], grad_logits.new_full((len(chunk), 1), -1.0))
+            grad_logits = (grad_logits * grad_total).to(hidden.dtype)
+            grad_hidden[start:end] = grad_logits @ weight
+            grad_weight += (grad_logits.t() @ chunk).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None

@@ -14,13 +14,16 @@ to B x T tokens and each document is treated as a sequence of its own:
 
 Both paths give the same result as the dense document mask: tests/test_model.py checks the
 bucketed path against the eager reference, tests/test_cuda.py the varlen kernel against the
-bucketed path (on a GPU). The layout is built once per forward pass on the CPU from
-`position_ids` and shared by every layer (the SDPA buckets only when that path runs); on a
-GPU that costs one host sync per forward.
+bucketed path (on a GPU). The layout is built on the CPU from `position_ids`, by the collator
+(dataset/collate.py, where the batch already is) and handed to the model, so a CUDA forward
+never waits for the GPU; it is shared by every layer (the SDPA buckets are built only when that
+path runs, on the CPU too). A model called without it builds it itself from `position_ids`,
+which on a GPU costs one host sync per forward.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -43,15 +46,34 @@ def document_starts(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 class PackedDocuments:
-    """Where the documents of packed [B, T] rows lie once the rows are flattened to B x T tokens."""
+    """Where the documents of packed [B, T] rows lie once the rows are flattened to B x T tokens.
 
+    `starts`/`lengths` stay on the CPU (the buckets are planned there); `cu_seqlens` and the
+    bucket indices live on `device` (see `to`)."""
+
+    def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, shape: tuple[int, int]):
+        self.shape, self.device = tuple(shape), torch.device("cpu")
+        self.starts, self.lengths = starts, lengths
+        self.max_length = int(lengths.max()) if len(lengths) else 0
+        self.cu_seqlens = torch.cat([starts, torch.tensor([shape[0] * shape[1]])]).to(torch.int32)
+
+    @classmethod
     @torch.compiler.disable
-    def __init__(self, position_ids: torch.Tensor):
-        batch, length = position_ids.shape
-        self.shape, self.device = (batch, length), position_ids.device
-        self.starts, self.lengths = document_starts(position_ids.detach().cpu())
-        self.max_length = int(self.lengths.max())
-        self.cu_seqlens = torch.cat([self.starts, torch.tensor([batch * length])]).to(torch.int32).to(self.device)
+    def from_position_ids(cls, position_ids: torch.Tensor) -> PackedDocuments:
+        """The layout of packed rows; on a GPU tensor this waits for the GPU (one host sync)."""
+        starts, lengths = document_starts(position_ids.detach().cpu())
+        return cls(starts, lengths, position_ids.shape).to(position_ids.device)
+
+    def to(self, device, non_blocking: bool = True) -> PackedDocuments:
+        """A copy whose device tensors are on `device` (asynchronous host-to-device copies)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        moved = copy.copy(self)
+        moved.__dict__.pop("buckets", None)  # planned again for the new device when needed
+        moved.device = device
+        moved.cu_seqlens = self.cu_seqlens.to(device, non_blocking=non_blocking)
+        return moved
 
     @functools.cached_property
     def buckets(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
@@ -68,10 +90,11 @@ class PackedDocuments:
             real = offsets < lengths[chosen].view(-1, 1)
             index = starts[chosen].view(-1, 1) + offsets
             index = torch.where(real, index, starts[chosen].view(-1, 1))  # pads repeat a real token
-            buckets.append((index.to(device), real.reshape(-1).nonzero().squeeze(1).to(device)))
+            buckets.append((index.to(device, non_blocking=True),
+                            real.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)))
             order.append(index[real])
         # Concatenating the buckets' real outputs gives the tokens in bucket order; this undoes it.
-        return buckets, torch.argsort(torch.cat(order)).to(device)
+        return buckets, torch.argsort(torch.cat(order)).to(device, non_blocking=True)
 
     @torch.compiler.disable
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
@@ -99,7 +122,7 @@ class PackedDocuments:
         batch, length = self.shape
         ids = torch.zeros(batch * length, dtype=torch.long)
         ids[self.starts] = 1
-        ids = ids.cumsum(0).view(batch, length).to(self.device)  # document number of every token
+        ids = ids.cumsum(0).view(batch, length).to(self.device, non_blocking=True)  # document number of every token
         same = ids.view(batch, 1, length, 1) == ids.view(batch, 1, 1, length)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         return same & causal

@@ -33,8 +33,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--model_path --tokenizer_path --device --dtype``, the flags of every script that loads a model."""
     group = parser.add_argument_group("model")
     group.add_argument("--model_path", required=True,
-                       help="HF model dir, a .safetensors file with config.json beside it, a resume "
-                            "checkpoint .pt, or a run dir (--save_dir of the trainer)")
+                       help="HF model dir (this model's, or a Qwen3 / Qwen3-MoE one), a MiniMind .pth, a "
+                            ".safetensors file, a resume checkpoint .pt, or a run dir (--save_dir of the trainer)")
     group.add_argument("--tokenizer_path", default=None,
                        help="tokenizer dir; default: the one saved with the model, else the shipped one")
     group.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")

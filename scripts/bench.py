@@ -15,6 +15,9 @@ file and the same sampler seed:
             loss positions (skip_logits), loss = sum / loss tokens of the optimizer step.
   grouped   dynamic + the length-grouped sampler (the trainer's --group_by_length 1).
   packed    PackedSFTDataset rows of up to --max_seq_len tokens with position_ids (--packing 1).
+  unchunked dynamic, but the LM head + cross-entropy over all loss positions at once (not in
+            chunks): with --vocab_size 151936 (Qwen3's vocabulary) its peak/step MiB against
+            the dynamic mode's is the memory the chunked loss saves. Not run by default.
 
 Each mode runs the trainer's own code: the loader of trainer/data_setup.build_train_data (the
 minimind mode swaps in a pad-to-max collator), trainer/loop.agree_on_step and
@@ -113,7 +116,8 @@ from trainer.model_setup import build_grad_scaler, build_model, build_model_conf
 from trainer.preemption import PreemptionFlag  # noqa: E402
 from trainer.seeding import setup_seed  # noqa: E402
 
-MODES = ("minimind", "dynamic", "grouped", "packed")
+MODES = ("minimind", "dynamic", "grouped", "packed", "unchunked")
+DEFAULT_MODES = MODES[:4]
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
 PROBE_PREFIX = "PROBE "
@@ -148,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden_size", type=int, default=256)
     model.add_argument("--num_hidden_layers", type=int, default=4)
     model.add_argument("--max_seq_len", type=int, default=512)
+    model.add_argument("--vocab_size", type=int, default=None,
+                       help="LM head size (default: the tokenizer's); e.g. 151936 for a Qwen3-sized head on the same data")
     model.add_argument("--data_path", default=str(DEFAULT_DATA), help="SFT jsonl file")
     model.add_argument("--cache_dir", default=None, help="token cache of the timed modes; default: next to the data")
     run = parser.add_argument_group("run")
@@ -158,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--rounds", type=int, default=0,
                      help="the timed steps of every mode are cut into this many chunks, run in turn "
                           "(A, B, ..., A, B, ...); 0 = one step per chunk")
-    run.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    run.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {','.join(MODES)}")
     run.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16, float16 (GPU)")
     run.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
     run.add_argument("--use_compile", choices=("0", "1", "both"), default="0",
@@ -306,7 +312,9 @@ def trainer_args(options, mode: str = "dynamic", dtype_name: str = "float32", ca
     cache_dir = cache_dir or options.cache_dir
     if cache_dir:
         argv += ["--cache_dir", str(cache_dir)]
-    return parse_args(argv)
+    args = parse_args(argv)
+    args.bench_vocab_size = options.vocab_size  # read by build_run only
+    return args
 
 
 class MiniMindObjective(torch.nn.Module):
@@ -335,13 +343,17 @@ def single_process_context(device) -> DistContext:
 def build_run(args, tokenizer, ctx, data, dtype, mode: str):
     """The trainer's Run for one mode: model from the seed, AdamW, grad scaler, optional compile."""
     setup_seed(args.seed)
-    model = build_model(args, build_model_config(args, tokenizer), ctx.device)
+    config = build_model_config(args, tokenizer)
+    if args.bench_vocab_size:  # a bigger LM head; the data's token ids stay below the tokenizer's size
+        config.vocab_size = args.bench_vocab_size
+    model = build_model(args, config, ctx.device)
+    model.chunk_lm_loss = mode != "unchunked"
     optimizer = build_optimizer(model, args, ctx.device)
     wrapped = MiniMindObjective(model, args.accumulation_steps) if mode == "minimind" else model
     if args.use_compile:
         wrapped = torch.compile(wrapped)
     run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data,
-              eval_loader=None, tokenizer=tokenizer, logger=None, preemption=PreemptionFlag())
+              eval_sets=[], tokenizer=tokenizer, logger=None, preemption=PreemptionFlag())
     run.model.train()
     return run
 
@@ -419,8 +431,7 @@ def model_flops(model, counts: Counts) -> float:
 def optimizer_step_once(run, batches, args) -> list[dict]:
     """One optimizer step of the trainer (constant learning rate); returns its micro-batches."""
     micro_batches = [next(batches) for _ in range(args.accumulation_steps)]
-    loss_tokens, _, _ = agree_on_step(run, micro_batches)
-    optimizer_step(run, micro_batches, loss_tokens, args.learning_rate)
+    optimizer_step(run, micro_batches, agree_on_step(run, micro_batches), args.learning_rate)
     return micro_batches
 
 
@@ -584,7 +595,8 @@ def run_modes(options) -> dict:
         fail("--dtypes float16 needs a GPU; on CPU use float32 or bfloat16")
     peak_reset_works = reset_peak_memory(device)
     print(f"machine: {machine_description(device)}")
-    print(f"config: hidden {options.hidden_size}, layers {options.num_hidden_layers}, max_seq_len "
+    print(f"config: hidden {options.hidden_size}, layers {options.num_hidden_layers}, vocab "
+          f"{options.vocab_size or 'of the tokenizer'}, max_seq_len "
           f"{options.max_seq_len}, batch {options.batch_size} x accumulation {options.accumulation_steps}, "
           f"{options.warmup_steps} warm-up + {options.steps} timed optimizer steps per mode in {options.rounds} rounds, "
           f"compile {options.use_compile}, data {options.data_path}")

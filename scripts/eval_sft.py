@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import (  # noqa: E402
-    REPO_DIR, ArgumentParser, add_model_args, fail, generation_kwargs, load_model_and_tokenizer, prompt_ids, run_main,
+    REPO_DIR, ArgumentParser, add_model_args, fail, load_model_and_tokenizer, prompt_ids, run_main,
 )
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
@@ -107,42 +107,23 @@ def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size
 
 
 def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> list[str]:
-    """Greedy answers of all prompts, batched with left padding (longest prompts first)."""
-    import torch
+    """Greedy answers of all prompts (batched, left padding; trainer.evaluation.greedy_generate)."""
+    from trainer.evaluation import greedy_generate
 
     context = model.config.max_position_embeddings
     if max_new_tokens >= context:
         fail(f"--max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
-    keep = context - max_new_tokens
-    prompts = [e.prompt_ids[-keep:] for e in examples]  # over-long prompts keep their end
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    settings = generation_kwargs(tokenizer, max_new_tokens)
-    answers = [""] * len(prompts)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in chunk)
-        input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-        for row, index in enumerate(chunk):
-            ids = prompts[index]
-            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids):] = 1
-        with torch.inference_mode():
-            output = model.generate(
-                input_ids.to(model.device), attention_mask=attention_mask.to(model.device), **settings
-            )
-        for row, index in enumerate(chunk):
-            generated = output[row, width:].tolist()
-            if tokenizer.eos_token_id in generated:
-                generated = generated[: generated.index(tokenizer.eos_token_id)]
-            answers[index] = tokenizer.decode(generated, skip_special_tokens=True)
-    return answers
+    answers = greedy_generate(model, [e.prompt_ids for e in examples], tokenizer.pad_token_id, tokenizer.eos_token_id,
+                              batch_size, max_new_tokens)
+    return [tokenizer.decode(answer, skip_special_tokens=True) for answer in answers]
 
 
 def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> dict:
+    from trainer.evaluation import exact_match
+
     loss, num_tokens = assistant_loss(model, examples, tokenizer.pad_token_id, batch_size)
     answers = greedy_answers(model, tokenizer, examples, batch_size, max_new_tokens)
-    correct = sum(a.strip() == e.reference.strip() for a, e in zip(answers, examples))
+    correct = sum(exact_match(a, e.reference) for a, e in zip(answers, examples))
     try:
         perplexity = math.exp(loss)
     except OverflowError:

@@ -1,15 +1,24 @@
-"""Export a trained model as a self-contained Hugging Face directory.
+"""Export a trained model: a standard Qwen3 directory, a MiniMind .pth, or the remote-code directory.
 
-    python scripts/export_hf.py --model_path out/checkpoints/step_00000100.pt --out_dir export [--dtype bfloat16]
+    python scripts/export_hf.py --model_path out --out_dir export                  # --format qwen3
+    python scripts/export_hf.py --model_path out --out_dir ../minimind/out --format minimind
 
-The directory holds config.json (with ``auto_map``), model.safetensors, the model code
-(configuration_minimind.py, modeling_minimind.py, packed_attention.py) and the tokenizer files with the chat
-template, so a plain transformers install loads it without this repo:
+--format qwen3 (default): config.json with model_type qwen3 (qwen3_moe for an MoE model),
+model.safetensors and the tokenizer with its chat template. Any transformers install (and every
+tool that knows Qwen3: vLLM, llama.cpp's converter, ...) loads it without remote code:
 
-    AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
-    AutoTokenizer.from_pretrained(out_dir)
+    AutoModelForCausalLM.from_pretrained(out_dir); AutoTokenizer.from_pretrained(out_dir)
 
-A non-empty ``--out_dir`` is only replaced with ``--overwrite``.
+--format minimind: ``{--save_weight}_{hidden}[_moe].pth`` in ``--out_dir``, MiniMind's own
+naming and dtype (float16, lm_head.weight included), which MiniMind's ``eval_llm.py`` loads with
+``strict=True``; the MiniMindConfig arguments it needs beyond the defaults are printed.
+
+--format remote-code: model_type minimind with ``auto_map`` and the model code
+(configuration_minimind.py, modeling_minimind.py, packed_attention.py): needs
+``trust_remote_code=True``.
+
+A config a format cannot express is refused with the reason. A non-empty ``--out_dir`` (for
+minimind: an existing .pth) is only replaced with ``--overwrite``.
 """
 
 from __future__ import annotations
@@ -25,13 +34,21 @@ from scripts._common import (  # noqa: E402
 )
 
 
+FORMATS = ("qwen3", "minimind", "remote-code")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="export_hf.py")
     add_model_args(parser)
     parser.set_defaults(device="cpu")
     parser.add_argument("--out_dir", required=True, help="directory to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out_dir")
-    # --dtype (from add_model_args) is the dtype of the exported weights.
+    parser.add_argument("--format", choices=FORMATS, default="qwen3",
+                        help="qwen3: standard Qwen3/Qwen3-MoE dir (no remote code); minimind: MiniMind .pth; "
+                             "remote-code: model_type minimind with the model code")
+    parser.add_argument("--save_weight", default="full_sft",
+                        help="--format minimind: file name prefix, as MiniMind's --save_weight")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out_dir (or an existing .pth)")
+    # --dtype (from add_model_args) is the dtype of the exported weights (minimind: always float16).
     return parser
 
 
@@ -43,19 +60,24 @@ def check_out_dir(out_dir: Path, model_path: Path, overwrite: bool) -> None:
     target = out_dir.resolve()
     if target == source or target in source.parents:
         fail(f"--out_dir {out_dir} contains the model being exported ({model_path}); choose another directory")
+    from trainer.checkpoint import inside_a_run_model_dir
+
+    run_model = inside_a_run_model_dir(str(target))
+    if run_model:
+        fail(f"--out_dir {out_dir} is inside the training run's {run_model}, which the run's next save replaces; "
+             "choose a directory outside it")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         fail(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")
 
 
-def export(model, tokenizer, out_dir: Path) -> None:
+def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype) -> None:
     """Write model + tokenizer into a fresh sibling folder, then move it to ``out_dir``."""
-    from transformers.utils import logging as hf_logging
+    from trainer.weights_io import write_qwen3_dir, write_remote_code_dir
 
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
     shutil.rmtree(staging, ignore_errors=True)
-    hf_logging.disable_progress_bar()
     try:
-        model.save_pretrained(str(staging))
+        (write_qwen3_dir if fmt == "qwen3" else write_remote_code_dir)(model, str(staging), dtype)
         tokenizer.save_pretrained(str(staging))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -65,16 +87,47 @@ def export(model, tokenizer, out_dir: Path) -> None:
     staging.rename(out_dir)
 
 
+def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
+    from trainer.weights_io import minimind_pth_name, minimind_settings, write_minimind_pth
+
+    target = out_dir / minimind_pth_name(model.config, prefix)
+    if target.exists() and not overwrite:
+        fail(f"{target} exists (pass --overwrite to replace it)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_minimind_pth(model, str(target))
+    settings = minimind_settings(model.config)
+    config = model.config
+    print(f"MiniMind loads it with MiniMindConfig(hidden_size={config.hidden_size}, num_hidden_layers="
+          f"{config.num_hidden_layers}, use_moe={config.use_moe}"
+          + "".join(f", {k}={v!r}" for k, v in settings.items()) + ")")
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
+    from trainer.weights_io import minimind_unsupported, qwen3_unsupported
+
     args = build_parser().parse_args(argv)
     out_dir = Path(args.out_dir)
-    check_out_dir(out_dir, Path(args.model_path), args.overwrite)
+    if args.format == "minimind":
+        if out_dir.exists() and not out_dir.is_dir():
+            fail(f"--out_dir {out_dir} exists and is not a directory")
+    else:
+        check_out_dir(out_dir, Path(args.model_path), args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args)
-    model.config.dtype = resolve_dtype(args.dtype)
+    unsupported = {"qwen3": qwen3_unsupported, "minimind": minimind_unsupported}.get(args.format, lambda c: None)
+    reason = unsupported(model.config)
+    if reason:
+        fail(f"--format {args.format} cannot express this model: {reason} (use --format remote-code)")
+    if args.format == "minimind":
+        target = export_minimind(model, out_dir, args.save_weight, args.overwrite)
+        print(f"exported float16 MiniMind weights to {target}")
+        return 0
+    dtype = resolve_dtype(args.dtype)
+    model.config.dtype = dtype
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    export(model, tokenizer, out_dir)
+    export_dir(model, tokenizer, out_dir, args.format, dtype)
     files = ", ".join(sorted(p.name for p in out_dir.iterdir()))
-    print(f"exported {DTYPES[args.dtype]} model to {out_dir}: {files}")
+    print(f"exported {DTYPES[args.dtype]} {args.format} model to {out_dir}: {files}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Plot a training run's metrics.jsonl: train/eval loss, learning rate and tokens/s over steps.
+"""Plot a training run's metrics.jsonl: train/eval losses, eval accuracies, learning rate and tokens/s.
 
     python scripts/plot_loss.py --metrics out [--out out/loss.png]
 
@@ -17,6 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import ArgumentParser, fail, run_main  # noqa: E402
+
+
+# Eval keys drawn on the accuracy panel (with their per-file `/<name>` variants).
+ACCURACY_PREFIXES = ("eval_token_accuracy", "eval_exact_match", "eval_tool_call_accuracy")
 
 
 def build_parser() -> ArgumentParser:
@@ -70,32 +74,64 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in points], [v for _, v in points]
 
 
-def plot(curves: dict[str, list[dict]], out: Path, title: str) -> None:
+def keys_with_prefix(records: list[dict], prefixes: tuple[str, ...]) -> list[str]:
+    """The numeric keys of these records that start with one of `prefixes`, the plain ones first."""
+    found = {key for record in records for key, value in record.items()
+             if key.startswith(prefixes) and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return sorted(found, key=lambda key: ("/" in key, key))
+
+
+def plot(curves: dict[str, list[dict]], out: Path, title: str) -> list[str]:
+    """Losses (train, any per-source `loss/<source>`, eval and per-file `eval_loss/<name>`), the
+    eval accuracies when there are any, learning rate and tokens/s; the best step of --keep_best
+    as a dotted line. Returns the labels of the loss and accuracy curves drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     train, evals = curves.get("train", []), curves.get("eval", [])
-    figure, (loss_axis, lr_axis, speed_axis) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
-    loss_axis.plot(*_series(train, "loss"), label="train loss", linewidth=1.2)
-    if evals:
-        loss_axis.plot(*_series(evals, "eval_loss"), "o-", label="eval loss", linewidth=1.5, markersize=4)
+    accuracy_keys = keys_with_prefix(evals, ACCURACY_PREFIXES)
+    rows = 4 if accuracy_keys else 3
+    figure, axes = plt.subplots(rows, 1, figsize=(9, 3.2 * rows + 0.4), sharex=True)
+    loss_axis, speed_axis = axes[0], axes[-1]
+    for key in keys_with_prefix(train, ("loss",)):
+        if key == "loss" or key.startswith("loss/"):
+            loss_axis.plot(*_series(train, key), label=f"train {key}", linewidth=1.2 if key == "loss" else 0.9)
+    for key in keys_with_prefix(evals, ("eval_loss",)):
+        if key == "eval_loss" or key.startswith("eval_loss/"):
+            loss_axis.plot(*_series(evals, key), "o-", label=key.replace("_", " "), linewidth=1.5, markersize=4)
     loss_axis.set_ylabel("loss")
-    loss_axis.legend()
+    loss_axis.legend(fontsize="small")
     loss_axis.set_title(title)
+    if accuracy_keys:
+        for key in accuracy_keys:
+            axes[1].plot(*_series(evals, key), "o-", label=key.replace("_", " "), markersize=4)
+        axes[1].set_ylabel("eval accuracy")
+        axes[1].legend(fontsize="small")
+    lr_axis = axes[-2]
     lr_axis.plot(*_series(train, "lr"), color="tab:green")
     lr_axis.set_ylabel("learning rate")
     lr_axis.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     speed_axis.plot(*_series(train, "tokens_per_s"), color="tab:red")
     speed_axis.set_ylabel("tokens / s")
     speed_axis.set_xlabel("optimizer step")
-    for axis in (loss_axis, lr_axis, speed_axis):
+    best = [r for r in evals if isinstance(r.get("best_step"), int)]
+    for axis in axes:
         axis.grid(True, alpha=0.3)
+        if best:
+            axis.axvline(best[-1]["best_step"], color="gray", linestyle=":", linewidth=1)
+    if best:
+        loss_axis.annotate(f"best {best[-1]['best_metric']} (step {best[-1]['best_step']})",
+                           (best[-1]["best_step"], 1.0), xycoords=("data", "axes fraction"), fontsize="small",
+                           va="top", ha="right", color="gray")
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=120)
+    labels = [line.get_label() for axis in axes[:rows - 2] for line in axis.get_lines()
+              if not line.get_label().startswith("_")]  # not the best-step line
     plt.close(figure)
+    return labels
 
 
 def main(argv: list[str] | None = None) -> int:

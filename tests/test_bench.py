@@ -23,7 +23,7 @@ def test_help_lists_the_flags():
     text = build_parser().format_help()
     for flag in ("--hidden_size", "--num_hidden_layers", "--max_seq_len", "--batch_size", "--accumulation_steps",
                  "--steps", "--warmup_steps", "--data_path", "--modes", "--dtypes", "--device", "--use_compile",
-                 "--json_out", "--scaling"):
+                 "--json_out", "--scaling", "--vocab_size"):
         assert flag in text
 
 

@@ -41,12 +41,18 @@ def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
 
     ids, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40], [33, 2, 1, 1]], row_len=40)
     ids, positions = ids.cuda(), positions.cuda()
-    results = {}
+    results, varlen_calls = {}, []
+    original = packed_attention.varlen_attn
+    assert original is not None, "this torch has no varlen_attn"
+
+    def counted_varlen_attn(*args, **kwargs):
+        varlen_calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
     for path in ("varlen", "buckets"):
         model = tiny_model().cuda().train()
-        original = packed_attention.varlen_attn
-        if path == "buckets":
-            packed_attention.varlen_attn = None  # forces the bucketed SDPA path
+        # "buckets": no varlen kernel, which forces the bucketed SDPA path
+        packed_attention.varlen_attn = counted_varlen_attn if path == "varlen" else None
         try:
             with torch.autocast("cuda", dtype=dtype):
                 out = model(ids, position_ids=positions, labels=ids)
@@ -54,8 +60,48 @@ def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
         finally:
             packed_attention.varlen_attn = original
         results[path] = (out.loss.float(), [p.grad.float() for p in model.parameters()])
-    assert packed_attention.varlen_attn is not None, "this torch has no varlen_attn"
+    assert len(varlen_calls) == model.config.num_hidden_layers  # the varlen kernel ran, once per layer
     (varlen_loss, varlen_grads), (bucket_loss, bucket_grads) = results["varlen"], results["buckets"]
     assert torch.allclose(varlen_loss, bucket_loss, rtol=1e-2)
     for a, b in zip(varlen_grads, bucket_grads):
         assert torch.allclose(a, b, atol=2e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("kind", ["dense", "packed", "moe"])
+def test_a_training_micro_step_makes_no_host_sync(kind):
+    """Forward + backward of one micro-batch as trainer/loop.optimizer_step runs it (bf16 autocast,
+    the collator's precomputed loss positions and packed layout): any host sync raises."""
+    from dataset import SFTCollator
+    from tests.test_model import packed_rows, tiny_model
+    from trainer.loop import model_inputs
+
+    model = tiny_model(**(dict(use_moe=True, num_experts=4, num_experts_per_tok=2) if kind == "moe" else {}))
+    model = model.cuda().train()
+    lengths = [[5, 9, 3], [12, 4], [30]] if kind == "packed" else [[17], [16], [30]]
+    ids, positions = packed_rows(lengths, row_len=32)
+    labels = torch.where(positions == 0, -100, ids)
+    items = []
+    for row, documents in enumerate(lengths):
+        n = sum(documents)
+        item = {"input_ids": ids[row, :n].numpy(), "labels": labels[row, :n].numpy()}
+        if kind == "packed":
+            item["position_ids"] = positions[row, :n].numpy()
+        items.append(item)
+    batch = SFTCollator(pad_token_id=0)(items)
+    loss_tokens = int((batch["labels"][:, 1:] != -100).sum())
+
+    def micro_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**model_inputs(batch, torch.device("cuda:0")), num_items_in_batch=loss_tokens,
+                        num_sequences_in_batch=len(items), skip_logits=True)
+        (out.loss + out.aux_loss).backward()
+        return out
+
+    micro_step()  # CUDA/cuBLAS initialisation may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = micro_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out.loss).item()

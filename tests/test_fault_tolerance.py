@@ -441,6 +441,12 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, t
     # three in a row: the run stopped and saved the last good state (that of step 3)
     assert_weights_equal(saved[6]["model"], saved[3]["model"])
     assert saved[6]["step"] == 6 and saved[6]["skipped_steps"] == 4
+    assert [saved[step]["bad_steps_in_a_row"] for step in range(1, 7)] == [0, 1, 0, 1, 2, 3]
+    # the count survives a resume: two bad steps saved at step 5, one more after it stops the run
+    resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "4", "--max_steps", "10",
+                                "--max_bad_steps", "3", "--resume_from", checkpoint_at(save_dir, 5)),
+                          env=clean_env(MINISFT_FAULT_NAN_STEPS="6"), check=False)
+    assert resumed.returncode == 1 and "(last at step 6)" in last_line(resumed.stderr), resumed.stderr[-2000:]
     assert not os.path.exists(checkpoint_at(save_dir, 7))
     rows = {row["step"]: row for row in map(json.loads, open(save_dir / "metrics.jsonl", encoding="utf-8"))}
     assert [rows[step]["skipped_steps"] for step in range(1, 6)] == [0, 1, 1, 2, 3]

@@ -192,7 +192,7 @@ def test_packed_attention_builds_no_dense_mask_and_pads_a_bucket_at_most_twofold
     from model.packed_attention import PackedDocuments
 
     _, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40]], row_len=40)
-    layout = PackedDocuments(positions)
+    layout = PackedDocuments.from_position_ids(positions)
     assert layout.cu_seqlens.tolist() == [0, 1, 3, 6, 15, 32, 37, 38, 39, 40, 80]
     assert layout.max_length == 40
     # (0,1]: the three 1-token pads and the 1-token document; (1,2]; (2,4]; (4,8]; (8,16]; (16,32]; (32,64]
@@ -326,15 +326,147 @@ def test_cpu_autocast_forward_and_backward(dtype):
 
 
 def test_torch_compile_traces_the_body_as_one_graph_for_any_length():
-    # Batches of varying length (dynamic shapes) must not make dynamo fall back to eager: the
-    # only graph breaks allowed are skip_logits' data-dependent selection of loss positions.
+    # Batches of varying length (dynamic shapes) must not make dynamo fall back to eager. With the
+    # collator's loss positions the only graph break is the chunked LM loss (compiler-disabled).
+    from model.modeling_minimind import loss_positions_of
+
     model = tiny_model().train()
     ids = torch.randint(3, 97, (2, 12))
     torch._dynamo.mark_dynamic(ids, 1)
-    explanation = torch._dynamo.explain(model)(ids, labels=ids, skip_logits=True)
-    assert explanation.graph_break_count == 2
-    for graph_break in explanation.break_reasons:
-        assert "aten.nonzero" in graph_break.reason, graph_break.reason
+    explanation = torch._dynamo.explain(model)(ids, labels=ids, skip_logits=True, loss_positions=loss_positions_of(ids))
+    assert explanation.graph_break_count == 1
+    assert "chunked_lm_loss" in explanation.break_reasons[0].reason
     body = explanation.graphs[0]
     assert sum(node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
                for node in body.graph.nodes) == model.config.num_hidden_layers
+
+
+# --------------------------------------------------------------------------- chunked loss, precomputed layout, MoE
+
+
+def test_chunked_lm_loss_equals_the_unchunked_loss_and_gradients(monkeypatch):
+    from model import modeling_minimind
+
+    ids = torch.randint(3, 97, (3, 11))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    labels[2, 7:] = -100
+    results = []
+    for path in ("full logits", "unchunked", "chunked"):
+        model = tiny_model().train()
+        model.chunk_lm_loss = path == "chunked"
+        if path == "chunked":  # 3 tokens x 97 logits per chunk: 7 chunks, the last one partial
+            monkeypatch.setattr(modeling_minimind, "LOSS_CHUNK_ELEMENTS", 3 * 97)
+            assert model.loss_chunk_tokens() == 3
+        out = model(ids, labels=labels, num_items_in_batch=19, skip_logits=path != "full logits")
+        out.loss.backward()
+        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    full_loss, full_grads = results[0]
+    for loss, grads in results[1:]:
+        assert torch.allclose(loss, full_loss, atol=1e-6, rtol=0)
+        for name, grad in full_grads.items():
+            assert torch.allclose(grads[name], grad, atol=1e-6, rtol=0), name
+    # the function itself, with one chunk, several and a chunk larger than the input
+    hidden, weight = torch.randn(20, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (20,))
+    reference = F_cross_entropy_sum(hidden @ weight.t(), targets)
+    ref_grads = torch.autograd.grad(reference, (hidden, weight))
+    for chunk in (1, 7, 20, 64):
+        total = modeling_minimind.chunked_lm_loss(hidden, weight, targets, chunk)
+        grads = torch.autograd.grad(total * 0.5, (hidden, weight))
+        assert torch.allclose(total, reference, atol=1e-5, rtol=1e-6)
+        for grad, ref in zip(grads, ref_grads):
+            assert torch.allclose(grad, 0.5 * ref, atol=1e-6, rtol=0)
+
+
+def F_cross_entropy_sum(logits, targets):
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+
+
+def test_forward_uses_the_collators_loss_positions_and_packed_layout_and_computes_none_itself(monkeypatch):
+    from dataset import SFTCollator
+    from model import modeling_minimind
+    from model.packed_attention import PackedDocuments
+
+    ids, positions = packed_rows([[5, 9, 3], [12, 4]], row_len=20)
+    labels = torch.where(positions == 0, -100, ids)  # no loss on a document's first token
+    items = [{"input_ids": ids[r, :n].numpy(), "labels": labels[r, :n].numpy(), "position_ids": positions[r, :n].numpy()}
+             for r, n in enumerate((17, 16))]
+    batch = SFTCollator(pad_token_id=0)(items)
+    assert batch["input_ids"].shape == (2, 17)  # row 1: 16 tokens and a pad
+    expected_positions = [17 * r + t for r in range(2) for t in range(16) if batch["labels"][r, t + 1] != -100]
+    assert batch["loss_positions"].tolist() == expected_positions
+    layout = batch["packed_layout"]
+    assert layout.cu_seqlens.tolist() == [0, 5, 14, 17, 29, 33, 34]
+    assert layout.max_length == 12 and layout.shape == (2, 17)
+
+    model = tiny_model().train()
+    plain = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"], skip_logits=True)
+    plain.loss.backward()
+    plain_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    def computed_here(*args, **kwargs):
+        raise AssertionError("the model computed what the collator had given it")
+
+    monkeypatch.setattr(modeling_minimind, "loss_positions_of", computed_here)
+    monkeypatch.setattr(PackedDocuments, "from_position_ids", computed_here)
+    given = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"], skip_logits=True,
+                  loss_positions=batch["loss_positions"], packed_layout=batch["packed_layout"])
+    given.loss.backward()
+    assert torch.equal(given.loss, plain.loss)
+    for grad, plain_grad in zip([p.grad for p in model.parameters()], plain_grads):
+        assert torch.allclose(grad, plain_grad, atol=1e-7, rtol=0)
+    # the given positions are what the loss uses: the first half of them gives another loss
+    half = batch["loss_positions"][: len(expected_positions) // 2]
+    partial = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"], skip_logits=True,
+                    loss_positions=half, packed_layout=batch["packed_layout"]).loss
+    assert not torch.allclose(partial, plain.loss)
+
+
+def test_moe_dense_dispatch_equals_gather_dispatch_in_values_and_gradients():
+    ids = torch.randint(3, 97, (3, 9))
+    results = []
+    for dispatch in ("gather", "dense"):
+        model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2).train()
+        for layer in model.model.layers:
+            layer.mlp.dispatch = dispatch
+        out = model(ids, labels=ids)
+        (out.loss + out.aux_loss).backward()
+        results.append((out.logits, out.aux_loss, [p.grad for p in model.parameters()]))
+    (logits, aux, grads), (dense_logits, dense_aux, dense_grads) = results
+    assert torch.allclose(dense_logits, logits, atol=1e-6, rtol=0)
+    assert torch.allclose(dense_aux, aux, atol=1e-7, rtol=0)
+    for grad, dense_grad in zip(grads, dense_grads):
+        assert torch.allclose(dense_grad, grad, atol=1e-6, rtol=0)
+
+
+def test_moe_balance_loss_is_minimind_sequence_wise_skips_pads_and_splits_over_rows_exactly():
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1,
+                       num_hidden_layers=1).train()
+    torch.manual_seed(4)
+    ids = torch.randint(3, 97, (4, 10))
+    # MiniMind's seq_aux formula, written out for unpadded rows
+    gate, experts, k = model.model.layers[0].mlp.gate, 4, 2
+    captured = {}
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: captured.update(x=args[0]))
+    whole = model(ids).aux_loss
+    hook.remove()
+    scores = gate(captured["x"]).softmax(-1)  # [B, T, E]
+    top = scores.topk(k, dim=-1).indices.view(4, -1)
+    ce = torch.zeros(4, experts).scatter_add_(1, top, torch.ones(4, 10 * k)).div_(10 * k / experts)
+    minimind = (ce * scores.mean(dim=1)).sum(dim=1).mean() * 0.1
+    assert whole.item() == pytest.approx(minimind.item(), rel=1e-6)
+    # pads (token_mask 0) count nothing: a right-padded row has the balance of the row alone
+    padded = torch.cat([ids[:1, :6], torch.zeros(1, 4, dtype=torch.long)], dim=1)
+    mask = (torch.arange(10) < 6).long().unsqueeze(0)
+    assert model(padded, token_mask=mask).aux_loss.item() == pytest.approx(model(ids[:1, :6]).aux_loss.item(), rel=1e-6)
+    # split over micro-batches with the global row count: the same loss and gradient as one batch
+    grads = []
+    for parts in ([ids], [ids[:1], ids[1:]]):
+        model.zero_grad()
+        total = sum(model(part, num_sequences_in_batch=4).aux_loss for part in parts)
+        total.backward()
+        grads.append(gate.weight.grad.clone())
+        assert total.item() == pytest.approx(whole.item(), rel=1e-6)
+    assert torch.allclose(grads[0], grads[1], atol=1e-8, rtol=1e-6)

@@ -163,6 +163,12 @@ def test_an_oserror_from_a_bug_keeps_its_traceback_and_a_named_file_gets_one_lin
     assert result.returncode == 2
     assert last_line(result.stderr) == f"error: could not write {tmp_path / 'run' / 'metrics.jsonl'}: Is a directory"
     assert "Traceback" not in result.stderr
+    # A --cache_dir that is a file: the OS names the user's path, one line, exit 2.
+    (tmp_path / "cache").write_text("not a folder")
+    result = run_trainer(flags(data, tmp_path / "cached", "--max_steps", "1", "--cache_dir", str(tmp_path / "cache")),
+                         check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert last_line(result.stderr).startswith(f"error: {tmp_path / 'cache'}")
     # An OSError raised by our own code (here: a tokenizer call breaking mid-run) is a bug: traceback, exit 1.
     script = ("import sys, train_full_sft, dataset\n"
               "def broken(*a, **k): raise OSError(5, 'Input/output error')\n"

@@ -227,7 +227,8 @@ FRESH_LOAD = textwrap.dedent("""
 
 def test_export_loads_in_a_fresh_process_with_equal_logits(trained, tmp_path):
     out_dir = tmp_path / "export"
-    result = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir))
+    result = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir),
+                    "--format", "remote-code")
     assert result.returncode == 0, result.stderr
     names = {p.name for p in out_dir.iterdir()}
     assert {"config.json", "model.safetensors", "configuration_minimind.py", "modeling_minimind.py",
@@ -287,3 +288,16 @@ def test_plot_writes_a_png_and_rejects_empty_metrics(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         main(["--metrics", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x.png")])
     assert done.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_plot_draws_per_source_train_losses_per_file_eval_curves_and_accuracies(tmp_path):
+    from scripts.plot_loss import dedupe_metrics, plot
+
+    train = [{**row, "loss/general": 5.0, "loss/tools": 4.0} for row in metric_lines(range(1, 11))]
+    evals = [{"kind": "eval", "step": s, "eval_loss": 4.0, "eval_loss/a": 4.1, "eval_loss/b": 3.9,
+              "eval_token_accuracy": 0.1 * s, "eval_exact_match/a": 0.0, "eval_loss_tokens": 90,
+              "best_metric": "eval_loss", "best_step": 5, "new_best": s == 5} for s in (5, 10)]
+    labels = plot(dedupe_metrics(train + evals), tmp_path / "loss.png", "t")
+    assert labels == ["train loss", "train loss/general", "train loss/tools", "eval loss", "eval loss/a",
+                      "eval loss/b", "eval token accuracy", "eval exact match/a"]
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")

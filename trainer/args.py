@@ -7,6 +7,7 @@ Relative paths are relative to the current directory; the defaults point into th
 """
 
 import argparse
+import copy
 import math
 import os
 import re
@@ -43,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--num_key_value_heads", type=int, default=4, help="key/value heads (GQA); must divide the query heads")
     cfg.add_argument("--use_moe", type=int, choices=(0, 1), default=0, help="1 = top-k routed mixture-of-experts MLPs")
     cfg.add_argument("--num_experts", type=int, default=4, help="experts per MoE layer")
-    cfg.add_argument("--num_experts_per_tok", type=int, default=2, help="experts each token is routed to")
+    cfg.add_argument("--num_experts_per_tok", type=int, default=1, help="experts each token is routed to")
+    cfg.add_argument("--rms_norm_eps", type=float, default=1e-6, help="epsilon of every RMSNorm (MiniMind and Qwen3: 1e-6)")
+    cfg.add_argument("--aux_loss_coef", type=float, default=5e-4,
+                     help="MoE load-balancing loss coefficient (the config's router_aux_loss_coef)")
     cfg.add_argument("--dropout", type=float, default=0.0, help="dropout on embeddings, attention and MLP outputs")
     cfg.add_argument("--from_resume", type=int, choices=(0, 1), default=0,
                      help="1 = continue from the latest valid resume checkpoint in --save_dir (if any)")
@@ -53,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--data_path", "--train_data_path", default=DEFAULT_TRAIN_DATA,
                       help="training jsonl (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
     data.add_argument("--eval_data_path", "--valid_data_path", default=None,
-                      help="held-out jsonl; its loss is logged every --eval_interval steps and at the end")
+                      help="held-out jsonl file(s), comma-separated (each reported on its own); evaluated every "
+                           "--eval_interval steps and at the end")
     data.add_argument("--tokenizer_path", default=None, help="HF tokenizer dir; default: the shipped model/tokenizer")
     data.add_argument("--max_seq_len", type=int, default=512, help="samples are truncated to this many tokens")
     data.add_argument("--packing", type=int, choices=(0, 1), default=0,
@@ -69,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     mdl = parser.add_argument_group("5. model weights")
     mdl.add_argument("--from_weight", default="none",
-                     help="initial weights: none (from scratch), a safetensors file, or an HF model directory")
+                     help="initial weights: none (from scratch); a MiniMind .pth state dict; a MiniMind name such as "
+                          "pretrain (= SAVE_DIR/pretrain_HIDDEN[_moe].pth); an HF directory of this model or of "
+                          "Qwen3 / Qwen3-MoE (sharded too); a .safetensors file. The architecture comes from the "
+                          "weights (docs/weights.md)")
     mdl.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0,
                      help="1 = recompute activations in backward (less memory, ~30%% more compute)")
     mdl.add_argument("--use_compile", type=int, choices=(0, 1), default=0,
@@ -91,8 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
     loop.add_argument("--max_bad_steps", type=int, default=5,
                       help="stop after this many non-finite optimizer steps in a row")
-    loop.add_argument("--eval_interval", type=int, default=0,
-                      help="evaluate every N optimizer steps (0 = only at the end, if --eval_data_path)")
+
+    evl = parser.add_argument_group("6b. evaluation (needs --eval_data_path)")
+    evl.add_argument("--eval_interval", type=int, default=0,
+                     help="evaluate every N optimizer steps (0 = only at the end): loss and token accuracy on "
+                          "every held-out file")
+    evl.add_argument("--eval_generate_samples", type=int, default=0,
+                     help="also answer the first N conversations of each held-out file greedily and report "
+                          "eval_exact_match (0 = off; ranks share the work)")
+    evl.add_argument("--eval_max_new_tokens", type=int, default=64, help="most tokens generated per answer")
+    evl.add_argument("--keep_best", default=None, metavar="METRIC",
+                     help="keep the model of the best evaluation in SAVE_DIR/best/ (with best.json): eval_loss "
+                          "(lower is better), eval_token_accuracy, eval_exact_match (higher), or a per-file key "
+                          "such as eval_loss/NAME")
+    evl.add_argument("--early_stop_patience", type=int, default=0,
+                     help="stop (and save) after N evaluations without improvement of --keep_best (0 = off)")
 
     save = parser.add_argument_group("7. saving")
     save.add_argument("--save_dir", default="out", help="checkpoints/, model/ and metrics.jsonl go here")
@@ -100,11 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--save_dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                       help="dtype of the inference weights (resume checkpoints are always fp32)")
     save.add_argument("--keep_last", type=int, default=3, help="resume checkpoints to keep")
+    save.add_argument("--overwrite", type=int, choices=(0, 1), default=0,
+                      help="1 = start a new run in a --save_dir that holds another run (its files are moved "
+                           "to <save_dir>/set_aside/, not deleted)")
+    save.add_argument("--save_weight", default=None,
+                      help="MiniMind's prefix: also write SAVE_DIR/PREFIX_HIDDEN[_moe].pth (fp16, MiniMind's state dict, "
+                           "for its eval_llm.py) at every save, e.g. --save_weight full_sft")
 
     log = parser.add_argument_group("8. logging")
     log.add_argument("--log_interval", type=int, default=10, help="print and record figures every N optimizer steps")
-    log.add_argument("--use_wandb", type=int, choices=(0, 1), default=0,
-                     help="1 = also log to wandb (WANDB_MODE=offline works; a resumed run continues its wandb run)")
+    log.add_argument("--use_wandb", type=int, choices=(0, 1), default=0, nargs="?", const=1,
+                     help="1 (or bare --use_wandb) = also log to wandb (WANDB_MODE=offline works; a resumed run continues its wandb run)")
     log.add_argument("--wandb_project", default="minisft", help="wandb project")
     log.add_argument("--wandb_run_name", default=None, help="wandb run name")
     return parser
@@ -138,6 +165,9 @@ RANGES = (
     ("grad_clip", 0, None, True),
     ("max_bad_steps", 1, None, True),
     ("eval_interval", 0, None, True),
+    ("eval_generate_samples", 0, None, True),
+    ("eval_max_new_tokens", 1, None, True),
+    ("early_stop_patience", 0, None, True),
     ("save_interval", 0, None, True),
     ("keep_last", 1, None, True),
     ("log_interval", 1, None, True),
@@ -170,9 +200,42 @@ def device_problem(device: str) -> str | None:
     return f"--device {device}: not supported ({DEVICE_HELP})"
 
 
+def explicit_flags(parser: argparse.ArgumentParser, argv=None) -> tuple[str, ...]:
+    """The destinations of the flags given on the command line (not left at their default)."""
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=parser.allow_abbrev)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            probe._add_action(copy.copy(action)).default = argparse.SUPPRESS
+    given, _ = probe.parse_known_args(argv)
+    return tuple(sorted(vars(given)))
+
+
+PATH_FLAGS = ("data_path", "eval_data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir", "from_weight")
+
+
+def names_a_user_path(error: OSError, args: argparse.Namespace) -> bool:
+    """Whether `error` is about a path the user named (or one inside a folder the user named):
+    then it is the user's to fix (permissions, a full disk, a file where a folder belongs).
+    Other OSErrors are bugs of ours and keep their traceback."""
+    if not error.filename or not isinstance(error.filename, (str, bytes, os.PathLike)):
+        return False
+    path = os.path.abspath(os.fsdecode(error.filename))
+    for name in PATH_FLAGS:
+        for given in str(getattr(args, name, None) or "").split(","):
+            if given and given != "none":
+                given = os.path.abspath(given)
+                if name in ("data_path", "eval_data_path") and not args.cache_dir:
+                    given = os.path.dirname(given)  # the token cache is written next to the data by default
+                if path == given or path.startswith(given.rstrip(os.sep) + os.sep) or given.startswith(path + os.sep):
+                    return True
+    return False
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Which flags the user set: an architecture flag that contradicts --from_weight is refused.
+    args.explicit_flags = explicit_flags(parser, argv)
     problems = range_problems(args)
     if device_problem(args.device):
         problems.append(device_problem(args.device))
@@ -180,10 +243,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
     if problems:
         parser.error("; ".join(problems))
-    for name in ("data_path", "eval_data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir"):
+    if args.eval_data_path:  # several held-out files: a.jsonl,b.jsonl
+        args.eval_data_path = ",".join(os.path.abspath(path) for path in args.eval_data_path.split(",") if path)
+    for name in ("data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir"):
         value = getattr(args, name)
         if value:
             setattr(args, name, os.path.abspath(value))
-    if args.from_weight not in ("none", ""):
-        args.from_weight = os.path.abspath(args.from_weight)
+    if args.from_weight not in ("none", "") and os.path.exists(args.from_weight):
+        args.from_weight = os.path.abspath(args.from_weight)  # else a MiniMind name, resolved in SAVE_DIR
     return args

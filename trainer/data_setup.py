@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset import PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
+from trainer.evaluation import EvalSet, eval_set_names, generation_examples
 
 
 @dataclass
@@ -49,7 +50,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     group = bool(args.group_by_length)
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
-        lengths=dataset.lengths if group else None,
+        lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order
         # One group = one optimizer step's global batch: every rank and micro-step gets samples of
         # similar length, and the order stays the same for any split of that batch into
         # processes x micro-batches (so those equivalences and resumes keep holding).
@@ -71,15 +72,27 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     return TrainData(dataset, sampler, loader)
 
 
-def build_eval_loader(args, tokenizer, ctx) -> DataLoader | None:
-    """Each rank evaluates a disjoint slice (no padding duplicates); the loop sums over ranks."""
-    if not args.eval_data_path:
-        return None
-    dataset = build_dataset(args.eval_data_path, args, tokenizer)
-    return DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        sampler=list(range(ctx.rank, len(dataset), ctx.world_size)),
-        collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
-        num_workers=0,
-    )
+def eval_data_paths(args) -> list[str]:
+    """The held-out files of --eval_data_path (comma-separated)."""
+    return [path for path in (args.eval_data_path or "").split(",") if path]
+
+
+def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
+    """One EvalSet per held-out file. Each rank evaluates a disjoint slice of every file (no
+    padding duplicates) and answers every world_size-th prompt of its generation subset; the
+    evaluation sums over ranks."""
+    paths = eval_data_paths(args)
+    eval_sets = []
+    for name, path in zip(eval_set_names(paths), paths):
+        dataset = build_dataset(path, args, tokenizer)
+        samples = dataset.dataset if args.packing else dataset  # prompts come from whole conversations
+        loader = DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=list(range(ctx.rank, len(dataset), ctx.world_size)),
+            collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
+            num_workers=0,
+        )
+        examples = generation_examples(samples, args.eval_generate_samples, tokenizer.eos_token_id)
+        eval_sets.append(EvalSet(name, loader, examples[ctx.rank::ctx.world_size], len(examples)))
+    return eval_sets

@@ -18,14 +18,18 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from trainer import checkpoint
+from trainer import checkpoint, sample_stream
 from trainer.distributed import all_gather_objects, all_reduce_sum, barrier, broadcast_object
+from trainer.evaluation import evaluate
 from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
+from trainer.model_selection import BEST_DIR, BEST_FILE, best_record, update_selection
 from trainer.model_setup import autocast, scaler_state_for_resume, unwrap
 from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
+from trainer.weights_io import save_minimind_copy
 
 IGNORE_INDEX = -100
 # Fault injection for tests/test_fault_tolerance.py, read in `injected_nan_steps` and nowhere else:
@@ -48,6 +52,10 @@ class TrainState:
     skipped_steps: int = 0
     bad_steps_in_a_row: int = 0
     wandb_run_id: str | None = None
+    run_id: str = field(default_factory=checkpoint.new_run_id)  # one line of training, kept across resumes
+    best_value: float | None = None  # of the --keep_best metric, and the step that reached it
+    best_step: int | None = None
+    evals_without_improvement: int = 0
 
 
 @dataclass
@@ -61,7 +69,7 @@ class Run:
     scaler: torch.amp.GradScaler
     dtype: torch.dtype
     data: object
-    eval_loader: object
+    eval_sets: list  # trainer.evaluation.EvalSet per held-out file; empty without --eval_data_path
     tokenizer: object
     logger: object
     preemption: object
@@ -88,15 +96,30 @@ def resume_state(run: Run) -> dict:
         "epoch": state.epoch,
         "samples_in_epoch": state.samples_in_epoch,
         "skipped_steps": state.skipped_steps,
+        "bad_steps_in_a_row": state.bad_steps_in_a_row,
+        "best_value": state.best_value,
+        "best_step": state.best_step,
+        "evals_without_improvement": state.evals_without_improvement,
         "rng": rng_states,
         "world_size": run.ctx.world_size,
         "args": dict(vars(run.args)),
+        # only rank 0 writes it (hashing the data file is not free)
+        "sample_stream": sample_stream.recorded(run.args, run.tokenizer, run.data.sampler) if run.ctx.is_main else None,
+        "run_id": state.run_id,
         "wandb_run_id": run.logger.wandb_run_id,
     }
 
 
 def restore(run: Run, saved: dict) -> None:
-    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position)."""
+    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position).
+
+    A resume that changes a setting of the sample stream is refused on every rank; another global
+    batch or grouping finishes the interrupted epoch in the checkpoint's order (`sample_stream`)."""
+    problem = sample_stream.check_and_pin(saved, run.args, run.tokenizer, run.data.sampler, run.ctx.is_main,
+                                          run.logger.print)
+    problem = broadcast_object(problem)
+    if problem:
+        raise checkpoint.CheckpointError(problem)
     try:
         run.raw_model.load_state_dict(saved["model"])
         run.optimizer.load_state_dict(saved["optimizer"])
@@ -106,10 +129,18 @@ def restore(run: Run, saved: dict) -> None:
         run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
     run.state = TrainState(
         step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
-        skipped_steps=saved.get("skipped_steps", 0), wandb_run_id=saved.get("wandb_run_id"),
+        skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
+        wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
+        best_value=saved.get("best_value"), best_step=saved.get("best_step"),
+        evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
+    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
+    if run.ctx.is_main and checkpoint.set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
+        run.state.run_id = checkpoint.new_run_id()
     if saved["world_size"] == run.ctx.world_size:
-        restore_rng_state(saved["rng"][run.ctx.rank])
+        note = restore_rng_state(saved["rng"][run.ctx.rank])
+        if note:
+            run.logger.print(f"warning: {note}")
     else:
         # Same sample stream, new per-rank randomness (dropout) for the new world size.
         setup_seed(run.args.seed + run.ctx.rank + saved["step"])
@@ -131,6 +162,8 @@ def save(run: Run) -> None:
             path = checkpoint.save_resume_checkpoint(content, run.args.save_dir, run.args.keep_last)
             save_dtype = getattr(torch, run.args.save_dtype)
             checkpoint.save_inference_weights(run.raw_model, run.tokenizer, run.args.save_dir, save_dtype)
+            if run.args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
+                save_minimind_copy(run.raw_model, run.args.save_dir, run.args.save_weight)
             run.logger.print(f"saved {path}")
         except checkpoint.CheckpointError as failure:
             error = str(failure)
@@ -160,26 +193,37 @@ def count_total_steps(run: Run) -> int:
     return min(natural, args.max_steps) if args.max_steps else natural
 
 
-def agree_on_step(run: Run, micro_batches: list[dict]) -> tuple[int, int, bool]:
-    """Global loss-token count, global real-token count, and whether any rank must stop now."""
+class StepTotals(NamedTuple):
+    """What the ranks agree on before an optimizer step (one all-reduce)."""
+
+    loss_tokens: int  # tokens with a label, all micro-batches of all ranks: the token loss divides by it
+    real_tokens: int  # non-pad tokens (for tokens/s)
+    sequences: int  # rows with a real token: the MoE balance loss divides by it
+    stop: bool  # some rank must stop now (preemption)
+
+
+def agree_on_step(run: Run, micro_batches: list[dict]) -> StepTotals:
+    """Global loss-token, real-token and row counts, and whether any rank must stop now."""
     loss_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
     real_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+    sequences = sum(int(mb["attention_mask"].any(dim=1).sum()) for mb in micro_batches)
     stop = int(run.preemption.requested)
     if run.ctx.distributed:
-        figures = torch.tensor([loss_tokens, real_tokens, stop], dtype=torch.int64, device=run.ctx.device)
-        loss_tokens, real_tokens, stop = all_reduce_sum(figures).tolist()
-    return loss_tokens, real_tokens, bool(stop)
+        figures = torch.tensor([loss_tokens, real_tokens, sequences, stop], dtype=torch.int64, device=run.ctx.device)
+        loss_tokens, real_tokens, sequences, stop = all_reduce_sum(figures).tolist()
+    return StepTotals(loss_tokens, real_tokens, sequences, bool(stop))
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:
-    """Right padding + causal attention: real tokens never see the pads, so no mask is needed
-    (and SDPA keeps its fused causal kernel). Packed rows carry position_ids instead."""
-    inputs = {
-        "input_ids": batch["input_ids"].to(device, non_blocking=True),
-        "labels": batch["labels"].to(device, non_blocking=True),
-    }
-    if "position_ids" in batch:
-        inputs["position_ids"] = batch["position_ids"].to(device, non_blocking=True)
+    """Right padding + causal attention: real tokens never see the pads, so no attention mask is
+    needed (and SDPA keeps its fused causal kernel); `token_mask` only tells the MoE balance loss
+    which tokens are real. Packed rows carry position_ids. The collator's precomputed
+    `loss_positions` / `packed_layout` spare the model host syncs (see model/modeling_minimind.py);
+    every copy is asynchronous."""
+    inputs = {key: batch[key].to(device, non_blocking=True)
+              for key in ("input_ids", "labels", "position_ids", "loss_positions", "packed_layout") if key in batch}
+    if "attention_mask" in batch:
+        inputs["token_mask"] = batch["attention_mask"].to(device, non_blocking=True)
     return inputs
 
 
@@ -191,9 +235,12 @@ def injected_nan_steps() -> frozenset[int]:
         raise TrainingError(f"{FAULT_NAN_STEPS_ENV}={text!r}: expected step numbers like 3,4,5") from error
 
 
-def optimizer_step(run: Run, micro_batches: list[dict], loss_tokens: int, lr: float, inject_nan: bool = False):
+def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: float, inject_nan: bool = False):
     """Forward/backward over the micro-batches, clip, step. Returns (loss contribution, grad norm, applied).
 
+    Every micro-batch's token loss is divided by the step's global loss-token count and its MoE
+    balance loss by the step's global row count, so the step's objective does not depend on how
+    the rows are split over ranks and micro-batches.
     `inject_nan` (fault injection, see FAULT_NAN_STEPS_ENV) makes this step's loss NaN."""
     model, ctx, scaler = run.model, run.ctx, run.scaler
     set_lr(run.optimizer, lr)
@@ -203,10 +250,11 @@ def optimizer_step(run: Run, micro_batches: list[dict], loss_tokens: int, lr: fl
         sync = contextlib.nullcontext() if (last or not ctx.distributed) else model.no_sync()
         with sync:
             with autocast(ctx.device, run.dtype):
-                out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(loss_tokens, 1), skip_logits=True)
+                out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(totals.loss_tokens, 1),
+                            num_sequences_in_batch=max(totals.sequences, 1), skip_logits=True)
             loss = out.loss * float("nan") if inject_nan else out.loss
-            # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens.
-            objective = loss * ctx.world_size + out.aux_loss / len(micro_batches)
+            # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens (rows).
+            objective = (loss + out.aux_loss) * ctx.world_size
             scaler.scale(objective).backward()
         local_loss += loss.detach().float()
     scaler.unscale_(run.optimizer)
@@ -259,30 +307,47 @@ def check_weights_finite(run: Run) -> None:
         )
 
 
-@torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Token-weighted eval loss over the whole eval set, summed over all ranks."""
-    model, device = run.raw_model, run.ctx.device
-    was_training = model.training
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in run.eval_loader:
-        with autocast(device, run.dtype):
-            out = model(**model_inputs(batch, device), num_items_in_batch=1, skip_logits=True)
-        totals[0] += out.loss.double()
-        totals[1] += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    all_reduce_sum(totals)
-    model.train(was_training)
-    loss_sum, count = totals.tolist()
-    return loss_sum / max(count, 1)
+def save_best(run: Run) -> None:
+    """Rank 0 writes `<save_dir>/best/` (inference weights + best.json); a failed write stops every rank."""
+    state, args = run.state, run.args
+    error = None
+    if run.ctx.is_main:
+        try:
+            record = best_record(args.keep_best, state.best_value, state.best_step)
+            checkpoint.save_inference_weights(run.raw_model, run.tokenizer, args.save_dir, getattr(torch, args.save_dtype),
+                                              name=BEST_DIR, extra_files={BEST_FILE: record})
+        except checkpoint.CheckpointError as failure:
+            error = str(failure)
+    error = broadcast_object(error)
+    if error:
+        raise checkpoint.CheckpointError(error)
+
+
+def evaluate_and_select(run: Run) -> bool:
+    """Evaluate, log, keep the best model; True when early stopping says the run should end."""
+    state, args = run.state, run.args
+    # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
+    figures = broadcast_object(evaluate(run))
+    new_best = stop = False
+    if args.keep_best:
+        new_best, stop = update_selection(state, args.keep_best, figures, args.early_stop_patience)
+        if new_best:
+            save_best(run)
+    run.logger.log_eval(state.step, figures, args.keep_best, state.best_value, state.best_step, new_best)
+    if stop:
+        run.logger.log_early_stop(state.step, args.keep_best, state.evals_without_improvement,
+                                  state.best_value, state.best_step)
+    return stop
 
 
 # --------------------------------------------------------------------------- the loop
 
 
 def train(run: Run) -> str:
-    """Train until the last step, `--max_steps`, or preemption. Returns "finished" or "preempted"."""
+    """Train until the last step, `--max_steps`, preemption or an early stop (`--early_stop_patience`).
+    Returns "finished", "preempted" or "early_stopped"."""
     args, state, logger = run.args, run.state, run.logger
+    logger.run_id = state.run_id
     total_steps = count_total_steps(run)
     warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup_steps(total_steps)
     run.model.train()
@@ -306,12 +371,12 @@ def train(run: Run) -> str:
             if not micro_batches:  # defensive: the sampler always covers the epoch
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
                 break
-            loss_tokens, real_tokens, stop = agree_on_step(run, micro_batches)
-            if stop:
+            totals = agree_on_step(run, micro_batches)
+            if totals.stop:
                 status = "preempted"
                 break
             lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
-            loss, grad_norm, finite = optimizer_step(run, micro_batches, loss_tokens, lr,
+            loss, grad_norm, finite = optimizer_step(run, micro_batches, totals, lr,
                                                      inject_nan=state.step + 1 in nan_steps)
             state.step += 1
             consumed = sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
@@ -324,23 +389,25 @@ def train(run: Run) -> str:
             if finite:
                 interval["loss"] += loss
                 interval["steps"] += 1
-            interval["tokens"] += real_tokens
+            interval["tokens"] += totals.real_tokens
             if state.step % args.log_interval == 0 or state.step == total_steps:
                 log_interval(run, interval, grad_norm, lr, total_steps)
-            if run.eval_loader is not None and args.eval_interval and state.step % args.eval_interval == 0:
-                logger.log_eval(state.step, evaluate(run))
+            if run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0:
                 last_eval = state.step
+                if evaluate_and_select(run):
+                    status = "early_stopped"
+                    break
             if args.save_interval and state.step % args.save_interval == 0:
                 save(run)
                 last_saved = state.step
             if state.samples_in_epoch == 0:
                 break  # epoch finished: the outer loop starts the next one
-        if status == "preempted":
+        if status != "finished":
             break
     if status == "preempted":
         logger.print(f"{run.preemption.reason or 'a stop signal (on another rank)'} received: stopping at step {state.step} and saving a resume checkpoint")
-    elif run.eval_loader is not None and last_eval != state.step:
-        logger.log_eval(state.step, evaluate(run))
+    elif run.eval_sets and last_eval != state.step:
+        evaluate_and_select(run)
     if last_saved != state.step or status == "preempted" or state.step == 0:
         save(run)
     return status

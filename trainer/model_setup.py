@@ -1,15 +1,18 @@
-"""Steps 3 and 5: the model config from the flags, the model (from scratch or `--from_weight`),
+"""Steps 3 and 5: the initial weights (`--from_weight`), the tokenizer that goes with them, the
+model config (from the weights, else from the flags), the model,
 its DDP wrapper, the optimizer, and the mixed-precision pieces (autocast dtype, GradScaler)."""
 
 import contextlib
-import json
 import os
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from dataset import load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
-from trainer.checkpoint import CheckpointError, check_model_config
+from trainer.weights_io import (
+    Weights, build_config, load_into, minimind_unsupported, read_weights, resolve_minimind_name,
+)
 
 ROPE_BUFFERS = ("freqs_cos", "freqs_sin")
 
@@ -18,70 +21,116 @@ class ConfigError(ValueError):
     """Flags that do not describe a valid model or run."""
 
 
-def build_model_config(args, tokenizer) -> MiniMindConfig:
-    try:
-        return MiniMindConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=args.hidden_size,
-            num_hidden_layers=args.num_hidden_layers,
-            num_attention_heads=args.num_attention_heads,
-            num_key_value_heads=args.num_key_value_heads,
-            max_position_embeddings=max(32768, args.max_seq_len),
-            dropout=args.dropout,
-            use_moe=bool(args.use_moe),
-            num_experts=args.num_experts,
-            num_experts_per_tok=args.num_experts_per_tok,
-            pad_token_id=tokenizer.pad_token_id,
-            bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-            eos_token_id=tokenizer.eos_token_id,
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
+# Architecture flags and the config field each sets. With --from_weight the field comes from the
+# weights; a flag the user gave that says otherwise is refused.
+ARCHITECTURE_FLAGS = {
+    "hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+    "use_moe": "use_moe", "num_experts": "num_experts", "num_experts_per_tok": "num_experts_per_tok",
+    "rms_norm_eps": "rms_norm_eps", "aux_loss_coef": "router_aux_loss_coef",
+}
+MOE_ONLY_FLAGS = ("num_experts", "num_experts_per_tok", "aux_loss_coef")
 
 
-def build_model(args, config: MiniMindConfig, device: torch.device) -> MiniMindForCausalLM:
-    """A fresh model (seeded by the caller), optionally initialised from `--from_weight`."""
+def read_initial_weights(args, log=print) -> Weights | None:
+    """The `--from_weight` weights (None: training from scratch); the log says which."""
+    if args.from_weight in ("none", ""):
+        resuming = args.resume_from or args.from_resume
+        log("weights: those of the resume checkpoint" if resuming else "weights: none, training from scratch")
+        return None
+    path = resolve_minimind_name(args.from_weight, args.save_dir, args.hidden_size, bool(args.use_moe))
+    weights = read_weights(path)
+    log(f"weights: {weights.source}")
+    return weights
+
+
+def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
+    """`--tokenizer_path`, else the tokenizer saved with the weights, else the shipped one.
+
+    An explicit tokenizer whose vocabulary differs from the one saved with the weights is refused."""
+    own = weights.tokenizer_dir if weights is not None else None
+    path = args.tokenizer_path or own
+    tokenizer = load_tokenizer(path)
+    if own and args.tokenizer_path and os.path.realpath(own) != os.path.realpath(args.tokenizer_path):
+        if tokenizer.get_vocab() != load_tokenizer(own).get_vocab():
+            raise ConfigError(f"--tokenizer_path {args.tokenizer_path} has another vocabulary than the tokenizer "
+                              f"saved with the weights ({own}); leave --tokenizer_path out to use that one")
+    origin = "--tokenizer_path" if args.tokenizer_path else ("saved with the weights" if own else "the shipped default")
+    log(f"tokenizer: {path or 'model/tokenizer'} ({origin}, {len(tokenizer)} tokens)")
+    args.tokenizer_path = path  # recorded in the resume checkpoints, where inference looks for it
+    return tokenizer
+
+
+def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniMindConfig:
+    """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them."""
+    config = _model_config(args, tokenizer, weights)
+    reason = minimind_unsupported(config) if getattr(args, "save_weight", None) else None
+    if reason:
+        raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")
+    return config
+
+
+def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
+    flags = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        max_position_embeddings=max(32768, args.max_seq_len),
+        rms_norm_eps=args.rms_norm_eps,
+        use_moe=bool(args.use_moe),
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.num_experts_per_tok,
+        router_aux_loss_coef=args.aux_loss_coef,
+    )
+    tokens = dict(
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if weights is None:
+        try:
+            return MiniMindConfig(**flags, **tokens, dropout=args.dropout)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+    config = build_config(weights, **flags)  # the weights win; the flags fill what a .pth does not record
+    config.dropout = args.dropout  # training-only: never part of the weights
+    config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_len)
+    for name, value in tokens.items():
+        setattr(config, name, value)
+    check_flags_against_weights(args, config, weights.source)
+    # The weights' own tokenizer (or one with its very vocabulary) may be smaller than a padded vocab_size.
+    own_tokenizer = weights.tokenizer_dir is not None
+    if len(tokenizer) > config.vocab_size or (len(tokenizer) != config.vocab_size and not own_tokenizer):
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the weights' vocab_size is "
+                          f"{config.vocab_size} ({weights.source}): use the tokenizer the weights were trained with")
+    return config
+
+
+def check_flags_against_weights(args, config: MiniMindConfig, source: str) -> None:
+    explicit = set(getattr(args, "explicit_flags", ()))
+    contradictions = []
+    for flag, field in ARCHITECTURE_FLAGS.items():
+        if flag not in explicit or (flag in MOE_ONLY_FLAGS and not config.use_moe):
+            continue
+        given, saved = getattr(args, flag), getattr(config, field)
+        if (bool(given) if field == "use_moe" else given) != saved:
+            contradictions.append(f"--{flag} {given} but {field} is {saved!r}")
+    if contradictions:
+        raise ConfigError(f"flags contradict the --from_weight architecture ({source}): " + "; ".join(contradictions)
+                          + "; leave those flags out (the weights define the architecture)")
+
+
+def build_model(args, config: MiniMindConfig, device: torch.device, weights: Weights | None = None) -> MiniMindForCausalLM:
+    """A fresh model (seeded by the caller), initialised from `weights` (see read_initial_weights) if given."""
     model = MiniMindForCausalLM(config)
-    if args.from_weight not in ("none", ""):
-        load_initial_weights(model, args.from_weight)
+    if weights is not None:
+        load_into(model, weights)
+        weights.state.clear()  # the model holds its own fp32 copy now
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model.to(device)
-
-
-def load_initial_weights(model: MiniMindForCausalLM, path: str) -> None:
-    """`path` is an HF model directory or a `.safetensors` file (with `config.json` beside it, optional)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if os.path.isdir(path):
-        folder, weights = path, os.path.join(path, "model.safetensors")
-    else:
-        folder, weights = os.path.dirname(path), path
-    if not os.path.isfile(weights):
-        raise CheckpointError(f"--from_weight: {weights} does not exist")
-    config_file = os.path.join(folder, "config.json")
-    if os.path.isfile(config_file):
-        try:
-            with open(config_file, encoding="utf-8") as handle:
-                saved = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"--from_weight: cannot read {config_file}: {error}") from error
-        check_model_config(saved, model.config)
-    try:
-        state = load_file(weights)
-    except (SafetensorError, OSError, ValueError) as error:
-        raise CheckpointError(f"--from_weight: {weights} is not a readable safetensors file ({error})") from error
-    expected = model.state_dict()
-    tied = model.config.tie_word_embeddings
-    missing = [k for k in expected if k not in state and not (tied and k == "lm_head.weight")]
-    unexpected = [k for k in state if k not in expected]
-    wrong_shape = [k for k in state if k in expected and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong_shape:
-        details = (f"missing {missing[:3]}" if missing else "") + (f" unexpected {unexpected[:3]}" if unexpected else "")
-        details += f" wrong shape {wrong_shape[:3]}" if wrong_shape else ""
-        raise CheckpointError(f"--from_weight: {weights} does not fit this model config:{details}")
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
 
 
 def wrap_for_distributed(model: MiniMindForCausalLM, ctx):

@@ -37,6 +37,11 @@ def check_wandb_login(args) -> None:
     raise LoggingError(f"--use_wandb 1: not logged in to wandb ({host}): run `wandb login` or set WANDB_MODE=offline")
 
 
+# Shown on the eval progress line: (metrics key, label, format).
+EVAL_FIGURES = (("eval_loss", "eval_loss", ".4f"), ("eval_token_accuracy", "token_acc", ".4f"),
+                ("eval_exact_match", "exact_match", ".4f"))
+
+
 def format_duration(seconds: float) -> str:
     seconds = max(int(seconds), 0)
     hours, rest = divmod(seconds, 3600)
@@ -64,6 +69,7 @@ class RunLogger:
         self.metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
         self.wandb = None
         self.wandb_run_id = wandb_run_id
+        self.run_id = None  # set by the loop: every metrics.jsonl row names the run it belongs to
         self.bar = None  # a tqdm bar when stdout is a terminal, else one line per log interval
         self.use_bar = is_main and terminal_width() > 0
         if self.enabled and args.use_wandb:
@@ -100,21 +106,43 @@ class RunLogger:
             print(line, flush=True)
         self._record({"kind": "train", "step": step, "epoch": epoch, **figures})
 
-    def log_eval(self, step: int, eval_loss: float) -> None:
+    def log_eval(self, step: int, figures: dict, metric: str | None = None, best_value: float | None = None,
+                 best_step: int | None = None, new_best: bool = False) -> None:
+        """One evaluation: a line per held-out file (the overall one first), one metrics.jsonl row."""
         if not self.enabled:
             return
-        self.print(f"eval step {step} | eval_loss {eval_loss:.4f}")
-        self._record({"kind": "eval", "step": step, "eval_loss": eval_loss})
+        for name in [None, *sorted({key.split("/", 1)[1] for key in figures if "/" in key})]:
+            suffix = f"/{name}" if name else ""
+            parts = [f"eval step {step}" + (f" [{name}]" if name else "")]
+            for key, label, spec in EVAL_FIGURES:
+                if key + suffix in figures:
+                    parts.append(f"{label} {format(figures[key + suffix], spec)}")
+            if not name and metric and best_value is not None:
+                parts.append(f"best {metric} {best_value:.4f} @ step {best_step}" + (" (new, saved best/)" if new_best else ""))
+            self.print(" | ".join(parts))
+        row = {"kind": "eval", "step": step, **figures}
+        if metric:
+            row.update(best_metric=metric, best_value=best_value, best_step=best_step, new_best=new_best)
+        self._record(row)
+
+    def log_early_stop(self, step: int, metric: str, evaluations: int, best_value: float, best_step: int) -> None:
+        if not self.enabled:
+            return
+        self.print(f"early stop at step {step}: {metric} has not improved in {evaluations} evaluations "
+                   f"(best {best_value:.4f} at step {best_step}, kept in best/)")
+        self._record({"kind": "early_stop", "step": step, "best_metric": metric, "best_value": best_value,
+                      "best_step": best_step, "evaluations_without_improvement": evaluations})
 
     def _record(self, row: dict) -> None:
-        row = {**row, "time": time.time()}
+        row = {**row, "run_id": self.run_id, "time": time.time()}
         try:
             with open(self.metrics_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(row) + "\n")
         except OSError as error:
             raise LoggingError(f"could not write {self.metrics_path}: {error.strerror or error}") from error
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if k not in ("kind", "step")}, step=row["step"])
+            figures = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
+            self.wandb.log(figures, step=row["step"])  # numbers only (not kind, best_metric)
 
     def _update_bar(self, step: int, total_steps: int, line: str) -> None:
         from tqdm import tqdm

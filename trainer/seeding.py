@@ -35,14 +35,24 @@ def capture_rng_state() -> dict:
     return state
 
 
-def restore_rng_state(state: dict) -> None:
+def restore_rng_state(state: dict, cuda_device_count: int | None = None) -> str | None:
+    """Restore this rank's generators. Returns a note when the CUDA states cannot be restored
+    (the checkpoint saw another number of CUDA devices than this process does): GPU randomness
+    such as dropout then continues from this run's seeds, so the resume is not bit-identical."""
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     npy = state["numpy"]
     np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
                          npy["has_gauss"], npy["cached_gauss"]))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        cuda_states = state["cuda"]
-        if len(cuda_states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(cuda_states)
+    if "cuda" not in state:
+        return None
+    if cuda_device_count is None:
+        cuda_device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda_states = state["cuda"]
+    if len(cuda_states) != cuda_device_count:
+        return (f"the checkpoint holds CUDA RNG states of {len(cuda_states)} visible device(s), this process sees "
+                f"{cuda_device_count}: they are not restored, so GPU randomness (dropout) continues from this "
+                "run's seeds and the resume is not bit-identical")
+    torch.cuda.set_rng_state_all(cuda_states)
+    return None

@@ -1,0 +1,233 @@
+"""Evaluation on held-out data: the figures that say which checkpoint to keep.
+
+For every held-out file (`--eval_data_path a.jsonl,b.jsonl`), on every `--eval_interval`:
+
+* loss: mean cross-entropy over all loss (assistant) tokens, token-weighted;
+* token accuracy: the fraction of those tokens whose greedy (argmax) prediction is the label;
+* with `--eval_generate_samples N`: the first N conversations of the file are answered greedily
+  (at most `--eval_max_new_tokens` tokens). The prompt is the sample's tokens before its last
+  assistant turn, the reference is that turn. Exact match: the generated text equals the
+  reference (whitespace stripped at both ends).
+
+Every rank evaluates a disjoint slice (every world_size-th sample from its rank) and all figures
+are sums, reduced in one all-reduce at the end: N ranks give the same numbers as one.
+`greedy_generate` is shared with `scripts/eval_sft.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from trainer.distributed import all_reduce_sum
+from trainer.model_setup import autocast
+
+IGNORE_INDEX = -100
+# The sums kept per held-out file, in this order in the all-reduced tensor.
+SUMS = ("loss_sum", "tokens", "tokens_correct", "replies", "replies_correct")
+# The figures reported, and whether a smaller value is better (for --keep_best).
+METRICS = {"eval_loss": "min", "eval_token_accuracy": "max", "eval_exact_match": "max"}
+
+
+@dataclass
+class GenerationExample:
+    """One prompt of the generation subset: token ids before the last assistant turn, and that turn."""
+
+    prompt_ids: list[int]
+    reference_ids: list[int]
+
+
+@dataclass
+class EvalSet:
+    """One held-out file: its name in the metrics, this rank's loss loader and generation share."""
+
+    name: str
+    loader: object
+    examples: list[GenerationExample] = field(default_factory=list)  # this rank's share
+    num_examples: int = 0  # the whole generation subset (all ranks)
+
+
+def eval_set_names(paths: list[str]) -> list[str]:
+    """Short, distinct names for the held-out files: the file name without its data suffixes."""
+    names = []
+    for path in paths:
+        name = os.path.basename(os.path.normpath(path))
+        for suffix in (".gz", ".jsonl", ".json", ".parquet"):
+            name = name.removesuffix(suffix)
+        base, number = name or "eval", 2
+        while name in names or not name:
+            name, number = f"{base}_{number}", number + 1
+        names.append(name)
+    return names
+
+
+def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, eos_token_id: int) -> tuple[int, int] | None:
+    """[start, end) of the last run of loss tokens, if it ends with the end-of-turn token (not truncated)."""
+    positions = np.flatnonzero(labels != IGNORE_INDEX)
+    if len(positions) == 0 or input_ids[positions[-1]] != eos_token_id:
+        return None
+    gaps = np.flatnonzero(np.diff(positions) > 1)
+    start = int(positions[gaps[-1] + 1]) if len(gaps) else int(positions[0])
+    if start == 0:
+        return None
+    return start, int(positions[-1]) + 1
+
+
+def generation_examples(dataset, count: int, eos_token_id: int) -> list[GenerationExample]:
+    """The first `count` usable samples of an (unpacked) SFT dataset as prompts and references."""
+    examples = []
+    for index in range(len(dataset)):
+        if len(examples) >= count:
+            break
+        sample = dataset[index]
+        span = last_assistant_turn(sample["input_ids"], sample["labels"], eos_token_id)
+        if span is not None:
+            start, end = span
+            ids = sample["input_ids"].tolist()
+            examples.append(GenerationExample(ids[:start], ids[start:end - 1]))
+    return examples
+
+
+def metric_names(eval_sets: list[EvalSet]) -> list[str]:
+    """The metric keys an evaluation of these held-out files reports (for --keep_best)."""
+    def names(generates: bool) -> list[str]:
+        return [key for key in METRICS if generates or key != "eval_exact_match"]
+
+    result = names(any(s.num_examples for s in eval_sets))
+    if len(eval_sets) > 1:
+        result += [f"{key}/{s.name}" for s in eval_sets for key in names(bool(s.num_examples))]
+    return result
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@torch.no_grad()
+def greedy_generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, batch_size: int,
+                    max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (token ids, up to and without eos) of all prompts, batched with left
+    padding, longest prompts first. A prompt longer than the model's context minus
+    `max_new_tokens` keeps its end."""
+    context = model.config.max_position_embeddings
+    if max_new_tokens >= context:
+        raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
+    keep = context - max_new_tokens
+    prompts = [ids[-keep:] for ids in prompts]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    device = next(model.parameters()).device
+    answers: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        input_ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, index in enumerate(chunk):
+            ids = prompts[index]
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        output = model.generate(
+            input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+        )
+        for row, index in enumerate(chunk):
+            generated = output[row, width:].tolist()
+            if eos_token_id in generated:
+                generated = generated[: generated.index(eos_token_id)]
+            answers[index] = generated
+    return answers
+
+
+def exact_match(answer: str, reference: str) -> bool:
+    return answer.strip() == reference.strip()
+
+
+# --------------------------------------------------------------------------- loss and token accuracy
+
+
+def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[sum of token losses, loss tokens, correctly predicted loss tokens] over this rank's batches.
+
+    The model computes its LM head only at the loss positions (`skip_logits=True`); a hook on
+    the head reads those logits for the argmax, so the accuracy costs no second forward. (A
+    change of the model that calls the head elsewhere fails here on the size, loudly.)"""
+    from trainer.loop import model_inputs  # the same inputs as training
+
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    captured = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda _module, _inputs, output: captured.append(output))
+    try:
+        for batch in loader:
+            captured.clear()
+            inputs = model_inputs(batch, device)
+            with autocast(device, dtype):
+                out = model(**inputs, num_items_in_batch=1, skip_logits=True)
+            targets = inputs["labels"][:, 1:]
+            targets = targets[targets != IGNORE_INDEX]
+            totals[0] += out.loss.double()
+            totals[1] += targets.numel()
+            # the head's outputs at the loss positions, in order (one call, or one per chunk)
+            predicted = torch.cat([logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) for logits in captured])
+            totals[2] += (predicted == targets).sum()
+    finally:
+        hook.remove()
+    return totals
+
+
+def set_sums(run, eval_set: EvalSet) -> torch.Tensor:
+    """This rank's SUMS for one held-out file."""
+    model, device, args = run.raw_model, run.ctx.device, run.args
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
+    sums[:3] = loss_and_accuracy_sums(model, eval_set.loader, device, run.dtype)
+    if eval_set.examples:
+        with autocast(device, run.dtype):
+            answers = greedy_generate(model, [e.prompt_ids for e in eval_set.examples], run.tokenizer.pad_token_id,
+                                      run.tokenizer.eos_token_id, args.batch_size, args.eval_max_new_tokens)
+        decode = run.tokenizer.decode
+        sums[3] = len(answers)
+        sums[4] = sum(exact_match(decode(answer, skip_special_tokens=True),
+                                  decode(example.reference_ids, skip_special_tokens=True))
+                      for answer, example in zip(answers, eval_set.examples))
+    return sums
+
+
+def figures(sums: list[float]) -> dict:
+    """The reported figures of one file (or of all files together) from its reduced SUMS."""
+    values = dict(zip(SUMS, sums))
+    result = {
+        "eval_loss_tokens": int(values["tokens"]),
+        "eval_loss": values["loss_sum"] / values["tokens"] if values["tokens"] else None,
+        "eval_token_accuracy": values["tokens_correct"] / values["tokens"] if values["tokens"] else None,
+    }
+    if values["replies"]:
+        result["eval_exact_match"] = values["replies_correct"] / values["replies"]
+    return result
+
+
+@torch.no_grad()
+def evaluate(run) -> dict:
+    """All figures of all held-out files, reduced over ranks (a collective: every rank calls it).
+
+    The raw (unwrapped) model runs in eval mode; its train/eval mode is restored afterwards.
+    With one file the keys are `eval_loss`, `eval_token_accuracy`, `eval_exact_match`; with
+    several, each file also has `eval_loss/<name>` etc. and the plain keys cover all files."""
+    model = run.raw_model
+    was_training = model.training
+    model.eval()
+    try:
+        sums = torch.stack([set_sums(run, eval_set) for eval_set in run.eval_sets])
+    finally:
+        model.train(was_training)
+    sums = all_reduce_sum(sums).tolist()
+    result = figures([sum(column) for column in zip(*sums)])
+    if len(run.eval_sets) > 1:
+        for eval_set, row in zip(run.eval_sets, sums):
+            result.update({f"{key}/{eval_set.name}": value for key, value in figures(row).items()})
+    return {key: value for key, value in result.items() if value is not None and not _nan(value)}
+
+
+def _nan(value) -> bool:
+    return isinstance(value, float) and math.isnan(value)

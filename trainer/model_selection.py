@@ -1,0 +1,76 @@
+"""Which checkpoint to keep: the best model by one eval metric, and early stopping.
+
+`--keep_best METRIC` (e.g. `eval_loss`, `eval_token_accuracy`, `eval_exact_match`, or a
+per-file key such as `eval_loss/tools`): after every evaluation that improves METRIC (strictly:
+lower for losses, higher for accuracies), rank 0 writes the inference weights to
+`<save_dir>/best/` (atomically, like `model/`) with `best.json` = {metric, value, step}.
+`--early_stop_patience N` stops the run after N evaluations in a row without improvement; every
+rank decides on the same all-reduced figures, so all stop at the same step, and the run saves.
+
+The state (best value and step, evaluations since) lives in `TrainState` and so in every resume
+checkpoint: a resumed run keeps comparing against the best of the run before. A resume to a
+step before the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+BEST_DIR = "best"
+BEST_FILE = "best.json"
+
+
+class SelectionError(ValueError):
+    """--keep_best / --early_stop_patience that cannot work with this run's eval data."""
+
+
+def metric_mode(metric: str) -> str:
+    """'min' for losses, 'max' for accuracies and match rates."""
+    return "min" if metric.split("/")[0].endswith("loss") else "max"
+
+
+def improves(value: float | None, best: float | None, mode: str) -> bool:
+    if value is None or value != value:  # missing or NaN: never an improvement
+        return False
+    if best is None:
+        return True
+    return value < best if mode == "min" else value > best
+
+
+def check_selection(args, metric_names: list[str]) -> None:
+    """Fail early (before training) when --keep_best names a metric this run will not report."""
+    if not args.keep_best:
+        if args.early_stop_patience:
+            raise SelectionError("--early_stop_patience needs --keep_best METRIC (the metric that must improve)")
+        return
+    if not args.eval_data_path:
+        raise SelectionError(f"--keep_best {args.keep_best} needs held-out data: give --eval_data_path")
+    if args.keep_best not in metric_names:
+        raise SelectionError(f"--keep_best {args.keep_best}: this run reports no such metric "
+                             f"(it reports: {', '.join(metric_names)})")
+
+
+def update_selection(state, metric: str, figures: dict, patience: int) -> tuple[bool, bool]:
+    """Record one evaluation in `state` (a TrainState). Returns (new best, stop now)."""
+    value = figures.get(metric)
+    if improves(value, state.best_value, metric_mode(metric)):
+        state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
+        return True, False
+    state.evals_without_improvement += 1
+    return False, bool(patience) and state.evals_without_improvement >= patience
+
+
+def best_record(metric: str, value: float, step: int) -> str:
+    """The content of best.json."""
+    return json.dumps({"metric": metric, "mode": metric_mode(metric), "value": value, "step": step}, indent=2) + "\n"
+
+
+def best_step_on_disk(save_dir: str) -> int | None:
+    """The step recorded in `<save_dir>/best/best.json`, or None (no best/ or an unreadable record)."""
+    try:
+        with open(os.path.join(save_dir, BEST_DIR, BEST_FILE), encoding="utf-8") as handle:
+            step = json.load(handle).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
