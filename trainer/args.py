@@ -152,6 +152,8 @@ RANGES = (
     ("num_experts", 1, None, True),
     ("num_experts_per_tok", 1, None, True),
     ("dropout", 0, 1, True),
+    ("aux_loss_coef", 0, None, True),
+    ("rms_norm_eps", 0, None, False),
     ("max_seq_len", 2, None, True),
     ("num_workers", 0, None, True),
     ("epochs", 1, None, True),
