@@ -5,9 +5,9 @@
     3. config + lm_checkpoint  (--from_weight and its tokenizer; model config from the weights or the
                                 flags; find and check the resume checkpoint)
     4. data                    (SFT dataset, tokenized once; resumable DistributedSampler)
-    5. model                   (from scratch or --from_weight; DDP ignoring the RoPE buffers)
+    5. model                   (from scratch or --from_weight; DDP ignoring the RoPE buffers, or FSDP2)
     6. training loop           (autocast + GradScaler, gradient accumulation with no_sync)
-    7. saves on rank 0         (resume checkpoint + inference weights, atomic)
+    7. saves                   (resume checkpoint + inference weights, atomic; --fsdp 1: DCP shards)
     8. logging on rank 0       (progress, metrics.jsonl, wandb)
     9. clean shutdown
 
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from dataset import DataError
+from dataset import BuildInterrupted, DataError
 from trainer.args import names_a_user_path, parse_args
 from trainer.checkpoint import (
     CheckpointError, SaveDirLock, check_model_config, claim_for_fresh_run, ensure_writable_dir,
@@ -39,8 +39,9 @@ from trainer.loop import Run, TrainingError, restore, train
 from trainer.model_selection import SelectionError, check_selection
 from trainer.model_setup import (
     ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, load_tokenizer_for_weights,
-    read_initial_weights, resolve_dtype, wrap_for_distributed,
+    read_initial_weights, resolve_dtype,
 )
+from trainer.parallelism import build_parallelism
 from trainer.preemption import PreemptionFlag
 from trainer.run_logger import LoggingError, RunLogger, check_wandb_login
 from trainer.seeding import setup_seed
@@ -120,18 +121,20 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     eval_sets = build_eval_sets(args, tokenizer, ctx)
     check_selection(args, metric_names(eval_sets))
 
-    # 5. Model (+ optimizer and mixed precision), resume state, then the DDP wrapper.
+    # 5. Model, its DDP (or --fsdp 1: FSDP2) wrapper, optimizer and mixed precision, resume state.
     model = build_model(args, config, ctx.device, weights)
-    optimizer = build_optimizer(model, args, ctx.device)
     dtype = resolve_dtype(args.dtype, ctx.device, log)
+    parallel = build_parallelism(args, ctx, dtype)
+    wrapped = parallel.wrap(model)  # DDP around the model, or the model itself sharded in place
+    optimizer = build_optimizer(model, args, ctx.device)
     # The logger is finished (wandb.finish) however the run ends, also before fail()'s os._exit.
     with RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None) as logger:
-        run = Run(args, ctx, model, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
-                  tokenizer, logger, preemption)
+        run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
+                  tokenizer, logger, preemption, parallel)
+        del wrapped  # run.model stays its only reference (see step 9)
         if saved is not None:
             restore(run, saved)
             del saved
-        run.model = wrap_for_distributed(model, ctx)
         if args.use_compile:
             run.model = torch.compile(run.model)
 
@@ -159,6 +162,8 @@ def main(argv=None) -> int:
         return spawn_local_workers(main, argv if argv is not None else sys.argv[1:], args.world_size)
     try:
         return run_training(args, preemption)
+    except BuildInterrupted as interrupt:
+        return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2)
     except TrainingError as error:

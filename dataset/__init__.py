@@ -16,9 +16,11 @@ from .collate import SFTCollator, pad_fraction
 from .formats import DataError
 from .rendering import encode_conversation, load_tokenizer
 from .sampler import ResumableDistributedSampler
+from .token_cache import BuildInterrupted
 from .sft_dataset import IGNORE_INDEX, PackedSFTDataset, SFTDataset, pack_lengths
 
 __all__ = [
+    "BuildInterrupted",
     "DataError",
     "IGNORE_INDEX",
     "PackedSFTDataset",

@@ -1,4 +1,4 @@
-"""Tokenize a jsonl file once into a memory-mapped on-disk cache.
+"""Tokenize a jsonl (or .jsonl.gz, read by ``sources``) file once into a memory-mapped on-disk cache.
 
 Layout of ``<cache_root>/<key>/``:
 
@@ -11,29 +11,41 @@ Layout of ``<cache_root>/<key>/``:
 chat template), ``max_seq_len`` and ``CACHE_VERSION``. A cache is written to a temporary
 directory and renamed into place, so a crash never leaves a half-written cache. Lines are
 tokenized by a process pool over chunks of lines. Under ``torch.distributed`` only local rank 0
-builds; every rank then learns the result (cache path or error message) through a collective,
-so an error raises the same ``DataError`` on all ranks instead of hanging them.
+builds, holding no collective: the other ranks wait on a status file (see ``prepare_cache``), so
+a build longer than the process group's timeout is fine, and an error raises the same
+``DataError`` on all ranks instead of hanging them.
+
+SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (pool ended, temporary directory
+removed). Temporary directories are named ``.tmp-<key>-<host>.<pid>-*``; the next build on
+that host removes those whose process is gone (a ``kill -9``'d build).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from .formats import DataError, LineError, parse_conversation
+from .sources import check_data_file, open_lines
 from .rendering import TemplateError, encode_conversation, token_dtype, tokenizer_fingerprint
 
 CACHE_VERSION = 1
 CHUNK_LINES = 512
+PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")
 
 _worker_tokenizer = None  # set in each pool worker by _init_worker
@@ -58,13 +70,36 @@ def cache_key(data_digest: str, tokenizer, max_seq_len: int) -> str:
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
-def check_data_file(path: Path) -> None:
-    """Raise a one-line ``DataError`` if the data file is missing or has no non-blank line."""
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found")
-    with path.open("rb") as f:
-        if not any(line.strip() for line in f):
-            raise DataError(f"{path}: data file is empty")
+class BuildInterrupted(Exception):
+    """SIGTERM or SIGINT arrived while the cache was being built; the build stopped and cleaned up."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        name = signal.Signals(signum).name
+        super().__init__(f"{name} while building the token cache: stopped; run the same command again to build it")
+
+
+@contextlib.contextmanager
+def _interrupts_raise() -> Iterator[None]:
+    """While building, SIGTERM/SIGINT raise ``BuildInterrupted`` in this (main) thread.
+
+    The trainer's own SIGTERM handler only sets a "stop at the next step" flag, which nothing
+    reads while tokenizing: the pool workers die of the group's SIGTERM, the pool replaces
+    them and the parent would wait forever for their lost chunks.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise BuildInterrupted(signum)
+
+    previous = {signum: signal.signal(signum, _raise) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # ----------------------------------------------------------------------------- building
@@ -115,28 +150,46 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
         "lengths": np.asarray(lengths, dtype=np.int64),
         "bad": bad,
         "dropped": dropped,
+        "rows": len(lines),
     }
 
 
 def _iter_chunks(path: Path, max_seq_len: int) -> Iterator[tuple[int, list[bytes], int]]:
-    with path.open("rb") as f:
-        lines: list[bytes] = []
-        first_line = 1
-        for number, line in enumerate(f, start=1):
-            if not lines:
-                first_line = number
-            lines.append(line)
-            if len(lines) == CHUNK_LINES:
-                yield first_line, lines, max_seq_len
-                lines = []
-        if lines:
+    lines: list[bytes] = []
+    first_line = 1
+    for number, line in enumerate(open_lines(path), start=1):
+        if not lines:
+            first_line = number
+        lines.append(line)
+        if len(lines) == CHUNK_LINES:
             yield first_line, lines, max_seq_len
+            lines = []
+    if lines:
+        yield first_line, lines, max_seq_len
 
 
-def _count_chunks(path: Path) -> int:
-    with path.open("rb") as f:
-        num_lines = sum(1 for _ in f)
-    return -(-num_lines // CHUNK_LINES)
+def _count_lines(path: Path) -> int:
+    return sum(1 for _ in open_lines(path))
+
+
+class BuildProgress:
+    """One line to stderr every ``PROGRESS_S`` seconds while building: rows done, rows/s, ETA."""
+
+    def __init__(self, path: Path, total_rows: int):
+        self.path, self.total = path, total_rows
+        self.done = 0
+        self.start = self.last = time.monotonic()
+
+    def advance(self, rows: int) -> None:
+        self.done += rows
+        now = time.monotonic()
+        if now - self.last >= PROGRESS_S or self.done == self.total:
+            self.last = now
+            elapsed = max(now - self.start, 1e-9)
+            rate = self.done / elapsed
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            print(f"tokenizing {self.path.name}: {self.done:,}/{self.total:,} rows ({100 * self.done / max(self.total, 1):.0f}%), "
+                  f"{rate:,.0f} rows/s, elapsed {elapsed:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
 
 
 def _pool_context():
@@ -149,70 +202,111 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     """Tokenize ``path`` into the cache directory ``target`` (written atomically).
 
     With ``bad_data="error"`` the first bad line raises ``DataError`` (nothing is written); with
-    ``"skip"`` bad lines are counted and the first one is recorded in ``meta.json``.
+    ``"skip"`` bad lines are counted and the first one is recorded in ``meta.json``. SIGTERM or
+    SIGINT raise ``BuildInterrupted`` after ending the pool and removing the temporary directory.
     """
-    dtype = token_dtype(len(tokenizer))
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    num_workers = min(num_proc, _count_chunks(path))
+    remove_stale_builds(target.parent)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-{_builder_id()}-", dir=target.parent))
     pool = None
     try:
-        if num_workers > 1:
-            pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
-        if pool is None:
-            _init_worker(tokenizer)
-            results = map(_encode_chunk, _iter_chunks(path, max_seq_len))
-        else:
-            results = pool.imap(_encode_chunk, _iter_chunks(path, max_seq_len))
-        lengths, num_bad, first_bad, dropped = [], 0, None, 0
-        with open(tmp_dir / "tokens.bin", "wb") as tokens_file, open(tmp_dir / "loss_mask.bin", "wb") as mask_file:
-            for result in results:
-                if "fatal" in result:
-                    line_number, message = result["fatal"]
-                    raise DataError(f"{path}:{line_number}: {message}")
-                if result["bad"]:
-                    line_number, message = result["bad"][0]
-                    if bad_data == "error":
-                        raise DataError(f"{path}:{line_number}: {message}")
-                    num_bad += len(result["bad"])
-                    first_bad = first_bad or f"{path}:{line_number}: {message}"
-                dropped += result["dropped"]
-                tokens_file.write(result["ids"].astype(dtype).tobytes())
-                mask_file.write(result["mask"].astype(np.uint8).tobytes())
-                lengths.append(result["lengths"])
-        lengths = np.concatenate(lengths)
-        if len(lengths) == 0:
-            raise DataError(
-                f"{path}: no usable samples ({num_bad} bad lines skipped, {dropped} samples without "
-                f"loss tokens after truncation to max_seq_len={max_seq_len})"
-            )
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        np.save(tmp_dir / "offsets.npy", offsets)
-        meta = {
-            "version": CACHE_VERSION,
-            "data_file": str(path),
-            "max_seq_len": max_seq_len,
-            "vocab_size": len(tokenizer),
-            "dtype": dtype.name,
-            "num_samples": int(len(lengths)),
-            "num_tokens": int(offsets[-1]),
-            "num_skipped": num_bad,
-            "first_bad_line": first_bad,
-            "num_dropped": dropped,
-        }
-        (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-        try:
-            os.rename(tmp_dir, target)
-        except OSError:
-            if not (target / "meta.json").is_file():  # not a concurrent builder's finished cache
-                raise
+        with _interrupts_raise():
+            num_lines = _count_lines(path)
+            num_workers = min(num_proc, -(-num_lines // CHUNK_LINES))
+            if num_workers > 1:
+                pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
+                results = pool.imap(_encode_chunk, _iter_chunks(path, max_seq_len))
+            else:
+                _init_worker(tokenizer)
+                results = map(_encode_chunk, _iter_chunks(path, max_seq_len))
+            progress = BuildProgress(path, num_lines)
+            _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data, progress)
     finally:
         _init_worker(None)
         if pool is not None:
             pool.terminate()
             pool.join()
         shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data, progress) -> None:
+    dtype = token_dtype(len(tokenizer))
+    lengths, num_bad, first_bad, dropped = [], 0, None, 0
+    with open(tmp_dir / "tokens.bin", "wb") as tokens_file, open(tmp_dir / "loss_mask.bin", "wb") as mask_file:
+        for result in results:
+            if "fatal" in result:
+                line_number, message = result["fatal"]
+                raise DataError(f"{path}:{line_number}: {message}")
+            if result["bad"]:
+                line_number, message = result["bad"][0]
+                if bad_data == "error":
+                    raise DataError(f"{path}:{line_number}: {message}")
+                num_bad += len(result["bad"])
+                first_bad = first_bad or f"{path}:{line_number}: {message}"
+            dropped += result["dropped"]
+            tokens_file.write(result["ids"].astype(dtype).tobytes())
+            mask_file.write(result["mask"].astype(np.uint8).tobytes())
+            lengths.append(result["lengths"])
+            progress.advance(result["rows"])
+    lengths = np.concatenate(lengths)
+    if len(lengths) == 0:
+        raise DataError(
+            f"{path}: no usable samples ({num_bad} bad lines skipped, {dropped} samples without "
+            f"loss tokens after truncation to max_seq_len={max_seq_len})"
+        )
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    np.save(tmp_dir / "offsets.npy", offsets)
+    meta = {
+        "version": CACHE_VERSION,
+        "data_file": str(path),
+        "max_seq_len": max_seq_len,
+        "vocab_size": len(tokenizer),
+        "dtype": dtype.name,
+        "num_samples": int(len(lengths)),
+        "num_tokens": int(offsets[-1]),
+        "num_skipped": num_bad,
+        "first_bad_line": first_bad,
+        "num_dropped": dropped,
+    }
+    (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    try:
+        os.rename(tmp_dir, target)
+    except OSError:
+        if not (target / "meta.json").is_file():  # not a concurrent builder's finished cache
+            raise
+
+
+# ----------------------------------------------------------------------------- temporary directories
+
+TMP_PREFIX = ".tmp-"
+
+
+def _builder_id() -> str:
+    return f"{socket.gethostname()}.{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_builds(cache_root: Path) -> list[Path]:
+    """Remove temporary build directories of this host whose builder process is gone (killed)."""
+    removed = []
+    host = socket.gethostname()
+    for entry in cache_root.glob(f"{TMP_PREFIX}*"):
+        owner = entry.name[len(TMP_PREFIX):].split("-", 1)[-1].rsplit("-", 1)[0]  # <key>-<host.pid>-<rand>
+        owner_host, _, pid = owner.rpartition(".")
+        if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 # ----------------------------------------------------------------------------- loading
@@ -240,13 +334,21 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     return target
 
 
+WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
+WAIT_POLL_S = 0.2
+
+
 def prepare_cache(
     path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error", num_proc: int | None = None
 ) -> Path:
     """``build_or_reuse`` on this process, or on local rank 0 only under ``torch.distributed``.
 
-    Every rank gathers (error, cache path) from all ranks; if any builder failed, all ranks raise
-    the same ``DataError``. With NCCL, set the CUDA device before (``all_gather_object`` needs it).
+    The build holds no collective (NCCL's watchdog would kill the waiting ranks after the
+    process group's timeout): local rank 0 writes its outcome (cache path or error) to a status
+    file named by a nonce the ranks agree on first; the other ranks of its node poll for that
+    file, printing a line every ``WAIT_REPORT_S`` seconds. Only then, with everybody done, the
+    ranks gather the outcomes, so if any builder failed all ranks raise the same ``DataError``.
+    With NCCL, set the CUDA device before (the object collectives need it).
     """
     num_proc = num_proc or default_num_proc()
     import torch.distributed as dist
@@ -254,19 +356,49 @@ def prepare_cache(
     if not (dist.is_available() and dist.is_initialized()):
         return build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    result: tuple[str | None, str | None] = (None, None)
+    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
+    nonce = [os.urandom(8).hex() if rank == 0 else None]
+    dist.broadcast_object_list(nonce)  # quick: nobody is building yet
+    status_file = Path(cache_root) / f".build-{nonce[0]}-rank{rank - local_rank}.json"
+    interrupted = None
     if local_rank == 0:
         try:
             result = (None, str(build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)))
+        except BuildInterrupted as exc:
+            interrupted, result = exc, (f"rank {rank}: {exc}", None)
         except DataError as exc:
             result = (str(exc), None)
         except Exception as exc:  # noqa: BLE001 - must reach the other ranks, not hang them
-            result = (f"building the token cache failed on rank {dist.get_rank()}: {type(exc).__name__}: {exc}", None)
+            result = (f"building the token cache failed on rank {rank}: {type(exc).__name__}: {exc}", None)
+        _write_status(status_file, result)
+    else:
+        with _interrupts_raise():
+            result = _wait_for_status(status_file, rank)
     results: list = [None] * dist.get_world_size()
-    dist.all_gather_object(results, result)  # also the barrier: non-builders wait here
+    dist.all_gather_object(results, result)  # everybody has finished waiting: this is quick
+    if local_rank == 0:
+        status_file.unlink(missing_ok=True)
     errors = [error for error, _ in results if error is not None]
+    if interrupted is not None:
+        raise interrupted
     if errors:
         raise DataError(errors[0])
-    builder_rank = dist.get_rank() - local_rank
-    return Path(results[builder_rank][1])
+    return Path(result[1])
+
+
+def _write_status(status_file: Path, result: tuple) -> None:
+    status_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = status_file.with_name(status_file.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(result), encoding="utf-8")
+    os.replace(tmp, status_file)
+
+
+def _wait_for_status(status_file: Path, rank: int) -> tuple:
+    start = last_report = time.monotonic()
+    while not status_file.is_file():
+        time.sleep(WAIT_POLL_S)
+        now = time.monotonic()
+        if now - last_report >= WAIT_REPORT_S:
+            last_report = now
+            print(f"rank {rank}: waiting for local rank 0 to build the token cache ({now - start:.0f} s)", flush=True)
+    return tuple(json.loads(status_file.read_text(encoding="utf-8")))

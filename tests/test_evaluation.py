@@ -151,6 +151,29 @@ def test_keep_best_of_a_metric_the_run_does_not_report_is_a_one_line_error(data,
 # --------------------------------------------------------------------------- ranks share the work
 
 
+@pytest.mark.slow
+def test_fsdp_evaluation_with_uneven_slices_equals_one_process_and_keeps_the_best(data, tmp_path):
+    # 15 held-out samples, batch 1: rank 0 runs 8 forwards, rank 1 only has 7 and pads one (under
+    # FSDP every forward is a collective; without the padding forward this run hangs).
+    common = ["--batch_size", "1", "--max_steps", "2", "--eval_interval", "2", "--save_interval", "0",
+              "--eval_data_path", str(data / "eval.jsonl"), "--dist_timeout", "60"]
+    run_trainer(flags(data, tmp_path / "fsdp", *common, "--fsdp", "1", "--keep_best", "eval_loss"), nproc=2)
+    run_trainer(flags(data, tmp_path / "one", *common[2:], "--batch_size", "2", "--max_steps", "2"))
+    (fsdp,), (one,) = eval_rows(tmp_path / "fsdp")[0], eval_rows(tmp_path / "one")[0]
+    assert fsdp["eval_loss_tokens"] == one["eval_loss_tokens"]
+    assert fsdp["eval_token_accuracy"] == one["eval_token_accuracy"]
+    assert fsdp["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    assert json.loads((tmp_path / "fsdp" / "best" / "best.json").read_text())["step"] == 2
+
+
+def test_generation_with_fsdp_is_refused_with_one_line(capsys):
+    from trainer.args import parse_args
+
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--fsdp", "1", "--eval_generate_samples", "4"])
+    assert stopped.value.code == 2 and "--eval_generate_samples needs whole weights" in capsys.readouterr().err
+
+
 def _evaluate_in_process(rank, world_size, init_file, data_path, out_dir):
     from dataset import load_tokenizer
     from trainer.data_setup import build_eval_sets

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto/cuda: the one visible GPU, else cuda:LOCAL_RANK)")
     dist.add_argument("--world_size", type=int, default=1,
                       help="start this many local workers yourself (for machines without torchrun)")
+    dist.add_argument("--fsdp", type=int, choices=(0, 1), default=0,
+                      help="1 = shard weights, gradients and optimizer state over the processes (FSDP2) instead of DDP")
     dist.add_argument("--local_rank", "--local-rank", type=int, default=None,
                       help="set by the legacy `python -m torch.distributed.launch`; not for users")
 
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = parser.add_argument_group("4. data")
     data.add_argument("--data_path", "--train_data_path", default=DEFAULT_TRAIN_DATA,
-                      help="training jsonl (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
+                      help="training jsonl or .jsonl.gz (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
     data.add_argument("--eval_data_path", "--valid_data_path", default=None,
                       help="held-out jsonl file(s), comma-separated (each reported on its own); evaluated every "
                            "--eval_interval steps and at the end")
@@ -241,6 +243,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     problems = range_problems(args)
     if device_problem(args.device):
         problems.append(device_problem(args.device))
+    if args.fsdp and args.eval_generate_samples:
+        problems.append("--eval_generate_samples needs whole weights on every process, not --fsdp 1: evaluate "
+                        "the answers of SAVE_DIR/best/ or model/ with scripts/eval_sft.py instead")
     if args.from_resume and args.resume_from:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
     if problems:

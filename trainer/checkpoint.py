@@ -2,6 +2,7 @@
 
 Layout under `--save_dir`:
     checkpoints/step_00000100.pt   resume state (one file, `torch.load(weights_only=True)`)
+    checkpoints/step_00000100.dcp/ the same, sharded (`--fsdp 1`; trainer/sharded_checkpoint.py)
     model/                         inference weights: config.json, model.safetensors
                                    (`--save_dtype`) and the tokenizer; a standard Qwen3 /
                                    Qwen3-MoE directory (trainer/weights_io.py)
@@ -30,7 +31,8 @@ from trainer.model_selection import BEST_DIR, best_step_on_disk
 
 FORMAT = "minisft-resume"
 FORMAT_VERSION = 1
-CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.pt$")
+# step_00000100.pt: one file; step_00000100.dcp: a directory of shards (trainer/sharded_checkpoint.py)
+CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.(pt|dcp)$")
 # Fields that change the shapes or the mathematics of the network.
 ARCHITECTURE_FIELDS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -200,12 +202,22 @@ def save_resume_checkpoint(state: dict, save_dir: str, keep_last: int) -> str:
     path = checkpoint_path(save_dir, state["step"])
     remove_stale_temporaries(checkpoints_dir(save_dir))
     atomic_torch_save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, path)
+    drop_old_checkpoints(save_dir, keep_last)
+    return path
+
+
+def drop_old_checkpoints(save_dir: str, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` resume checkpoints (files and sharded directories)."""
+    from trainer.sharded_checkpoint import remove_directory_checkpoint
+
     for stale in list_checkpoints(save_dir)[keep_last:]:
         try:
-            os.remove(stale)
+            if os.path.isdir(stale):
+                remove_directory_checkpoint(stale)
+            else:
+                os.remove(stale)
         except OSError:
             pass
-    return path
 
 
 REQUIRED_KEYS = ("model_config", "model", "optimizer", "step", "epoch", "samples_in_epoch", "rng", "world_size", "args")
@@ -219,6 +231,10 @@ def load_resume_checkpoint(path: str, required=REQUIRED_KEYS) -> dict:
     caller needs (inference needs only the model).
     """
     if os.path.isdir(path):
+        if path.rstrip("/").endswith(".dcp"):  # a sharded checkpoint (--fsdp 1)
+            from trainer.sharded_checkpoint import load_meta
+
+            return load_meta(path, required)
         raise CheckpointError(f"resume checkpoint {path} is a directory: give a step_*.pt file inside its "
                               "checkpoints/, or --from_resume 1 with --save_dir set to the run directory")
     if not os.path.isfile(path):

@@ -1,6 +1,7 @@
 """Step 4: tokenizer, SFT dataset (tokenized once, memory-mapped), the resumable distributed
 sampler and the DataLoaders."""
 
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from torch.utils.data import DataLoader
 
 from dataset import PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
 from trainer.evaluation import EvalSet, eval_set_names, generation_examples
+from trainer.sample_stream import epoch_grouping
 
 
 @dataclass
@@ -47,14 +49,13 @@ def build_dataset(path, args, tokenizer):
 
 def build_train_data(args, tokenizer, ctx) -> TrainData:
     dataset = build_dataset(args.data_path, args, tokenizer)
-    group = bool(args.group_by_length)
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order
         # One group = one optimizer step's global batch: every rank and micro-step gets samples of
         # similar length, and the order stays the same for any split of that batch into
         # processes x micro-batches (so those equivalences and resumes keep holding).
-        group_size=args.batch_size * ctx.world_size * args.accumulation_steps if group else None,
+        group_size=epoch_grouping(args, ctx.world_size),
     )
     workers = default_num_workers(args, ctx.device)
     loader = DataLoader(
@@ -94,5 +95,6 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
             num_workers=0,
         )
         examples = generation_examples(samples, args.eval_generate_samples, tokenizer.eos_token_id)
-        eval_sets.append(EvalSet(name, loader, examples[ctx.rank::ctx.world_size], len(examples)))
+        forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
+        eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size], len(examples)))
     return eval_sets

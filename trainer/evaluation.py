@@ -16,6 +16,7 @@ are sums, reduced in one all-reduce at the end: N ranks give the same numbers as
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ class EvalSet:
 
     name: str
     loader: object
+    forwards: int = 0  # loss batches of the rank with the most: every rank runs that many forwards
     examples: list[GenerationExample] = field(default_factory=list)  # this rank's share
     num_examples: int = 0  # the whole generation subset (all ranks)
 
@@ -148,8 +150,12 @@ def exact_match(answer: str, reference: str) -> bool:
 # --------------------------------------------------------------------------- loss and token accuracy
 
 
-def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dtype, forwards: int = 0) -> torch.Tensor:
     """[sum of token losses, loss tokens, correctly predicted loss tokens] over this rank's batches.
+
+    `forwards`: run at least that many forward passes, the missing ones on a one-token batch
+    without loss tokens. Under --fsdp 1 every forward is a collective, so all ranks run the same
+    number although their slices may differ by one batch.
 
     The model computes its LM head only at the loss positions (`skip_logits=True`); a hook on
     the head reads those logits for the argmax, so the accuracy costs no second forward. (A
@@ -159,8 +165,13 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     captured = []
     hook = model.get_output_embeddings().register_forward_hook(lambda _module, _inputs, output: captured.append(output))
+    padding = {"input_ids": torch.zeros((1, 2), dtype=torch.long),
+               "labels": torch.full((1, 2), IGNORE_INDEX, dtype=torch.long)}
     try:
-        for batch in loader:
+        batches = itertools.chain(loader, itertools.repeat(padding))
+        for index, batch in enumerate(batches):
+            if index >= max(forwards, len(loader)):
+                break
             captured.clear()
             inputs = model_inputs(batch, device)
             with autocast(device, dtype):
@@ -170,7 +181,8 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
             totals[0] += out.loss.double()
             totals[1] += targets.numel()
             # the head's outputs at the loss positions, in order (one call, or one per chunk)
-            predicted = torch.cat([logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) for logits in captured])
+            predicted = torch.cat([logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) for logits in captured]
+                                  or [targets])
             totals[2] += (predicted == targets).sum()
     finally:
         hook.remove()
@@ -181,7 +193,7 @@ def set_sums(run, eval_set: EvalSet) -> torch.Tensor:
     """This rank's SUMS for one held-out file."""
     model, device, args = run.raw_model, run.ctx.device, run.args
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=device)
-    sums[:3] = loss_and_accuracy_sums(model, eval_set.loader, device, run.dtype)
+    sums[:3] = loss_and_accuracy_sums(model, eval_set.loader, device, run.dtype, eval_set.forwards)
     if eval_set.examples:
         with autocast(device, run.dtype):
             answers = greedy_generate(model, [e.prompt_ids for e in eval_set.examples], run.tokenizer.pad_token_id,

@@ -40,6 +40,8 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
     if not path.exists():
         raise ModelLoadError(f"{path}: model path does not exist")
     if path.is_dir():
+        if path.suffix == ".dcp":  # a sharded resume checkpoint (--fsdp 1)
+            return "checkpoint", path
         if (path / "config.json").is_file():
             return "hf_dir", path
         if (path / "model" / "config.json").is_file():

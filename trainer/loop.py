@@ -4,15 +4,14 @@ One optimizer step = `accumulation_steps` micro-batches on every rank. Its loss 
 over ALL loss tokens of all those micro-batches on all ranks: the ranks first agree on that
 token count (one small all-reduce, which also carries the "stop now" flag for preemption), each
 micro-batch contributes `sum of its token losses / global count`, and DDP's gradient averaging
-is undone by a factor of world_size. So N ranks x B samples is the same step as 1 rank x N*B,
-and accumulation is the same as a bigger batch. Gradients are all-reduced once per optimizer
-step (`no_sync()` on the other micro-steps).
+(FSDP2's reduce-scatter averages the same way) is undone by a factor of world_size. So N ranks x
+B samples is the same step as 1 rank x N*B, and accumulation is the same as a bigger batch. Gradients are all-reduced once per optimizer
+step (`run.parallel.micro_step`: no_sync, or no reduce-scatter, on the other micro-steps).
 
 Host synchronisation: one per optimizer step (the token count / stop flag, and the finite check
 of the gradient norm) and one per log interval (the loss); none per micro-step.
 """
 
-import contextlib
 import itertools
 import math
 import os
@@ -73,6 +72,7 @@ class Run:
     tokenizer: object
     logger: object
     preemption: object
+    parallel: object = None  # trainer.parallelism: how the processes share the model (DDP or FSDP)
     state: TrainState = field(default_factory=TrainState)
 
     @property
@@ -89,8 +89,7 @@ def resume_state(run: Run) -> dict:
     state = run.state
     return {
         "model_config": run.raw_model.config.to_dict(),
-        "model": run.raw_model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+        **run.parallel.training_state(run.optimizer),  # "model" and "optimizer" (sharded under --fsdp 1)
         "scaler": run.scaler.state_dict(),
         "step": state.step,
         "epoch": state.epoch,
@@ -121,8 +120,7 @@ def restore(run: Run, saved: dict) -> None:
     if problem:
         raise checkpoint.CheckpointError(problem)
     try:
-        run.raw_model.load_state_dict(saved["model"])
-        run.optimizer.load_state_dict(saved["optimizer"])
+        run.parallel.load_training_state(run.optimizer, saved)
     except (RuntimeError, ValueError, KeyError) as error:
         raise checkpoint.CheckpointError(f"resume checkpoint does not fit this run: {str(error).splitlines()[0]}") from error
     if saved.get("scaler") and run.scaler.is_enabled():
@@ -151,22 +149,29 @@ def restore(run: Run, saved: dict) -> None:
 
 
 def save(run: Run) -> None:
-    """Rank 0 writes the resume checkpoint and the inference weights; the others wait.
+    """The resume checkpoint (rank 0 writes it; under --fsdp 1 every rank writes its shard), then the
+    inference weights from rank 0 (under --fsdp 1 gathered there tensor by tensor).
 
     A failed write on rank 0 (disk full, permissions) is re-raised on every rank, so nobody hangs.
     """
     content = resume_state(run)
-    error = None
-    if run.ctx.is_main:
+    error = path = None
+    try:
+        path = run.parallel.write_resume_checkpoint(content, run.args.save_dir, run.args.keep_last)
+    except checkpoint.CheckpointError as failure:
+        error = str(failure)
+    del content
+    save_dtype = getattr(torch, run.args.save_dtype)
+    weights = run.parallel.inference_model(save_dtype)  # collective under --fsdp 1
+    if run.ctx.is_main and error is None:
         try:
-            path = checkpoint.save_resume_checkpoint(content, run.args.save_dir, run.args.keep_last)
-            save_dtype = getattr(torch, run.args.save_dtype)
-            checkpoint.save_inference_weights(run.raw_model, run.tokenizer, run.args.save_dir, save_dtype)
+            checkpoint.save_inference_weights(weights, run.tokenizer, run.args.save_dir, save_dtype)
             if run.args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
-                save_minimind_copy(run.raw_model, run.args.save_dir, run.args.save_weight)
+                save_minimind_copy(weights, run.args.save_dir, run.args.save_weight)
             run.logger.print(f"saved {path}")
         except checkpoint.CheckpointError as failure:
             error = str(failure)
+    del weights
     error = broadcast_object(error)
     if error:
         raise checkpoint.CheckpointError(error)
@@ -247,8 +252,7 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
     local_loss = torch.zeros((), device=ctx.device)
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if (last or not ctx.distributed) else model.no_sync()
-        with sync:
+        with run.parallel.micro_step(model, last):
             with autocast(ctx.device, run.dtype):
                 out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(totals.loss_tokens, 1),
                             num_sequences_in_batch=max(totals.sequences, 1), skip_logits=True)
@@ -259,7 +263,7 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
         local_loss += loss.detach().float()
     scaler.unscale_(run.optimizer)
     max_norm = run.args.grad_clip if run.args.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_model.parameters(), max_norm)
+    grad_norm = run.parallel.clip_grad_norm(max_norm)
     finite = bool(torch.isfinite(grad_norm))
     if scaler.is_enabled():
         scaler.step(run.optimizer)  # skips the update itself when it found inf/NaN
@@ -299,8 +303,13 @@ def check_weights_finite(run: Run) -> None:
     """After an applied update: stop before a non-finite weight can reach any file (the checkpoints
     already on disk stay the last good ones). A finite gradient norm alone does not prove it: a
     huge learning rate turns finite gradients into inf/NaN weights."""
-    largest = torch.stack(torch._foreach_norm(list(run.raw_model.parameters()), float("inf"))).max()
-    if not bool(torch.isfinite(largest)):
+    params = list(run.raw_model.parameters())
+    sharded = any(hasattr(p, "to_local") for p in params)  # --fsdp 1: each rank checks its shards
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    bad = (~torch.isfinite(torch.stack(torch._foreach_norm(local, float("inf"))).max())).float()
+    if sharded:
+        all_reduce_sum(bad)  # every rank takes the same decision
+    if bool(bad):
         raise TrainingError(
             f"step {run.state.step} made the weights non-finite (--learning_rate {run.args.learning_rate:g} or --weight_decay {run.args.weight_decay:g} too large?); "
             f"stopped without saving them. The checkpoints in {run.args.save_dir} are the last good weights"
@@ -311,13 +320,15 @@ def save_best(run: Run) -> None:
     """Rank 0 writes `<save_dir>/best/` (inference weights + best.json); a failed write stops every rank."""
     state, args = run.state, run.args
     error = None
+    weights = run.parallel.inference_model(getattr(torch, args.save_dtype))  # collective under --fsdp 1
     if run.ctx.is_main:
         try:
             record = best_record(args.keep_best, state.best_value, state.best_step)
-            checkpoint.save_inference_weights(run.raw_model, run.tokenizer, args.save_dir, getattr(torch, args.save_dtype),
+            checkpoint.save_inference_weights(weights, run.tokenizer, args.save_dir, getattr(torch, args.save_dtype),
                                               name=BEST_DIR, extra_files={BEST_FILE: record})
         except checkpoint.CheckpointError as failure:
             error = str(failure)
+    del weights
     error = broadcast_object(error)
     if error:
         raise checkpoint.CheckpointError(error)

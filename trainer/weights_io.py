@@ -67,6 +67,12 @@ def read_weights(path: str) -> Weights:
     """Read any supported weights `path`; a problem is a one-line CheckpointError."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist")
+    if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):  # a sharded resume checkpoint (--fsdp 1)
+        from trainer.checkpoint import load_resume_checkpoint
+
+        loaded = load_resume_checkpoint(path, required=("model_config", "model"))
+        return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
+                       f"resume checkpoint {path}")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model", "config.json")):
             path = os.path.join(path, "model")  # a run directory: its inference weights

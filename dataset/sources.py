@@ -1,0 +1,42 @@
+"""Reading data files as raw lines: plain ``.jsonl`` or gzip-compressed ``.jsonl.gz``.
+
+The token cache reads every file through ``open_lines`` so a compressed file yields exactly the
+bytes (and line numbers) of its uncompressed twin; parsing stays in ``formats``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from .formats import DataError
+
+
+def is_gzip(path: Path) -> bool:
+    return path.name.endswith(".gz")
+
+
+def open_lines(path: Path) -> Iterator[bytes]:
+    """Yield the raw lines of ``path`` (decompressed for ``.gz``), streaming, never the whole file.
+
+    A truncated or corrupt ``.gz`` raises one-line ``DataError`` naming the file.
+    """
+    if not is_gzip(path):
+        with path.open("rb") as f:
+            yield from f
+        return
+    try:
+        with gzip.open(path, "rb") as f:
+            yield from f
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: not a readable gzip file ({exc}); recompress it or pass the .jsonl") from None
+
+
+def check_data_file(path: Path) -> None:
+    """Raise a one-line ``DataError`` if the data file is missing or has no non-blank line."""
+    if not path.is_file():
+        raise DataError(f"{path}: data file not found")
+    if not any(line.strip() for line in open_lines(path)):
+        raise DataError(f"{path}: data file is empty")

@@ -1,0 +1,139 @@
+"""Resume checkpoints of a sharded run (`--fsdp 1`), written with `torch.distributed.checkpoint`.
+
+    checkpoints/step_00000100.dcp/     one directory per checkpoint
+        __0_0.distcp, __1_0.distcp     each rank's shard of the weights and the AdamW state
+        .metadata                      DCP's index of every tensor's pieces
+        meta.pt                        everything else (step, epoch, every rank's RNG, args, ...),
+                                       the same content as a single-file checkpoint's
+
+Atomic: all ranks write into `step_XXXXXXXX.dcp.tmp/`; after a barrier (every shard on disk and
+fsynced) rank 0 adds `meta.pt` and renames the directory. A crash at any moment before the rename
+leaves only a `.tmp` directory, which `list_checkpoints` does not match and the next save deletes;
+checkpoints rotated out are renamed away before they are deleted, so a half-deleted one is never
+taken for a checkpoint either.
+
+Loading reshards: a checkpoint written by N processes loads on M processes, sharded or not
+(`load_training_state` works for a fully_shard-ed model and for a plain one).
+"""
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer import checkpoint
+from trainer.checkpoint import CheckpointError
+from trainer.distributed import barrier
+
+SUFFIX = ".dcp"
+META = "meta.pt"
+SHARDED_ENTRIES = ("model", "optimizer")  # in the shards; everything else is in meta.pt
+
+
+def sharded_path(save_dir: str, step: int) -> str:
+    return os.path.join(checkpoint.checkpoints_dir(save_dir), f"step_{step:08d}{SUFFIX}")
+
+
+def is_sharded(saved: dict) -> bool:
+    return "sharded_path" in saved
+
+
+def remove_stale(folder: str) -> None:
+    """Directories of interrupted saves (`.dcp.tmp`) and of interrupted rotations (`.dcp.old`)."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        if f"{SUFFIX}." in name and os.path.isdir(os.path.join(folder, name)):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def remove_directory_checkpoint(path: str) -> None:
+    """Rename first (no longer a checkpoint name), then delete."""
+    doomed = f"{path}.old"
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def save(content: dict, save_dir: str, keep_last: int, ctx) -> str | None:
+    """Every rank writes its shard; rank 0 publishes the directory and rotates. Returns the path on
+    rank 0, None elsewhere (collective)."""
+    final = sharded_path(save_dir, content["step"])
+    tmp = f"{final}.tmp"
+    folder = checkpoint.checkpoints_dir(save_dir)
+    if ctx.is_main:
+        os.makedirs(folder, exist_ok=True)
+        remove_stale(folder)
+        checkpoint.remove_stale_temporaries(folder)
+    barrier(ctx.device)
+    try:
+        dcp.save({key: content[key] for key in SHARDED_ENTRIES}, checkpoint_id=tmp)
+    except (CheckpointException, OSError) as error:
+        raise CheckpointError(f"could not write the sharded checkpoint {final}: {_reason(error)}") from None
+    barrier(ctx.device)  # every shard is on disk
+    if not ctx.is_main:
+        return None
+    meta = {key: value for key, value in content.items() if key not in SHARDED_ENTRIES}
+    checkpoint.atomic_torch_save({"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION, **meta},
+                                 os.path.join(tmp, META))
+    try:
+        if os.path.exists(final):  # the same step saved again
+            remove_directory_checkpoint(final)
+        os.replace(tmp, final)
+        checkpoint._fsync_dir(folder)
+    except OSError as error:
+        raise CheckpointError(f"could not publish the sharded checkpoint {final}: {error.strerror or error}") from error
+    checkpoint.drop_old_checkpoints(save_dir, keep_last)
+    return final
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__
+
+
+def load_meta(path: str, required) -> dict:
+    """The non-tensor part of a sharded checkpoint, validated like a single-file checkpoint, plus
+    `sharded_path`. A caller that asks for the weights only (inference) gets them as full tensors."""
+    meta_file = os.path.join(path, META)
+    if not os.path.isfile(meta_file) or not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CheckpointError(f"sharded checkpoint {path} is incomplete (no {META} or .metadata)")
+    saved = checkpoint.load_resume_checkpoint(meta_file, required=[k for k in required if k not in SHARDED_ENTRIES])
+    saved["sharded_path"] = path
+    if "model" in required and "optimizer" not in required:
+        saved["model"] = read_full(path, "model")
+    return saved
+
+
+def read_full(path: str, entry: str) -> dict:
+    """One entry ("model") of a sharded checkpoint as full tensors, in this process alone."""
+    reader = FileSystemReader(path)
+    prefix = f"{entry}."
+    try:
+        metadata = reader.read_metadata()
+        state = {
+            key: torch.empty(item.size, dtype=item.properties.dtype)
+            for key, item in metadata.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+        }
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except (CheckpointException, OSError, RuntimeError, ValueError) as error:
+        raise CheckpointError(f"sharded checkpoint {path} is unreadable ({_reason(error)})") from None
+    return {key[len(prefix):]: value for key, value in state.items()}
+
+
+def load_training_state(model, optimizer, saved: dict) -> None:
+    """Load the shards into `model` and `optimizer` (fully_shard-ed or plain; any process count)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        dcp.load(state, checkpoint_id=saved["sharded_path"], no_dist=not dist.is_initialized())
+    except CheckpointException as error:
+        raise CheckpointError(f"sharded checkpoint {saved['sharded_path']} does not fit this run: {_reason(error)}") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
