@@ -10,7 +10,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .rendering import check_tokenizer, load_tokenizer
-from .token_cache import prepare_cache, read_meta
+from .token_cache import default_cache_root, prepare_cache, read_meta
 
 IGNORE_INDEX = -100
 
@@ -60,7 +60,7 @@ class SFTDataset(Dataset):
         self.data_path = Path(data_path)
         self.max_seq_len = max_seq_len
         self.pad_token_id = tokenizer.pad_token_id
-        cache_root = Path(cache_dir) if cache_dir is not None else self.data_path.parent / ".cache"
+        cache_root = default_cache_root(self.data_path, cache_dir)
         self.cache_path = prepare_cache(self.data_path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)
 
         meta = read_meta(self.cache_path)

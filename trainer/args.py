@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = parser.add_argument_group("4. data")
     data.add_argument("--data_path", "--train_data_path", default=DEFAULT_TRAIN_DATA,
-                      help="training jsonl or .jsonl.gz (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
+                      help="training .jsonl, .jsonl.gz or .parquet (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
     data.add_argument("--eval_data_path", "--valid_data_path", default=None,
                       help="held-out jsonl file(s), comma-separated (each reported on its own); evaluated every "
                            "--eval_interval steps and at the end")
