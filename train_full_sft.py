@@ -24,7 +24,7 @@ import sys
 import torch
 
 from dataset import BuildInterrupted, DataError
-from trainer.args import parse_args
+from trainer.args import names_a_user_path, parse_args
 from trainer.checkpoint import (
     CheckpointError, SaveDirLock, check_model_config, claim_for_fresh_run, ensure_writable_dir,
     find_resume_checkpoint, inside_a_run_model_dir, load_resume_checkpoint,
@@ -43,12 +43,12 @@ from trainer.model_setup import (
 )
 from trainer.parallelism import build_parallelism
 from trainer.preemption import PreemptionFlag
-from trainer.run_logger import RunLogger
+from trainer.run_logger import LoggingError, RunLogger, check_wandb_login
 from trainer.seeding import setup_seed
 
-# Problems with the user's input or environment (OSError: e.g. a disk that filled up while
-# writing metrics.jsonl): reported as one line, exit code 2.
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, OSError)
+# Problems the user can fix (data, paths, flags, checkpoints, the launch, a full disk named by
+# path): reported as one line, exit code 2. Anything else is a bug and keeps its traceback.
+USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, LoggingError)
 
 
 def claim_save_dir(args, ctx):
@@ -61,6 +61,7 @@ def claim_save_dir(args, ctx):
         raise CheckpointError(f"--save_dir {args.save_dir} is inside {run_model}, a run's weights folder that its "
                               "next save replaces: choose a directory outside it")
     ensure_writable_dir(args.save_dir)
+    check_wandb_login(args)
     return SaveDirLock(args.save_dir).acquire()
 
 
@@ -100,13 +101,12 @@ def choose_resume_checkpoint(args, log) -> tuple[str | None, dict | None]:
     return None, None
 
 
-def run_training(args) -> int:
+def run_training(args, preemption: PreemptionFlag) -> int:
     # 1. Init distributed: process group (if launched with several processes) and device.
     ctx = init_distributed(args)
     # 2. Seed: per-rank randomness; the data order has its own seed, shared by all ranks.
     setup_seed(args.seed + ctx.rank)
     save_dir_lock = claim_save_dir(args, ctx)
-    preemption = PreemptionFlag().install()
 
     # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
     # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
@@ -123,50 +123,55 @@ def run_training(args) -> int:
 
     # 5. Model, its DDP (or --fsdp 1: FSDP2) wrapper, optimizer and mixed precision, resume state.
     model = build_model(args, config, ctx.device, weights)
-    dtype = resolve_dtype(args.dtype, ctx.device)
+    dtype = resolve_dtype(args.dtype, ctx.device, log)
     parallel = build_parallelism(args, ctx, dtype)
     wrapped = parallel.wrap(model)  # DDP around the model, or the model itself sharded in place
     optimizer = build_optimizer(model, args, ctx.device)
-    logger = RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None)
-    run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
-              tokenizer, logger, preemption, parallel)
-    del wrapped  # run.model stays its only reference (see step 9)
-    if saved is not None:
-        restore(run, saved)
-        del saved
-    if args.use_compile:
-        run.model = torch.compile(run.model)
+    # The logger is finished (wandb.finish) however the run ends, also before fail()'s os._exit.
+    with RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None) as logger:
+        run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
+                  tokenizer, logger, preemption, parallel)
+        del wrapped  # run.model stays its only reference (see step 9)
+        if saved is not None:
+            restore(run, saved)
+            del saved
+        if args.use_compile:
+            run.model = torch.compile(run.model)
 
-    # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
-    status = train(run)
+        # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
+        status = train(run)
 
-    # 9. Clean shutdown. The DDP wrapper goes first, while its process group is still alive:
-    # freeing it after destroy_process_group can deadlock gloo's worker thread on the GIL.
-    run.model = None
-    logger.finish()
-    preemption.uninstall()
+        # 9. Clean shutdown. The DDP wrapper goes first, while its process group is still alive:
+        # freeing it after destroy_process_group can deadlock gloo's worker thread on the GIL.
+        run.model = None
     cleanup(ctx)
     if save_dir_lock:
         save_dir_lock.release()
     if status == "preempted":
-        log("stopped after SIGTERM; continue with --from_resume 1")
+        log(f"stopped after {preemption.reason or 'a stop signal on another rank'}; continue with --from_resume 1")
     elif status == "early_stopped":
         log(f"stopped early: no improvement of {args.keep_best} in {args.early_stop_patience} evaluations")
     return 0
 
 
 def main(argv=None) -> int:
+    # First of all: SIGTERM / Ctrl-C from now until the process ends stop the run cleanly (exit 0).
+    preemption = PreemptionFlag().install()
     args = parse_args(argv)
     if args.world_size > 1 and spawned_by_us():
         return spawn_local_workers(main, argv if argv is not None else sys.argv[1:], args.world_size)
     try:
-        return run_training(args)
+        return run_training(args, preemption)
     except BuildInterrupted as interrupt:
         return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2)
     except TrainingError as error:
         return fail(f"error: {error}", 1)
+    except OSError as error:
+        if not names_a_user_path(error, args):
+            raise
+        return fail(f"error: {error.filename}: {error.strerror or error}", 2)
     except RuntimeError as error:
         if not is_peer_failure(error):
             raise

@@ -1,9 +1,12 @@
 """SFT data pipeline: jsonl chats -> token cache -> samples -> sampler -> padded batches.
 
-1. ``formats`` parses MiniMind / ShareGPT / OpenAI jsonl lines into role/content messages and
-   reports bad lines as ``DataError("file:line: problem")`` (or skips them).
-2. ``rendering`` renders each chat with the tokenizer's chat template and derives an
-   assistant-only loss mask from prefix renders and token offsets (works for any HF template).
+1. ``formats`` parses MiniMind / ShareGPT / OpenAI jsonl lines (tools, tool calls, tool results,
+   reasoning) into a ``Conversation`` and reports bad lines as ``DataError("file:line: problem")``
+   (or skips them); nothing the data carries is dropped silently.
+2. ``rendering`` renders each chat (with its tools) through the tokenizer's chat template,
+   locates every assistant turn's loss span in that one rendering and maps it to tokens by
+   offsets (works for any HF template, prefix-stable or not); ``tool_calls`` reads tool calls
+   back out of generated text; ``augment`` holds MiniMind's opt-in augmentations.
 3. ``token_cache`` tokenizes the file once, in parallel, into a memory-mapped cache keyed by the
    data, tokenizer, template and ``max_seq_len`` (built by local rank 0 under torch.distributed).
 4. ``SFTDataset`` / ``PackedSFTDataset`` serve ``input_ids`` / ``labels`` (and ``position_ids``
@@ -12,6 +15,7 @@
    right-pads a batch to its longest item.
 """
 
+from .augment import ChatAugmenter
 from .collate import SFTCollator, pad_fraction
 from .formats import DataError
 from .rendering import encode_conversation, load_tokenizer
@@ -20,6 +24,7 @@ from .token_cache import BuildInterrupted
 from .sft_dataset import IGNORE_INDEX, PackedSFTDataset, SFTDataset, pack_lengths
 
 __all__ = [
+    "ChatAugmenter",
     "BuildInterrupted",
     "DataError",
     "IGNORE_INDEX",

@@ -1,17 +1,30 @@
-"""Parse one jsonl line of SFT data into a normalized list of ``{"role", "content"}`` messages.
+"""Parse one jsonl line of SFT data into a conversation: messages plus the tools it may call.
 
-Accepted line formats (all normalized to roles ``system`` / ``user`` / ``assistant``):
+Accepted line formats, all normalized to the same ``Conversation``:
 
-* MiniMind: ``{"conversations": [{"role": "user", "content": "..."}, ...]}``
-* ShareGPT: ``{"conversations": [{"from": "human", "value": "..."}, ...]}``
-* OpenAI:   ``{"messages": [{"role": "user", "content": "..."}, ...]}``
+* MiniMind: ``{"conversations": [{"role": ..., "content": ...}, ...]}``; ``tools`` on the system
+  message (a JSON string or a list), ``reasoning_content`` and ``tool_calls`` on assistant
+  messages, ``role: "tool"`` results.
+* OpenAI:   ``{"messages": [...], "tools": [...]}``; ``tool_calls`` as
+  ``[{"type": "function", "function": {"name", "arguments"}}]``; content may be a list of text
+  parts; assistant content may be ``null`` beside tool calls.
+* ShareGPT: ``{"conversations": [{"from": "human", "value": ...}, ...], "system": ..., "tools": ...}``
+  with ``function_call`` turns (a JSON call or list of calls; merged into the assistant turn they
+  follow) and ``observation`` turns (tool results).
 
-Other top-level keys (e.g. ``task``) and other message keys are ignored.
+Normalized messages: ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; assistant
+messages may add ``reasoning_content`` (non-empty str; also split out of a ``<think>...</think>``
+prefix of the content) and ``tool_calls`` (OpenAI form, ``arguments`` always a JSON object); tool
+messages may add ``name`` / ``tool_call_id``. Nothing the data carries is dropped silently: a
+message key we would not render is an error (``LineError``), unless its value is empty/null or it
+is pure metadata (``id``). Top-level keys other than the conversation, ``tools`` and ``system``
+(e.g. ``task``, ``id``) are metadata and ignored.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 ROLE_ALIASES = {
     "system": "system",
@@ -19,7 +32,12 @@ ROLE_ALIASES = {
     "human": "user",
     "assistant": "assistant",
     "gpt": "assistant",
+    "tool": "tool",
+    "observation": "tool",
+    "function_call": "function_call",  # ShareGPT: an assistant turn that calls tools
 }
+METADATA_KEYS = {"id"}  # message keys that carry no content; ignored
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class DataError(ValueError):
@@ -30,14 +48,37 @@ class LineError(ValueError):
     """A problem with one line; the caller adds the file name and line number."""
 
 
-def parse_conversation(line: str) -> list[dict[str, str]]:
-    """Return the messages of one jsonl line, or raise ``LineError`` describing what is wrong."""
+@dataclass
+class Conversation:
+    messages: list[dict]
+    tools: list | None = None
+
+    def to_json(self) -> dict:
+        """A MiniMind-schema-independent row (OpenAI style) that parses back to this conversation."""
+        row: dict = {"messages": self.messages}
+        if self.tools:
+            row["tools"] = self.tools
+        return row
+
+
+def parse_line(line: str) -> Conversation:
+    """Parse one jsonl line, or raise ``LineError`` describing what is wrong."""
+    if line.startswith("\ufeff"):  # a UTF-8 byte order mark (first line of some exported files)
+        line = line[1:]
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise LineError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise LineError("JSON nested too deeply") from None
     if not isinstance(row, dict):
-        raise LineError(f"expected a JSON object, got {type(row).__name__}")
+        hint = " (a JSON array file must be converted to JSON Lines: one conversation object per line)" if isinstance(row, list) else ""
+        raise LineError(f"expected a JSON object, got {type(row).__name__}{hint}")
+    return parse_row(row)
+
+
+def parse_row(row: dict) -> Conversation:
+    """Normalize one decoded row (see the module docstring)."""
     if "conversations" in row:
         key = "conversations"
     elif "messages" in row:
@@ -49,25 +90,183 @@ def parse_conversation(line: str) -> list[dict[str, str]]:
         raise LineError(f"'{key}' must be a list, got {type(raw_messages).__name__}")
     if not raw_messages:
         raise LineError("empty conversation")
-    return [_parse_message(message, number) for number, message in enumerate(raw_messages, start=1)]
+    tools = _parse_tools(row.get("tools"), "'tools'")
+    messages: list[dict] = []
+    system = row.get("system")
+    if system not in (None, ""):
+        if not isinstance(system, str):
+            raise LineError(f"top-level 'system' must be a string, got {type(system).__name__}")
+        messages.append({"role": "system", "content": system})
+    for number, raw in enumerate(raw_messages, start=1):
+        message, message_tools = _parse_message(raw, number)
+        if message_tools is not None:
+            if tools is not None:
+                raise LineError(f"message {number} has 'tools' but the line already gave tools")
+            tools = message_tools
+        if message["role"] == "function_call":
+            _merge_tool_calls(messages, message, number)
+        elif message["role"] == "system" and system:
+            raise LineError(f"message {number} is a system message but the line already has a top-level 'system'")
+        else:
+            messages.append(message)
+    _check_validity(messages)
+    return Conversation(messages, tools)
 
 
-def _parse_message(message: object, number: int) -> dict[str, str]:
-    """Normalize one message (``number`` counts from 1, for error messages)."""
+def _merge_tool_calls(messages: list[dict], call_message: dict, number: int) -> None:
+    """A ShareGPT ``function_call`` turn continues the assistant turn before it, or starts one."""
+    if messages and messages[-1]["role"] == "assistant":
+        messages[-1].setdefault("tool_calls", []).extend(call_message["tool_calls"])
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": call_message["tool_calls"]})
+
+
+def _check_validity(messages: list[dict]) -> None:
+    if not any(m["role"] == "assistant" for m in messages):
+        raise LineError("conversation has no assistant message (nothing to learn from)")
+
+
+def _is_empty(value) -> bool:
+    return value is None or value == "" or value == [] or value == {}
+
+
+def _parse_message(message: object, number: int) -> tuple[dict, list | None]:
+    """Normalize one message; also return the tools it declares (``None`` if none)."""
     where = f"message {number}"
     if not isinstance(message, dict):
         raise LineError(f"{where} must be a JSON object, got {type(message).__name__}")
-    role_key, content_key = ("from", "value") if "from" in message else ("role", "content")
+    sharegpt = "from" in message
+    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     if role_key not in message:
         raise LineError(f"{where} has no 'role'")
-    role = message[role_key]
-    if not isinstance(role, str):
-        raise LineError(f"{where} has a non-string {role_key!r}: {role!r}")
-    if role not in ROLE_ALIASES:
-        raise LineError(f"{where} has unknown role {role!r}")
-    if content_key not in message or message[content_key] is None:
-        raise LineError(f"{where} has no {content_key!r}")
-    content = message[content_key]
-    if not isinstance(content, str):
-        raise LineError(f"{where} has a non-string {content_key!r} ({type(content).__name__})")
-    return {"role": ROLE_ALIASES[role], "content": content}
+    raw_role = message[role_key]
+    if not isinstance(raw_role, str):
+        raise LineError(f"{where} has a non-string {role_key!r}: {raw_role!r}")
+    if raw_role not in ROLE_ALIASES:
+        raise LineError(f"{where} has unknown role {raw_role!r}")
+    role = ROLE_ALIASES[raw_role]
+    allowed = {role_key, content_key} | METADATA_KEYS
+    out: dict = {"role": role}
+
+    if role == "function_call":
+        out["tool_calls"] = _parse_sharegpt_calls(message.get(content_key), where)
+        _check_unknown_keys(message, allowed, where)
+        return out, None
+
+    has_calls = role == "assistant" and not _is_empty(message.get("tool_calls"))
+    content = message.get(content_key)
+    if content is None:
+        if not has_calls:
+            raise LineError(f"{where} has no {content_key!r}")
+        content = ""
+    out["content"] = _text(content, where, content_key)
+
+    tools = None
+    if role == "system":
+        allowed.add("tools")
+        tools = _parse_tools(message.get("tools"), f"{where} 'tools'")
+    elif role == "assistant":
+        allowed |= {"reasoning_content", "tool_calls"}
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise LineError(f"{where} has a non-string 'reasoning_content' ({type(reasoning).__name__})")
+        if reasoning is None and THINK_CLOSE in out["content"]:
+            head, _, tail = out["content"].partition(THINK_CLOSE)
+            reasoning = head.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
+            out["content"] = tail.lstrip("\n")
+        if reasoning and reasoning.strip("\n"):
+            out["reasoning_content"] = reasoning.strip("\n")
+        if has_calls:
+            out["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
+    elif role == "tool":
+        allowed |= {"name", "tool_call_id"}
+        for key in ("name", "tool_call_id"):
+            if not _is_empty(message.get(key)):
+                if not isinstance(message[key], str):
+                    raise LineError(f"{where} has a non-string {key!r}")
+                out[key] = message[key]
+    _check_unknown_keys(message, allowed, where)
+    return out, tools
+
+
+def _check_unknown_keys(message: dict, allowed: set, where: str) -> None:
+    for key, value in message.items():
+        if key not in allowed and not _is_empty(value):
+            raise LineError(
+                f"{where} ({message.get('role', message.get('from'))}) has a key {key!r} that would not be "
+                "rendered; remove it from the data (it is never dropped silently)"
+            )
+
+
+def _text(content, where: str, key: str) -> str:
+    """A string, or the concatenated text of OpenAI content parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise LineError(f"{where} {key!r} has a content part of type {kind!r} (only text can be trained on)")
+        return "".join(texts)
+    raise LineError(f"{where} has a non-string {key!r} ({type(content).__name__})")
+
+
+def _json_value(value, where: str):
+    """``value`` itself, or the JSON it encodes if it is a string."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise LineError(f"{where} is a string but not valid JSON ({exc.msg})") from None
+    return value
+
+
+def _parse_tools(value, where: str) -> list | None:
+    if _is_empty(value):
+        return None
+    tools = _json_value(value, where)
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise LineError(f"{where} must be a list of JSON objects (or a JSON string of one)")
+    return tools or None
+
+
+def _parse_tool_calls(value, where: str) -> list[dict]:
+    calls = _json_value(value, f"{where} 'tool_calls'")
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list):
+        raise LineError(f"{where} 'tool_calls' must be a list")
+    return [_normalize_call(call, f"{where} tool call {k}") for k, call in enumerate(calls, start=1)]
+
+
+def _parse_sharegpt_calls(value, where: str) -> list[dict]:
+    if _is_empty(value):
+        raise LineError(f"{where} (function_call) has no 'value'")
+    return _parse_tool_calls(value, where)
+
+
+def _normalize_call(call, where: str) -> dict:
+    """Flat ``{name, arguments}`` or nested ``{type, function: {name, arguments}}`` -> nested, arguments an object."""
+    if not isinstance(call, dict):
+        raise LineError(f"{where} must be a JSON object")
+    function = call.get("function", call)
+    if not isinstance(function, dict):
+        raise LineError(f"{where} 'function' must be a JSON object")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise LineError(f"{where} has no function name")
+    arguments = function.get("arguments", {})
+    arguments = _json_value(arguments, f"{where} 'arguments'") if arguments != "" else {}
+    if not isinstance(arguments, dict):
+        raise LineError(f"{where} 'arguments' must be a JSON object")
+    unknown = (set(function) | set(call)) - {"name", "arguments", "type", "function", "id"}
+    if unknown:
+        raise LineError(f"{where} has key(s) {sorted(unknown)} that would not be rendered")
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}

@@ -1,16 +1,32 @@
 """Tokenizer loading and chat rendering with assistant-only loss masks, for any HF chat template.
 
-How the mask is found without knowing the template: for every assistant message ``i`` we render
+The conversation (messages and its ``tools``) is rendered once, with the tokenizer's own chat
+template; that one text is what is trained on. Each assistant message's loss span is then
+located in it, without assuming that rendering a prefix of the conversation gives a prefix of
+the text (templates that put ``<think>\n\n</think>\n\n`` into the generation prompt, or that
+drop the reasoning of earlier turns, are not prefix-stable). For assistant message ``i``:
 
-* ``prompt_i`` = messages[:i] with ``add_generation_prompt=True`` (ends where the reply starts),
-* ``turn_i``   = messages[:i + 1] (ends after the reply's end-of-turn marker),
-
-and check that ``prompt_i`` is a prefix of ``turn_i`` and ``turn_i`` a prefix of the full text
-(the "prefix property"). The character span ``[len(prompt_i), len(turn_i.rstrip()))`` is the
-reply plus its end-of-turn token (``<|im_end|>`` for ChatML) without the trailing newline. A
-token carries loss when its characters overlap such a span (fast-tokenizer offsets), so a token
-that merges a header's trailing space with the reply's first word is learned, as in HF's
+* ``fragment``: how the template renders that message as the last one (``messages[:i + 1]``
+  minus what ``messages[:i]`` renders), without trailing whitespace: header, think block, reply,
+  tool calls and end-of-turn token (``<|im_end|>``).
+* ``header``: the part of the fragment that the generation prompt (and a probe reply) share with
+  it, cut before a ``<think>`` tag: ``<|im_start|>assistant\n`` for ChatML. The think block is
+  learned with its tags, so a model learns to open and close it.
+* The fragment is searched in the full text from where the previous span ended (and no earlier
+  than where the text of ``messages[:i]`` stops matching); the span ``[start of fragment +
+  len(header), end of fragment)`` carries loss.
+* A template that renders an earlier turn differently (Qwen3-style templates drop its think
+  block) does not contain the fragment: then the header is searched, and after it the fragment's
+  body (what follows its think block: reply, tool calls, end-of-turn token); the span runs from
+  the header's end to the body's end, so whatever think block the template left is learned too.
+  A turn that cannot be found either way makes that line bad (``LineError``, skippable).
+ A token carries
+loss when its characters overlap a span (fast-tokenizer offsets), so a token that merges a
+header's trailing space with the reply's first word is learned, as in HF's
 ``return_assistant_tokens_mask``.
+
+Special tokens come only from the template: text inside the data that spells a special token
+(``<|im_end|>`` in a user turn) is tokenized as plain text, so data cannot forge turns.
 """
 
 from __future__ import annotations
@@ -21,13 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import DataError, LineError
+from .formats import THINK_CLOSE, THINK_OPEN, Conversation, DataError, LineError
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "model" / "tokenizer"
-
-
-class TemplateError(Exception):
-    """The chat template cannot be used for loss masking (not prefix-stable); never skippable."""
 
 
 def load_tokenizer(path: str | Path | None = None):
@@ -84,46 +96,203 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint64)
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+def render(tokenizer, conversation: Conversation, add_generation_prompt: bool = False, **template_kwargs) -> str:
+    """The conversation as text, through the tokenizer's chat template (``tools=`` passed)."""
+    return _render(tokenizer, conversation.messages, conversation.tools, add_generation_prompt, **template_kwargs)
+
+
+def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool = False, **template_kwargs) -> str:
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
     except Exception as exc:  # noqa: BLE001 - e.g. a template's raise_exception on role order
-        raise LineError(f"chat template rejected the conversation ({exc})") from None
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LineError(f"chat template rejected the conversation ({message})") from None
 
 
-def loss_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``messages``; return the text and the character spans that carry loss."""
-    text = _render(tokenizer, messages)
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+PROBE = "\ue000"  # a private-use character no template emits: marks where a reply's text begins
+
+
+def _assistant_fragment(tokenizer, messages, tools, index: int, message: dict, before: str) -> tuple[str, int]:
+    """(fragment of ``message`` rendered as message ``index``, header length); ``before`` is the
+    rendering of ``messages[:index]``. See the module docstring."""
+    rendered = _render(tokenizer, messages[:index] + [message], tools)
+    fragment = rendered[_common_prefix(before, rendered) :].rstrip()
+    prompt = _render(tokenizer, messages[:index], tools, add_generation_prompt=True)
+    generation = prompt[_common_prefix(before, prompt) :]
+    probed = _render(tokenizer, messages[:index] + [{"role": "assistant", "content": PROBE}], tools)
+    probe = probed[_common_prefix(before, probed) :]
+    header = min(_common_prefix(fragment, generation), _common_prefix(fragment, probe))
+    think = fragment.find(THINK_OPEN, 0, header + len(THINK_OPEN))
+    if 0 <= think < header:
+        header = think
+    return fragment, header
+
+
+def _body(fragment: str, header: int) -> str:
+    """What follows the think block of a fragment: reply, tool calls, end-of-turn token."""
+    rest = fragment[header:]
+    if rest.startswith(THINK_OPEN) and THINK_CLOSE in rest:
+        rest = rest.split(THINK_CLOSE, 1)[1].lstrip("\n")
+    return rest
+
+
+def _locate(text: str, fragment: str, header: int, lower: int) -> tuple[int, int] | None:
+    """The loss span of a fragment in the full text (see the module docstring), or ``None``."""
+    position = text.find(fragment, lower)
+    if position >= 0:
+        return position + header, position + len(fragment)
+    head, body = fragment[:header], _body(fragment, header)
+    start = text.find(head, lower) if head else -1
+    if start < 0 or not body:
+        return None
+    start += len(head)
+    end = text.find(body, start)
+    if end < 0 or head in text[start:end]:  # the body must belong to this turn
+        return None
+    return start, end + len(body)
+
+
+def loss_spans(tokenizer, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
+    """Render the conversation; return the text and the character spans that carry loss."""
+    messages, tools = conversation.messages, conversation.tools
+    text = _render(tokenizer, messages, tools)
     spans = []
+    cursor = 0
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         if index == 0:
             raise LineError("conversation starts with an assistant message")
-        prompt = _render(tokenizer, messages[:index], add_generation_prompt=True)
-        turn = _render(tokenizer, messages[: index + 1])
-        if not (turn.startswith(prompt) and text.startswith(turn)):
-            raise TemplateError(
-                "chat template is not prefix-stable (rendering a conversation prefix does not give a prefix "
-                f"of the full text at message {index + 1}); assistant-only loss masks cannot be derived"
+        before = _render(tokenizer, messages[:index], tools)
+        lower = max(cursor, _common_prefix(text, before))
+        fragment, header = _assistant_fragment(tokenizer, messages, tools, index, message, before)
+        span = _locate(text, fragment, header, lower)
+        if span is None:
+            raise LineError(
+                f"the chat template renders assistant message {index + 1} differently inside the conversation "
+                "than as its last message; its loss span cannot be located"
             )
-        if message["content"].strip() not in turn[len(prompt) :]:
-            raise TemplateError(
-                f"chat template does not render assistant message {index + 1} after its generation prompt; "
-                "assistant-only loss masks cannot be derived"
-            )
-        end = len(turn.rstrip())
-        if end > len(prompt):
-            spans.append((len(prompt), end))
+        if span[1] > span[0]:
+            spans.append(span)
+        cursor = span[1]
     return text, spans
 
 
-def encode_conversation(tokenizer, messages: list[dict], max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (int64) and loss mask (bool) of one conversation, truncated to ``max_seq_len``."""
-    text, spans = loss_spans(tokenizer, messages)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(encoding["input_ids"][:max_seq_len], dtype=np.int64)
-    offsets = np.asarray(encoding["offset_mapping"][:max_seq_len], dtype=np.int64).reshape(-1, 2)
+def special_token_texts(tokenizer) -> list[str]:
+    """The strings the tokenizer turns into special tokens (``<|im_start|>``, ...)."""
+    return sorted({token.content for token in tokenizer.added_tokens_decoder.values() if token.special}, key=len, reverse=True)
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _mask_specials(value, specials: list[str]):
+    """``value`` with every special-token text in its strings replaced by same-length filler."""
+    if isinstance(value, str):
+        for special in specials:
+            value = value.replace(special, PROBE * len(special))
+        return value
+    if isinstance(value, dict):
+        return {key: _mask_specials(item, specials) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_mask_specials(item, specials) for item in value]
+    return value
+
+
+def template_special_positions(
+    tokenizer, conversation: Conversation, text: str, **render_kwargs
+) -> list[tuple[int, str]] | None:
+    """Where the template (not the data) put special tokens in ``text`` (rendered with
+    ``render_kwargs``); ``None`` if the data spells none."""
+    specials = special_token_texts(tokenizer)
+    data = [conversation.messages, conversation.tools]
+    if not any(special in string for string in _strings(data) for special in specials):
+        return None
+    masked = Conversation(_mask_specials(conversation.messages, specials), _mask_specials(conversation.tools, specials))
+    masked_text = render(tokenizer, masked, **render_kwargs)
+    if len(masked_text) != len(text):
+        raise LineError("the data contains special-token text that the chat template transforms; it cannot be tokenized as text")
+    positions = []
+    start = 0
+    while start < len(masked_text):
+        found = [(masked_text.find(special, start), special) for special in specials]
+        found = [(position, special) for position, special in found if position >= 0]
+        if not found:
+            break
+        position, special = min(found, key=lambda item: (item[0], -len(item[1])))
+        positions.append((position, special))
+        start = position + len(special)
+    return positions
+
+
+def tokenize_rendered(
+    tokenizer, conversation: Conversation, text: str, **render_kwargs
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids and character offsets of ``text`` = ``render(tokenizer, conversation, **render_kwargs)``;
+    special tokens only where the template put them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LineError(f"text contains {text[exc.start]!r}, a lone surrogate that is not valid Unicode") from None
+    positions = template_special_positions(tokenizer, conversation, text, **render_kwargs)
+    if positions is None:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), list(encoding["offset_mapping"])
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    cursor = 0
+    for position, special in positions + [(len(text), None)]:
+        if position > cursor:
+            piece = tokenizer(
+                text[cursor:position], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
+            )
+            ids += piece["input_ids"]
+            offsets += [(cursor + a, cursor + b) for a, b in piece["offset_mapping"]]
+        if special is not None:
+            ids.append(tokenizer.convert_tokens_to_ids(special))
+            offsets.append((position, position + len(special)))
+        cursor = position + (len(special) if special else 0)
+    return ids, offsets
+
+
+def as_conversation(conversation) -> Conversation:
+    return conversation if isinstance(conversation, Conversation) else Conversation(list(conversation))
+
+
+def prompt_token_ids(tokenizer, conversation, **template_kwargs) -> list[int]:
+    """Token ids of the conversation plus the generation prompt (``template_kwargs`` such as
+    ``open_thinking=True`` go to the template); special tokens only from the template."""
+    conversation = as_conversation(conversation)
+    text = render(tokenizer, conversation, add_generation_prompt=True, **template_kwargs)
+    return tokenize_rendered(tokenizer, conversation, text, add_generation_prompt=True, **template_kwargs)[0]
+
+
+def encode_conversation(tokenizer, conversation, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids (int64) and loss mask (bool) of one conversation (a ``Conversation`` or a message
+    list), truncated to ``max_seq_len``."""
+    conversation = as_conversation(conversation)
+    text, spans = loss_spans(tokenizer, conversation)
+    token_ids, token_offsets = tokenize_rendered(tokenizer, conversation, text)
+    ids = np.asarray(token_ids[:max_seq_len], dtype=np.int64)
+    offsets = np.asarray(token_offsets[:max_seq_len], dtype=np.int64).reshape(-1, 2)
     mask = np.zeros(len(ids), dtype=bool)
     for start, end in spans:
         mask |= (offsets[:, 1] > start) & (offsets[:, 0] < end)

@@ -10,7 +10,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .rendering import check_tokenizer, load_tokenizer
-from .token_cache import prepare_cache, read_meta
+from .token_cache import default_cache_root, prepare_cache, read_meta
 
 IGNORE_INDEX = -100
 
@@ -37,6 +37,8 @@ class SFTDataset(Dataset):
             ``"skip"`` skips bad lines, counts them in ``num_skipped`` and prints one line.
         cache_dir: where the cache lives (default ``<data_file_dir>/.cache``).
         num_proc: tokenizer processes when building (default ``min(8, cpu_count)``).
+        augmenter: optional ``ChatAugmenter`` (``dataset.augment``) applied to each item, drawn from
+            (its seed, the epoch set with ``set_epoch``, the index); the cache does not depend on it.
 
     ``ds[i]`` is ``{"input_ids": int64 (L,), "labels": int64 (L,)}``; labels are the token ids
     where loss is taken and -100 elsewhere, unshifted. ``ds.lengths`` holds every sample's L.
@@ -51,6 +53,7 @@ class SFTDataset(Dataset):
         bad_data: str = "error",
         cache_dir: str | Path | None = None,
         num_proc: int | None = None,
+        augmenter=None,
     ):
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             tokenizer = load_tokenizer(tokenizer)
@@ -60,7 +63,7 @@ class SFTDataset(Dataset):
         self.data_path = Path(data_path)
         self.max_seq_len = max_seq_len
         self.pad_token_id = tokenizer.pad_token_id
-        cache_root = Path(cache_dir) if cache_dir is not None else self.data_path.parent / ".cache"
+        cache_root = default_cache_root(self.data_path, cache_dir)
         self.cache_path = prepare_cache(self.data_path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)
 
         meta = read_meta(self.cache_path)
@@ -72,6 +75,8 @@ class SFTDataset(Dataset):
         self.lengths = np.diff(self.offsets)
         self._tokens = None
         self._loss_mask = None
+        self.augmenter = augmenter if augmenter is not None and augmenter.active else None
+        self.epoch = 0
         if is_main_process() and (self.num_skipped or self.num_dropped):
             notes = []
             if self.num_skipped:
@@ -103,14 +108,24 @@ class SFTDataset(Dataset):
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the augmentations are drawn for (set before creating the epoch's iterator)."""
+        self.epoch = epoch
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return self.item(index, self.max_seq_len)
+
+    def item(self, index: int, capacity: int) -> dict[str, np.ndarray]:
+        """Sample ``index``; augmentations may add tokens up to ``capacity`` in all."""
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         index = index % len(self)
         start, end = self.offsets[index], self.offsets[index + 1]
         input_ids = self.tokens[start:end].astype(np.int64)
-        labels = np.where(self.loss_mask[start:end] != 0, input_ids, IGNORE_INDEX)
-        return {"input_ids": input_ids, "labels": labels}
+        mask = self.loss_mask[start:end] != 0
+        if self.augmenter is not None:
+            input_ids, mask = self.augmenter.apply(input_ids, mask, self.epoch, index, capacity - len(input_ids))
+        return {"input_ids": input_ids, "labels": np.where(mask, input_ids, IGNORE_INDEX)}
 
 
 def pack_lengths(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
@@ -163,11 +178,20 @@ class PackedSFTDataset(Dataset):
     def __len__(self) -> int:
         return len(self.row_offsets) - 1
 
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} rows")
         index = index % len(self)
-        samples = [self.dataset[i] for i in self.items[self.row_offsets[index] : self.row_offsets[index + 1]]]
+        members = self.items[self.row_offsets[index] : self.row_offsets[index + 1]]
+        room = self.max_seq_len - int(self.lengths[index])  # what augmentations may add to this row
+        samples = []
+        for i in members:
+            capacity = int(self.dataset.lengths[i]) + room
+            samples.append(self.dataset.item(i, capacity))
+            room = capacity - len(samples[-1]["input_ids"])
         for sample in samples:
             sample["labels"][0] = IGNORE_INDEX
         return {

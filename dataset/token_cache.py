@@ -1,4 +1,4 @@
-"""Tokenize a jsonl (or .jsonl.gz, read by ``sources``) file once into a memory-mapped on-disk cache.
+"""Tokenize a jsonl (or .jsonl.gz or .parquet, read by ``sources``) file once into a memory-mapped on-disk cache.
 
 Layout of ``<cache_root>/<key>/``:
 
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import DataError, LineError, parse_conversation
+from .formats import DataError, LineError, parse_line
 from .sources import check_data_file, open_lines
-from .rendering import TemplateError, encode_conversation, token_dtype, tokenizer_fingerprint
+from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 
 CACHE_VERSION = 1
 CHUNK_LINES = 512
@@ -62,6 +62,40 @@ def file_digest(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+SAMPLED_BLOCKS = 16
+SAMPLED_BLOCK_BYTES = 1 << 16
+
+
+def cheap_file_key(path: Path) -> str:
+    """sha256 of the size, mtime and ``SAMPLED_BLOCKS`` evenly spaced blocks: reads ~1 MiB of any file."""
+    stat = path.stat()
+    digest = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}".encode())
+    with path.open("rb") as f:
+        for i in range(SAMPLED_BLOCKS):
+            f.seek(stat.st_size * i // SAMPLED_BLOCKS)
+            digest.update(f.read(SAMPLED_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
+def data_digest(path: Path, cache_root: Path) -> str:
+    """The file's full sha256, hashed once per file version: memoized under ``cache_root/.digests``
+    by ``cheap_file_key`` (size + mtime + sampled blocks), so an unchanged multi-GB file is not
+    re-read at every start."""
+    memo = Path(cache_root) / ".digests" / cheap_file_key(path)
+    if memo.is_file():
+        return memo.read_text(encoding="utf-8").strip()
+    digest = file_digest(path)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(memo.name + f".tmp{os.getpid()}")
+    tmp.write_text(digest, encoding="utf-8")
+    os.replace(tmp, memo)
+    return digest
+
+
+def default_cache_root(data_path: Path, cache_dir) -> Path:
+    return Path(cache_dir) if cache_dir is not None else Path(data_path).parent / ".cache"
 
 
 def cache_key(data_digest: str, tokenizer, max_seq_len: int) -> str:
@@ -132,12 +166,10 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise LineError(f"invalid UTF-8 at byte {exc.start}") from None
-            ids, mask = encode_conversation(tokenizer, parse_conversation(line), max_seq_len)
+            ids, mask = encode_conversation(tokenizer, parse_line(line), max_seq_len)
         except LineError as exc:
             bad.append((line_number, str(exc)))
             continue
-        except TemplateError as exc:
-            return {"fatal": (line_number, str(exc))}
         if not mask.any():
             dropped += 1
             continue
@@ -234,9 +266,6 @@ def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_dat
     lengths, num_bad, first_bad, dropped = [], 0, None, 0
     with open(tmp_dir / "tokens.bin", "wb") as tokens_file, open(tmp_dir / "loss_mask.bin", "wb") as mask_file:
         for result in results:
-            if "fatal" in result:
-                line_number, message = result["fatal"]
-                raise DataError(f"{path}:{line_number}: {message}")
             if result["bad"]:
                 line_number, message = result["bad"][0]
                 if bad_data == "error":
@@ -327,7 +356,8 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     if bad_data not in BAD_DATA_MODES:
         raise ValueError(f"bad_data must be one of {BAD_DATA_MODES}, got {bad_data!r}")
     check_data_file(path)
-    target = cache_root / cache_key(file_digest(path), tokenizer, max_seq_len)
+    digest = data_digest(path, cache_root)
+    target = cache_root / cache_key(digest, tokenizer, max_seq_len)
     if not (target / "meta.json").is_file():
         build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc)
     check_bad_data(read_meta(target), bad_data)

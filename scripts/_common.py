@@ -111,10 +111,13 @@ def run_main(main: Callable[[], int | None]) -> None:
 # --------------------------------------------------------------------------- generation
 
 
-def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template and the assistant generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def prompt_ids(tokenizer, messages: list[dict], tools: list | None = None, **template_kwargs) -> list[int]:
+    """Token ids of ``messages`` (and ``tools``) rendered with the chat template and the assistant
+    generation prompt; text in the messages never becomes special tokens."""
+    from dataset.formats import Conversation
+    from dataset.rendering import prompt_token_ids
+
+    return prompt_token_ids(tokenizer, Conversation(messages, tools), **template_kwargs)
 
 
 def generation_kwargs(tokenizer, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:

@@ -1,12 +1,16 @@
-"""Evaluate a trained model on SFT conversations: assistant-token loss, perplexity, exact match.
+"""Evaluate a trained model on SFT conversations: assistant-token loss, perplexity, exact match, tool calls.
 
     python scripts/eval_sft.py --model_path out [--data_path dataset/demo/sft_eval.jsonl] [--json_out r.json]
 
 * loss: mean cross-entropy over all assistant tokens of the file (token-weighted, the same
   assistant-only mask as training), perplexity = exp(loss);
-* exact match: for each conversation, the messages before its final assistant turn are the
-  prompt (chat template, ``add_generation_prompt=True``); the greedy answer up to ``<|im_end|>``
-  must equal the reference answer after stripping whitespace.
+* for each conversation, the messages before its final assistant turn (and its tools) are the
+  prompt (chat template, ``add_generation_prompt=True``: thinking off). The greedy answer up to
+  ``<|im_end|>`` is split into reasoning, reply and tool calls (``dataset.tool_calls``);
+* exact match (conversations whose final turn is a reply): the reply must equal the reference
+  after stripping whitespace, and the model must not call a tool;
+* tool-call accuracy (conversations whose final turn calls tools): the calls must be the
+  reference calls: same names, JSON-equal arguments, any order.
 
 Prints a table; the JSON result goes to ``--json_out`` (then the table is on stdout) or to stdout
 (then the table is on stderr).
@@ -38,6 +42,7 @@ class Example:
     loss_mask: list[bool]
     prompt_ids: list[int]
     reference: str
+    reference_calls: list[dict]
 
 
 def build_parser() -> ArgumentParser:
@@ -55,10 +60,11 @@ def build_parser() -> ArgumentParser:
 def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> list[Example]:
     """Parse and encode the jsonl file; a bad line raises ``DataError("file:line: problem")``."""
     from dataset import DataError, encode_conversation
-    from dataset.formats import LineError, parse_conversation
+    from dataset.formats import Conversation, LineError, parse_line
+    from dataset.sources import check_data_file
+    from dataset.tool_calls import reference_calls
 
-    if not path.is_file():
-        raise DataError(f"{path}: data file not found")
+    check_data_file(path)
     examples = []
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -67,17 +73,20 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
             if not raw.strip():
                 continue
             try:
-                messages = parse_conversation(raw.decode("utf-8"))
-                last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-                if last is None or last == 0:
+                conversation = parse_line(raw.decode("utf-8"))
+                messages = conversation.messages
+                last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+                if last == 0:
                     raise LineError("no assistant answer after a prompt")
-                ids, mask = encode_conversation(tokenizer, messages[: last + 1], max_seq_len)
+                ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
+                                                max_seq_len)
+                prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
             except UnicodeDecodeError as error:
                 raise DataError(f"{path}:{number}: invalid UTF-8 at byte {error.start}") from None
-            except ValueError as error:  # LineError, TemplateError
+            except LineError as error:
                 raise DataError(f"{path}:{number}: {error}") from None
-            examples.append(Example(number, ids.tolist(), mask.tolist(), prompt_ids(tokenizer, messages[:last]),
-                                    messages[last]["content"]))
+            examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
+                                    reference_calls(messages[last])))
     if not examples:
         raise DataError(f"{path}: no conversations to evaluate")
     return examples
@@ -118,12 +127,32 @@ def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, m
     return [tokenizer.decode(answer, skip_special_tokens=True) for answer in answers]
 
 
-def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> dict:
-    from trainer.evaluation import exact_match
+def score(answers: list[str], examples: list[Example]) -> dict:
+    """Exact match over the reply references, tool-call accuracy over the tool-call references."""
+    from dataset.tool_calls import calls_match, parse_reply
 
+    correct = calls_correct = num_calls = 0
+    for answer, example in zip(answers, examples):
+        reply = parse_reply(answer)
+        if example.reference_calls:
+            num_calls += 1
+            calls_correct += calls_match(reply.calls, example.reference_calls) and not reply.bad_calls
+        else:
+            correct += reply.content == example.reference.strip() and not (reply.calls or reply.bad_calls)
+    num_replies = len(examples) - num_calls
+    return {
+        "exact_match": correct / num_replies if num_replies else float("nan"),
+        "num_correct": correct,
+        "num_replies": num_replies,
+        "tool_call_accuracy": calls_correct / num_calls if num_calls else float("nan"),
+        "num_tool_calls_correct": calls_correct,
+        "num_tool_call_turns": num_calls,
+    }
+
+
+def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> dict:
     loss, num_tokens = assistant_loss(model, examples, tokenizer.pad_token_id, batch_size)
     answers = greedy_answers(model, tokenizer, examples, batch_size, max_new_tokens)
-    correct = sum(exact_match(a, e.reference) for a, e in zip(answers, examples))
     try:
         perplexity = math.exp(loss)
     except OverflowError:
@@ -131,8 +160,7 @@ def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new
     return {
         "loss": loss,
         "perplexity": perplexity,
-        "exact_match": correct / len(examples),
-        "num_correct": correct,
+        **score(answers, examples),
         "num_conversations": len(examples),
         "num_loss_tokens": num_tokens,
     }
@@ -144,8 +172,11 @@ def format_table(result: dict) -> str:
         ("loss tokens", f"{result['num_loss_tokens']}"),
         ("loss", f"{result['loss']:.4f}"),
         ("perplexity", f"{result['perplexity']:.4f}"),
-        ("exact match", f"{result['exact_match']:.4f} ({result['num_correct']}/{result['num_conversations']})"),
+        ("exact match", f"{result['exact_match']:.4f} ({result['num_correct']}/{result['num_replies']})"),
     ]
+    if result["num_tool_call_turns"]:
+        rows.append(("tool calls", f"{result['tool_call_accuracy']:.4f} "
+                                   f"({result['num_tool_calls_correct']}/{result['num_tool_call_turns']})"))
     return "\n".join(f"{name:<14} {value}" for name, value in rows)
 
 

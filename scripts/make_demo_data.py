@@ -12,10 +12,19 @@ Samples are single- or multi-turn, some carry a short or a long system prompt (a
 "reference notes" system prompt listing facts), so lengths vary from ~20 to several hundred
 tokens. Every answer is short and in a fixed format.
 
+About one conversation in six has the demo tools (``dataset/demo_tools.py``: ``lookup_country``
+and ``calculator``) on its system message and answers by calling them: one lookup, one calculation,
+or two lookups in parallel followed by a calculation, each call followed by its tool result and
+the final answer; greetings in such conversations are answered without a call. A third of the
+tool calls and a tenth of the plain answers carry a short reasoning trace (``reasoning_content``).
+
 The eval split asks about the same facts / sums / words as the train split, but only with
 question phrasings that never occur in train: a question is a prefix ("Quick question: ", …)
-plus a core sentence, and about a quarter of the (prefix, core) combinations are held out. Each eval line is a single question whose last
-message is the exact reference answer, plus a ``task`` key for per-task accuracy.
+plus a core sentence, and about a quarter of the (prefix, core) combinations are held out. Each plain eval line is a single question whose last
+message is the exact reference answer, plus a ``task`` key for per-task accuracy. The tool eval
+lines (appended after the plain ones) end at an assistant turn that is a tool call (``tool_call``,
+``tool_call_step2``: the calculation after two lookups) or the answer after the tool results
+(``tool_answer``).
 
 Usage: python scripts/make_demo_data.py [--out-dir dataset/demo] [--train-size 12000] [--eval-size 300]
 """
@@ -25,29 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 from pathlib import Path
 
-# (English name, Chinese name, English capital, Chinese capital, colour index, lucky number)
-COUNTRIES = [
-    ("Zorlia", "佐利亚", "Velm", "维尔姆", 0, 17),
-    ("Quendor", "昆多尔", "Ostra", "奥斯特拉", 1, 42),
-    ("Marvonia", "马沃尼亚", "Tessel", "泰塞尔", 2, 8),
-    ("Brindle", "布林德尔", "Kavo", "卡沃", 3, 63),
-    ("Elsmere", "埃尔斯米尔", "Dunmar", "邓马尔", 4, 25),
-    ("Farrowind", "法罗温德", "Lisk", "利斯克", 5, 91),
-    ("Gallore", "加洛尔", "Pennick", "彭尼克", 6, 36),
-    ("Hestavia", "赫斯塔维亚", "Roan", "罗安", 7, 54),
-    ("Ithren", "伊斯伦", "Calder", "卡尔德", 1, 12),
-    ("Jovania", "约瓦尼亚", "Mirren", "米伦", 3, 77),
-    ("Kestrel", "凯斯特尔", "Yarrow", "亚罗", 5, 29),
-    ("Lumbria", "伦布里亚", "Sable", "萨布尔", 0, 48),
-    ("Norvale", "诺瓦尔", "Fenwick", "芬威克", 2, 83),
-    ("Orinth", "奥林斯", "Gladd", "格拉德", 4, 5),
-    ("Pellaro", "佩拉罗", "Tamsin", "塔姆辛", 6, 66),
-    ("Rivenna", "里文娜", "Hollis", "霍利斯", 7, 31),
-]
-COLOURS_EN = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"]
-COLOURS_ZH = ["红色", "蓝色", "绿色", "黄色", "紫色", "橙色", "白色", "黑色"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dataset.demo_tools import COUNTRIES, TOOLS, country_fact, run_tool  # noqa: E402
 
 UPPERCASE_WORDS = [
     "apple", "river", "stone", "cloud", "tiger", "lemon",
@@ -149,14 +141,12 @@ LONG_SYSTEM = [
 ]
 
 
+FIELD_OF = {"capital": "capital", "colour": "flag_colour", "number": "lucky_number"}
+
+
 def fact_answer(country: tuple, attribute: str, lang: str) -> str:
     """Exact answer for one (country, attribute, language)."""
-    _, _, cap_en, cap_zh, colour, number = country
-    if attribute == "capital":
-        return cap_en if lang == "en" else cap_zh
-    if attribute == "colour":
-        return COLOURS_EN[colour] if lang == "en" else COLOURS_ZH[colour]
-    return str(number)
+    return country_fact(country, FIELD_OF[attribute], lang)
 
 
 def country_name(country: tuple, lang: str) -> str:
@@ -235,6 +225,130 @@ def make_eval_sample(rng: random.Random) -> dict:
     return {"conversations": messages, "task": task}
 
 
+
+# ----------------------------------------------------------------------------- tool conversations
+
+TOOL_SYSTEM = ["", "You are a helpful assistant that can use tools.", "你是一个可以使用工具的助手。"]
+CALC_CORES = {
+    "en": ["What is {a} times {b}?", "Multiply {a} by {b}.", "What is {a} plus {b}?", "Compute {a} - {b}.",
+           "Use the calculator for {a} * {b}.", "How much is {a} + {b}?"],
+    "zh": ["{a}乘以{b}等于多少？", "请计算{a}减{b}。", "{a}加{b}是多少？", "用计算器算一下{a} * {b}。"],
+}
+SUM_CORES = {
+    "en": ["What is the lucky number of {x} plus the lucky number of {y}?",
+           "Add the lucky numbers of {x} and {y}.",
+           "What do the lucky numbers of {x} and {y} sum to?",
+           "Lucky number of {x} + lucky number of {y}?"],
+    "zh": ["{x}的幸运数字加上{y}的幸运数字是多少？", "请把{x}和{y}的幸运数字相加。", "{x}和{y}的幸运数字之和是多少？"],
+}
+OPERATORS = {"times": "*", "by": "*", "*": "*", "乘": "*", "plus": "+", "+": "+", "加": "+", "-": "-", "减": "-"}
+
+
+def tool_phrasing(cores: dict, lang: str, split: str, rng: random.Random) -> str:
+    """A (prefix, core) question template of ``split``, as for the plain questions."""
+    want_eval = split == "eval"
+    options = [
+        prefix + core
+        for i, prefix in enumerate(PREFIXES[lang])
+        for j, core in enumerate(cores[lang])
+        if is_eval_phrasing(i, j) == want_eval
+    ]
+    return rng.choice(options)
+
+
+def operator_of(core: str) -> str:
+    for word, symbol in OPERATORS.items():
+        if word in core.replace("{a}", "").replace("{b}", ""):
+            return symbol
+    raise ValueError(core)
+
+
+def call(name: str, **arguments) -> dict:
+    return {"name": name, "arguments": arguments}
+
+
+def thought(rng: random.Random, lang: str, en: str, zh: str) -> dict:
+    """A reasoning trace for a third of the tool-calling turns."""
+    return {"reasoning_content": en if lang == "en" else zh} if rng.random() < 1 / 3 else {}
+
+
+def tool_turns(rng: random.Random, split: str, lang: str) -> list[dict]:
+    """User question, assistant tool call(s), tool result(s), ..., final answer (MiniMind schema)."""
+    kind = rng.choices(["lookup", "calc", "sum", "greeting"], weights=[45, 25, 22, 8])[0]
+    if kind == "greeting":
+        question, answer = rng.choice([g for g in GREETINGS if (g[0].isascii()) == (lang == "en")])
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    steps: list[list[dict]] = []  # the calls of each assistant turn
+    if kind == "lookup":
+        country = rng.choice(COUNTRIES)
+        attribute = rng.choice(["capital", "colour", "number"])
+        name = country_name(country, lang)
+        question = rng.choice(phrasings(attribute, lang, split)).format(x=name)
+        steps.append([call("lookup_country", country=name, field=FIELD_OF[attribute])])
+        reason = thought(rng, lang, f"I need the {FIELD_OF[attribute].replace('_', ' ')} of {name}; I will look it up.",
+                         f"我需要查{name}的信息，调用lookup_country。")
+    elif kind == "calc":
+        core = tool_phrasing(CALC_CORES, lang, split, rng)
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        question = core.format(a=a, b=b)
+        steps.append([call("calculator", expression=f"{a} {operator_of(core)} {b}")])
+        reason = thought(rng, lang, "This needs exact arithmetic, so I will use the calculator.", "这需要精确计算，我来用计算器。")
+    else:
+        first, second = rng.sample(COUNTRIES, 2)
+        x, y = country_name(first, lang), country_name(second, lang)
+        question = tool_phrasing(SUM_CORES, lang, split, rng).format(x=x, y=y)
+        steps.append([call("lookup_country", country=x, field="lucky_number"),
+                      call("lookup_country", country=y, field="lucky_number")])
+        steps.append([call("calculator", expression=f"{first[5]} + {second[5]}")])
+        reason = thought(rng, lang, f"I need both lucky numbers first, then their sum.", "先查两个幸运数字，再求和。")
+    messages = [{"role": "user", "content": question}]
+    result = None
+    for number, calls in enumerate(steps):
+        turn = {"role": "assistant", "content": "", **(reason if number == 0 else {})}
+        turn["tool_calls"] = json.dumps(calls, ensure_ascii=False)
+        messages.append(turn)
+        for one in calls:
+            result = run_tool(one["name"], one["arguments"])
+            messages.append({"role": "tool", "content": result})
+    answer = json.loads(result)
+    messages.append({"role": "assistant", "content": str(answer.get("result", list(answer.values())[-1]))})
+    return messages
+
+
+def make_tool_sample(rng: random.Random, split: str) -> list[dict]:
+    """A conversation with the demo tools on its system message (as MiniMind stores them)."""
+    lang = rng.choice(["en", "en", "zh"])
+    system = {"role": "system", "content": rng.choice(TOOL_SYSTEM), "tools": json.dumps(TOOLS, ensure_ascii=False)}
+    return [system] + tool_turns(rng, split, lang)
+
+
+def add_reasoning(rng: random.Random, row: dict) -> dict:
+    """Give a tenth of the plain answers a short reasoning trace."""
+    messages = row["conversations"]
+    for index, message in enumerate(messages):
+        if message["role"] == "assistant" and rng.random() < 0.1:
+            question = messages[index - 1]["content"]
+            english = question.isascii()
+            message["reasoning_content"] = (
+                f"The user asks: {question} The answer is {message['content']}." if english
+                else f"用户问：{question} 答案是{message['content']}。"
+            )
+    return row
+
+
+def make_tool_eval_sample(rng: random.Random) -> dict:
+    """A held-out tool conversation cut after one of its assistant turns (the reference)."""
+    while True:
+        messages = make_tool_sample(rng, "eval")
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if len(turns) > 1:
+            break
+    task, end = rng.choice(
+        [("tool_call", turns[0]), ("tool_answer", turns[-1])] + ([("tool_call_step2", turns[1])] if len(turns) == 3 else [])
+    )
+    return {"conversations": messages[: end + 1], "task": task}
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     with path.open("w", encoding="utf-8") as f:
         for row in rows:
@@ -246,6 +360,8 @@ def main() -> None:
     parser.add_argument("--out-dir", default="dataset/demo")
     parser.add_argument("--train-size", type=int, default=12000)
     parser.add_argument("--eval-size", type=int, default=300)
+    parser.add_argument("--tool-train-size", type=int, default=2000)
+    parser.add_argument("--tool-eval-size", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 
@@ -254,6 +370,11 @@ def main() -> None:
     train_rng, eval_rng = random.Random(args.seed), random.Random(args.seed + 1)
     train = [make_train_sample(train_rng) for _ in range(args.train_size)]
     evals = [make_eval_sample(eval_rng) for _ in range(args.eval_size)]
+    tool_rng = random.Random(args.seed + 2)
+    train = [add_reasoning(tool_rng, row) for row in train]
+    for _ in range(args.tool_train_size):  # inserted at random places of the plain conversations
+        train.insert(tool_rng.randrange(len(train) + 1), {"conversations": make_tool_sample(tool_rng, "train")})
+    evals += [make_tool_eval_sample(tool_rng) for _ in range(args.tool_eval_size)]
     write_jsonl(out_dir / "sft_train.jsonl", train)
     write_jsonl(out_dir / "sft_eval.jsonl", evals)
     print(f"wrote {len(train)} train and {len(evals)} eval conversations to {out_dir}")

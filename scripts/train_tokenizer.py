@@ -1,15 +1,13 @@
 """Train the byte-level BPE tokenizer with ChatML special tokens and save it for transformers.
 
-The saved directory loads with ``transformers.AutoTokenizer.from_pretrained(dir)`` and carries a
-ChatML chat template::
-
-    <|im_start|>{role}\\n{content}<|im_end|>\\n      (for every message)
-    <|im_start|>assistant\\n                         (with add_generation_prompt=True)
+The saved directory loads with ``transformers.AutoTokenizer.from_pretrained(dir)`` and carries the
+shipped chat template (``model/tokenizer/chat_template.jinja``: ChatML with MiniMind's layout for
+tools, tool calls, tool responses and think blocks).
 
 Special tokens: ``<|endoftext|>`` (id 0, pad/unk), ``<|im_start|>`` (id 1, bos), ``<|im_end|>``
 (id 2, eos). The training text is every message of the given jsonl files plus a deterministic
 extra corpus (numbers, letter pairs, CJK characters) so that vocab_size is reached. Each CJK
-character is pre-tokenized on its own (English words still merge as in GPT-2).
+character and every newline is pre-tokenized on its own (English words still merge as in GPT-2).
 
 Usage: python scripts/train_tokenizer.py [--data dataset/demo/sft_train.jsonl ...]
        [--out-dir model/tokenizer] [--vocab-size 6400]
@@ -19,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -31,28 +32,37 @@ EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
 # Every CJK ideograph is its own pre-token, so Chinese names tokenize the same in any sentence.
 CJK_CHAR = Regex("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]")
+# Every newline is its own token: a generation prompt that ends in "\n\n" (the empty think block)
+# then tokenizes as the same tokens as inside a training text, where "\n\nVelm" follows.
+NEWLINE = Regex("\n")
 
-CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+CHATML_TEMPLATE = (Path(__file__).resolve().parent.parent / "model" / "tokenizer" / "chat_template.jinja").read_text(
+    encoding="utf-8"
 )
 
 
-def iter_jsonl_texts(paths: list[Path]) -> Iterator[str]:
-    """Yield "role\ncontent" for every message of MiniMind / OpenAI style jsonl files.
+def iter_jsonl_texts(paths: list[Path], chat_template: str = CHATML_TEMPLATE) -> Iterator[str]:
+    """Yield every conversation of MiniMind / ShareGPT / OpenAI jsonl files as the chat template
+    renders it (tools block, think blocks and tool calls included), special tokens removed.
 
-    The role names are included so they become single tokens, as in the rendered ChatML text.
+    Trained on the rendered text, the fixed parts of the template (role names, the tools
+    preamble, ``<tool_call>`` tags, JSON punctuation) become few tokens.
     """
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from dataset.formats import parse_line
+
+    template = _compile_jinja_template(chat_template)
     for path in paths:
         with path.open(encoding="utf-8") as f:
             for line in f:
                 if not line.strip():
                     continue
-                row = json.loads(line)
-                for message in row.get("conversations") or row.get("messages") or []:
-                    yield f"{message['role']}\n{message['content']}"
+                conversation = parse_line(line)
+                text = template.render(messages=conversation.messages, tools=conversation.tools)
+                for special in SPECIAL_TOKENS:
+                    text = text.replace(special, "\n")
+                yield text
 
 
 def iter_extra_texts() -> Iterator[str]:
@@ -75,6 +85,7 @@ def build_tokenizer(texts: Iterator[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
+            pre_tokenizers.Split(NEWLINE, behavior="isolated"),
             pre_tokenizers.Split(CJK_CHAR, behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]

@@ -9,9 +9,11 @@ from tests.trainer_launch import REPO
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """96 demo conversations (varied lengths, so batches carry unequal loss-token counts)."""
+    """96 demo conversations (varied lengths, so batches carry unequal loss-token counts), among
+    them tool-calling conversations and reasoning traces (checked here)."""
     folder = tmp_path_factory.mktemp("data")
     lines = open(os.path.join(REPO, "dataset", "demo", "sft_train.jsonl"), encoding="utf-8").readlines()
+    assert sum('"tool_calls"' in line for line in lines[:96]) >= 5 and sum("reasoning_content" in line for line in lines[:96]) >= 5
     (folder / "train.jsonl").write_text("".join(lines[:96]), encoding="utf-8")
     (folder / "eval.jsonl").write_text("".join(lines[-16:]), encoding="utf-8")
     return folder

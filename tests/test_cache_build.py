@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dataset.sources as sources
 import dataset.token_cache as token_cache
 from dataset import DataError, SFTDataset, load_tokenizer
 from tests.trainer_launch import REPO, SCRIPT, TINY, clean_env
@@ -109,7 +110,7 @@ def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path
     name = signal.Signals(signum).name
     assert stderr.strip().splitlines()[-1] == (
         f"stopped: {name} while building the token cache: stopped; run the same command again to build it")
-    assert temporaries(cache_root) == [] and list(cache_root.iterdir()) == []
+    assert temporaries(cache_root) == [] and [p.name for p in cache_root.iterdir()] == [".digests"]
 
 
 @pytest.mark.slow
@@ -187,7 +188,7 @@ def test_ranks_wait_for_a_build_longer_than_the_process_group_timeout(tmp_path):
     assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)  # old code: gloo timeout on rank 1
     assert rank0 == rank1 and len(rank0["input_ids"]) == 12
     assert "rank 1: waiting for local rank 0 to build the token cache" in (out_dir / "stdout1.txt").read_text()
-    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == [".digests"]
 
 
 def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatch, capsys):
@@ -198,3 +199,45 @@ def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatc
     assert [line.split(": ")[1].split(" rows")[0] for line in lines] == ["5/12", "10/12", "12/12"]
     assert all(" rows/s, elapsed " in line and ", ETA " in line for line in lines)
     assert lines[-1].endswith("ETA 0 s")
+
+
+def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashed(tokenizer, tmp_path, monkeypatch):
+    path = write_rows(tmp_path / "k.jsonl", [chat_line(i) for i in range(6)])
+    first = SFTDataset(path, tokenizer, 64, num_proc=1)
+    hashed = []
+    real_digest = token_cache.file_digest
+    monkeypatch.setattr(token_cache, "file_digest", lambda p: hashed.append(p) or real_digest(p))
+    assert SFTDataset(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
+    assert hashed == []  # the old code read the whole file at every start
+    stat = path.stat()
+    changed = path.read_bytes().replace(b"What is 0", b"What is 9", 1)  # same size; mtime restored below
+    path.write_bytes(changed)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = SFTDataset(path, tokenizer, 64, num_proc=1)
+    assert hashed == [path] and second.cache_path != first.cache_path
+    assert token_cache.data_digest(path, path.parent / ".cache") == real_digest(path)
+
+
+# ----------------------------------------------------------------------------- .parquet
+
+
+def test_parquet_file_gives_the_same_cache_as_the_jsonl_file(tokenizer, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 4)
+    lines = [chat_line(i) for i in range(13)]
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), tmp_path / "a.parquet")
+    plain = SFTDataset(write_rows(tmp_path / "a.jsonl", lines), tokenizer, 64, num_proc=1)
+    table = SFTDataset(tmp_path / "a.parquet", tokenizer, 64, num_proc=2)
+    for a, b in zip(cache_arrays(plain), cache_arrays(table)):
+        assert np.array_equal(a, b)
+    rows = [json.loads(line) for line in lines]
+    rows[6]["conversations"][0]["role"] = "robot"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=f"^{tmp_path / 'bad.parquet'}:7: .*unknown role 'robot'"):
+        SFTDataset(tmp_path / "bad.parquet", tokenizer, 64, num_proc=1)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
+        SFTDataset(tmp_path / "junk.parquet", tokenizer, 64, num_proc=1)

@@ -139,3 +139,18 @@ def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(data, tmp_path
     assert f"resuming from {newest}" in finished.stdout
     assert not any(n.endswith(".tmp") for n in os.listdir(folder))  # the killed save's leftover is gone
     assert load_resume_checkpoint(dcp_at(save_dir, step + 1))["step"] == step + 1
+
+
+def test_fsdp_refuses_what_it_cannot_do_with_one_line_errors():
+    from types import SimpleNamespace
+
+    from trainer.distributed import DistContext
+    from trainer.model_setup import ConfigError
+    from trainer.parallelism import Replicated, build_parallelism
+
+    two = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend="gloo")
+    one = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    with pytest.raises(ConfigError, match="--dtype bfloat16"):
+        build_parallelism(SimpleNamespace(fsdp=1), two, torch.float16)
+    # one process has nothing to shard: it trains as without --fsdp
+    assert isinstance(build_parallelism(SimpleNamespace(fsdp=1), one, torch.float32), Replicated)

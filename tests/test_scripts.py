@@ -60,7 +60,7 @@ def trained(tmp_path_factory):
         items.append({"input_ids": ids, "labels": np.where(mask, ids, -100)})
     batch = SFTCollator(pad_token_id=tokenizer.pad_token_id)(items)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(60):
+    for _ in range(100):
         optimizer.zero_grad()
         model(**batch).loss.backward()
         optimizer.step()

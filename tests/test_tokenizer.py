@@ -24,7 +24,7 @@ def test_shipped_tokenizer_vocab_and_special_tokens(tokenizer):
     assert tokenizer.is_fast
 
 
-def test_chat_template_renders_chatml(tokenizer):
+def test_chat_template_renders_chatml_with_minimind_layout(tokenizer):
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the capital of Zorlia?"},
@@ -32,15 +32,46 @@ def test_chat_template_renders_chatml(tokenizer):
         {"role": "user", "content": "佐利亚的幸运数字是多少？"},
     ]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == (
+    history = (
         "<|im_start|>system\nBe brief.<|im_end|>\n"
         "<|im_start|>user\nWhat is the capital of Zorlia?<|im_end|>\n"
-        "<|im_start|>assistant\nVelm<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nVelm<|im_end|>\n"
         "<|im_start|>user\n佐利亚的幸运数字是多少？<|im_end|>\n"
-        "<|im_start|>assistant\n"
     )
+    assert text == history + "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # thinking off by default
+    for flag in ("open_thinking", "enable_thinking"):
+        opened = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **{flag: True})
+        assert opened == history + "<|im_start|>assistant\n<think>\n"
     without_prompt = tokenizer.apply_chat_template(messages[:3], tokenize=False)
-    assert without_prompt.endswith("<|im_start|>assistant\nVelm<|im_end|>\n")
+    assert without_prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nVelm<|im_end|>\n")
+
+
+def test_chat_template_renders_tools_calls_responses_and_reasoning(tokenizer):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "Let me add.", "reasoning_content": "\nUse the tool.\n",
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
+                        {"name": "add", "arguments": '{"a": 0, "b": 0}'}]},
+        {"role": "tool", "content": "5"},
+        {"role": "tool", "content": "0"},
+        {"role": "assistant", "content": "<think>\nDone.\n</think>\n\n5"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert text == (
+        "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n2+3?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\nLet me add.\n"
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 0, "b": 0}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n0\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nDone.\n</think>\n\n5<|im_end|>\n"
+    )
 
 
 def test_roundtrip_and_special_tokens_are_single_ids(tokenizer):

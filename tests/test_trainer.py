@@ -75,13 +75,20 @@ def test_other_launch_styles_train_the_same_as_one_process(data, tmp_path, style
 
 
 def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):
+    # Autocast is proven by the dtype of the matmul outputs inside the training step, not by the
+    # losses differing (on a CPU without native bf16 they can coincide). 2 tiny steps: bf16 is
+    # emulated, many times slower, on AVX2-only CPUs.
     for dtype in ("bfloat16", "float32"):
-        run_trainer(flags(data, tmp_path / dtype, "--batch_size", "4", "--max_steps", "3", "--dtype", dtype))
+        run_trainer(flags(data, tmp_path / dtype, "--batch_size", "4", "--max_steps", "2", "--dtype", dtype),
+                    script=os.path.join(REPO, "tests", "record_dtypes.py"),
+                    env=clean_env(MINISFT_DTYPE_REPORT=str(tmp_path / f"{dtype}.json")))
+    assert json.load(open(tmp_path / "bfloat16.json")) == ["torch.bfloat16"]
+    assert json.load(open(tmp_path / "float32.json")) == ["torch.float32"]
     weights = final_weights(tmp_path / "bfloat16")
     assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())  # fp32 master
     bf16, fp32 = train_losses(tmp_path / "bfloat16"), train_losses(tmp_path / "float32")
-    for step in (1, 2, 3):  # the same training, computed in bf16: close to fp32 but not equal
-        assert 0 < abs(bf16[step] - fp32[step]) < 0.02 * fp32[step]
+    for step in (1, 2):  # the same training, computed in bf16: close to fp32
+        assert abs(bf16[step] - fp32[step]) < 0.02 * fp32[step]
     result = run_trainer(flags(data, tmp_path / "fp16", "--max_steps", "1", "--dtype", "float16"), check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"
@@ -137,8 +144,10 @@ def test_two_torchrun_agents_as_two_nodes_train_together(data, tmp_path):
 
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
+    # With MiniMind's augmentations on: they are drawn per (seed, epoch, sample), also in workers.
     common = ["--batch_size", "4", "--max_steps", "7", "--dropout", "0.1", "--num_workers", workers,
-              "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2"]
+              "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2",
+              "--system_prompt_ratio", "0.5", "--drop_empty_think_ratio", "0.5"]
     run_trainer(flags(data, tmp_path / "full", *common, "--save_interval", "3"))
     # The state a crash after step 3 leaves behind is the step-3 checkpoint: continue from it.
     resumed = run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",

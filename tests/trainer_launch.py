@@ -13,7 +13,7 @@ SCRIPT = os.path.join(REPO, "train_full_sft.py")
 # A ~30k-parameter model: every run below takes seconds on 2 CPU cores.
 TINY = [
     "--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
-    "--num_key_value_heads", "2", "--max_seq_len", "128", "--dtype", "float32", "--log_interval", "1",
+    "--num_key_value_heads", "2", "--max_seq_len", "512", "--dtype", "float32", "--log_interval", "1",
     "--learning_rate", "3e-3", "--warmup_steps", "10",
 ]
 

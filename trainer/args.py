@@ -8,7 +8,9 @@ Relative paths are relative to the current directory; the defaults point into th
 
 import argparse
 import copy
+import math
 import os
+import re
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAIN_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_train.jsonl")
@@ -26,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="process-group backend; auto = nccl with CUDA, else gloo")
     dist.add_argument("--dist_timeout", type=float, default=600.0,
                       help="seconds a collective (or a missing peer) may block before the run fails")
-    dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (under torchrun: cuda:LOCAL_RANK)")
+    dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto/cuda: the one visible GPU, else cuda:LOCAL_RANK)")
     dist.add_argument("--world_size", type=int, default=1,
                       help="start this many local workers yourself (for machines without torchrun)")
     dist.add_argument("--fsdp", type=int, choices=(0, 1), default=0,
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = parser.add_argument_group("4. data")
     data.add_argument("--data_path", "--train_data_path", default=DEFAULT_TRAIN_DATA,
-                      help="training jsonl or .jsonl.gz (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
+                      help="training .jsonl, .jsonl.gz or .parquet (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
     data.add_argument("--eval_data_path", "--valid_data_path", default=None,
                       help="held-out jsonl file(s), comma-separated (each reported on its own); evaluated every "
                            "--eval_interval steps and at the end")
@@ -71,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--num_workers", type=int, default=None,
                       help="DataLoader workers; default on CUDA: up to 4 per process, from the spare cores; on CPU 0")
     data.add_argument("--cache_dir", default=None, help="where the tokenized cache lives; default next to the data")
+    data.add_argument("--system_prompt_ratio", type=float, default=0.0,
+                      help="augmentation: this fraction of the samples without a system prompt get a random one, "
+                           "drawn per (seed, epoch, sample) (MiniMind: 0.2)")
+    data.add_argument("--drop_empty_think_ratio", type=float, default=0.0,
+                      help="augmentation: in this fraction of the samples the empty <think> blocks are removed, "
+                           "drawn per (seed, epoch, sample) (MiniMind: 0.8)")
 
     mdl = parser.add_argument_group("5. model weights")
     mdl.add_argument("--from_weight", default="none",
@@ -138,6 +146,71 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The range of every numeric flag, checked at start: (flag, lowest, highest, lowest allowed itself).
+# None = unbounded on that side. Non-finite values (inf, nan) are refused for every float flag.
+# Add a row here with every new numeric flag.
+RANGES = (
+    ("dist_timeout", 0, None, False),
+    ("world_size", 1, None, True),
+    ("local_rank", 0, None, True),
+    ("seed", 0, 2**32 - 1, True),
+    ("hidden_size", 1, None, True),
+    ("num_hidden_layers", 1, None, True),
+    ("num_attention_heads", 1, None, True),
+    ("num_key_value_heads", 1, None, True),
+    ("num_experts", 1, None, True),
+    ("num_experts_per_tok", 1, None, True),
+    ("dropout", 0, 1, True),
+    ("aux_loss_coef", 0, None, True),
+    ("rms_norm_eps", 0, None, False),
+    ("max_seq_len", 2, None, True),
+    ("num_workers", 0, None, True),
+    ("epochs", 1, None, True),
+    ("max_steps", 0, None, True),
+    ("batch_size", 1, None, True),
+    ("accumulation_steps", 1, None, True),
+    ("learning_rate", 0, None, False),
+    ("min_lr_ratio", 0, 1, True),
+    ("warmup_steps", 0, None, True),
+    ("weight_decay", 0, None, True),
+    ("grad_clip", 0, None, True),
+    ("max_bad_steps", 1, None, True),
+    ("eval_interval", 0, None, True),
+    ("eval_generate_samples", 0, None, True),
+    ("eval_max_new_tokens", 1, None, True),
+    ("early_stop_patience", 0, None, True),
+    ("save_interval", 0, None, True),
+    ("keep_last", 1, None, True),
+    ("log_interval", 1, None, True),
+)
+DEVICE_HELP = "use auto, cpu, cuda or cuda:N"
+
+
+def range_problems(args: argparse.Namespace) -> list[str]:
+    """One message per numeric flag outside its range (flags absent from `args` are skipped)."""
+    problems = []
+    for name, low, high, low_allowed in RANGES:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"--{name} must be a finite number (got {value})")
+        elif low is not None and (value < low or (value == low and not low_allowed)):
+            problems.append(f"--{name} must be {'>=' if low_allowed else '>'} {low} (got {value})")
+        elif high is not None and value > high:
+            problems.append(f"--{name} must be <= {high} (got {value})")
+    return problems
+
+
+def device_problem(device: str) -> str | None:
+    """`--device` must name a device this trainer runs on; mps, xla, gpu, ... are refused here."""
+    if device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device):
+        return None
+    if device in ("gpu", "gpu:0") or re.fullmatch(r"gpu:\d+", device):
+        return f"--device {device}: unknown device; for an NVIDIA GPU use cuda or cuda:N"
+    return f"--device {device}: not supported ({DEVICE_HELP})"
+
+
 def explicit_flags(parser: argparse.ArgumentParser, argv=None) -> tuple[str, ...]:
     """The destinations of the flags given on the command line (not left at their default)."""
     probe = argparse.ArgumentParser(add_help=False, allow_abbrev=parser.allow_abbrev)
@@ -148,28 +221,38 @@ def explicit_flags(parser: argparse.ArgumentParser, argv=None) -> tuple[str, ...
     return tuple(sorted(vars(given)))
 
 
+PATH_FLAGS = ("data_path", "eval_data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir", "from_weight")
+
+
+def names_a_user_path(error: OSError, args: argparse.Namespace) -> bool:
+    """Whether `error` is about a path the user named (or one inside a folder the user named):
+    then it is the user's to fix (permissions, a full disk, a file where a folder belongs).
+    Other OSErrors are bugs of ours and keep their traceback."""
+    if not error.filename or not isinstance(error.filename, (str, bytes, os.PathLike)):
+        return False
+    path = os.path.abspath(os.fsdecode(error.filename))
+    for name in PATH_FLAGS:
+        for given in str(getattr(args, name, None) or "").split(","):
+            if given and given != "none":
+                given = os.path.abspath(given)
+                if name in ("data_path", "eval_data_path") and not args.cache_dir:
+                    given = os.path.dirname(given)  # the token cache is written next to the data by default
+                if path == given or path.startswith(given.rstrip(os.sep) + os.sep) or given.startswith(path + os.sep):
+                    return True
+    return False
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Which flags the user set: an architecture flag that contradicts --from_weight is refused.
     args.explicit_flags = explicit_flags(parser, argv)
-    problems = []
-    for name in ("batch_size", "accumulation_steps", "max_seq_len", "epochs", "log_interval", "world_size",
-                 "keep_last", "max_bad_steps"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name} must be >= 1 (got {getattr(args, name)})")
-    for name in ("max_steps", "save_interval", "eval_interval", "eval_generate_samples", "early_stop_patience"):
-        if getattr(args, name) < 0:
-            problems.append(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    problems = range_problems(args)
+    if device_problem(args.device):
+        problems.append(device_problem(args.device))
     if args.fsdp and args.eval_generate_samples:
         problems.append("--eval_generate_samples needs whole weights on every process, not --fsdp 1: evaluate "
                         "the answers of SAVE_DIR/best/ or model/ with scripts/eval_sft.py instead")
-    if args.eval_max_new_tokens < 1:
-        problems.append(f"--eval_max_new_tokens must be >= 1 (got {args.eval_max_new_tokens})")
-    if args.learning_rate <= 0:
-        problems.append(f"--learning_rate must be > 0 (got {args.learning_rate})")
-    if args.dist_timeout <= 0:
-        problems.append(f"--dist_timeout must be > 0 (got {args.dist_timeout})")
     if args.from_resume and args.resume_from:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
     if problems:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader
 
-from dataset import PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
+from dataset import ChatAugmenter, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
 from trainer.evaluation import EvalSet, eval_set_names, generation_examples
 from trainer.sample_stream import epoch_grouping
 
@@ -42,13 +42,16 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def build_dataset(path, args, tokenizer):
-    dataset = SFTDataset(path, tokenizer, args.max_seq_len, bad_data=args.bad_data, cache_dir=args.cache_dir)
+def build_dataset(path, args, tokenizer, augmenter=None):
+    dataset = SFTDataset(path, tokenizer, args.max_seq_len, bad_data=args.bad_data, cache_dir=args.cache_dir,
+                         augmenter=augmenter)
     return PackedSFTDataset(dataset, args.max_seq_len) if args.packing else dataset
 
 
 def build_train_data(args, tokenizer, ctx) -> TrainData:
-    dataset = build_dataset(args.data_path, args, tokenizer)
+    # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
+    augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
+    dataset = build_dataset(args.data_path, args, tokenizer, augmenter)
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order

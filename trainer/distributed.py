@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from trainer.preemption import forward_to
+
 
 class DistributedError(RuntimeError):
     """A distributed-setup problem with a one-line explanation."""
@@ -73,21 +75,38 @@ def slurm_master_addr() -> str:
 
 
 def pick_device(args, local_rank: int) -> torch.device:
+    """The device of this process. `--device` is already checked (auto | cpu | cuda | cuda:N)."""
     if args.device not in ("auto", "cuda"):
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise DistributedError(f"--device {args.device} asked for, but CUDA is not available")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            raise DistributedError(f"--device {args.device}: only {torch.cuda.device_count()} GPU(s) visible "
+                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         return device
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise DistributedError(
-                f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} visible "
-                "(check --nproc_per_node and CUDA_VISIBLE_DEVICES)"
-            )
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", visible_gpu_for(local_rank))
     if args.device == "cuda":
         raise DistributedError("--device cuda asked for, but CUDA is not available")
     return torch.device("cpu")
+
+
+def visible_gpu_for(local_rank: int) -> int:
+    """The GPU index of local rank `local_rank`, from what this process can see.
+
+    One visible GPU: it is this process's (`srun --gpus-per-task 1`, or a scheduler that masks
+    devices per task). Several: one per local rank, `cuda:local_rank`.
+    """
+    visible = torch.cuda.device_count()
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise DistributedError(
+            f"local rank {local_rank} has no GPU: this process sees {visible} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {visible} "
+            "processes per node (--nproc_per_node, --ntasks-per-node), or give each task one GPU (--gpus-per-task 1)"
+        )
+    return local_rank
 
 
 def init_distributed(args) -> DistContext:
@@ -150,8 +169,15 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(error).__name__
 
 
-# What gloo / NCCL put in the plain RuntimeError they raise when a peer dies or times out.
-PEER_FAILURE_MARKERS = ("gloo", "NCCL", "Connection reset by peer", "Connection closed by peer", "Timed out")
+# What the transports put in the plain RuntimeError they raise when a peer dies, closes its
+# connection or hangs past --dist_timeout. Specific phrases only: a bare "gloo" or "NCCL" also
+# appears in errors that are bugs in our own code (wrong device, wrong dtype, invalid usage),
+# and those must keep their traceback.
+PEER_FAILURE_MARKERS = (
+    "Connection reset by peer", "Connection closed by peer", "Connection refused", "Broken pipe",
+    "Timed out waiting", "timed out after", "Watchdog caught collective operation timeout",
+    "NCCL communicator was aborted", "ncclRemoteError", "ncclSystemError",
+)
 
 
 def is_peer_failure(error: BaseException) -> bool:
@@ -160,11 +186,11 @@ def is_peer_failure(error: BaseException) -> bool:
     gloo raises a plain RuntimeError for that (e.g. "[.../gloo/transport/tcp/pair.cc:537] Read error
     ...: Connection reset by peer"), not a torch.distributed.DistError.
     """
-    if isinstance(error, dist.DistError):
-        return True
-    if not (isinstance(error, RuntimeError) and dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
         return False
-    return any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return isinstance(error, RuntimeError) and any(marker in str(error) for marker in PEER_FAILURE_MARKERS)
 
 
 def peer_failure_message(error: BaseException) -> str:
@@ -235,11 +261,17 @@ def _spawned_worker(local_rank: int, world_size: int, port: int, entry, argv) ->
 
 
 def spawn_local_workers(entry, argv, world_size: int) -> int:
-    """Seed 004's "method C": run `entry(argv)` in `world_size` local processes; return an exit code."""
+    """Seed 004's "method C": run `entry(argv)` in `world_size` local processes; return an exit code.
+
+    SIGTERM or SIGINT to this launcher (its pid or its process group) is passed on to the
+    workers as SIGTERM: they stop at the next step boundary, save, and exit 0, and so does this."""
     port = free_port()
     try:
-        mp.start_processes(_spawned_worker, args=(world_size, port, entry, argv), nprocs=world_size,
-                           join=True, start_method="spawn")
+        context = mp.start_processes(_spawned_worker, args=(world_size, port, entry, argv), nprocs=world_size,
+                                     join=False, start_method="spawn")
+        forward_to([process.pid for process in context.processes])
+        while not context.join():
+            pass
     except mp.ProcessExitedException as error:
         return error.exit_code if error.exit_code and error.exit_code > 0 else 1
     except mp.ProcessRaisedException as error:

@@ -26,7 +26,7 @@ from trainer.distributed import all_gather_objects, all_reduce_sum, barrier, bro
 from trainer.evaluation import evaluate
 from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
 from trainer.model_selection import BEST_DIR, BEST_FILE, best_record, update_selection
-from trainer.model_setup import autocast, unwrap
+from trainer.model_setup import autocast, scaler_state_for_resume, unwrap
 from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
 from trainer.weights_io import save_minimind_copy
 
@@ -124,7 +124,7 @@ def restore(run: Run, saved: dict) -> None:
     except (RuntimeError, ValueError, KeyError) as error:
         raise checkpoint.CheckpointError(f"resume checkpoint does not fit this run: {str(error).splitlines()[0]}") from error
     if saved.get("scaler") and run.scaler.is_enabled():
-        run.scaler.load_state_dict(saved["scaler"])
+        run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
     run.state = TrainState(
         step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
         skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
@@ -298,6 +298,24 @@ def track_bad_steps(run: Run, finite: bool) -> None:
         )
 
 
+@torch.no_grad()
+def check_weights_finite(run: Run) -> None:
+    """After an applied update: stop before a non-finite weight can reach any file (the checkpoints
+    already on disk stay the last good ones). A finite gradient norm alone does not prove it: a
+    huge learning rate turns finite gradients into inf/NaN weights."""
+    params = list(run.raw_model.parameters())
+    sharded = any(hasattr(p, "to_local") for p in params)  # --fsdp 1: each rank checks its shards
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    bad = (~torch.isfinite(torch.stack(torch._foreach_norm(local, float("inf"))).max())).float()
+    if sharded:
+        all_reduce_sum(bad)  # every rank takes the same decision
+    if bool(bad):
+        raise TrainingError(
+            f"step {run.state.step} made the weights non-finite (--learning_rate {run.args.learning_rate:g} or --weight_decay {run.args.weight_decay:g} too large?); "
+            f"stopped without saving them. The checkpoints in {run.args.save_dir} are the last good weights"
+        )
+
+
 def save_best(run: Run) -> None:
     """Rank 0 writes `<save_dir>/best/` (inference weights + best.json); a failed write stops every rank."""
     state, args = run.state, run.args
@@ -358,6 +376,7 @@ def train(run: Run) -> str:
         sampler = run.data.sampler
         sampler.set_epoch(state.epoch)
         sampler.set_start_index(state.samples_in_epoch)
+        run.data.dataset.set_epoch(state.epoch)  # the epoch the augmentations are drawn for
         batches = iter(run.data.loader)
         while state.step < total_steps:
             micro_batches = list(itertools.islice(batches, args.accumulation_steps))
@@ -378,6 +397,8 @@ def train(run: Run) -> str:
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
             track_bad_steps(run, finite)
             if finite:
+                check_weights_finite(run)
+            if finite:
                 interval["loss"] += loss
                 interval["steps"] += 1
             interval["tokens"] += totals.real_tokens
@@ -396,7 +417,7 @@ def train(run: Run) -> str:
         if status != "finished":
             break
     if status == "preempted":
-        logger.print(f"SIGTERM received: stopping at step {state.step} and saving a resume checkpoint")
+        logger.print(f"{run.preemption.reason or 'a stop signal (on another rank)'} received: stopping at step {state.step} and saving a resume checkpoint")
     elif run.eval_sets and last_eval != state.step:
         evaluate_and_select(run)
     if last_saved != state.step or status == "preempted" or state.step == 0:

@@ -1,23 +1,62 @@
-"""SIGTERM (what schedulers send before preemption) becomes a flag the loop reads between steps:
-every rank then stops at the same step boundary, rank 0 writes a resume checkpoint, and the
-process exits 0."""
+"""SIGTERM (what schedulers send before preemption) and Ctrl-C (SIGINT) become a flag the loop
+reads between steps: every rank then stops at the same step boundary, rank 0 writes a resume
+checkpoint, and the process exits 0.
 
+The handlers are installed first thing in `main()` and stay for the whole life of the process:
+a SIGTERM before training (the run stops at its first step boundary, saving) or after it (during
+the final save and shutdown, when nothing is left to lose) still ends with exit 0, not 143.
+A second SIGINT means "stop now": one line, exit 130, no checkpoint of the unfinished step.
+"""
+
+import os
 import signal
+import sys
+
+EXIT_INTERRUPTED = 130  # the shell's code for "ended by SIGINT"
 
 
 class PreemptionFlag:
     def __init__(self):
         self.requested = False
-        self._previous = None
+        self.reason = None  # "SIGTERM" or "SIGINT" once requested
+        self._previous = {}
 
     def install(self) -> "PreemptionFlag":
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.reason == "SIGINT":
+            say("error: interrupted again (Ctrl-C): stopped now, without saving the steps since the last checkpoint")
+            os._exit(EXIT_INTERRUPTED)
         self.requested = True
+        self.reason = self.reason or signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            say("Ctrl-C: stopping at the next step boundary and saving (press Ctrl-C again to stop now)")
 
     def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+
+def say(line: str) -> None:
+    """One line on stderr from a signal handler (os.write: print could re-enter a half-done print)."""
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
+
+
+def forward_to(pids) -> None:
+    """In a launcher process: pass SIGTERM and SIGINT on to `pids` (as SIGTERM, which every
+    worker treats as "save and stop"; a Ctrl-C reaches the workers of the terminal's process
+    group by itself, so forwarding it as SIGINT would count twice)."""
+
+    def forward(signum, frame) -> None:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)

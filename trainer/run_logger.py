@@ -6,10 +6,35 @@ logging adds no host synchronisation beyond the one per log interval done by the
 """
 
 import json
+import netrc
 import os
 import secrets
 import sys
 import time
+from urllib.parse import urlparse
+
+WANDB_MODES_WITHOUT_LOGIN = ("offline", "dryrun", "disabled")
+
+
+class LoggingError(RuntimeError):
+    """metrics.jsonl cannot be written, or wandb cannot start: one line for the user."""
+
+
+def check_wandb_login(args) -> None:
+    """With `--use_wandb 1` online: refuse at start, without touching the network, when wandb
+    has no credentials (it would otherwise fail with a long traceback, or prompt and hang)."""
+    if not args.use_wandb or os.environ.get("WANDB_MODE", "").lower() in WANDB_MODES_WITHOUT_LOGIN:
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    netrc_path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if netrc.netrc(netrc_path).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise LoggingError(f"--use_wandb 1: not logged in to wandb ({host}): run `wandb login` or set WANDB_MODE=offline")
 
 
 # Shown on the eval progress line: (metrics key, label, format).
@@ -54,10 +79,15 @@ class RunLogger:
         import wandb
 
         run_id = self.wandb_run_id or secrets.token_hex(4)  # kept in every checkpoint, reused on resume
-        self.wandb = wandb.init(
-            project=args.wandb_project, name=args.wandb_run_name, id=run_id, resume="allow",
-            config=vars(args), dir=args.save_dir,
-        )
+        try:
+            self.wandb = wandb.init(
+                project=args.wandb_project, name=args.wandb_run_name, id=run_id, resume="allow",
+                config=vars(args), dir=args.save_dir,
+            )
+        except wandb.errors.Error as error:  # no network, bad key, unknown project...: the user's to fix
+            detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise LoggingError(f"--use_wandb 1: wandb could not start ({detail}); set WANDB_MODE=offline "
+                               "to log locally and `wandb sync` later") from error
         self.wandb_run_id = run_id
 
     def log_train(self, step: int, total_steps: int, epoch: int, epochs: int, figures: dict, eta_s: float) -> None:
@@ -105,8 +135,11 @@ class RunLogger:
 
     def _record(self, row: dict) -> None:
         row = {**row, "run_id": self.run_id, "time": time.time()}
-        with open(self.metrics_path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")
+        try:
+            with open(self.metrics_path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
+        except OSError as error:
+            raise LoggingError(f"could not write {self.metrics_path}: {error.strerror or error}") from error
         if self.wandb is not None:
             figures = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
             self.wandb.log(figures, step=row["step"])  # numbers only (not kind, best_metric)
@@ -127,9 +160,17 @@ class RunLogger:
         else:
             print(message, flush=True)
 
-    def finish(self) -> None:
+    def finish(self, exit_code: int = 0) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)
+            self.wandb = None
         sys.stdout.flush()
+
+    def __enter__(self) -> "RunLogger":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.finish(exit_code=0 if kind is None else 1)

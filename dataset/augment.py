@@ -1,0 +1,120 @@
+"""MiniMind's two SFT augmentations, opt-in and deterministic, applied to cached samples.
+
+* ``system_prompt_ratio``: that fraction of the samples without a system prompt (and without
+  tools) gets one of ``SYSTEM_PROMPTS`` in front (MiniMind: 0.2);
+* ``drop_empty_think_ratio``: in that fraction of the samples every empty think block
+  (``<think>\\n\\n</think>\\n\\n``) of the assistant turns is removed (MiniMind removes them in 80%),
+  so the model learns to answer both with and without it.
+
+Both act on the token ids of the cache, at ``__getitem__`` time, drawn from a generator seeded by
+``(seed, epoch, sample index)``: the cache does not depend on them, an epoch sees other draws
+than the one before, and a resumed run (or one with another world size) draws exactly what the
+uninterrupted run drew. They equal the tokenization of the augmented text because the shipped
+tokenizer pre-tokenizes every newline on its own: the prefix ends in a newline and the think
+block starts after and ends with one (checked against the template when the augmenter is built).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import Conversation, DataError
+from .rendering import render, tokenize_rendered
+
+SYSTEM_PROMPTS = [
+    "你是一个知识丰富的AI，尽力为用户提供准确的信息。",
+    "你是minimind，一个小巧但有用的语言模型。",
+    "你是一个专业的AI助手，请提供有价值的回答。",
+    "你是一个可靠的AI，请给出准确的回答。",
+    "You are a helpful AI assistant.",
+    "You are minimind, a lightweight intelligent assistant.",
+    "You are a friendly chatbot. Please answer the user's questions carefully.",
+    "You are a knowledgeable AI. Try your best to provide accurate information.",
+]
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def _ids(tokenizer, messages: list[dict]) -> list[int]:
+    conversation = Conversation(messages)
+    return tokenize_rendered(tokenizer, conversation, render(tokenizer, conversation))[0]
+
+
+class ChatAugmenter:
+    """Draws and applies the augmentations to ``(input_ids, loss_mask)`` of one cached sample."""
+
+    def __init__(self, tokenizer, seed: int, system_prompt_ratio: float = 0.0, drop_empty_think_ratio: float = 0.0):
+        for name, ratio in (("system_prompt_ratio", system_prompt_ratio), ("drop_empty_think_ratio", drop_empty_think_ratio)):
+            if not 0.0 <= ratio <= 1.0:
+                raise DataError(f"--{name} must be in [0, 1], got {ratio}")
+        self.seed = seed
+        self.system_prompt_ratio = system_prompt_ratio
+        self.drop_empty_think_ratio = drop_empty_think_ratio
+        plain = _ids(tokenizer, PROBE)
+        self.prefixes = []
+        for prompt in SYSTEM_PROMPTS if system_prompt_ratio else []:
+            with_system = _ids(tokenizer, [{"role": "system", "content": prompt}] + PROBE)
+            if with_system[len(with_system) - len(plain):] != plain:
+                raise DataError("--system_prompt_ratio: the chat template does not render a system prompt as a prefix")
+            self.prefixes.append(np.asarray(with_system[: len(with_system) - len(plain)], dtype=np.int64))
+        # A sample that starts like a system prefix already has a system prompt (or a tools block).
+        self.system_head = self.prefixes[0][: _common_prefix(self.prefixes)] if self.prefixes else None
+        self.empty_think = np.asarray(tokenizer(EMPTY_THINK, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        if drop_empty_think_ratio:
+            text = render(tokenizer, Conversation(PROBE))
+            dropped = self._drop(np.asarray(plain, dtype=np.int64), np.ones(len(plain), dtype=bool))[0]
+            expected = tokenizer(text.replace(EMPTY_THINK, ""), add_special_tokens=False)["input_ids"]
+            if EMPTY_THINK not in text or dropped.tolist() != expected:
+                raise DataError("--drop_empty_think_ratio: the chat template and tokenizer give no separable empty think block")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.system_prompt_ratio or self.drop_empty_think_ratio)
+
+    def max_added(self) -> int:
+        """The most tokens an augmentation adds to a sample."""
+        return max((len(p) for p in self.prefixes), default=0)
+
+    def draw(self, epoch: int, index: int) -> tuple[int | None, bool]:
+        """(system prompt number or None, drop empty think blocks) for this sample in this epoch."""
+        rng = np.random.default_rng([self.seed, epoch, index])
+        system_u, think_u, choice = rng.random(), rng.random(), int(rng.integers(len(SYSTEM_PROMPTS)))
+        prompt = choice if self.prefixes and system_u < self.system_prompt_ratio else None
+        return prompt, think_u < self.drop_empty_think_ratio
+
+    def apply(self, ids: np.ndarray, mask: np.ndarray, epoch: int, index: int, room: int) -> tuple[np.ndarray, np.ndarray]:
+        """The augmented sample; a system prompt is added only if it fits in ``room`` more tokens."""
+        prompt, drop = self.draw(epoch, index)
+        if drop:
+            ids, mask = self._drop(ids, mask)
+        if prompt is not None and not self._has_system(ids) and len(self.prefixes[prompt]) <= room:
+            prefix = self.prefixes[prompt]
+            ids = np.concatenate([prefix, ids])
+            mask = np.concatenate([np.zeros(len(prefix), dtype=bool), mask])
+        return ids, mask
+
+    def _has_system(self, ids: np.ndarray) -> bool:
+        head = self.system_head
+        return len(ids) >= len(head) and np.array_equal(ids[: len(head)], head)
+
+    def _drop(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        block = self.empty_think
+        if len(ids) < len(block):
+            return ids, mask
+        windows = np.lib.stride_tricks.sliding_window_view(ids, len(block))
+        starts = np.flatnonzero((windows == block).all(axis=1) & mask[: len(windows)])
+        keep = np.ones(len(ids), dtype=bool)
+        last_end = -1
+        for start in starts.tolist():
+            if start >= last_end:
+                keep[start : start + len(block)] = False
+                last_end = start + len(block)
+        return ids[keep], mask[keep]
+
+
+def _common_prefix(arrays: list[np.ndarray]) -> int:
+    """Length of the token prefix all arrays share (the system header of a system prefix)."""
+    n = 0
+    while all(len(a) > n for a in arrays) and len({int(a[n]) for a in arrays}) == 1:
+        n += 1
+    return n

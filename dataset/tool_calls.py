@@ -1,0 +1,89 @@
+"""Read tool calls out of generated assistant text, and compare them with reference calls.
+
+The shipped chat template (MiniMind's layout) renders an assistant turn as::
+
+    <think>\\n{reasoning}\\n</think>\\n\\n{reply}\\n<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>...
+
+``parse_reply`` splits generated text (what follows the generation prompt, which may already hold
+the opening ``<think>``) into reasoning, reply and calls. A call is right when its name is equal
+and its arguments are JSON-equal to the reference (``calls_match``; the order of parallel calls
+does not matter). Used by ``scripts/eval_sft.py`` and ``scripts/chat.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from .formats import THINK_CLOSE, THINK_OPEN
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+@dataclass
+class Reply:
+    reasoning: str
+    content: str
+    calls: list[dict] = field(default_factory=list)  # {"name": str, "arguments": dict}
+    bad_calls: list[str] = field(default_factory=list)  # call blocks that are not a JSON {name, arguments}
+
+
+def parse_call(block: str) -> dict | None:
+    """``{"name", "arguments"}`` from the JSON inside one ``<tool_call>`` block, or ``None``."""
+    try:
+        value = json.loads(block)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"name": value["name"], "arguments": arguments}
+
+
+def parse_reply(text: str) -> Reply:
+    """Split generated assistant text into reasoning, reply text and tool calls."""
+    reasoning = ""
+    if THINK_CLOSE in text:
+        head, _, text = text.partition(THINK_CLOSE)
+        reasoning = head.split(THINK_OPEN)[-1].strip("\n")
+    elif text.lstrip().startswith(THINK_OPEN):  # an unclosed think block: all reasoning
+        return Reply(text.lstrip()[len(THINK_OPEN):].strip("\n"), "")
+    reply = Reply(reasoning, "")
+    first = text.find("<tool_call>")
+    reply.content = (text if first < 0 else text[:first]).strip()
+    if first >= 0:
+        for block in TOOL_CALL_RE.findall(text[first:]):
+            call = parse_call(block)
+            if call is None:
+                reply.bad_calls.append(block)
+            else:
+                reply.calls.append(call)
+    return reply
+
+
+def reference_calls(message: dict) -> list[dict]:
+    """The calls of a normalized assistant message (``dataset.formats``) as ``{"name", "arguments"}``."""
+    return [
+        {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+        for call in message.get("tool_calls") or []
+    ]
+
+
+def calls_match(predicted: list[dict], reference: list[dict]) -> bool:
+    """Same calls (name equal, arguments equal as JSON values: ``1 == 1.0``), in any order."""
+    if len(predicted) != len(reference):
+        return False
+    unmatched = list(reference)
+    for call in predicted:
+        if call not in unmatched:
+            return False
+        unmatched.remove(call)
+    return True
