@@ -129,16 +129,16 @@ def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, m
 
 def score(answers: list[str], examples: list[Example]) -> dict:
     """Exact match over the reply references, tool-call accuracy over the tool-call references."""
-    from dataset.tool_calls import calls_match, parse_reply
+    from trainer.evaluation import answer_is_right  # the same judgement as the trainer's evaluation
 
     correct = calls_correct = num_calls = 0
     for answer, example in zip(answers, examples):
-        reply = parse_reply(answer)
+        right = answer_is_right(answer, example.reference, example.reference_calls)
         if example.reference_calls:
             num_calls += 1
-            calls_correct += calls_match(reply.calls, example.reference_calls) and not reply.bad_calls
+            calls_correct += right
         else:
-            correct += reply.content == example.reference.strip() and not (reply.calls or reply.bad_calls)
+            correct += right
     num_replies = len(examples) - num_calls
     return {
         "exact_match": correct / num_replies if num_replies else float("nan"),
