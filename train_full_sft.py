@@ -21,6 +21,12 @@ See README.md for multi-node, SLURM and elastic launches.
 import os
 import sys
 
+from trainer.preemption import PreemptionFlag
+
+# Run as a script, SIGTERM and Ctrl-C are handled from here on, before the slow imports below:
+# a scheduler's SIGTERM during start-up also ends in a clean stop (exit 0), not in exit 143.
+EARLY_PREEMPTION = PreemptionFlag().install() if __name__ == "__main__" else None
+
 import torch
 
 from dataset import BuildInterrupted, DataError
@@ -42,7 +48,6 @@ from trainer.model_setup import (
     read_initial_weights, resolve_dtype,
 )
 from trainer.parallelism import build_parallelism
-from trainer.preemption import PreemptionFlag
 from trainer.run_logger import LoggingError, RunLogger, check_wandb_login
 from trainer.seeding import setup_seed
 
@@ -156,7 +161,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
 
 def main(argv=None) -> int:
     # First of all: SIGTERM / Ctrl-C from now until the process ends stop the run cleanly (exit 0).
-    preemption = PreemptionFlag().install()
+    preemption = EARLY_PREEMPTION or PreemptionFlag().install()
     args = parse_args(argv)
     if args.world_size > 1 and spawned_by_us():
         return spawn_local_workers(main, argv if argv is not None else sys.argv[1:], args.world_size)

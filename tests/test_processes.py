@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -222,6 +223,20 @@ def test_sigterm_outside_the_loop_exits_zero(data, tmp_path, moment):
         assert os.path.exists(checkpoint_at(tmp_path, 0))
     else:
         assert os.path.exists(checkpoint_at(tmp_path, 3))
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_script_imports_torch_exits_zero(data, launcher, tmp_path):
+    # Half a second in, the script is still importing torch (main() has not run): the handler
+    # installed before those imports turns the SIGTERM into a stop at the first step boundary.
+    save_dir = tmp_path / "run"
+    process = launcher.start(flags(data, save_dir, *STEPS), "importing")
+    time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    assert launcher.wait(process) == 0, launcher.output(process)
+    out, err = launcher.output(process)
+    assert "Traceback" not in err and "SIGTERM received: stopping at step 0" in out
+    assert os.path.exists(checkpoint_at(save_dir, 0))
 
 
 @pytest.mark.slow

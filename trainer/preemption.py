@@ -2,7 +2,8 @@
 reads between steps: every rank then stops at the same step boundary, rank 0 writes a resume
 checkpoint, and the process exits 0.
 
-The handlers are installed first thing in `main()` and stay for the whole life of the process:
+The handlers are installed before the script's slow imports (first thing in `main()` when it is
+called from Python) and stay for the whole life of the process:
 a SIGTERM before training (the run stops at its first step boundary, saving) or after it (during
 the final save and shutdown, when nothing is left to lose) still ends with exit 0, not 143.
 A second SIGINT means "stop now": one line, exit 130, no checkpoint of the unfinished step.
