@@ -78,6 +78,12 @@ def replay_epoch(argv: list[str], world_size: int, saved: dict | None) -> list[i
     return global_order_after(data.sampler, world_size, epoch=saved["epoch"], start=saved["samples_in_epoch"])
 
 
+def samples_in(data) -> int:
+    """Samples of the test data set at the TINY flags' --max_seq_len (from the trainer's own data setup)."""
+    return len(build_train_data(parse_args(flags(data, "unused")), load_tokenizer(None),
+                                SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))).dataset)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, batch", [(1, 4), (4, 4), (2, 3)])
 def test_real_two_rank_checkpoint_resumed_on_other_global_batches_covers_the_epoch_once(
@@ -86,7 +92,7 @@ def test_real_two_rank_checkpoint_resumed_on_other_global_batches_covers_the_epo
     assert saved["sample_stream"]["epoch_grouping"] == 8 and saved["samples_in_epoch"] == 24
     consumed = replay_epoch(flags(data, two_rank_run, "--batch_size", "4"), 2, None)[:24]
     rest = replay_epoch(flags(data, tmp_path, "--batch_size", str(batch)), world_size, saved)
-    total = 90
+    total = samples_in(data)
     assert sorted(consumed + rest[: total - 24]) == list(range(total))
     assert len(rest) - (total - 24) == -(total - 24) % world_size  # only the usual padding to the world size
 
@@ -96,8 +102,9 @@ def test_resume_with_a_changed_batch_size_trains_the_rest_of_the_epoch(data, two
     resumed = run_trainer(flags(data, tmp_path, "--batch_size", "6", "--save_interval", "0",
                                 "--resume_from", checkpoint_at(two_rank_run, 3)))
     assert "finishing epoch 1 in the checkpoint's order (length groups of 8; now 6)" in resumed.stdout
-    assert "training 14 optimizer steps from step 3" in resumed.stdout  # 3 + ceil(66 / 6)
-    final = load_resume_checkpoint(checkpoint_at(tmp_path, 14))
+    last = 3 + -(-(samples_in(data) - 24) // 6)  # the rest of the epoch in batches of 6
+    assert f"training {last} optimizer steps from step 3" in resumed.stdout
+    final = load_resume_checkpoint(checkpoint_at(tmp_path, last))
     assert (final["epoch"], final["samples_in_epoch"]) == (1, 0)
 
 

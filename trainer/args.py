@@ -164,6 +164,8 @@ RANGES = (
     ("aux_loss_coef", 0, None, True),
     ("rms_norm_eps", 0, None, False),
     ("max_seq_len", 2, None, True),
+    ("system_prompt_ratio", 0, 1, True),
+    ("drop_empty_think_ratio", 0, 1, True),
     ("num_workers", 0, None, True),
     ("epochs", 1, None, True),
     ("max_steps", 0, None, True),
