@@ -148,6 +148,14 @@ def restore(run: Run, saved: dict) -> None:
         )
 
 
+def raise_on_every_rank(error: str | None) -> None:
+    """A write that failed on rank 0 (its one-line reason, or None) is raised on every rank, so no
+    rank waits in the next collective for one that stopped."""
+    error = broadcast_object(error)
+    if error:
+        raise checkpoint.CheckpointError(error)
+
+
 def save(run: Run) -> None:
     """The resume checkpoint (rank 0 writes it; under --fsdp 1 every rank writes its shard), then the
     inference weights from rank 0 (under --fsdp 1 gathered there tensor by tensor).
@@ -172,9 +180,7 @@ def save(run: Run) -> None:
         except checkpoint.CheckpointError as failure:
             error = str(failure)
     del weights
-    error = broadcast_object(error)
-    if error:
-        raise checkpoint.CheckpointError(error)
+    raise_on_every_rank(error)
     barrier(run.ctx.device)
 
 
@@ -329,9 +335,7 @@ def save_best(run: Run) -> None:
         except checkpoint.CheckpointError as failure:
             error = str(failure)
     del weights
-    error = broadcast_object(error)
-    if error:
-        raise checkpoint.CheckpointError(error)
+    raise_on_every_rank(error)
 
 
 def evaluate_and_select(run: Run) -> bool:
