@@ -12,11 +12,13 @@
 4. ``SFTDataset`` / ``PackedSFTDataset`` serve ``input_ids`` / ``labels`` (and ``position_ids``
    for packed rows) from the cache; ``ResumableDistributedSampler`` shards a world-size
    independent global order that can resume at any global sample offset; ``SFTCollator``
-   right-pads a batch to its longest item.
+   right-pads a batch to its longest item; ``epoch_padding``: the samples repeated only to pad an
+   epoch to a multiple of the world size count for nothing.
 """
 
 from .augment import ChatAugmenter
 from .collate import SFTCollator, pad_fraction
+from .epoch_padding import FillerIndex, MarkFillers
 from .formats import DataError
 from .rendering import encode_conversation, load_tokenizer
 from .sampler import ResumableDistributedSampler
@@ -27,7 +29,9 @@ __all__ = [
     "ChatAugmenter",
     "BuildInterrupted",
     "DataError",
+    "FillerIndex",
     "IGNORE_INDEX",
+    "MarkFillers",
     "PackedSFTDataset",
     "ResumableDistributedSampler",
     "SFTCollator",
