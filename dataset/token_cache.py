@@ -249,8 +249,9 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
         with _interrupts_raise():
             if not partial.claim():
                 return  # another process finished it while we waited
-            remove_stale_partials(target.parent, str(path), digest)
-            done = partial.resume(target.name, str(path), digest, lambda: _count_lines(path))
+            data_file = str(path.resolve())  # one name for the file however it is given
+            remove_stale_partials(target.parent, data_file, digest)
+            done = partial.resume(target.name, data_file, digest, lambda: _count_lines(path))
             total_rows, start_row = done.total_rows, done.rows
             if start_row:
                 print(f"resuming cache build at row {start_row:,} of {total_rows:,} ({path.name}: the rows before "

@@ -195,7 +195,7 @@ def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_pa
     old_partials = partials(cache_root)
     assert len(old_partials) == 2
     other_partial = [name for name in old_partials
-                     if json.loads((cache_root / name / "progress.json").read_text())["data_file"] == str(other)]
+                     if json.loads((cache_root / name / "progress.json").read_text())["data_file"] == str(other.resolve())]
 
     write_rows(path, [chat_line(i + 100) for i in range(20)])  # a new version of the file
     encoded = counting_encoder(monkeypatch)
