@@ -105,3 +105,31 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(out.loss).item()
+
+
+def test_an_optimizer_step_makes_one_host_sync():
+    """trainer/loop.optimizer_step on the GPU (two micro-batches, clipping, fused AdamW, the queued
+    finite-weights check): exactly one synchronizing call, the read of the gradient-norm flag and
+    the previous update's weights check together (tests/test_loop_syncs.py is the CPU version)."""
+    import warnings
+
+    from tests.test_loop_syncs import micro_batches, tiny_run
+    from trainer.loop import agree_on_step, optimizer_step
+
+    run = tiny_run(torch.device("cuda:0"))
+    batches = micro_batches()
+    totals = agree_on_step(run, batches)
+    optimizer_step(run, batches, totals, 1e-3)  # CUDA/cuBLAS initialisation, AdamW's state
+    run.state.step = 1
+    assert run.weights_check is not None  # step 2 reads it
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer_step(run, batches, totals, 1e-3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
+    assert len(syncs) == 1, syncs
+    assert run.weights_check.step == 2 and not bool(run.weights_check.bad)
