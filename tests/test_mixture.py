@@ -281,3 +281,21 @@ def test_a_mixture_resumes_bit_exactly_and_refuses_a_changed_weight(mixture_data
         "error: cannot resume: --data_path weights differs from the checkpoint's run (checkpoint 1,2, now 1,3), "
         "so its position in the epoch would mean other samples; resume with the same sources and weights "
         f"(--data_path {mixture_data / 'general.jsonl'}:1,{mixture_data / 'tools'}:2)")
+
+
+@pytest.mark.slow
+def test_two_ranks_give_the_same_per_source_losses_and_weights_as_one(mixture_data, tmp_path):
+    """The per-source sums are reduced over ranks: 2 ranks x 2 rows report what 1 rank x 4 does."""
+    common = ("--max_steps", "3", "--save_interval", "0", "--dropout", "0")
+    run_trainer([*mixture_flags(mixture_data, tmp_path / "one", (1, 2)), *common])
+    run_trainer([*mixture_flags(mixture_data, tmp_path / "two", (1, 2)), *common, "--batch_size", "2"], nproc=2)
+    one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in one:
+        for key, value in one[step].items():
+            if key.startswith(("loss/", "loss_share/")):
+                assert two[step][key] == pytest.approx(value, rel=1e-5), (step, key)
+            elif key.startswith("loss_tokens/"):
+                assert two[step][key] == value > 0, (step, key)
+    first, second = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    assert all(torch.allclose(first[key], second[key], atol=1e-5, rtol=0) for key in first)
