@@ -8,8 +8,11 @@ micro-batch contributes `sum of its token losses / global count`, and DDP's grad
 B samples is the same step as 1 rank x N*B, and accumulation is the same as a bigger batch. Gradients are all-reduced once per optimizer
 step (`run.parallel.micro_step`: no_sync, or no reduce-scatter, on the other micro-steps).
 
-Host synchronisation: one per optimizer step (the token count / stop flag, and the finite check
-of the gradient norm) and one per log interval (the loss); none per micro-step.
+Host synchronisation: none per micro-step; per optimizer step one on one process (whether the
+gradient norm is finite, read together with the previous update's finite-weights check, see
+`read_step_flags`) and one more with several processes (the token count / stop flag); one per log
+interval (the loss; with several training sources a second one for the per-source losses,
+`trainer.source_losses`).
 """
 
 import itertools
@@ -28,6 +31,7 @@ from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
 from trainer.model_selection import BEST_DIR, BEST_FILE, best_record, update_selection
 from trainer.model_setup import autocast, scaler_state_for_resume, unwrap
 from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
+from trainer.source_losses import SourceLosses
 from trainer.weights_io import save_minimind_copy
 
 IGNORE_INDEX = -100
@@ -39,6 +43,13 @@ FAULT_NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
 
 class TrainingError(RuntimeError):
     """The run had to stop (e.g. too many non-finite steps); the message says why."""
+
+
+class WeightsCheck(NamedTuple):
+    """An applied update's finite-weights check, computed on the device and not read yet."""
+
+    step: int  # the optimizer step (numbered from 1) whose update it checks
+    bad: torch.Tensor  # > 0 when some weight is inf/NaN (on every rank under --fsdp 1)
 
 
 @dataclass
@@ -74,6 +85,7 @@ class Run:
     preemption: object
     parallel: object = None  # trainer.parallelism: how the processes share the model (DDP or FSDP)
     state: TrainState = field(default_factory=TrainState)
+    weights_check: WeightsCheck | None = None  # the last update's check, read at the next host sync
 
     @property
     def raw_model(self):
@@ -102,7 +114,7 @@ def resume_state(run: Run) -> dict:
         "rng": rng_states,
         "world_size": run.ctx.world_size,
         "args": dict(vars(run.args)),
-        # only rank 0 writes it (hashing the data file is not free)
+        # only rank 0 writes it (it lists the data sources and reads their memoized digests)
         "sample_stream": sample_stream.recorded(run.args, run.tokenizer, run.data.sampler) if run.ctx.is_main else None,
         "run_id": state.run_id,
         "wandb_run_id": run.logger.wandb_run_id,
@@ -162,6 +174,7 @@ def save(run: Run) -> None:
 
     A failed write on rank 0 (disk full, permissions) is re-raised on every rank, so nobody hangs.
     """
+    settle_weights_check(run)  # never a non-finite weight in a file
     content = resume_state(run)
     error = path = None
     try:
@@ -246,13 +259,16 @@ def injected_nan_steps() -> frozenset[int]:
         raise TrainingError(f"{FAULT_NAN_STEPS_ENV}={text!r}: expected step numbers like 3,4,5") from error
 
 
-def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: float, inject_nan: bool = False):
+def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: float, inject_nan: bool = False,
+                   source_losses: SourceLosses | None = None):
     """Forward/backward over the micro-batches, clip, step. Returns (loss contribution, grad norm, applied).
 
     Every micro-batch's token loss is divided by the step's global loss-token count and its MoE
     balance loss by the step's global row count, so the step's objective does not depend on how
-    the rows are split over ranks and micro-batches.
-    `inject_nan` (fault injection, see FAULT_NAN_STEPS_ENV) makes this step's loss NaN."""
+    the rows are split over ranks and micro-batches. An applied update leaves its finite-weights
+    check in `run.weights_check` (read by the next step's one host sync, or by the next save/eval).
+    `inject_nan` (fault injection, see FAULT_NAN_STEPS_ENV) makes this step's loss NaN.
+    `source_losses` (several training sources) gets every micro-batch's per-token losses."""
     model, ctx, scaler = run.model, run.ctx, run.scaler
     set_lr(run.optimizer, lr)
     local_loss = torch.zeros((), device=ctx.device)
@@ -261,8 +277,11 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
         with run.parallel.micro_step(model, last):
             with autocast(ctx.device, run.dtype):
                 out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(totals.loss_tokens, 1),
-                            num_sequences_in_batch=max(totals.sequences, 1), skip_logits=True)
+                            num_sequences_in_batch=max(totals.sequences, 1), skip_logits=True,
+                            **({"return_token_losses": True} if source_losses else {}))
             loss = out.loss * float("nan") if inject_nan else out.loss
+            if source_losses:
+                source_losses.add_micro_batch(out.token_losses, batch)
             # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens (rows).
             objective = (loss + out.aux_loss) * ctx.world_size
             scaler.scale(objective).backward()
@@ -270,14 +289,28 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
     scaler.unscale_(run.optimizer)
     max_norm = run.args.grad_clip if run.args.grad_clip > 0 else float("inf")
     grad_norm = run.parallel.clip_grad_norm(max_norm)
-    finite = bool(torch.isfinite(grad_norm))
+    finite = read_step_flags(run, grad_norm)
     if scaler.is_enabled():
         scaler.step(run.optimizer)  # skips the update itself when it found inf/NaN
         scaler.update()
     elif finite:
         run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    if finite:
+        run.weights_check = WeightsCheck(run.state.step + 1, non_finite_weights(run))  # this step's number
     return local_loss, grad_norm.detach(), finite
+
+
+def read_step_flags(run: Run, grad_norm: torch.Tensor) -> bool:
+    """The optimizer step's one host sync: whether the gradient norm is finite and, in the same
+    transfer, the previous update's finite-weights check (raises TrainingError if that update
+    broke the weights, before this step can update them again)."""
+    check, run.weights_check = run.weights_check, None
+    bad = check.bad if check is not None else torch.zeros((), device=grad_norm.device)
+    finite, weights_bad = torch.stack([torch.isfinite(grad_norm).float(), bad.float()]).tolist()
+    if weights_bad:
+        raise_non_finite_weights(run, check.step)
+    return bool(finite)
 
 
 def track_bad_steps(run: Run, finite: bool) -> None:
@@ -305,21 +338,33 @@ def track_bad_steps(run: Run, finite: bool) -> None:
 
 
 @torch.no_grad()
-def check_weights_finite(run: Run) -> None:
-    """After an applied update: stop before a non-finite weight can reach any file (the checkpoints
-    already on disk stay the last good ones). A finite gradient norm alone does not prove it: a
-    huge learning rate turns finite gradients into inf/NaN weights."""
+def non_finite_weights(run: Run) -> torch.Tensor:
+    """After an applied update, on the device (no host sync): 1.0 if some weight is inf/NaN, else 0.0.
+    A finite gradient norm alone does not prove the weights finite: a huge learning rate turns
+    finite gradients into inf/NaN weights."""
     params = list(run.raw_model.parameters())
     sharded = any(hasattr(p, "to_local") for p in params)  # --fsdp 1: each rank checks its shards
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     bad = (~torch.isfinite(torch.stack(torch._foreach_norm(local, float("inf"))).max())).float()
     if sharded:
         all_reduce_sum(bad)  # every rank takes the same decision
-    if bool(bad):
-        raise TrainingError(
-            f"step {run.state.step} made the weights non-finite (--learning_rate {run.args.learning_rate:g} or --weight_decay {run.args.weight_decay:g} too large?); "
-            f"stopped without saving them. The checkpoints in {run.args.save_dir} are the last good weights"
-        )
+    return bad
+
+
+def settle_weights_check(run: Run) -> None:
+    """Read the last update's finite-weights check now (before a save or an evaluation): the run
+    stops before a non-finite weight can reach any file."""
+    check, run.weights_check = run.weights_check, None
+    if check is not None and bool(check.bad):
+        raise_non_finite_weights(run, check.step)
+
+
+def raise_non_finite_weights(run: Run, step: int):
+    """The checkpoints already on disk stay the last good ones."""
+    raise TrainingError(
+        f"step {step} made the weights non-finite (--learning_rate {run.args.learning_rate:g} or --weight_decay {run.args.weight_decay:g} too large?); "
+        f"stopped without saving them. The checkpoints in {run.args.save_dir} are the last good weights"
+    )
 
 
 def save_best(run: Run) -> None:
@@ -341,6 +386,7 @@ def save_best(run: Run) -> None:
 def evaluate_and_select(run: Run) -> bool:
     """Evaluate, log, keep the best model; True when early stopping says the run should end."""
     state, args = run.state, run.args
+    settle_weights_check(run)
     # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
     figures = broadcast_object(evaluate(run))
     new_best = stop = False
@@ -372,7 +418,9 @@ def train(run: Run) -> str:
         f"device {run.ctx.device}"
     )
     interval = {"loss": torch.zeros((), device=run.ctx.device), "steps": 0, "tokens": 0, "start": time.time(),
-                "run_start": time.time(), "run_first_step": state.step}
+                "run_start": time.time(), "run_first_step": state.step,
+                # several training sources: their losses per log window
+                "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
     nan_steps = injected_nan_steps()
     last_saved = last_eval = state.step
     status = "finished"
@@ -393,15 +441,16 @@ def train(run: Run) -> str:
                 break
             lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
             loss, grad_norm, finite = optimizer_step(run, micro_batches, totals, lr,
-                                                     inject_nan=state.step + 1 in nan_steps)
+                                                     inject_nan=state.step + 1 in nan_steps,
+                                                     source_losses=interval["sources"])
+            if interval["sources"]:
+                interval["sources"].end_step(totals.loss_tokens, finite)
             state.step += 1
             consumed = sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
             state.samples_in_epoch += consumed
             if state.samples_in_epoch >= len(run.data.dataset):
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
             track_bad_steps(run, finite)
-            if finite:
-                check_weights_finite(run)
             if finite:
                 interval["loss"] += loss
                 interval["steps"] += 1
@@ -443,6 +492,7 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
         "grad_norm": norm if math.isfinite(norm) else None,
         "tokens_per_s": interval["tokens"] / elapsed,
         "skipped_steps": state.skipped_steps,
+        **(interval["sources"].figures() if interval["sources"] else {}),  # loss/<source>, loss_tokens/<source>, ...
     }
     shown_epoch = min(state.epoch, run.args.epochs - 1)  # the step that ends the last epoch belongs to it
     run.logger.log_train(state.step, total_steps, shown_epoch, run.args.epochs, figures,
