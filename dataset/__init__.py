@@ -13,6 +13,9 @@
    for packed rows) from the cache; ``ResumableDistributedSampler`` shards a world-size
    independent global order that can resume at any global sample offset; ``SFTCollator``
    right-pads a batch to its longest item.
+5. ``mixture`` reads ``--data_path`` (several weighted sources: files, directories of shards,
+   globs), lays the sources end to end (``MixtureDataset``, items tagged with their ``source``)
+   and says which samples each epoch holds (``EpochMixture``), for the sampler to shuffle.
 """
 
 from .augment import ChatAugmenter

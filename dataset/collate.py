@@ -25,6 +25,10 @@ class SFTCollator:
     (see model/modeling_minimind.py): ``loss_positions`` (flat indices of the tokens whose next
     token has a label) and, for packed rows, ``packed_layout`` (a CPU ``PackedDocuments``; the
     trainer's ``model_inputs`` moves it to the device with the tensors).
+
+    Items of a mixture (``dataset.mixture.MixtureDataset``) carry their ``source``: the batch then
+    has ``source_ids`` ``[B]`` and ``loss_sources`` (the source of every loss position, aligned
+    with ``loss_positions``), for the per-source losses.
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, pad_to_length: int | None = None):
@@ -63,6 +67,9 @@ class SFTCollator:
             if has_positions:
                 batch["position_ids"][row, :n] = torch.as_tensor(item["position_ids"], dtype=torch.long)
         batch["loss_positions"] = loss_positions_of(batch["labels"])
+        if all("source" in item for item in items):
+            batch["source_ids"] = torch.as_tensor([item["source"] for item in items], dtype=torch.long)
+            batch["loss_sources"] = batch["source_ids"][batch["loss_positions"] // length]
         if has_positions:
             starts, lengths = document_starts(batch["position_ids"])
             batch["packed_layout"] = PackedDocuments(starts, lengths, batch["position_ids"].shape)

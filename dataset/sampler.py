@@ -33,6 +33,10 @@ class ResumableDistributedSampler(Sampler[int]):
             optimizer step's global batch): the interleaved per-rank shards of one group form every
             rank's micro-batches, all of similar length, for any split of that global batch.
         epoch: the starting epoch.
+        mixture: optional ``dataset.mixture.EpochMixture``: each epoch's order is a shuffle of its
+            ``members(epoch)`` (sources repeated or subsampled by their weights) instead of
+            ``0 .. dataset_len - 1``; ``dataset_len`` must equal its length. One source gives the
+            plain order.
 
     Pinned grouping: ``pin_epoch_grouping(e, g)`` makes epoch ``e`` use group size ``g`` (``None``:
     no grouping) whatever ``group_size`` is. A run resumed with another global batch or
@@ -57,6 +61,7 @@ class ResumableDistributedSampler(Sampler[int]):
         group_size: int | None = None,
         megabatch_groups: int = 50,
         epoch: int = 0,
+        mixture=None,
     ):
         if not isinstance(dataset_len, (int, np.integer)):
             lengths = dataset_len if lengths is None else lengths
@@ -73,6 +78,8 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError("group_size needs lengths")
         if lengths is not None and len(lengths) != dataset_len:
             raise ValueError(f"got {len(lengths)} lengths for {dataset_len} samples")
+        if mixture is not None and len(mixture) != dataset_len:
+            raise ValueError(f"the mixture's epoch has {len(mixture)} samples, the dataset {dataset_len}")
         self.dataset_len = int(dataset_len)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -83,6 +90,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.group_size = group_size
         self.megabatch_groups = megabatch_groups
         self.epoch = epoch
+        self.mixture = mixture
         self.pinned_grouping: dict[int, int | None] = {}
         self.start_index = 0
         self.set_start_index(start_index)
@@ -111,11 +119,14 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def global_order(self) -> np.ndarray:
         """The whole epoch's order of sample indices, identical on every rank and world size."""
+        members = self.mixture.members(self.epoch) if self.mixture is not None else None
         if not self.shuffle:
-            return np.arange(self.dataset_len, dtype=np.int64)
+            return members if members is not None else np.arange(self.dataset_len, dtype=np.int64)
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.dataset_len, generator=generator).numpy()
+        if members is not None:
+            order = members[order]
         group_size = self.epoch_group_size()
         if group_size is None:
             return order
