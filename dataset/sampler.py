@@ -6,6 +6,8 @@ by repeating the epoch order's start to a multiple of ``num_replicas`` (or trunc
 rank ``r`` takes ``remaining[r::num_replicas]``. Hence the union of all ranks' batch ``j`` (batch
 size ``B`` each) is ``remaining[j*B*W:(j+1)*B*W]`` for any world size ``W``: a resumed run sees
 exactly what an uninterrupted run would have seen next, even on a different number of GPUs.
+The padding repeats are yielded as ``FillerIndex``: their rows count for nothing in training
+(``epoch_padding``), so an epoch's last step is also the same on any number of ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from .epoch_padding import FillerIndex
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -158,7 +162,11 @@ class ResumableDistributedSampler(Sampler[int]):
         return remaining
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.remaining()[self.rank :: self.num_replicas].tolist())
+        """This rank's share of ``remaining()``; the padding repeats come as ``FillerIndex`` (see epoch_padding.py)."""
+        remaining = self.remaining().tolist()
+        real = max(self.dataset_len - self.start_index, 0)  # the positions from here on only pad
+        positions = range(self.rank, len(remaining), self.num_replicas)
+        return iter([remaining[p] if p < real else FillerIndex(remaining[p]) for p in positions])
 
     def __len__(self) -> int:
         remaining = max(self.dataset_len - self.start_index, 0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils.data import DataLoader
 
-from dataset import ChatAugmenter, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
+from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, parse_data_path
 from trainer.evaluation import EvalSet, eval_set_names, generation_examples
 from trainer.sample_stream import epoch_grouping
@@ -90,7 +90,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     )
     workers = default_num_workers(args, ctx.device)
     loader = DataLoader(
-        dataset,
+        MarkFillers(dataset),  # the sampler's epoch-padding repeats count for nothing (dataset/epoch_padding.py)
         batch_size=args.batch_size,
         sampler=sampler,
         collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
