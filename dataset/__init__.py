@@ -12,11 +12,20 @@
 4. ``SFTDataset`` / ``PackedSFTDataset`` serve ``input_ids`` / ``labels`` (and ``position_ids``
    for packed rows) from the cache; ``ResumableDistributedSampler`` shards a world-size
    independent global order that can resume at any global sample offset; ``SFTCollator``
+<<<<<<< HEAD
+   right-pads a batch to its longest item; ``epoch_padding``: the samples repeated only to pad an
+   epoch to a multiple of the world size count for nothing.
+=======
    right-pads a batch to its longest item.
+5. ``mixture`` reads ``--data_path`` (several weighted sources: files, directories of shards,
+   globs), lays the sources end to end (``MixtureDataset``, items tagged with their ``source``)
+   and says which samples each epoch holds (``EpochMixture``), for the sampler to shuffle.
+>>>>>>> main
 """
 
 from .augment import ChatAugmenter
 from .collate import SFTCollator, pad_fraction
+from .epoch_padding import FillerIndex, MarkFillers
 from .formats import DataError
 from .rendering import encode_conversation, load_tokenizer
 from .sampler import ResumableDistributedSampler
@@ -27,7 +36,9 @@ __all__ = [
     "ChatAugmenter",
     "BuildInterrupted",
     "DataError",
+    "FillerIndex",
     "IGNORE_INDEX",
+    "MarkFillers",
     "PackedSFTDataset",
     "ResumableDistributedSampler",
     "SFTCollator",

@@ -20,11 +20,17 @@ class SFTCollator:
     exactly ``pad_to_length`` if given (MiniMind's pad-to-max baseline). Returns ``input_ids``
     (pads: ``pad_token_id``), ``labels`` (pads: -100), ``attention_mask`` (1 real, 0 pad) and,
     when the items have them (packed rows), ``position_ids`` (pads: 0), all ``[B, T]`` long.
+    An item flagged ``filler`` (it only pads an epoch's end, see epoch_padding.py) keeps its tokens
+    but gets no labels and an attention mask of 0: its row counts for nothing.
 
     Also what the model would otherwise compute on its device, each a host sync on a GPU
     (see model/modeling_minimind.py): ``loss_positions`` (flat indices of the tokens whose next
     token has a label) and, for packed rows, ``packed_layout`` (a CPU ``PackedDocuments``; the
     trainer's ``model_inputs`` moves it to the device with the tensors).
+
+    Items of a mixture (``dataset.mixture.MixtureDataset``) carry their ``source``: the batch then
+    has ``source_ids`` ``[B]`` and ``loss_sources`` (the source of every loss position, aligned
+    with ``loss_positions``), for the per-source losses.
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, pad_to_length: int | None = None):
@@ -58,11 +64,15 @@ class SFTCollator:
         for row, item in enumerate(items):
             n = len(item["input_ids"])
             batch["input_ids"][row, :n] = torch.as_tensor(item["input_ids"], dtype=torch.long)
-            batch["labels"][row, :n] = torch.as_tensor(item["labels"], dtype=torch.long)
-            batch["attention_mask"][row, :n] = 1
+            if not item.get("filler"):
+                batch["labels"][row, :n] = torch.as_tensor(item["labels"], dtype=torch.long)
+                batch["attention_mask"][row, :n] = 1
             if has_positions:
                 batch["position_ids"][row, :n] = torch.as_tensor(item["position_ids"], dtype=torch.long)
         batch["loss_positions"] = loss_positions_of(batch["labels"])
+        if all("source" in item for item in items):
+            batch["source_ids"] = torch.as_tensor([item["source"] for item in items], dtype=torch.long)
+            batch["loss_sources"] = batch["source_ids"][batch["loss_positions"] // length]
         if has_positions:
             starts, lengths = document_starts(batch["position_ids"])
             batch["packed_layout"] = PackedDocuments(starts, lengths, batch["position_ids"].shape)

@@ -6,6 +6,8 @@ by repeating the epoch order's start to a multiple of ``num_replicas`` (or trunc
 rank ``r`` takes ``remaining[r::num_replicas]``. Hence the union of all ranks' batch ``j`` (batch
 size ``B`` each) is ``remaining[j*B*W:(j+1)*B*W]`` for any world size ``W``: a resumed run sees
 exactly what an uninterrupted run would have seen next, even on a different number of GPUs.
+The padding repeats are yielded as ``FillerIndex``: their rows count for nothing in training
+(``epoch_padding``), so an epoch's last step is also the same on any number of ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from .epoch_padding import FillerIndex
 
 
 class ResumableDistributedSampler(Sampler[int]):
@@ -33,6 +37,10 @@ class ResumableDistributedSampler(Sampler[int]):
             optimizer step's global batch): the interleaved per-rank shards of one group form every
             rank's micro-batches, all of similar length, for any split of that global batch.
         epoch: the starting epoch.
+        mixture: optional ``dataset.mixture.EpochMixture``: each epoch's order is a shuffle of its
+            ``members(epoch)`` (sources repeated or subsampled by their weights) instead of
+            ``0 .. dataset_len - 1``; ``dataset_len`` must equal its length. One source gives the
+            plain order.
 
     Pinned grouping: ``pin_epoch_grouping(e, g)`` makes epoch ``e`` use group size ``g`` (``None``:
     no grouping) whatever ``group_size`` is. A run resumed with another global batch or
@@ -57,6 +65,7 @@ class ResumableDistributedSampler(Sampler[int]):
         group_size: int | None = None,
         megabatch_groups: int = 50,
         epoch: int = 0,
+        mixture=None,
     ):
         if not isinstance(dataset_len, (int, np.integer)):
             lengths = dataset_len if lengths is None else lengths
@@ -73,6 +82,8 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError("group_size needs lengths")
         if lengths is not None and len(lengths) != dataset_len:
             raise ValueError(f"got {len(lengths)} lengths for {dataset_len} samples")
+        if mixture is not None and len(mixture) != dataset_len:
+            raise ValueError(f"the mixture's epoch has {len(mixture)} samples, the dataset {dataset_len}")
         self.dataset_len = int(dataset_len)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -83,6 +94,7 @@ class ResumableDistributedSampler(Sampler[int]):
         self.group_size = group_size
         self.megabatch_groups = megabatch_groups
         self.epoch = epoch
+        self.mixture = mixture
         self.pinned_grouping: dict[int, int | None] = {}
         self.start_index = 0
         self.set_start_index(start_index)
@@ -111,11 +123,14 @@ class ResumableDistributedSampler(Sampler[int]):
 
     def global_order(self) -> np.ndarray:
         """The whole epoch's order of sample indices, identical on every rank and world size."""
+        members = self.mixture.members(self.epoch) if self.mixture is not None else None
         if not self.shuffle:
-            return np.arange(self.dataset_len, dtype=np.int64)
+            return members if members is not None else np.arange(self.dataset_len, dtype=np.int64)
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.dataset_len, generator=generator).numpy()
+        if members is not None:
+            order = members[order]
         group_size = self.epoch_group_size()
         if group_size is None:
             return order
@@ -147,7 +162,11 @@ class ResumableDistributedSampler(Sampler[int]):
         return remaining
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.remaining()[self.rank :: self.num_replicas].tolist())
+        """This rank's share of ``remaining()``; the padding repeats come as ``FillerIndex`` (see epoch_padding.py)."""
+        remaining = self.remaining().tolist()
+        real = max(self.dataset_len - self.start_index, 0)  # the positions from here on only pad
+        positions = range(self.rank, len(remaining), self.num_replicas)
+        return iter([remaining[p] if p < real else FillerIndex(remaining[p]) for p in positions])
 
     def __len__(self) -> int:
         remaining = max(self.dataset_len - self.start_index, 0)

@@ -38,7 +38,8 @@ class SFTDataset(Dataset):
         cache_dir: where the cache lives (default ``<data_file_dir>/.cache``).
         num_proc: tokenizer processes when building (default ``min(8, cpu_count)``).
         augmenter: optional ``ChatAugmenter`` (``dataset.augment``) applied to each item, drawn from
-            (its seed, the epoch set with ``set_epoch``, the index); the cache does not depend on it.
+            (its seed, the epoch set with ``set_epoch``, the index plus ``index_base``: the file's
+            first sample among all files of a mixture); the cache does not depend on it.
 
     ``ds[i]`` is ``{"input_ids": int64 (L,), "labels": int64 (L,)}``; labels are the token ids
     where loss is taken and -100 elsewhere, unshifted. ``ds.lengths`` holds every sample's L.
@@ -77,6 +78,7 @@ class SFTDataset(Dataset):
         self._loss_mask = None
         self.augmenter = augmenter if augmenter is not None and augmenter.active else None
         self.epoch = 0
+        self.index_base = 0
         if is_main_process() and (self.num_skipped or self.num_dropped):
             notes = []
             if self.num_skipped:
@@ -124,7 +126,8 @@ class SFTDataset(Dataset):
         input_ids = self.tokens[start:end].astype(np.int64)
         mask = self.loss_mask[start:end] != 0
         if self.augmenter is not None:
-            input_ids, mask = self.augmenter.apply(input_ids, mask, self.epoch, index, capacity - len(input_ids))
+            input_ids, mask = self.augmenter.apply(input_ids, mask, self.epoch, self.index_base + index,
+                                                  capacity - len(input_ids))
         return {"input_ids": input_ids, "labels": np.where(mask, input_ids, IGNORE_INDEX)}
 
 

@@ -60,7 +60,8 @@ def check_data_file(path: Path) -> None:
     """Raise a one-line ``DataError`` if the data file is missing, a directory, one JSON array or
     has no non-blank line."""
     if path.is_dir():
-        raise DataError(f"{path}: is a directory; --data_path takes a .jsonl file (one conversation per line)")
+        raise DataError(f"{path}: is a directory; give a .jsonl, .jsonl.gz or .parquet file here (only "
+                        "--data_path takes a directory of shards)")
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
     first = next((line.strip().removeprefix(b"\xef\xbb\xbf").lstrip() for line in open_lines(path) if line.strip()), b"")

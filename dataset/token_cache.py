@@ -8,30 +8,28 @@ Layout of ``<cache_root>/<key>/``:
 * ``meta.json``     counts (samples, tokens, skipped bad lines, dropped samples) and the dtype
 
 ``key`` hashes the data file's bytes, the tokenizer fingerprint (vocab, merges, special tokens,
-chat template), ``max_seq_len`` and ``CACHE_VERSION``. A cache is written to a temporary
-directory and renamed into place, so a crash never leaves a half-written cache. Lines are
-tokenized by a process pool over chunks of lines. Under ``torch.distributed`` only local rank 0
-builds, holding no collective: the other ranks wait on a status file (see ``prepare_cache``), so
-a build longer than the process group's timeout is fine, and an error raises the same
-``DataError`` on all ranks instead of hanging them.
+chat template), ``max_seq_len`` and ``CACHE_VERSION``. Lines are tokenized by a process pool
+over chunks of lines and appended to a partial build (``partial_build``): a killed build keeps
+the rows it committed and the next build of the same key continues after them; the finished
+cache is renamed into place, so a reader never sees a half-written cache. Under
+``torch.distributed`` only local rank 0 builds, holding no collective: the other ranks wait on a
+status file (see ``prepare_cache``), so a build longer than the process group's timeout is
+fine, and an error raises the same ``DataError`` on all ranks instead of hanging them.
 
-SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (pool ended, temporary directory
-removed). Temporary directories are named ``.tmp-<key>-<host>.<pid>-*``; the next build on
-that host removes those whose process is gone (a ``kill -9``'d build).
+SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (pool ended, finished rows kept for
+the next run).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
-import shutil
 import signal
-import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .formats import DataError, LineError, parse_line
+from .partial_build import PartialBuild, remove_stale_partials
 from .sources import check_data_file, open_lines
 from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 
@@ -110,7 +109,8 @@ class BuildInterrupted(Exception):
     def __init__(self, signum: int):
         self.signum = signum
         name = signal.Signals(signum).name
-        super().__init__(f"{name} while building the token cache: stopped; run the same command again to build it")
+        super().__init__(f"{name} while building the token cache: stopped; run the same command again to continue it "
+                         "(the rows tokenized so far are kept)")
 
 
 @contextlib.contextmanager
@@ -186,10 +186,11 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
     }
 
 
-def _iter_chunks(path: Path, max_seq_len: int) -> Iterator[tuple[int, list[bytes], int]]:
+def _iter_chunks(path: Path, max_seq_len: int, start_row: int = 0) -> Iterator[tuple[int, list[bytes], int]]:
+    """Chunks of ``CHUNK_LINES`` lines, from the line after the first ``start_row`` ones (read past, not parsed)."""
     lines: list[bytes] = []
     first_line = 1
-    for number, line in enumerate(open_lines(path), start=1):
+    for number, line in enumerate(itertools.islice(open_lines(path), start_row, None), start=start_row + 1):
         if not lines:
             first_line = number
         lines.append(line)
@@ -207,9 +208,9 @@ def _count_lines(path: Path) -> int:
 class BuildProgress:
     """One line to stderr every ``PROGRESS_S`` seconds while building: rows done, rows/s, ETA."""
 
-    def __init__(self, path: Path, total_rows: int):
+    def __init__(self, path: Path, total_rows: int, start_row: int = 0):
         self.path, self.total = path, total_rows
-        self.done = 0
+        self.done = self.start_row = start_row  # rows of an earlier, interrupted build count as done, not in the rate
         self.start = self.last = time.monotonic()
 
     def advance(self, rows: int) -> None:
@@ -218,7 +219,7 @@ class BuildProgress:
         if now - self.last >= PROGRESS_S or self.done == self.total:
             self.last = now
             elapsed = max(now - self.start, 1e-9)
-            rate = self.done / elapsed
+            rate = (self.done - self.start_row) / elapsed
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
             print(f"tokenizing {self.path.name}: {self.done:,}/{self.total:,} rows ({100 * self.done / max(self.total, 1):.0f}%), "
                   f"{rate:,.0f} rows/s, elapsed {elapsed:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
@@ -231,111 +232,74 @@ def _pool_context():
 
 
 def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data: str, num_proc: int) -> None:
-    """Tokenize ``path`` into the cache directory ``target`` (written atomically).
+    """Tokenize ``path`` into the cache directory ``target``, continuing a killed build of it.
 
-    With ``bad_data="error"`` the first bad line raises ``DataError`` (nothing is written); with
-    ``"skip"`` bad lines are counted and the first one is recorded in ``meta.json``. SIGTERM or
-    SIGINT raise ``BuildInterrupted`` after ending the pool and removing the temporary directory.
+    The rows go through ``partial_build.PartialBuild`` (``<cache_root>/.partial-<key>/``): what
+    was committed there by an earlier, interrupted build of the same key is kept and the build
+    continues at its next row; the finished cache is moved into place at the end. With
+    ``bad_data="error"`` the first bad line raises ``DataError``; with ``"skip"`` bad lines are
+    counted and the first one is recorded in ``meta.json``. SIGTERM or SIGINT raise
+    ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(target.parent)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{target.name}-{_builder_id()}-", dir=target.parent))
+    digest = data_digest(path, target.parent)
+    partial = PartialBuild(target, token_dtype(len(tokenizer)))
     pool = None
     try:
         with _interrupts_raise():
-            num_lines = _count_lines(path)
-            num_workers = min(num_proc, -(-num_lines // CHUNK_LINES))
+            if not partial.claim():
+                return  # another process finished it while we waited
+            data_file = str(path.resolve())  # one name for the file however it is given
+            remove_stale_partials(target.parent, data_file, digest)
+            done = partial.resume(target.name, data_file, digest, lambda: _count_lines(path))
+            total_rows, start_row = done.total_rows, done.rows
+            if start_row:
+                print(f"resuming cache build at row {start_row:,} of {total_rows:,} ({path.name}: the rows before "
+                      f"were tokenized by an earlier, interrupted run)", file=sys.stderr, flush=True)
+            chunks = _iter_chunks(path, max_seq_len, start_row)
+            num_workers = min(num_proc, -(-(total_rows - start_row) // CHUNK_LINES))
             if num_workers > 1:
                 pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
-                results = pool.imap(_encode_chunk, _iter_chunks(path, max_seq_len))
+                results = pool.imap(_encode_chunk, chunks)
             else:
                 _init_worker(tokenizer)
-                results = map(_encode_chunk, _iter_chunks(path, max_seq_len))
-            progress = BuildProgress(path, num_lines)
-            _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data, progress)
+                results = map(_encode_chunk, chunks)
+            _write_cache(results, path, tokenizer, max_seq_len, partial, bad_data, BuildProgress(path, total_rows, start_row))
     finally:
         _init_worker(None)
         if pool is not None:
             pool.terminate()
             pool.join()
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        partial.release()
 
 
-def _write_cache(results, path, tokenizer, max_seq_len, target, tmp_dir, bad_data, progress) -> None:
-    dtype = token_dtype(len(tokenizer))
-    lengths, num_bad, first_bad, dropped = [], 0, None, 0
-    with open(tmp_dir / "tokens.bin", "wb") as tokens_file, open(tmp_dir / "loss_mask.bin", "wb") as mask_file:
-        for result in results:
-            if result["bad"]:
-                line_number, message = result["bad"][0]
-                if bad_data == "error":
-                    raise DataError(f"{path}:{line_number}: {message}")
-                num_bad += len(result["bad"])
-                first_bad = first_bad or f"{path}:{line_number}: {message}"
-            dropped += result["dropped"]
-            tokens_file.write(result["ids"].astype(dtype).tobytes())
-            mask_file.write(result["mask"].astype(np.uint8).tobytes())
-            lengths.append(result["lengths"])
-            progress.advance(result["rows"])
-    lengths = np.concatenate(lengths)
-    if len(lengths) == 0:
+def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, bad_data, progress) -> None:
+    done = partial.progress
+    if done.num_skipped and bad_data == "error":  # rows committed by an earlier run in "skip" mode
+        raise DataError(done.first_bad_line)
+    for result in results:
+        bad = [f"{path}:{line_number}: {message}" for line_number, message in result["bad"]]
+        if bad and bad_data == "error":
+            raise DataError(bad[0])
+        partial.append(result["ids"], result["mask"], result["lengths"], result["rows"], bad, result["dropped"])
+        progress.advance(result["rows"])
+    if done.samples == 0:
         raise DataError(
-            f"{path}: no usable samples ({num_bad} bad lines skipped, {dropped} samples without "
+            f"{path}: no usable samples ({done.num_skipped} bad lines skipped, {done.num_dropped} samples without "
             f"loss tokens after truncation to max_seq_len={max_seq_len})"
         )
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    np.save(tmp_dir / "offsets.npy", offsets)
-    meta = {
+    partial.finish({
         "version": CACHE_VERSION,
         "data_file": str(path),
         "max_seq_len": max_seq_len,
         "vocab_size": len(tokenizer),
-        "dtype": dtype.name,
-        "num_samples": int(len(lengths)),
-        "num_tokens": int(offsets[-1]),
-        "num_skipped": num_bad,
-        "first_bad_line": first_bad,
-        "num_dropped": dropped,
-    }
-    (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
-    try:
-        os.rename(tmp_dir, target)
-    except OSError:
-        if not (target / "meta.json").is_file():  # not a concurrent builder's finished cache
-            raise
-
-
-# ----------------------------------------------------------------------------- temporary directories
-
-TMP_PREFIX = ".tmp-"
-
-
-def _builder_id() -> str:
-    return f"{socket.gethostname()}.{os.getpid()}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_builds(cache_root: Path) -> list[Path]:
-    """Remove temporary build directories of this host whose builder process is gone (killed)."""
-    removed = []
-    host = socket.gethostname()
-    for entry in cache_root.glob(f"{TMP_PREFIX}*"):
-        owner = entry.name[len(TMP_PREFIX):].split("-", 1)[-1].rsplit("-", 1)[0]  # <key>-<host.pid>-<rand>
-        owner_host, _, pid = owner.rpartition(".")
-        if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
+        "dtype": partial.dtype.name,
+        "num_samples": done.samples,
+        "num_tokens": done.tokens,
+        "num_skipped": done.num_skipped,
+        "first_bad_line": done.first_bad_line,
+        "num_dropped": done.num_dropped,
+    })
 
 
 # ----------------------------------------------------------------------------- loading

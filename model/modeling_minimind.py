@@ -14,7 +14,9 @@ Nothing here knows about training or distribution. Inputs the trainer relies on:
   micro-batches and ranks can be combined exactly);
 - `skip_logits=True` computes the LM head only where a label is set and returns no logits;
   the LM head + cross-entropy then run in chunks of tokens (`chunked_lm_loss`), so a large
-  vocabulary never holds [loss tokens x vocab] fp32 logits at once.
+  vocabulary never holds [loss tokens x vocab] fp32 logits at once. With it,
+  `return_token_losses=True` also returns every loss position's cross-entropy (`token_losses`,
+  detached fp32, in `loss_positions` order): the trainer's per-source losses.
 
 Precomputed by the collator (dataset/collate.py) on the CPU, so that a CUDA forward/backward
 never waits for the GPU (no host sync); a caller that does not pass them gets them computed
@@ -30,6 +32,7 @@ in the batch), so that micro-batches and ranks combine exactly like the token lo
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +57,13 @@ def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
     predicts = torch.zeros_like(labels, dtype=torch.bool)
     predicts[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     return predicts.reshape(-1).nonzero().squeeze(1)
+
+
+@dataclass
+class MiniMindCausalLMOutput(MoeCausalLMOutputWithPast):
+    """`MoeCausalLMOutputWithPast` plus `token_losses` (see `return_token_losses`)."""
+
+    token_losses: torch.FloatTensor | None = None
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -472,15 +482,17 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         packed_layout: PackedDocuments | None = None,
         token_mask: torch.Tensor | None = None,
         num_sequences_in_batch: int | torch.Tensor | None = None,
+        return_token_losses: bool = False,
         **kwargs,
-    ) -> MoeCausalLMOutputWithPast:
+    ) -> MiniMindCausalLMOutput:
         """Causal LM forward.
 
         loss: shifted cross-entropy over labels != -100, the mean over those tokens, or their
         sum divided by `num_items_in_batch` when given. `aux_loss` (MoE load balancing, already
         multiplied by `router_aux_loss_coef`; 0 for a dense model) is returned separately.
         With `skip_logits` the loss is computed from `loss_positions` (computed here if not
-        given) in chunks, and no logits are returned.
+        given) in chunks, and no logits are returned; `return_token_losses` then adds each loss
+        position's cross-entropy, unscaled and detached (`token_losses`, in `loss_positions` order).
         """
         hidden, aux_loss, past_key_values = self.model(
             input_ids=input_ids,
@@ -493,7 +505,9 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
             token_mask=token_mask,
             num_sequences_in_batch=num_sequences_in_batch,
         )
-        logits, loss = None, None
+        logits, loss, token_losses = None, None, None
+        if return_token_losses and not (skip_logits and labels is not None):
+            raise ValueError("return_token_losses needs labels and skip_logits=True")
         if labels is not None:
             if skip_logits:
                 if loss_positions is None:
@@ -504,9 +518,14 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
                 # Without gradients (evaluation) nothing is kept for a backward: one call of the
                 # head, so that hooks on it see the loss positions' logits (trainer/evaluation.py).
                 if self.chunk_lm_loss and torch.is_grad_enabled():
-                    loss = chunked_lm_loss(chosen, self.lm_head.weight, targets, self.loss_chunk_tokens()) / count
+                    total, token_losses = chunked_lm_loss(chosen, self.lm_head.weight, targets,
+                                                          self.loss_chunk_tokens(), token_losses=True)
+                    loss = total / count
                 else:
-                    loss = self._reduce_loss(self.lm_head(chosen), targets, count)
+                    logits_at_loss = self.lm_head(chosen)
+                    loss = self._reduce_loss(logits_at_loss, targets, count)
+                    if return_token_losses:
+                        token_losses = F.cross_entropy(logits_at_loss.detach().float(), targets, reduction="none")
             else:
                 logits = self.lm_head(hidden)
                 loss = self._reduce_loss(
@@ -515,8 +534,9 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         if logits is None and not skip_logits:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
             logits = self.lm_head(hidden[:, keep])
-        return MoeCausalLMOutputWithPast(
-            loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=past_key_values if use_cache else None
+        return MiniMindCausalLMOutput(
+            loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=past_key_values if use_cache else None,
+            token_losses=token_losses if return_token_losses else None,
         )
 
     def loss_chunk_tokens(self) -> int:
@@ -535,10 +555,12 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
 
 
 @torch.compiler.disable
-def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                    token_losses: bool = False):
     """sum over tokens of cross_entropy(hidden @ weight.T, targets), fp32, `chunk_tokens` rows
     of logits at a time in the forward and again in the backward. hidden [N, H], weight [V, H],
-    targets [N]. Under autocast the matmuls run in the autocast dtype, as `lm_head` would."""
+    targets [N]. Under autocast the matmuls run in the autocast dtype, as `lm_head` would.
+    `token_losses=True` returns (sum, the N per-token values it summed, detached)."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -546,7 +568,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     elif hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     with torch.autocast(device_type, enabled=False):
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+        total, per_token = _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+    return (total, per_token) if token_losses else total
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -557,17 +580,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk_tokens):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         log_norms = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
             logits = (hidden[start:end] @ weight.t()).float()
             log_norms[start:end] = logits.logsumexp(dim=-1)
-            total += (log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)).sum()
+            per_token[start:end] = log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)
+            total += per_token[start:end].sum()
         ctx.save_for_backward(hidden, weight, targets, log_norms)
         ctx.chunk_tokens = chunk_tokens
-        return total
+        ctx.mark_non_differentiable(per_token)
+        return total, per_token
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_total, _grad_per_token):
         hidden, weight, targets, log_norms = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)

@@ -2,6 +2,7 @@
 
     python scripts/bench.py --hidden_size 256 --num_hidden_layers 4 --max_seq_len 512 --batch_size 8
     python scripts/bench.py --scaling        # cache build, restart time and RSS for 10k and 100k chats
+    python scripts/bench.py --scaling --scaling_sizes 100000,1000000 --restarts 1
 
 Modes, all measured in this one process (compare ratios within one run, never figures of
 different runs). Every (mode, dtype) gets its own model built from the same seed, the same data
@@ -71,12 +72,15 @@ document (model/packed_attention.py), so its pairs are counted per document.
 
 Startup (in this process, `import torch` excluded): tokenizer load, SFTDataset from a fresh
 cache directory (tokenizes the file) and from the existing cache, model + optimizer build, and
-the first optimizer step of the dynamic mode. `--scaling` measures real restarts in fresh
-processes: for synthetic files of 10k and 100k conversations (demo lines resampled with a fixed
-seed, so lengths follow the demo data) it reports the cache build time, the time from process
-start to the end of the first optimizer step with the cache present (tokenizer, dataset, model,
-first step; target < 5 s for 100k) and that process's peak RSS (target: flat in the number of
-conversations, since the tokens stay memory-mapped).
+the first optimizer step of the dynamic mode. `--scaling` measures the cache build and real
+restarts in fresh processes: for synthetic files of --scaling_sizes conversations (demo lines
+resampled with a fixed seed, so lengths follow the demo data; e.g. `--scaling_sizes
+100000,1000000`) it reports the cache build (sha256 of the file, row count, tokenizing with the
+default number of processes) in seconds and rows/s, the peak RSS of the building process
+(VmHWM; torch and the tokenizer included) and of its largest tokenizer worker (ru_maxrss of the
+children), both meant to stay flat in the file size; then the time from process start to the
+end of the first optimizer step with the cache present (tokenizer, dataset, model, first step;
+target < 5 s for 100k) and that process's peak RSS (flat too: the tokens stay memory-mapped).
 """
 
 from __future__ import annotations
@@ -112,7 +116,9 @@ from trainer.args import parse_args  # noqa: E402
 from trainer.data_setup import build_train_data  # noqa: E402
 from trainer.distributed import DistContext  # noqa: E402
 from trainer.loop import IGNORE_INDEX, Run, agree_on_step, optimizer_step  # noqa: E402
-from trainer.model_setup import build_grad_scaler, build_model, build_model_config, build_optimizer  # noqa: E402
+from trainer.model_setup import (  # noqa: E402
+    build_grad_scaler, build_model, build_model_config, build_optimizer, compile_model,
+)
 from trainer.parallelism import Replicated  # noqa: E402
 from trainer.preemption import PreemptionFlag  # noqa: E402
 from trainer.seeding import setup_seed  # noqa: E402
@@ -176,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
     scaling = parser.add_argument_group("scaling (--scaling)")
     scaling.add_argument("--scaling", action="store_true",
-                         help="instead of the modes: cache build, restart time and peak RSS for synthetic data sets")
+                         help="instead of the modes: cache build (s, rows/s, peak RSS) and restart to the first step "
+                         "(s, peak RSS) for synthetic data sets")
     scaling.add_argument("--scaling_sizes", default="10000,100000", help="numbers of synthetic conversations")
     scaling.add_argument("--restarts", type=int, default=3, help="restart measurements per size")
     scaling.add_argument("--keep_tmp", action="store_true", help="keep the synthetic files and caches")
@@ -354,7 +361,7 @@ def build_run(args, tokenizer, ctx, data, dtype, mode: str):
     optimizer = build_optimizer(model, args, ctx.device)
     wrapped = MiniMindObjective(model, args.accumulation_steps) if mode == "minimind" else model
     if args.use_compile:
-        wrapped = torch.compile(wrapped)
+        wrapped = compile_model(wrapped, ctx.device)
     run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data,
               eval_sets=[], tokenizer=tokenizer, logger=None, preemption=PreemptionFlag(), parallel=parallel)
     run.model.train()
@@ -725,6 +732,7 @@ def probe_main(options) -> None:
     device = resolve_device(options.device)
     options.device = str(device)
     if options.probe == "build":
+        figures["rss_before_build_mib"] = (proc_status_kib("VmRSS") or 0) / 1024
         start = time.time()
         dataset = SFTDataset(options.data_path, tokenizer, options.max_seq_len, cache_dir=options.cache_dir)
         figures["cache_build_s"] = time.time() - start
@@ -752,6 +760,34 @@ def probe_main(options) -> None:
     print(PROBE_PREFIX + json.dumps(figures), flush=True)
 
 
+SCALING_COLUMNS = [  # (JSON key, header, format)
+    ("conversations", "conversations", "d"),
+    ("data_mib", "data MiB", ".1f"),
+    ("tokens", "tokens", "d"),
+    ("cache_build_s", "build s", ".1f"),
+    ("cache_build_rows_per_s", "build rows/s", ".0f"),
+    ("cache_build_peak_rss_mib", "build RSS MiB", ".0f"),
+    ("cache_build_workers_peak_rss_mib", "workers RSS MiB", ".0f"),
+    ("restart_s", "restart s (each)", ""),
+    ("restart_dataset_s", "dataset s", ".3f"),
+    ("restart_peak_rss_mib", "restart RSS MiB", ".0f"),
+    ("cache_mib", "cache MiB", ".1f"),
+]
+
+
+def format_scaling_header() -> str:
+    return "  ".join(f"{title:>{max(len(title), 9)}}" for _, title, _ in SCALING_COLUMNS)
+
+
+def format_scaling_row(row: dict) -> str:
+    cells = []
+    for key, title, number_format in SCALING_COLUMNS:
+        value = row[key]
+        text = ", ".join(f"{seconds:.2f}" for seconds in value) if isinstance(value, list) else format(value, number_format)
+        cells.append(f"{text:>{max(len(title), 9)}}")
+    return "  ".join(cells)
+
+
 def run_scaling(options) -> dict:
     device = resolve_device(options.device)
     options.device = str(device)
@@ -763,10 +799,8 @@ def run_scaling(options) -> dict:
     work_dir = Path(tempfile.mkdtemp(prefix="minisft-bench-scaling-"))
     results = []
     try:
-        header = (f"{'conversations':>13}  {'tokens':>10}  {'cache build s':>13}  {'restart s (each)':>22}  "
-                  f"{'dataset s':>9}  {'peak RSS MiB':>12}  {'cache MiB':>9}")
         print()
-        print(header)
+        print(format_scaling_header())
         for count in options.scaling_sizes:
             data_path = work_dir / f"synthetic_{count}.jsonl"
             cache_dir = work_dir / f"cache_{count}"
@@ -776,21 +810,22 @@ def run_scaling(options) -> dict:
             cache_bytes = sum(f.stat().st_size for f in cache_dir.rglob("*") if f.is_file())
             row = {
                 "conversations": count,
+                "data_mib": data_path.stat().st_size / MIB,
                 "samples": build["samples"],
                 "tokens": build["tokens"],
                 "cache_build_s": build["cache_build_s"],
+                "cache_build_rows_per_s": count / build["cache_build_s"],
+                "cache_build_rss_before_mib": build["rss_before_build_mib"],
                 "cache_build_peak_rss_mib": build["peak_rss_mib"],
                 "cache_build_workers_peak_rss_mib": build["workers_peak_rss_mib"],
                 "cache_mib": cache_bytes / MIB,
                 "restart_s": [probe["to_first_step_s"] for probe in restarts],
+                "restart_dataset_s": min(probe["dataset_s"] for probe in restarts),
                 "restart_breakdown": restarts,
                 "restart_peak_rss_mib": max(probe["peak_rss_mib"] for probe in restarts),
             }
             results.append(row)
-            restart_text = ", ".join(f"{seconds:.2f}" for seconds in row["restart_s"])
-            dataset_s = min(probe["dataset_s"] for probe in restarts)
-            print(f"{count:>13}  {row['tokens']:>10}  {row['cache_build_s']:>13.2f}  {restart_text:>22}  "
-                  f"{dataset_s:>9.3f}  {row['restart_peak_rss_mib']:>12.0f}  {row['cache_mib']:>9.1f}", flush=True)
+            print(format_scaling_row(row), flush=True)
     finally:
         if options.keep_tmp:
             print(f"kept {work_dir}")
@@ -798,11 +833,16 @@ def run_scaling(options) -> dict:
             shutil.rmtree(work_dir, ignore_errors=True)
     largest, smallest = results[-1], results[0]
     median_restart = sorted(largest["restart_s"])[len(largest["restart_s"]) // 2]
-    growth = largest["restart_peak_rss_mib"] - smallest["restart_peak_rss_mib"]
+
+    def growth(key: str) -> str:
+        return (f"{smallest[key]:.0f} MiB at {smallest['conversations']} -> {largest[key]:.0f} MiB at "
+                f"{largest['conversations']} ({largest[key] - smallest[key]:+.0f} MiB)")
+
     summary = (f"summary: restart to first step with {largest['conversations']} conversations: median "
-               f"{median_restart:.2f} s (target < 5 s: {'met' if median_restart < 5 else 'NOT met'}); restart "
-               f"peak RSS {smallest['restart_peak_rss_mib']:.0f} MiB at {smallest['conversations']} -> "
-               f"{largest['restart_peak_rss_mib']:.0f} MiB at {largest['conversations']} ({growth:+.0f} MiB)")
+               f"{median_restart:.2f} s (target < 5 s: {'met' if median_restart < 5 else 'NOT met'}); cache build "
+               f"{largest['cache_build_rows_per_s']:.0f} rows/s; build peak RSS {growth('cache_build_peak_rss_mib')}, "
+               f"its tokenizer workers {growth('cache_build_workers_peak_rss_mib')}; restart peak RSS "
+               f"{growth('restart_peak_rss_mib')}")
     print(summary)
     return {"machine": machine_description(device), "scaling": results, "summary": summary,
             "options": {key: value for key, value in vars(options).items() if not key.startswith("probe")}}

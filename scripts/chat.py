@@ -2,13 +2,22 @@
 
     python scripts/chat.py --model_path out                       # interactive; /reset, /exit
     python scripts/chat.py --model_path out/model --prompt "Hi"   # prints only the answer
+    python scripts/chat.py --model_path out/demo --tools demo --prompt "Capital of Lumbria?"
 
 The conversation is rendered with the tokenizer's chat template (``add_generation_prompt=True``)
 and generation stops at the eos token (``<|im_end|>``). ``--temperature 0`` is greedy decoding.
+
+Tool calls the model writes (``<tool_call>`` blocks) are shown as ``tool call: NAME ARGUMENTS``
+lines. With ``--tools demo`` the demo tools (``dataset/demo_tools.py``: ``lookup_country``,
+``calculator``) are offered to the model in the prompt, each call is run and shown as a
+``tool result: ...`` line, the results are appended to the conversation as tool messages and
+generation continues, until the model answers in text (at most ``MAX_TOOL_ROUNDS`` rounds). With
+``--prompt`` these lines go to stderr and stdout holds only the answer.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,6 +37,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass (sampling only)")
     parser.add_argument("--max_new_tokens", type=int, default=512, help="most tokens generated per answer")
     parser.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible answers)")
+    parser.add_argument("--tools", default="none", choices=["none", "demo"],
+                        help="demo = offer the demo tools (lookup_country, calculator) and run the model's calls "
+                             "with them until it answers in text; none = show calls without running them")
     return parser
 
 
@@ -40,25 +52,30 @@ def check_args(args) -> None:
         fail(f"--max_new_tokens must be positive, got {args.max_new_tokens}")
 
 
-def fit_context(tokenizer, messages: list[dict], context: int) -> tuple[list[dict], list[int]]:
-    """Drop the oldest exchanges (never the system prompt or the last message) until the prompt fits."""
+MAX_TOOL_ROUNDS = 5  # generations with tool calls per user message before chat gives up
+
+
+def fit_context(tokenizer, messages: list[dict], context: int, tools=None) -> tuple[list[dict], list[int]]:
+    """Drop the oldest exchanges (a user message with everything up to the next one; never the
+    system prompt or the last exchange) until the prompt fits."""
     messages = list(messages)
-    ids = prompt_ids(tokenizer, messages)
+    ids = prompt_ids(tokenizer, messages, tools)
     while len(ids) >= context:
         first = 1 if messages[0]["role"] == "system" else 0
-        if len(messages) - first <= 1:
+        later_users = [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
+        if not later_users:
             raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {context}")
-        del messages[first:first + 2]  # one user message and its answer
-        ids = prompt_ids(tokenizer, messages)
+        del messages[first:later_users[0]]
+        ids = prompt_ids(tokenizer, messages, tools)
     return messages, ids
 
 
-def generate_answer(model, tokenizer, messages: list[dict], args, streamer=None) -> tuple[str, list[dict]]:
-    """The model's reply to ``messages`` and the (possibly shortened) history it was given."""
+def generate_answer(model, tokenizer, messages: list[dict], args, streamer=None, tools=None) -> tuple[str, list[dict]]:
+    """The model's generated text after ``messages`` and the (possibly shortened) history it was given."""
     import torch
 
     context = model.config.max_position_embeddings
-    messages, ids = fit_context(tokenizer, messages, context)
+    messages, ids = fit_context(tokenizer, messages, context, tools)
     input_ids = torch.tensor([ids], dtype=torch.long, device=model.device)
     settings = generation_kwargs(tokenizer, min(args.max_new_tokens, context - len(ids)), args.temperature, args.top_p)
     with torch.inference_mode():
@@ -67,12 +84,60 @@ def generate_answer(model, tokenizer, messages: list[dict], args, streamer=None)
     return answer.strip(), messages
 
 
+def answer_with_tools(generate, messages: list[dict], run_tool, show) -> tuple[str, list[dict]]:
+    """Generate until the model answers in text, running its tool calls in between.
+
+    ``generate(messages)`` returns ``(generated text, the history it was given)``; ``run_tool(name,
+    arguments)`` returns a tool message's text, or is ``None`` (calls are shown, not run); ``show``
+    prints one transcript line. Returns the answer and the history with the assistant's calls, the
+    tool results and the answer appended."""
+    from dataset.tool_calls import parse_reply
+
+    for _ in range(MAX_TOOL_ROUNDS):
+        text, messages = generate(messages)
+        reply = parse_reply(text)
+        message = {"role": "assistant", "content": reply.content}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        for block in reply.bad_calls:
+            show(f"tool call not understood (not a JSON name and arguments): {block}")
+        for call in reply.calls:
+            show(f"tool call: {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}")
+        if not reply.calls or reply.bad_calls or run_tool is None:
+            if reply.calls and run_tool is None:
+                show("(the calls were not run: pass --tools demo to run them with the demo tools)")
+            return reply.content, messages + [message]
+        message["tool_calls"] = [{"type": "function", "function": call} for call in reply.calls]
+        messages = messages + [message]
+        for call in reply.calls:
+            result = run_tool(call["name"], call["arguments"])
+            show(f"tool result: {result}")
+            messages.append({"role": "tool", "content": result})
+    show(f"(stopped: the model was still calling tools after {MAX_TOOL_ROUNDS} rounds)")
+    return "", messages
+
+
+def demo_tools(args) -> tuple[list | None, object]:
+    """(the tools offered in the prompt, the function that runs a call) for ``--tools``."""
+    if args.tools == "demo":
+        from dataset.demo_tools import TOOLS, run_tool
+
+        return TOOLS, run_tool
+    return None, None
+
+
 def interactive(model, tokenizer, args) -> None:
     from transformers import TextStreamer
 
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    tools, run_tool = demo_tools(args)
+    system = [{"role": "system", "content": args.system or ""}] if args.system or tools else []
     history = list(system)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    # With tools the answer is printed after the calls are run, not streamed
+    streamer = None if tools else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+    def generate(messages):
+        return generate_answer(model, tokenizer, messages, args, streamer, tools)
+
     print("Chat with the model. Commands: /reset (new conversation), /exit (or Ctrl-D).", file=sys.stderr)
     while True:
         try:
@@ -88,14 +153,16 @@ def interactive(model, tokenizer, args) -> None:
             history = list(system)
             print("(conversation reset)", file=sys.stderr)
             continue
-        print("assistant> ", end="", flush=True)
+        if streamer is not None:
+            print("assistant> ", end="", flush=True)
         try:
-            messages = history + [{"role": "user", "content": text}]
-            answer, history = generate_answer(model, tokenizer, messages, args, streamer)
+            answer, history = answer_with_tools(generate, history + [{"role": "user", "content": text}], run_tool,
+                                                print)
         except ValueError as error:
             print(f"\nerror: {error}", file=sys.stderr)
             continue
-        history.append({"role": "assistant", "content": answer})
+        if streamer is None:
+            print(f"assistant> {answer}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,10 +176,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt is None:
         interactive(model, tokenizer, args)
         return 0
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    tools, run_tool = demo_tools(args)
+    messages = [{"role": "system", "content": args.system or ""}] if args.system or tools else []
     messages.append({"role": "user", "content": args.prompt})
+
+    def generate(history):
+        return generate_answer(model, tokenizer, history, args, tools=tools)
+
     try:
-        answer, _ = generate_answer(model, tokenizer, messages, args)
+        answer, _ = answer_with_tools(generate, messages, run_tool, lambda line: print(line, file=sys.stderr))
     except ValueError as error:
         fail(str(error))
     print(answer)

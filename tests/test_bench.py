@@ -6,17 +6,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from scripts.bench import COLUMNS, build_parser, causal_pairs
+from scripts.bench import COLUMNS, SCALING_COLUMNS, build_parser, causal_pairs, format_scaling_header
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "dataset" / "demo" / "sft_train.jsonl"
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
+def run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def test_help_lists_the_flags():
@@ -93,3 +94,32 @@ def test_summary_compares_compiled_with_eager_and_bf16_with_fp32():
         "bf16/fp32 loss tok/s: grouped 1.10; compiled/eager loss tok/s: minimind float32 1.50 (warm-up 30 s vs "
         "1 s eager), grouped float32 1.20 (warm-up 40 s vs 1 s eager), grouped bfloat16 1.45 (warm-up 50 s vs 1 s eager)"
     )
+
+
+def test_scaling_reports_the_cache_build_and_the_restart(tmp_path):
+    """One size and one restart: two fresh processes (each imports torch), so it stays short."""
+    json_out = tmp_path / "scaling.json"
+    completed = run_bench(
+        "--scaling", "--scaling_sizes", "150", "--restarts", "1", "--hidden_size", "32", "--num_hidden_layers", "1",
+        "--max_seq_len", "512", "--batch_size", "2", "--dtypes", "float32", "--device", "cpu", "--json_out", str(json_out),
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.lstrip().startswith("conversations")))
+    assert lines[header] == format_scaling_header()
+    assert all(title in lines[header] for title in ("build rows/s", "build RSS MiB", "workers RSS MiB", "restart s"))
+    assert len(lines[header + 1].split()) == len(SCALING_COLUMNS) and lines[header + 1].split()[0] == "150"
+    summary = lines[-1]
+    assert summary.startswith("summary: restart to first step with 150 conversations: median ")
+    for part in (" rows/s; build peak RSS ", "its tokenizer workers ", "restart peak RSS "):
+        assert part in summary
+
+    [row] = json.loads(json_out.read_text(encoding="utf-8"))["scaling"]
+    assert row["conversations"] == row["samples"] == 150  # every demo conversation fits 512 tokens
+    assert row["tokens"] > row["samples"] and row["data_mib"] > 0 and row["cache_mib"] > 0
+    assert row["cache_build_rows_per_s"] == pytest.approx(row["conversations"] / row["cache_build_s"])
+    assert row["cache_build_peak_rss_mib"] >= row["cache_build_rss_before_mib"] > 0
+    assert row["cache_build_workers_peak_rss_mib"] >= 0
+    assert len(row["restart_s"]) == 1 and 0 < row["restart_dataset_s"] < row["restart_s"][0]
+    assert row["restart_peak_rss_mib"] > 0

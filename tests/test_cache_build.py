@@ -1,9 +1,10 @@
 """Building the token cache: compressed inputs, interruptions (real signals to real processes)
-and the temporary directories a killed build leaves."""
+and resuming a killed build from the rows it finished."""
 
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dataset.partial_build as partial_build
 import dataset.sources as sources
 import dataset.token_cache as token_cache
 from dataset import DataError, SFTDataset, load_tokenizer
@@ -41,10 +43,6 @@ def write_rows(path: Path, lines: list[str]) -> Path:
 
 def cache_arrays(ds: SFTDataset) -> list[np.ndarray]:
     return [np.asarray(ds.tokens), np.asarray(ds.loss_mask), ds.offsets]
-
-
-def temporaries(cache_root: Path) -> list[str]:
-    return sorted(p.name for p in cache_root.glob(".tmp-*")) if cache_root.is_dir() else []
 
 
 # ----------------------------------------------------------------------------- .jsonl.gz
@@ -77,14 +75,18 @@ def test_gzip_bad_row_and_corrupt_gzip_are_one_line_errors(tokenizer, tmp_path):
 BIG_ROWS = 80_000  # long enough to tokenize that the signal lands mid-build on a fast machine
 
 
+def partials(cache_root: Path) -> list[str]:
+    return sorted(p.name for p in cache_root.glob(".partial-*")) if cache_root.is_dir() else []
+
+
 def wait_for_build_start(cache_root: Path, process: subprocess.Popen, timeout: float = 120.0) -> list[str]:
     deadline = time.monotonic() + timeout
-    while not temporaries(cache_root):
+    while not partials(cache_root):
         assert process.poll() is None, f"exited early: {process.communicate()}"
         assert time.monotonic() < deadline, "the build never started"
         time.sleep(0.05)
     time.sleep(0.5)  # into the tokenizing, with the pool's workers running
-    return temporaries(cache_root)
+    return partials(cache_root)
 
 
 @pytest.mark.slow
@@ -109,30 +111,178 @@ def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path
     assert process.returncode == 128 + signum, stderr
     name = signal.Signals(signum).name
     assert stderr.strip().splitlines()[-1] == (
-        f"stopped: {name} while building the token cache: stopped; run the same command again to build it")
-    assert temporaries(cache_root) == [] and [p.name for p in cache_root.iterdir()] == [".digests"]
+        f"stopped: {name} while building the token cache: stopped; run the same command again to continue it "
+        "(the rows tokenized so far are kept)")
+    # What was tokenized is committed for the next run; no cache is in place yet.
+    [partial] = partials(cache_root)
+    assert sorted(p.name for p in cache_root.iterdir()) == [".digests", partial]
+    progress = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
+    assert progress["total_rows"] == BIG_ROWS and progress["rows"] < BIG_ROWS
+
+
+def cache_files(cache: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(cache.iterdir())}
+
+
+ENCODE_CHUNK = token_cache._encode_chunk
+
+
+def counting_encoder(monkeypatch, fail_at_chunk: int | None = None) -> list[int]:
+    """Count the rows the build encodes (num_proc=1 encodes in this process); optionally fail at a chunk."""
+    rows: list[int] = []
+    real = ENCODE_CHUNK
+
+    def encode(task):
+        if fail_at_chunk is not None and len(rows) == fail_at_chunk:
+            raise RuntimeError("injected failure")
+        rows.append(len(task[1]))
+        return real(task)
+
+    monkeypatch.setattr(token_cache, "_encode_chunk", encode)
+    return rows
+
+
+def mixed_rows(count: int) -> list[str]:
+    """Good rows with two bad ones (3, 17), a blank one (9) and one without loss tokens at 64 tokens (12)."""
+    lines = [chat_line(i) for i in range(count)]
+    lines[2] = '{"broken'
+    lines[8] = ""
+    lines[11] = json.dumps({"conversations": [{"role": "user", "content": "long " * 200},
+                                              {"role": "assistant", "content": "ok"}]})
+    lines[16] = json.dumps({"conversations": [{"role": "robot", "content": "x"}]})
+    return lines
+
+
+def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cache(tokenizer, tmp_path, monkeypatch,
+                                                                                    capsys):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    path = write_rows(tmp_path / "r.jsonl", mixed_rows(23))
+    whole = SFTDataset(path, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1, bad_data="skip")
+    assert (whole.num_skipped, whole.num_dropped, len(whole)) == (2, 1, 19)
+
+    cache_root = tmp_path / "resumed"
+    counting_encoder(monkeypatch, fail_at_chunk=3)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        SFTDataset(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
+    [partial] = partials(cache_root)
+    progress = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
+    assert (progress["rows"], progress["total_rows"], progress["num_skipped"]) == (15, 23, 1)
+    for torn in (cache_root / partial / "cache" / "tokens.bin", cache_root / partial / "lengths.bin"):
+        with open(torn, "ab") as f:  # what a process killed while writing a chunk leaves after its last commit
+            f.write(b"\x07" * 11)
+    capsys.readouterr()
+
+    encoded = counting_encoder(monkeypatch)
+    resumed = SFTDataset(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
+    assert sum(encoded) == 23 - 15  # the old code encoded all 23 again
+    assert "resuming cache build at row 15 of 23" in capsys.readouterr().err
+    assert resumed.cache_path.name == whole.cache_path.name
+    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)  # tokens, masks, offsets, meta
+    assert partials(cache_root) == []
+
+
+def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 4)
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    path = write_rows(tmp_path / "v.jsonl", [chat_line(i) for i in range(20)])
+    other = write_rows(tmp_path / "other.jsonl", [chat_line(i) for i in range(20)][::-1])
+    counting_encoder(monkeypatch, fail_at_chunk=2)
+    for data in (path, other):
+        with pytest.raises(RuntimeError, match="injected failure"):
+            SFTDataset(data, tokenizer, 64, num_proc=1)
+    cache_root = tmp_path / ".cache"
+    old_partials = partials(cache_root)
+    assert len(old_partials) == 2
+    other_partial = [name for name in old_partials
+                     if json.loads((cache_root / name / "progress.json").read_text())["data_file"] == str(other.resolve())]
+
+    write_rows(path, [chat_line(i + 100) for i in range(20)])  # a new version of the file
+    encoded = counting_encoder(monkeypatch)
+    changed = SFTDataset(path, tokenizer, 64, num_proc=1)
+    assert sum(encoded) == 20  # nothing of the old version's 8 rows was reused
+    fresh = SFTDataset(path, tokenizer, 64, cache_dir=tmp_path / "fresh", num_proc=1)
+    assert cache_files(changed.cache_path) == cache_files(fresh.cache_path)
+    # The old version's partial build is removed; the other file's is kept for its own restart.
+    assert len(other_partial) == 1 and partials(cache_root) == other_partial
+
+
+def hold_lock(lock: Path, seconds: float) -> subprocess.Popen:
+    """A live process that holds a partial build's lock (as a builder does) for ``seconds``."""
+    code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "f.seek(0); f.truncate(); f.write('otherhost.4242'); f.flush(); print('locked', flush=True); "
+            "time.sleep(float(sys.argv[2]))")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen([sys.executable, "-c", code, str(lock), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "locked"
+    return process
+
+
+def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 4)
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    monkeypatch.setattr(partial_build, "WAIT_REPORT_S", 0.2)
+    path = write_rows(tmp_path / "w.jsonl", [chat_line(i) for i in range(12)])
+    cache_root = tmp_path / ".cache"
+    counting_encoder(monkeypatch, fail_at_chunk=1)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        SFTDataset(path, tokenizer, 64, num_proc=1)
+    [old] = partials(cache_root)
+    counting_encoder(monkeypatch)
+    # An outdated partial build held by a live process stays...
+    holder = hold_lock(cache_root / old / "lock", 60)
+    try:
+        write_rows(path, [chat_line(i + 50) for i in range(12)])
+        new = SFTDataset(path, tokenizer, 64, num_proc=1)
+        assert partials(cache_root) == [old]
+    finally:
+        holder.kill()
+        holder.wait()
+    # ...and a build of the same cache waits for the live builder, then does the work itself.
+    new_partial = cache_root / f".partial-{new.cache_path.name}"
+    shutil.rmtree(new.cache_path)
+    holder = hold_lock(new_partial / "lock", 1.5)
+    capsys.readouterr()
+    rebuilt = SFTDataset(path, tokenizer, 64, num_proc=1)
+    holder.wait()
+    assert "waiting for process otherhost.4242, which is building this token cache" in capsys.readouterr().err
+    assert len(rebuilt) == 12 and partials(cache_root) == []  # the old version's is removed once its holder is gone
 
 
 @pytest.mark.slow
-def test_a_killed_builds_temporary_directory_is_removed_by_the_next_build(tokenizer, tmp_path):
-    data = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(BIG_ROWS)])
+def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, monkeypatch):
+    rows = 600
+    data = write_rows(tmp_path / "k9.jsonl", [chat_line(i) for i in range(rows)])
     cache_root = tmp_path / "cache"
-    code = (f"from dataset import SFTDataset; SFTDataset({str(data)!r}, None, 64, cache_dir={str(cache_root)!r})")
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=clean_env(), start_new_session=True)
+    code = ("import sys, time; import dataset.token_cache as t, dataset.partial_build as p; "
+            "t.CHUNK_LINES = 20; p.COMMIT_S = 0.0; encode = t._encode_chunk; "
+            "t._encode_chunk = lambda task: time.sleep(0.1) or encode(task); "
+            "from dataset import SFTDataset; SFTDataset(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=1)")
+    process = subprocess.Popen([sys.executable, "-c", code, str(data), str(cache_root)], cwd=REPO, env=clean_env(),
+                               start_new_session=True)
     try:
-        left = wait_for_build_start(cache_root, process)
+        deadline = time.monotonic() + 120
+        while True:
+            found = list(cache_root.glob(".partial-*/progress.json"))
+            if found and json.loads(found[0].read_text(encoding="utf-8"))["rows"] >= 100:
+                break
+            assert process.poll() is None and time.monotonic() < deadline, "no progress was committed"
+            time.sleep(0.02)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert temporaries(cache_root) == left and len(left) == 1
-    # Another live builder's directory (this process) is kept; the killed one's is removed.
-    live = cache_root / f".tmp-{'0' * 24}-{token_cache._builder_id()}-abcdefgh"
-    live.mkdir()
-    small = write_rows(tmp_path / "small.jsonl", [chat_line(i) for i in range(5)])
-    SFTDataset(small, tokenizer, 64, cache_dir=cache_root, num_proc=1)
-    assert temporaries(cache_root) == [live.name]
+    committed = json.loads(found[0].read_text(encoding="utf-8"))["rows"]
+    assert 100 <= committed < rows
+
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 20)
+    encoded = counting_encoder(monkeypatch)
+    resumed = SFTDataset(data, tokenizer, 64, cache_dir=cache_root, num_proc=1)
+    assert sum(encoded) == rows - committed
+    whole = SFTDataset(data, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1)
+    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
+    assert partials(cache_root) == []
 
 
 # ----------------------------------------------------------------------------- no collective while building

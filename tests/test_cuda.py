@@ -67,13 +67,15 @@ def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
         assert torch.allclose(a, b, atol=2e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("kind", ["dense", "packed", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "packed", "moe", "mixture"])
 def test_a_training_micro_step_makes_no_host_sync(kind):
     """Forward + backward of one micro-batch as trainer/loop.optimizer_step runs it (bf16 autocast,
-    the collator's precomputed loss positions and packed layout): any host sync raises."""
+    the collator's precomputed loss positions and packed layout; for a mixture the per-source
+    losses of trainer/source_losses.py): any host sync raises."""
     from dataset import SFTCollator
     from tests.test_model import packed_rows, tiny_model
     from trainer.loop import model_inputs
+    from trainer.source_losses import SourceLosses
 
     model = tiny_model(**(dict(use_moe=True, num_experts=4, num_experts_per_tok=2) if kind == "moe" else {}))
     model = model.cuda().train()
@@ -86,15 +88,21 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
         item = {"input_ids": ids[row, :n].numpy(), "labels": labels[row, :n].numpy()}
         if kind == "packed":
             item["position_ids"] = positions[row, :n].numpy()
+        if kind == "mixture":
+            item["source"] = row % 2
         items.append(item)
     batch = SFTCollator(pad_token_id=0)(items)
     loss_tokens = int((batch["labels"][:, 1:] != -100).sum())
+    sources = SourceLosses(["a", "b"], torch.device("cuda:0")) if kind == "mixture" else None
 
     def micro_step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(**model_inputs(batch, torch.device("cuda:0")), num_items_in_batch=loss_tokens,
-                        num_sequences_in_batch=len(items), skip_logits=True)
+                        num_sequences_in_batch=len(items), skip_logits=True,
+                        **({"return_token_losses": True} if sources else {}))
         (out.loss + out.aux_loss).backward()
+        if sources:
+            sources.add_micro_batch(out.token_losses, batch)
         return out
 
     micro_step()  # CUDA/cuBLAS initialisation may synchronise once

@@ -134,14 +134,16 @@ def test_resume_with_another_seed_or_data_file_is_refused(data, two_rank_run, tm
     assert not os.path.exists(tmp_path / "data" / "checkpoints")
 
 
-def test_refusal_names_each_fixed_setting():
-    args = SimpleNamespace(seed=1, data_path=__file__, max_seq_len=64, packing=0, save_dir="/runs/b")
+def test_refusal_names_each_fixed_setting(tmp_path):
+    args = SimpleNamespace(seed=1, data_path=__file__, max_seq_len=64, packing=0, save_dir="/runs/b",
+                           cache_dir=str(tmp_path))
     tokenizer = load_tokenizer(None)
     saved = {"sample_stream": {"fixed": sample_stream.fixed_settings(args, tokenizer)},
              "args": {"save_dir": "/runs/a", "data_path": __file__}}
     assert sample_stream.refusal(saved, args, tokenizer) is None
     for name, change in (("--max_seq_len", {"max_seq_len": 128}), ("--packing", {"packing": 1}),
-                         ("--data_path content", {"data_path": os.path.join(REPO, "README.md")})):
+                         ("--data_path content", {"data_path": os.path.join(REPO, "README.md")}),
+                         ("--data_path weights", {"data_path": f"{__file__}:2,{__file__}"})):
         problem = sample_stream.refusal(saved, SimpleNamespace(**{**vars(args), **change}), tokenizer)
         assert problem.startswith(f"cannot resume: {name} differs from the checkpoint's run"), problem
         assert problem.endswith("--from_weight /runs/a/model --save_dir NEW_DIR")

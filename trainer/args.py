@@ -12,6 +12,8 @@ import math
 import os
 import re
 
+from dataset.mixture import absolute_data_path, split_weight
+
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAIN_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_train.jsonl")
 DEFAULT_EVAL_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_eval.jsonl")
@@ -57,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = parser.add_argument_group("4. data")
     data.add_argument("--data_path", "--train_data_path", default=DEFAULT_TRAIN_DATA,
-                      help="training .jsonl, .jsonl.gz or .parquet (MiniMind, ShareGPT or OpenAI lines); default: the bundled demo set")
+                      help="training data: a .jsonl, .jsonl.gz or .parquet file (MiniMind, ShareGPT or OpenAI rows), "
+                           "a directory of such shards or a quoted glob; several sources comma-separated, each with "
+                           "an optional :WEIGHT (how often it is drawn per epoch relative to the others, default 1), "
+                           "e.g. general.jsonl:3,tools.parquet:1,shards/ (docs/data.md); default: the bundled demo set")
     data.add_argument("--eval_data_path", "--valid_data_path", default=None,
                       help="held-out jsonl file(s), comma-separated (each reported on its own); evaluated every "
                            "--eval_interval steps and at the end")
@@ -235,6 +240,7 @@ def names_a_user_path(error: OSError, args: argparse.Namespace) -> bool:
     path = os.path.abspath(os.fsdecode(error.filename))
     for name in PATH_FLAGS:
         for given in str(getattr(args, name, None) or "").split(","):
+            given = split_weight(given)[0] if name == "data_path" else given
             if given and given != "none":
                 given = os.path.abspath(given)
                 if name in ("data_path", "eval_data_path") and not args.cache_dir:
@@ -261,7 +267,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("; ".join(problems))
     if args.eval_data_path:  # several held-out files: a.jsonl,b.jsonl
         args.eval_data_path = ",".join(os.path.abspath(path) for path in args.eval_data_path.split(",") if path)
-    for name in ("data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir"):
+    args.data_path = absolute_data_path(args.data_path)  # every source's path, weights kept
+    for name in ("tokenizer_path", "save_dir", "resume_from", "cache_dir"):
         value = getattr(args, name)
         if value:
             setattr(args, name, os.path.abspath(value))

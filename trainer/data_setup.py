@@ -1,15 +1,16 @@
-"""Step 4: tokenizer, SFT dataset (tokenized once, memory-mapped), the resumable distributed
-sampler and the DataLoaders."""
+"""Step 4: tokenizer, SFT dataset (tokenized once, memory-mapped; several weighted sources with
+`dataset.mixture`), the resumable distributed sampler and the DataLoaders."""
 
 import math
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader
 
-from dataset import ChatAugmenter, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
+from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
+from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, parse_data_path
 from trainer.evaluation import EvalSet, eval_set_names, generation_examples
 from trainer.sample_stream import epoch_grouping
 
@@ -19,6 +20,7 @@ class TrainData:
     dataset: object
     sampler: ResumableDistributedSampler
     loader: DataLoader
+    source_names: list[str] = field(default_factory=lambda: ["data"])  # of --data_path's sources, in order
 
 
 def _worker_ignores_preemption(_worker_id: int) -> None:
@@ -48,10 +50,35 @@ def build_dataset(path, args, tokenizer, augmenter=None):
     return PackedSFTDataset(dataset, args.max_seq_len) if args.packing else dataset
 
 
+def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, EpochMixture]:
+    """The sources of --data_path end to end (one token cache per file; with --packing 1 each
+    source is packed into rows of its own) and the epoch's counts per source."""
+    sources = parse_data_path(args.data_path)
+    parts, first_index = [], 0
+    for source in sources:
+        files = []
+        for path in source.files:
+            files.append(SFTDataset(path, tokenizer, args.max_seq_len, bad_data=args.bad_data,
+                                    cache_dir=args.cache_dir, augmenter=augmenter))
+            files[-1].index_base, first_index = first_index, first_index + len(files[-1])  # distinct augmentation draws
+        samples = files[0] if len(files) == 1 else ConcatenatedSamples(files)
+        parts.append(PackedSFTDataset(samples, args.max_seq_len) if args.packing else samples)
+        if source.ignored:
+            log(f"[data] {source.spec}: ignored {len(source.ignored)} file(s) that are not data files "
+                f"(e.g. {source.ignored[0].name})")
+    mixture = EpochMixture([len(part) for part in parts], [source.weight for source in sources], args.seed)
+    if len(sources) > 1:
+        unit = "rows" if args.packing else "samples"
+        log("[data] mixture per epoch: " + "; ".join(
+            f"{source.name} {count} of {len(part)} {unit} (weight {source.weight:g}, {len(source.files)} file(s))"
+            for source, part, count in zip(sources, parts, mixture.counts)))
+    return MixtureDataset(parts, [source.name for source in sources]), mixture
+
+
 def build_train_data(args, tokenizer, ctx) -> TrainData:
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
-    dataset = build_dataset(args.data_path, args, tokenizer, augmenter)
+    dataset, mixture = build_mixture(args, tokenizer, augmenter, print if ctx.rank == 0 else (lambda message: None))
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order
@@ -59,10 +86,11 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
         # similar length, and the order stays the same for any split of that batch into
         # processes x micro-batches (so those equivalences and resumes keep holding).
         group_size=epoch_grouping(args, ctx.world_size),
+        mixture=mixture,  # which samples each epoch holds (one source: every sample once)
     )
     workers = default_num_workers(args, ctx.device)
     loader = DataLoader(
-        dataset,
+        MarkFillers(dataset),  # the sampler's epoch-padding repeats count for nothing (dataset/epoch_padding.py)
         batch_size=args.batch_size,
         sampler=sampler,
         collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
@@ -73,7 +101,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
         generator=torch.Generator().manual_seed(args.seed),
         worker_init_fn=_worker_ignores_preemption if workers else None,
     )
-    return TrainData(dataset, sampler, loader)
+    return TrainData(dataset, sampler, loader, dataset.names)
 
 
 def eval_data_paths(args) -> list[str]:

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from dataset.mixture import short_names
 from dataset.tool_calls import calls_match, parse_reply
 from trainer.distributed import all_reduce_sum
 from trainer.model_setup import autocast
@@ -60,17 +60,9 @@ class EvalSet:
 
 
 def eval_set_names(paths: list[str]) -> list[str]:
-    """Short, distinct names for the held-out files: the file name without its data suffixes."""
-    names = []
-    for path in paths:
-        name = os.path.basename(os.path.normpath(path))
-        for suffix in (".gz", ".jsonl", ".json", ".parquet"):
-            name = name.removesuffix(suffix)
-        base, number = name or "eval", 2
-        while name in names or not name:
-            name, number = f"{base}_{number}", number + 1
-        names.append(name)
-    return names
+    """Short, distinct names for the held-out files: the file name without its data suffixes
+    (named like the training sources)."""
+    return short_names(paths, fallback="eval")
 
 
 def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, eos_token_id: int) -> tuple[int, int] | None:

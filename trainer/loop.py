@@ -11,7 +11,8 @@ step (`run.parallel.micro_step`: no_sync, or no reduce-scatter, on the other mic
 Host synchronisation: none per micro-step; per optimizer step one on one process (whether the
 gradient norm is finite, read together with the previous update's finite-weights check, see
 `read_step_flags`) and one more with several processes (the token count / stop flag); one per log
-interval (the loss).
+interval (the loss; with several training sources a second one for the per-source losses,
+`trainer.source_losses`).
 """
 
 import itertools
@@ -30,6 +31,7 @@ from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
 from trainer.model_selection import BEST_DIR, BEST_FILE, best_record, update_selection
 from trainer.model_setup import autocast, scaler_state_for_resume, unwrap
 from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
+from trainer.source_losses import SourceLosses
 from trainer.weights_io import save_minimind_copy
 
 IGNORE_INDEX = -100
@@ -112,7 +114,7 @@ def resume_state(run: Run) -> dict:
         "rng": rng_states,
         "world_size": run.ctx.world_size,
         "args": dict(vars(run.args)),
-        # only rank 0 writes it (hashing the data file is not free)
+        # only rank 0 writes it (it lists the data sources and reads their memoized digests)
         "sample_stream": sample_stream.recorded(run.args, run.tokenizer, run.data.sampler) if run.ctx.is_main else None,
         "run_id": state.run_id,
         "wandb_run_id": run.logger.wandb_run_id,
@@ -257,14 +259,16 @@ def injected_nan_steps() -> frozenset[int]:
         raise TrainingError(f"{FAULT_NAN_STEPS_ENV}={text!r}: expected step numbers like 3,4,5") from error
 
 
-def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: float, inject_nan: bool = False):
+def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: float, inject_nan: bool = False,
+                   source_losses: SourceLosses | None = None):
     """Forward/backward over the micro-batches, clip, step. Returns (loss contribution, grad norm, applied).
 
     Every micro-batch's token loss is divided by the step's global loss-token count and its MoE
     balance loss by the step's global row count, so the step's objective does not depend on how
     the rows are split over ranks and micro-batches. An applied update leaves its finite-weights
     check in `run.weights_check` (read by the next step's one host sync, or by the next save/eval).
-    `inject_nan` (fault injection, see FAULT_NAN_STEPS_ENV) makes this step's loss NaN."""
+    `inject_nan` (fault injection, see FAULT_NAN_STEPS_ENV) makes this step's loss NaN.
+    `source_losses` (several training sources) gets every micro-batch's per-token losses."""
     model, ctx, scaler = run.model, run.ctx, run.scaler
     set_lr(run.optimizer, lr)
     local_loss = torch.zeros((), device=ctx.device)
@@ -273,8 +277,11 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
         with run.parallel.micro_step(model, last):
             with autocast(ctx.device, run.dtype):
                 out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(totals.loss_tokens, 1),
-                            num_sequences_in_batch=max(totals.sequences, 1), skip_logits=True)
+                            num_sequences_in_batch=max(totals.sequences, 1), skip_logits=True,
+                            **({"return_token_losses": True} if source_losses else {}))
             loss = out.loss * float("nan") if inject_nan else out.loss
+            if source_losses:
+                source_losses.add_micro_batch(out.token_losses, batch)
             # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens (rows).
             objective = (loss + out.aux_loss) * ctx.world_size
             scaler.scale(objective).backward()
@@ -411,7 +418,9 @@ def train(run: Run) -> str:
         f"device {run.ctx.device}"
     )
     interval = {"loss": torch.zeros((), device=run.ctx.device), "steps": 0, "tokens": 0, "start": time.time(),
-                "run_start": time.time(), "run_first_step": state.step}
+                "run_start": time.time(), "run_first_step": state.step,
+                # several training sources: their losses per log window
+                "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
     nan_steps = injected_nan_steps()
     last_saved = last_eval = state.step
     status = "finished"
@@ -432,7 +441,10 @@ def train(run: Run) -> str:
                 break
             lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
             loss, grad_norm, finite = optimizer_step(run, micro_batches, totals, lr,
-                                                     inject_nan=state.step + 1 in nan_steps)
+                                                     inject_nan=state.step + 1 in nan_steps,
+                                                     source_losses=interval["sources"])
+            if interval["sources"]:
+                interval["sources"].end_step(totals.loss_tokens, finite)
             state.step += 1
             consumed = sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
             state.samples_in_epoch += consumed
@@ -480,6 +492,7 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
         "grad_norm": norm if math.isfinite(norm) else None,
         "tokens_per_s": interval["tokens"] / elapsed,
         "skipped_steps": state.skipped_steps,
+        **(interval["sources"].figures() if interval["sources"] else {}),  # loss/<source>, loss_tokens/<source>, ...
     }
     shown_epoch = min(state.epoch, run.args.epochs - 1)  # the step that ends the last epoch belongs to it
     run.logger.log_train(state.step, total_steps, shown_epoch, run.args.epochs, figures,

@@ -1,0 +1,248 @@
+"""Training data from several sources with weights, in one flag (docs/data.md):
+
+    --data_path general.jsonl:3,tools.parquet:1,shards/,'data/*.jsonl.gz'
+
+A comma-separated list of sources, each with an optional trailing ``:weight`` (a positive number,
+default 1; only a trailing ``:number`` is a weight, and a path that exists as written is never
+split). A source is a file (``.jsonl``, ``.jsonl.gz``, ``.parquet``), a directory (its data files,
+sorted, as one source) or a glob (its matching data files, sorted, as one source). Every file keeps
+a token cache of its own, so adding a source never re-tokenizes the others.
+
+Counts per epoch (``epoch_counts``): an epoch has as many samples as all sources together
+(``L = sum of sizes``); source ``i`` gets ``c_i`` of them, the largest-remainder rounding of
+``L * w_i / sum(w)``. ``c_i = q * n_i + r`` is ``q`` full passes over the source plus ``r`` rows
+taken from a fixed seeded permutation of the source, cyclically: epoch ``e`` takes positions
+``e*r ... e*r + r - 1`` (mod ``n_i``), so consecutive epochs take other rows and over the epochs
+every row is drawn equally often. The epoch's members (``EpochMixture.members``) depend only on
+(seed, epoch), never on the world size; the sampler shuffles them (``dataset.sampler``). One source
+of any weight gives every row once per epoch, exactly the single-file stream.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from .formats import DataError
+
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of the mixture: its name in the metrics, the spec as given, its files and weight."""
+
+    name: str
+    spec: str
+    files: tuple[Path, ...]
+    weight: float = 1.0
+    ignored: tuple[Path, ...] = field(default=(), compare=False)  # files of a directory/glob that are not data files
+
+
+def is_data_file(path: Path) -> bool:
+    return path.name.endswith(DATA_SUFFIXES)
+
+
+def is_glob(spec: str) -> bool:
+    return any(char in spec for char in GLOB_CHARS)
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def split_weight(part: str) -> tuple[str, str | None]:
+    """(path, weight text or None): a trailing ``:number`` is a weight, unless the whole part exists."""
+    if os.path.exists(part):
+        return part, None
+    head, colon, tail = part.rpartition(":")
+    if colon and head and (_number(tail) is not None or os.path.exists(head) or glob.glob(head)):
+        return head, tail
+    return part, None
+
+
+def spec_parts(text: str) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def absolute_data_path(text: str) -> str:
+    """``--data_path`` with every source's path made absolute and its weight kept (never raises)."""
+    parts = []
+    for part in spec_parts(text):
+        path, weight = split_weight(part)
+        parts.append(os.path.abspath(path) + (f":{weight}" if weight is not None else ""))
+    return ",".join(parts)
+
+
+def parse_weight(part: str, path: str, text: str | None) -> float:
+    if text is None:
+        return 1.0
+    weight = _number(text)
+    if weight is None or not math.isfinite(weight) or weight <= 0:
+        raise DataError(f"--data_path {part}: the weight {text!r} after ':' must be a positive number (e.g. {path}:2)")
+    return weight
+
+
+def source_files(spec: str) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
+    """(data files, ignored other files) of one source: a file, a directory or a glob."""
+    path = Path(spec)
+    if path.is_dir():
+        entries = sorted(entry for entry in path.iterdir() if entry.is_file())
+        files = tuple(entry for entry in entries if is_data_file(entry))
+        if not files:
+            raise DataError(f"{spec}: directory holds no data files ({', '.join(DATA_SUFFIXES)}); give a directory of "
+                            "shards, a file or a glob")
+        return files, tuple(entry for entry in entries if not is_data_file(entry))
+    if path.exists() or not is_glob(spec):
+        if not path.is_file():
+            raise DataError(f"{spec}: data file not found")
+        return (path,), ()
+    matches = sorted(Path(match) for match in glob.glob(spec, recursive=True) if Path(match).is_file())
+    files = tuple(match for match in matches if is_data_file(match))
+    if not files:
+        raise DataError(f"--data_path {spec}: no data file ({', '.join(DATA_SUFFIXES)}) matches this glob")
+    return files, tuple(match for match in matches if not is_data_file(match))
+
+
+def parse_data_path(text: str) -> list[Source]:
+    """The sources of ``--data_path``; a one-line ``DataError`` for a missing file, an empty
+    directory or glob, or a bad weight."""
+    parts = spec_parts(text)
+    if not parts:
+        raise DataError("--data_path is empty: give a data file, a directory of shards or a glob")
+    specs, weights = [], []
+    for part in parts:
+        path, weight_text = split_weight(part)
+        weights.append(parse_weight(part, path, weight_text))
+        specs.append(path)
+    sources = []
+    for name, spec, weight in zip(short_names(specs, fallback="data"), specs, weights):
+        files, ignored = source_files(spec)
+        sources.append(Source(name, spec, files, weight, ignored))
+    return sources
+
+
+def short_names(paths: list[str], fallback: str) -> list[str]:
+    """Short, distinct names for files, directories or globs: the base name without its data
+    suffixes (a glob's wildcards and the separators around them dropped; only wildcards: its
+    directory's name)."""
+    names = []
+    for path in paths:
+        name = os.path.basename(os.path.normpath(path))
+        for suffix in (".gz", ".jsonl", ".json", ".parquet"):
+            name = name.removesuffix(suffix)
+        if is_glob(path):
+            name = "".join(char for char in name if char not in GLOB_CHARS + "]").strip("._- ") or os.path.basename(
+                os.path.dirname(os.path.normpath(path)))
+        base, number = name or fallback, 2
+        while name in names or not name:
+            name, number = f"{base}_{number}", number + 1
+        names.append(name)
+    return names
+
+
+# --------------------------------------------------------------------------- counts per epoch
+
+
+def epoch_counts(sizes: list[int], weights: list[float]) -> list[int]:
+    """Samples of each source per epoch: the largest-remainder split of ``sum(sizes)`` in
+    proportion to the weights (exact rational arithmetic; ties go to the earlier source)."""
+    total = sum(sizes)
+    exact = [Fraction(weight) for weight in weights]
+    quotas = [total * weight / sum(exact) for weight in exact]
+    counts = [math.floor(quota) for quota in quotas]
+    by_remainder = sorted(range(len(sizes)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class EpochMixture:
+    """Which samples (indices into the sources laid end to end) an epoch holds; see the module doc."""
+
+    def __init__(self, sizes: list[int], weights: list[float], seed: int):
+        if len(sizes) != len(weights) or not sizes or min(sizes) < 1:
+            raise ValueError(f"need a positive size and a weight per source, got sizes {sizes}, weights {weights}")
+        self.sizes = [int(size) for size in sizes]
+        self.weights = list(weights)
+        self.seed = seed
+        self.counts = epoch_counts(self.sizes, self.weights)
+        self.starts = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def members(self, epoch: int) -> np.ndarray:
+        """The epoch's sample indices, source by source (full passes, then the epoch's share of
+        the source's seeded cycle); the sampler shuffles them."""
+        parts = []
+        for source, (start, size, count) in enumerate(zip(self.starts, self.sizes, self.counts)):
+            passes, extra = divmod(count, size)
+            parts.append(start + np.tile(np.arange(size, dtype=np.int64), passes))
+            if extra:
+                cycle = np.random.default_rng([self.seed, source]).permutation(size)
+                parts.append(start + cycle[(epoch * extra + np.arange(extra, dtype=np.int64)) % size])
+        return np.concatenate(parts).astype(np.int64)
+
+    def source_of(self, indices: np.ndarray) -> np.ndarray:
+        """The source of each sample index."""
+        return np.searchsorted(self.starts, indices, side="right") - 1
+
+
+# --------------------------------------------------------------------------- datasets
+
+
+class ConcatenatedSamples(Dataset):
+    """Datasets laid end to end (the files of one source, or the sources of a mixture): ``lengths``,
+    ``item(index, capacity)`` and ``set_epoch`` as ``SFTDataset`` has them, so packing works on it."""
+
+    def __init__(self, parts: list):
+        self.parts = list(parts)
+        self.starts = np.concatenate([[0], np.cumsum([len(part) for part in self.parts])]).astype(np.int64)
+        self.lengths = np.concatenate([np.asarray(part.lengths, dtype=np.int64) for part in self.parts])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(part, index inside that part) of a sample index."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        index = int(index) % len(self)
+        part = int(np.searchsorted(self.starts, index, side="right")) - 1
+        return part, index - int(self.starts[part])
+
+    def set_epoch(self, epoch: int) -> None:
+        for part in self.parts:
+            part.set_epoch(epoch)
+
+    def item(self, index: int, capacity: int) -> dict[str, np.ndarray]:
+        part, local = self.locate(index)
+        return self.parts[part].item(local, capacity)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        part, local = self.locate(index)
+        return self.parts[part][local]
+
+
+class MixtureDataset(ConcatenatedSamples):
+    """The training sources laid end to end; every item carries ``source``, its source's number."""
+
+    def __init__(self, parts: list, names: list[str]):
+        super().__init__(parts)
+        self.names = list(names)
+
+    def __getitem__(self, index: int) -> dict:
+        part, local = self.locate(index)
+        return {**self.parts[part][local], "source": part}
