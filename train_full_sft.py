@@ -44,8 +44,8 @@ from trainer.evaluation import metric_names
 from trainer.loop import Run, TrainingError, restore, train
 from trainer.model_selection import SelectionError, check_selection
 from trainer.model_setup import (
-    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, load_tokenizer_for_weights,
-    read_initial_weights, resolve_dtype,
+    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, compile_model,
+    load_tokenizer_for_weights, read_initial_weights, resolve_dtype,
 )
 from trainer.parallelism import build_parallelism
 from trainer.run_logger import LoggingError, RunLogger, check_wandb_login
@@ -141,7 +141,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
             restore(run, saved)
             del saved
         if args.use_compile:
-            run.model = torch.compile(run.model)
+            run.model = compile_model(run.model, ctx.device)
 
         # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
         status = train(run)

@@ -116,7 +116,9 @@ from trainer.args import parse_args  # noqa: E402
 from trainer.data_setup import build_train_data  # noqa: E402
 from trainer.distributed import DistContext  # noqa: E402
 from trainer.loop import IGNORE_INDEX, Run, agree_on_step, optimizer_step  # noqa: E402
-from trainer.model_setup import build_grad_scaler, build_model, build_model_config, build_optimizer  # noqa: E402
+from trainer.model_setup import (  # noqa: E402
+    build_grad_scaler, build_model, build_model_config, build_optimizer, compile_model,
+)
 from trainer.parallelism import Replicated  # noqa: E402
 from trainer.preemption import PreemptionFlag  # noqa: E402
 from trainer.seeding import setup_seed  # noqa: E402
@@ -359,7 +361,7 @@ def build_run(args, tokenizer, ctx, data, dtype, mode: str):
     optimizer = build_optimizer(model, args, ctx.device)
     wrapped = MiniMindObjective(model, args.accumulation_steps) if mode == "minimind" else model
     if args.use_compile:
-        wrapped = torch.compile(wrapped)
+        wrapped = compile_model(wrapped, ctx.device)
     run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data,
               eval_sets=[], tokenizer=tokenizer, logger=None, preemption=PreemptionFlag(), parallel=parallel)
     run.model.train()

@@ -156,3 +156,37 @@ def test_chat_rejects_an_unknown_tool_set():
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: argument --tools: invalid choice: 'web'")
     assert result.stderr.count("\n") == 1
+
+
+def test_interactive_chat_with_demo_tools_keeps_calls_and_results_in_the_history(tiny_model, monkeypatch, capsys):
+    import scripts.chat as chat
+
+    outputs = iter([call_block("lookup_country", country="Lumbria", field="capital"), "Sable",
+                    call_block("calculator", expression="2 * 3"), "6"])
+    histories = []
+
+    def scripted_generate(model, tokenizer, messages, args, streamer=None, tools=None):
+        assert streamer is None and tools == TOOLS  # with tools the answer is printed after the calls, not streamed
+        histories.append(list(messages))
+        return next(outputs), messages
+
+    typed = iter(["What is the capital of Lumbria?", "What is 2 times 3?", "/exit"])
+    monkeypatch.setattr(chat, "generate_answer", scripted_generate)
+    monkeypatch.setattr("builtins.input", lambda prompt: next(typed))
+    assert chat.main(["--model_path", str(tiny_model), "--tools", "demo", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == (
+        'tool call: lookup_country {"country": "Lumbria", "field": "capital"}\n'
+        'tool result: {"country": "Lumbria", "capital": "Sable"}\n'
+        "assistant> Sable\n"
+        'tool call: calculator {"expression": "2 * 3"}\n'
+        f'tool result: {run_tool("calculator", {"expression": "2 * 3"})}\n'
+        "assistant> 6\n")
+    lookup = {"name": "lookup_country", "arguments": {"country": "Lumbria", "field": "capital"}}
+    assert histories[2] == [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "What is the capital of Lumbria?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": lookup}]},
+        {"role": "tool", "content": '{"country": "Lumbria", "capital": "Sable"}'},
+        {"role": "assistant", "content": "Sable"},
+        {"role": "user", "content": "What is 2 times 3?"},
+    ]

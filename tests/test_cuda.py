@@ -141,3 +141,18 @@ def test_an_optimizer_step_makes_one_host_sync():
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == 1, syncs
     assert run.weights_check.step == 2 and not bool(run.weights_check.bad)
+
+
+def test_bench_memory_measures_on_the_gpu():
+    """scripts/bench_memory.py --device cuda on one GPU: the held bytes are exact, and the
+    allocator's peak over the step holds at least them (plus the activations)."""
+    from model import MiniMindConfig, MiniMindForCausalLM
+    from scripts.bench_memory import run
+    from tests.test_bench_memory import TINY
+
+    with torch.device("meta"):
+        parameters = list(MiniMindForCausalLM(MiniMindConfig(**TINY)).parameters())
+    numel = sum(p.numel() for p in parameters)
+    total, _, computed, measured, peak = run(1, False, TINY, "cuda")
+    assert (total, computed, measured) == (numel, 4 * numel * 4, 4 * numel * 4 + len(parameters) * 4)
+    assert peak >= measured

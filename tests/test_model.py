@@ -1,5 +1,6 @@
 """The MiniMind model: sizes, RoPE buffers, loss, masks, packing, KV cache, save/load, MoE."""
 
+import json
 import math
 import os
 import subprocess
@@ -470,3 +471,16 @@ def test_moe_balance_loss_is_minimind_sequence_wise_skips_pads_and_splits_over_r
         grads.append(gate.weight.grad.clone())
         assert total.item() == pytest.approx(whole.item(), rel=1e-6)
     assert torch.allclose(grads[0], grads[1], atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_cpu_gathers_equal_eager(tmp_path):
+    # torch 2.13's vectorized inductor C++ for int64-indexed gathers under dynamic shapes
+    # corrupted the heap with AVX-512 and wrote out-of-range targets with AVX2; compile_model
+    # generates scalar C++ on CPU. In a fresh process, so that a corrupted heap fails only this test.
+    env = dict(os.environ, PYTHONPATH=REPO, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tests", "compiled_gathers_check.py")], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    worst = json.loads(result.stdout.strip().splitlines()[-1])
+    assert worst["loss"] < 1e-5 and worst["grad"] < 1e-6, worst

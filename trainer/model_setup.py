@@ -156,6 +156,22 @@ def unwrap(model):
     return getattr(model, "_orig_mod", model)
 
 
+def compile_model(model, device: torch.device):
+    """torch.compile(model) for --use_compile 1.
+
+    On CPU inductor's C++ code is generated without SIMD vectorization: in torch 2.13 its
+    vectorized kernels for int64-indexed gathers under dynamic shapes (the loss positions' targets,
+    the RoPE rows of packed position ids) wrote out-of-range indices with ATEN_CPU_CAPABILITY=avx2
+    and corrupted the heap ("free(): invalid pointer") with AVX-512 (tests/test_trainer.py::
+    test_torch_compile_trains_like_eager, test_compiled_cpu_gathers_equal_eager). The compiled
+    graph still fuses; CUDA (Triton) is not affected."""
+    if device.type == "cpu":
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp.simdlen = 1
+    return torch.compile(model)
+
+
 def build_optimizer(model: MiniMindForCausalLM, args, device: torch.device) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices only (not on norms), fused kernels on CUDA."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
