@@ -44,9 +44,14 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def open_samples(path, args, tokenizer, augmenter=None) -> SFTDataset:
+    """One data file's samples, from its token cache (built on first use)."""
+    return SFTDataset(path, tokenizer, args.max_seq_len, bad_data=args.bad_data, cache_dir=args.cache_dir,
+                      augmenter=augmenter)
+
+
 def build_dataset(path, args, tokenizer, augmenter=None):
-    dataset = SFTDataset(path, tokenizer, args.max_seq_len, bad_data=args.bad_data, cache_dir=args.cache_dir,
-                         augmenter=augmenter)
+    dataset = open_samples(path, args, tokenizer, augmenter)
     return PackedSFTDataset(dataset, args.max_seq_len) if args.packing else dataset
 
 
@@ -58,8 +63,7 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
     for source in sources:
         files = []
         for path in source.files:
-            files.append(SFTDataset(path, tokenizer, args.max_seq_len, bad_data=args.bad_data,
-                                    cache_dir=args.cache_dir, augmenter=augmenter))
+            files.append(open_samples(path, args, tokenizer, augmenter))
             files[-1].index_base, first_index = first_index, first_index + len(files[-1])  # distinct augmentation draws
         samples = files[0] if len(files) == 1 else ConcatenatedSamples(files)
         parts.append(PackedSFTDataset(samples, args.max_seq_len) if args.packing else samples)
