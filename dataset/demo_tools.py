@@ -85,7 +85,10 @@ _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
 
 
 def calculate(expression: str) -> dict:
-    """The tool: ``{"result": number}`` for + - * / on numbers (no names, no calls), or an error."""
+    """The tool: ``{"result": "number"}`` for + - * / on numbers (no names, no calls), or an error.
+
+    The number is given as a string, as the lookup gives its values: its digits then tokenize
+    as they do in the answer that repeats them."""
 
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
@@ -102,7 +105,7 @@ def calculate(expression: str) -> dict:
         return {"error": f"cannot evaluate {expression!r}: {exc}"}
     if isinstance(result, float) and result.is_integer():
         result = int(result)
-    return {"result": result}
+    return {"result": str(result)}
 
 
 def run_tool(name: str, arguments: dict) -> str:

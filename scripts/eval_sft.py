@@ -49,7 +49,7 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="eval_sft.py")
     add_model_args(parser)
     parser.add_argument("--data_path", default=str(DEFAULT_DATA), help="jsonl conversations (MiniMind/ShareGPT/OpenAI)")
-    parser.add_argument("--max_seq_len", type=int, default=512, help="conversations are truncated to this for the loss")
+    parser.add_argument("--max_seq_len", type=int, default=1024, help="conversations are truncated to this for the loss")
     parser.add_argument("--batch_size", type=int, default=16, help="conversations per forward / generate call")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="most tokens generated per answer")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N conversations")

@@ -13,20 +13,25 @@ Samples are single- or multi-turn, some carry a short or a long system prompt (a
 tokens. Every answer is short and in a fixed format.
 
 About one conversation in six has the demo tools (``dataset/demo_tools.py``: ``lookup_country``
-and ``calculator``) on its system message and answers by calling them: one lookup, one calculation,
-or two lookups in parallel followed by a calculation, each call followed by its tool result and
-the final answer; greetings in such conversations are answered without a call. A third of the
-tool calls and a tenth of the plain answers carry a short reasoning trace (``reasoning_content``).
+and ``calculator``) on its system message and asks one to four questions answered by calling
+them: one lookup, one calculation, or two lookups in parallel followed by a calculation, each
+call followed by its tool result and the final answer; a later lookup may be a follow-up that
+does not name its country again ("And its capital?"), and greetings in such conversations are
+answered without a call. Several questions share one tools block, so most of the tokens of a
+tool conversation carry a call or an answer to learn (the block alone is ~260 tokens); every tool
+conversation fits 1024 tokens. A third of the tool calls and a tenth of the plain answers carry
+a short reasoning trace (``reasoning_content``).
 
 The eval split asks about the same facts / sums / words as the train split, but only with
 question phrasings that never occur in train: a question is a prefix ("Quick question: ", …)
 plus a core sentence, and about a quarter of the (prefix, core) combinations are held out. Each plain eval line is a single question whose last
 message is the exact reference answer, plus a ``task`` key for per-task accuracy. The tool eval
-lines (appended after the plain ones) end at an assistant turn that is a tool call (``tool_call``,
-``tool_call_step2``: the calculation after two lookups) or the answer after the tool results
-(``tool_answer``).
+lines (appended after the plain ones) are tool conversations of one to three questions cut after
+one of their assistant turns: a tool call (``tool_call``, ``tool_call_step2``: the calculation
+after two lookups) or the answer after the tool results (``tool_answer``); the earlier questions
+stay as history.
 
-Usage: python scripts/make_demo_data.py [--out-dir dataset/demo] [--train-size 12000] [--eval-size 300]
+Usage: python scripts/make_demo_data.py [--out-dir dataset/demo] [--train-size 7000] [--eval-size 300]
 """
 
 from __future__ import annotations
@@ -272,18 +277,41 @@ def thought(rng: random.Random, lang: str, en: str, zh: str) -> dict:
     return {"reasoning_content": en if lang == "en" else zh} if rng.random() < 1 / 3 else {}
 
 
-def tool_turns(rng: random.Random, split: str, lang: str) -> list[dict]:
-    """User question, assistant tool call(s), tool result(s), ..., final answer (MiniMind schema)."""
-    kind = rng.choices(["lookup", "calc", "sum", "greeting"], weights=[45, 25, 22, 8])[0]
+FOLLOW_UPS = {  # a lookup about the country of the previous question, which it does not name again
+    ("capital", "en"): ["And its capital?", "What about its capital?", "Which city is its capital?"],
+    ("capital", "zh"): ["那它的首都呢？", "它的首都是哪里？"],
+    ("colour", "en"): ["And its flag colour?", "What colour is its flag?", "And the colour of its flag?"],
+    ("colour", "zh"): ["那它的国旗是什么颜色？", "它的国旗颜色呢？"],
+    ("number", "en"): ["And its lucky number?", "What is its lucky number?", "And the lucky number?"],
+    ("number", "zh"): ["那它的幸运数字呢？", "它的幸运数字是多少？"],
+}
+
+
+def lookup_question(rng: random.Random, split: str, lang: str, country: tuple | None) -> tuple[str, tuple, str]:
+    """A fact question answered by one lookup: a new country, or (``country`` given) a follow-up."""
+    attribute = rng.choice(["capital", "colour", "number"])
+    if country is not None:
+        return rng.choice(FOLLOW_UPS[(attribute, lang)]), country, attribute
+    country = rng.choice(COUNTRIES)
+    return rng.choice(phrasings(attribute, lang, split)).format(x=country_name(country, lang)), country, attribute
+
+
+def tool_question(rng: random.Random, split: str, lang: str, previous: tuple | None) -> tuple[list[dict], tuple | None]:
+    """One question of a tool conversation and everything the assistant and the tools answer:
+    user question, assistant tool call(s), tool result(s), ..., final answer (MiniMind schema).
+
+    ``previous`` is the country the last question was about (a follow-up may refer to it as
+    "its"); the country this question is about is returned for the next one."""
+    kind = rng.choices(["lookup", "calc", "sum", "greeting"], weights=[44, 30, 20, 6])[0]
     if kind == "greeting":
         question, answer = rng.choice([g for g in GREETINGS if (g[0].isascii()) == (lang == "en")])
-        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}], previous
     steps: list[list[dict]] = []  # the calls of each assistant turn
+    about = None
     if kind == "lookup":
-        country = rng.choice(COUNTRIES)
-        attribute = rng.choice(["capital", "colour", "number"])
-        name = country_name(country, lang)
-        question = rng.choice(phrasings(attribute, lang, split)).format(x=name)
+        follow_up = previous is not None and rng.random() < 0.3
+        question, about, attribute = lookup_question(rng, split, lang, previous if follow_up else None)
+        name = country_name(about, lang)
         steps.append([call("lookup_country", country=name, field=FIELD_OF[attribute])])
         reason = thought(rng, lang, f"I need the {FIELD_OF[attribute].replace('_', ' ')} of {name}; I will look it up.",
                          f"我需要查{name}的信息，调用lookup_country。")
@@ -292,7 +320,8 @@ def tool_turns(rng: random.Random, split: str, lang: str) -> list[dict]:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         question = core.format(a=a, b=b)
         steps.append([call("calculator", expression=f"{a} {operator_of(core)} {b}")])
-        reason = thought(rng, lang, "This needs exact arithmetic, so I will use the calculator.", "这需要精确计算，我来用计算器。")
+        reason = thought(rng, lang, f"This needs exact arithmetic: {a} and {b}. I will use the calculator.",
+                         f"这需要精确计算{a}和{b}，我来用计算器。")
     else:
         first, second = rng.sample(COUNTRIES, 2)
         x, y = country_name(first, lang), country_name(second, lang)
@@ -300,7 +329,8 @@ def tool_turns(rng: random.Random, split: str, lang: str) -> list[dict]:
         steps.append([call("lookup_country", country=x, field="lucky_number"),
                       call("lookup_country", country=y, field="lucky_number")])
         steps.append([call("calculator", expression=f"{first[5]} + {second[5]}")])
-        reason = thought(rng, lang, f"I need both lucky numbers first, then their sum.", "先查两个幸运数字，再求和。")
+        reason = thought(rng, lang, f"I need the lucky numbers of {x} and {y} first, then their sum.",
+                         f"先查{x}和{y}的幸运数字，再求和。")
     messages = [{"role": "user", "content": question}]
     result = None
     for number, calls in enumerate(steps):
@@ -312,14 +342,43 @@ def tool_turns(rng: random.Random, split: str, lang: str) -> list[dict]:
             messages.append({"role": "tool", "content": result})
     answer = json.loads(result)
     messages.append({"role": "assistant", "content": str(answer.get("result", list(answer.values())[-1]))})
+    return messages, about
+
+
+def make_tool_sample(rng: random.Random, split: str, max_questions: int = 4) -> list[dict]:
+    """A conversation with the demo tools on its system message (as MiniMind stores them) and
+    1 to ``max_questions`` questions, each answered with the tools. Questions that would take
+    the conversation past ``MAX_TOKENS`` (the ``--max_seq_len`` of the README's demo command) are left out,
+    so no conversation is truncated in training."""
+    lang = rng.choice(["en", "en", "zh"])
+    system = {"role": "system", "content": rng.choice(TOOL_SYSTEM), "tools": json.dumps(TOOLS, ensure_ascii=False)}
+    messages, about = [system], None
+    wanted = rng.choices(range(1, max_questions + 1), weights=[25, 30, 25, 20][:max_questions])[0]
+    for attempt in range(wanted + 2):
+        turns, next_about = tool_question(rng, split, lang, about)
+        if num_tokens(messages + turns) > MAX_TOKENS:
+            if len(messages) > 1:
+                break
+            continue  # a first question too long for the context: draw another
+        messages, about = messages + turns, next_about
+        if sum(m["role"] == "user" for m in messages) == wanted:
+            break
+    assert len(messages) > 1, "no question fits the context"
     return messages
 
 
-def make_tool_sample(rng: random.Random, split: str) -> list[dict]:
-    """A conversation with the demo tools on its system message (as MiniMind stores them)."""
-    lang = rng.choice(["en", "en", "zh"])
-    system = {"role": "system", "content": rng.choice(TOOL_SYSTEM), "tools": json.dumps(TOOLS, ensure_ascii=False)}
-    return [system] + tool_turns(rng, split, lang)
+MAX_TOKENS = 1024
+_TOKENIZER = []
+
+
+def num_tokens(messages: list[dict]) -> int:
+    """Length of a conversation rendered and tokenized as the trainer does (shipped tokenizer)."""
+    from dataset.formats import parse_row
+    from dataset.rendering import encode_conversation, load_tokenizer
+
+    if not _TOKENIZER:
+        _TOKENIZER.append(load_tokenizer())
+    return len(encode_conversation(_TOKENIZER[0], parse_row({"conversations": messages}), 1 << 20)[0])
 
 
 def add_reasoning(rng: random.Random, row: dict) -> dict:
@@ -337,15 +396,25 @@ def add_reasoning(rng: random.Random, row: dict) -> dict:
 
 
 def make_tool_eval_sample(rng: random.Random) -> dict:
-    """A held-out tool conversation cut after one of its assistant turns (the reference)."""
+    """A held-out tool conversation cut after one of its assistant turns (the reference): a
+    first tool call (``tool_call``), the calculation after two lookups (``tool_call_step2``) or
+    the answer after the tool results (``tool_answer``); earlier questions stay as history."""
     while True:
-        messages = make_tool_sample(rng, "eval")
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if len(turns) > 1:
+        messages = make_tool_sample(rng, "eval", max_questions=3)
+        ends = []
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            if message.get("tool_calls"):
+                task = "tool_call_step2" if messages[index - 1]["role"] == "tool" else "tool_call"
+            elif messages[index - 1]["role"] == "tool":
+                task = "tool_answer"
+            else:
+                continue  # a greeting's reply
+            ends.append((task, index))
+        if ends:
             break
-    task, end = rng.choice(
-        [("tool_call", turns[0]), ("tool_answer", turns[-1])] + ([("tool_call_step2", turns[1])] if len(turns) == 3 else [])
-    )
+    task, end = rng.choice(ends)
     return {"conversations": messages[: end + 1], "task": task}
 
 
@@ -358,9 +427,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default="dataset/demo")
-    parser.add_argument("--train-size", type=int, default=12000)
+    parser.add_argument("--train-size", type=int, default=7000)
     parser.add_argument("--eval-size", type=int, default=300)
-    parser.add_argument("--tool-train-size", type=int, default=2000)
+    parser.add_argument("--tool-train-size", type=int, default=4000)
     parser.add_argument("--tool-eval-size", type=int, default=100)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()

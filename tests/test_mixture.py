@@ -16,6 +16,7 @@ from model import MiniMindConfig, MiniMindForCausalLM
 from tests.trainer_launch import TINY, checkpoint_at, final_weights, run_trainer
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
+from trainer.run_logger import format_figure
 from trainer.source_losses import SourceLosses
 
 
@@ -268,10 +269,13 @@ def test_a_mixture_resumes_bit_exactly_and_refuses_a_changed_weight(mixture_data
         assert {k: v for k, v in after[step].items() if k != "run_id"} == {
             k: v for k, v in full[step].items() if k != "run_id"}
     for row in full.values():  # one step per window: the token-weighted per-source losses give the loss
-        tokens = row["loss_tokens/general"] + row["loss_tokens/tools"]
-        weighted = (row["loss/general"] * row["loss_tokens/general"] + row["loss/tools"] * row["loss_tokens/tools"])
-        assert weighted / tokens == pytest.approx(row["loss"], rel=1e-6)
-    assert any(line.startswith("step 6/6") and f"| general {full[6]['loss/general']:.4f} tools " in line
+        present = [name for name in ("general", "tools") if row[f"loss_tokens/{name}"]]
+        assert all(row[f"loss/{name}"] is None for name in {"general", "tools"} - set(present))  # none drawn
+        weighted = sum(row[f"loss/{name}"] * row[f"loss_tokens/{name}"] for name in present)
+        assert weighted / sum(row[f"loss_tokens/{name}"] for name in present) == pytest.approx(row["loss"], rel=1e-6)
+    assert any(all(row[f"loss_tokens/{name}"] for name in ("general", "tools")) for row in full.values())
+    progress = f"| general {format_figure(full[6]['loss/general'], '.4f')} tools {format_figure(full[6]['loss/tools'], '.4f')}"
+    assert any(line.startswith("step 6/6") and progress in line
                for line in resumed.stdout.splitlines())  # the progress line names the sources' losses
 
     refused = run_trainer(mixture_flags(mixture_data, tmp_path / "refused", (1, 3), "--resume_from",
@@ -293,9 +297,13 @@ def test_two_ranks_give_the_same_per_source_losses_and_weights_as_one(mixture_da
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in one:
         for key, value in one[step].items():
-            if key.startswith(("loss/", "loss_share/")):
+            if key.startswith(("loss/", "loss_share/")) and value is None:  # a source with no tokens in this step
+                assert two[step][key] is None and one[step][f"loss_tokens/{key.split('/')[1]}"] == 0, (step, key)
+            elif key.startswith(("loss/", "loss_share/")):
                 assert two[step][key] == pytest.approx(value, rel=1e-5), (step, key)
             elif key.startswith("loss_tokens/"):
-                assert two[step][key] == value > 0, (step, key)
+                assert two[step][key] == value, (step, key)
+    for name in ("general", "tools"):
+        assert sum(row[f"loss_tokens/{name}"] for row in one.values()) > 0
     first, second = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     assert all(torch.allclose(first[key], second[key], atol=1e-5, rtol=0) for key in first)
