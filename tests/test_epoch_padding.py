@@ -46,7 +46,7 @@ def test_a_filler_row_keeps_its_tokens_but_has_no_labels_and_no_real_tokens():
 
 @pytest.fixture(scope="module")
 def five(tmp_path_factory):
-    """5 demo conversations (tokenized once for both tests below)."""
+    """5 demo conversations, all with loss tokens within 512 tokens (tokenized once for both tests below)."""
     path = tmp_path_factory.mktemp("five") / "five.jsonl"
     path.write_text("".join(open(f"{REPO}/dataset/demo/sft_train.jsonl", encoding="utf-8").readlines()[:5]),
                     encoding="utf-8")
@@ -59,7 +59,7 @@ def test_the_last_step_of_an_odd_epoch_on_two_ranks_equals_one_rank(five, use_mo
     and summed gradients (what DDP's all-reduce adds) must equal the one rank's, to rounding. Before
     the fix the repeated sample was trained twice: its tokens counted, gradients differed by O(1e-2)."""
     tokenizer = load_tokenizer(None)
-    common = ["--data_path", str(five), "--max_seq_len", "256", "--use_moe", str(use_moe),
+    common = ["--data_path", str(five), "--max_seq_len", "512", "--use_moe", str(use_moe),
               "--aux_loss_coef", "0.1"]
     torch.manual_seed(0)
     model = MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
