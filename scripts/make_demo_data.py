@@ -430,7 +430,7 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=7000)
     parser.add_argument("--eval-size", type=int, default=300)
     parser.add_argument("--tool-train-size", type=int, default=4000)
-    parser.add_argument("--tool-eval-size", type=int, default=100)
+    parser.add_argument("--tool-eval-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args()
 
