@@ -136,6 +136,26 @@ def _interrupts_raise() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
+@contextlib.contextmanager
+def _stop_signals_held() -> Iterator[None]:
+    """SIGTERM/SIGINT stay pending (not lost) while the pool forks its workers and starts its threads.
+
+    A signal that lands during ``fork()`` runs its Python handler in the first Python code after it:
+    an at-fork callback (``logging``'s ``_releaseLock``), whose exceptions CPython prints as
+    "Exception ignored" and drops, so ``BuildInterrupted`` was lost and the build went on. Held back,
+    the signal is handled here, when the mask is restored. The pool's threads keep the mask (such
+    signals then reach the main thread only); the workers lift it in ``_init_pool_worker``.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 # ----------------------------------------------------------------------------- building
 
 
@@ -149,6 +169,8 @@ def _init_pool_worker(tokenizer) -> None:
     # into a "stop at the next step" flag); Pool.terminate() needs SIGTERM to end the worker.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # forked with them held back (_stop_signals_held)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
     _init_worker(tokenizer)
 
 
@@ -259,7 +281,8 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
             chunks = _iter_chunks(path, max_seq_len, start_row)
             num_workers = min(num_proc, -(-(total_rows - start_row) // CHUNK_LINES))
             if num_workers > 1:
-                pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
+                with _stop_signals_held():
+                    pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
                 results = pool.imap(_encode_chunk, chunks)
             else:
                 _init_worker(tokenizer)

@@ -120,6 +120,26 @@ def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path
     assert progress["total_rows"] == BIG_ROWS and progress["rows"] < BIG_ROWS
 
 
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+def test_a_signal_while_the_pool_forks_is_not_lost(tmp_path):
+    """A SIGTERM that lands while the pool forks its workers stops the build. The signal is sent
+    from an at-fork hook, the place a loaded machine once hit by chance: before the fix its
+    BuildInterrupted was raised inside the at-fork callbacks, where CPython drops exceptions, and
+    the build went on to the end."""
+    data = write_rows(tmp_path / "rows.jsonl", [chat_line(i) for i in range(200)])
+    code = ("import os, signal, sys; import dataset.token_cache as t; from dataset import SFTDataset; "
+            "t.CHUNK_LINES = 20; sent = []; "
+            "os.register_at_fork(before=lambda: sent or sent.append(os.kill(os.getpid(), signal.SIGTERM))); "
+            "SFTDataset(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=2); print('built')")
+    result = subprocess.run([sys.executable, "-c", code, str(data), str(tmp_path / "cache")], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.stdout == "", result.stdout
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("dataset.token_cache.BuildInterrupted: SIGTERM while building"), \
+        result.stderr
+    assert "Exception ignored" not in result.stderr
+
+
 def cache_files(cache: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(cache.iterdir())}
 
