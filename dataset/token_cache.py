@@ -103,6 +103,10 @@ def cache_key(data_digest: str, tokenizer, max_seq_len: int) -> str:
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what stops a build (BuildInterrupted)
+_CAN_HOLD_SIGNALS = hasattr(signal, "pthread_sigmask")  # not on Windows
+
+
 class BuildInterrupted(Exception):
     """SIGTERM or SIGINT arrived while the cache was being built; the build stopped and cleaned up."""
 
@@ -128,7 +132,7 @@ def _interrupts_raise() -> Iterator[None]:
     def _raise(signum, frame):
         raise BuildInterrupted(signum)
 
-    previous = {signum: signal.signal(signum, _raise) for signum in (signal.SIGTERM, signal.SIGINT)}
+    previous = {signum: signal.signal(signum, _raise) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -146,10 +150,10 @@ def _stop_signals_held() -> Iterator[None]:
     the signal is handled here, when the mask is restored. The pool's threads keep the mask (such
     signals then reach the main thread only); the workers lift it in ``_init_pool_worker``.
     """
-    if not hasattr(signal, "pthread_sigmask"):
+    if not _CAN_HOLD_SIGNALS:
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT))
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
     finally:
@@ -169,8 +173,8 @@ def _init_pool_worker(tokenizer) -> None:
     # into a "stop at the next step" flag); Pool.terminate() needs SIGTERM to end the worker.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # forked with them held back (_stop_signals_held)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
+    if _CAN_HOLD_SIGNALS:  # forked with them held back (_stop_signals_held)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _init_worker(tokenizer)
 
 

@@ -37,6 +37,7 @@ Usage: python scripts/make_demo_data.py [--out-dir dataset/demo] [--train-size 7
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -45,6 +46,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset.demo_tools import COUNTRIES, TOOLS, country_fact, run_tool  # noqa: E402
+from dataset.formats import parse_row  # noqa: E402
+from dataset.rendering import encode_conversation, load_tokenizer  # noqa: E402
 
 UPPERCASE_WORDS = [
     "apple", "river", "stone", "cloud", "tiger", "lemon",
@@ -354,7 +357,7 @@ def make_tool_sample(rng: random.Random, split: str, max_questions: int = 4) -> 
     system = {"role": "system", "content": rng.choice(TOOL_SYSTEM), "tools": json.dumps(TOOLS, ensure_ascii=False)}
     messages, about = [system], None
     wanted = rng.choices(range(1, max_questions + 1), weights=[25, 30, 25, 20][:max_questions])[0]
-    for attempt in range(wanted + 2):
+    for _ in range(wanted + 2):
         turns, next_about = tool_question(rng, split, lang, about)
         if num_tokens(messages + turns) > MAX_TOKENS:
             if len(messages) > 1:
@@ -368,17 +371,16 @@ def make_tool_sample(rng: random.Random, split: str, max_questions: int = 4) -> 
 
 
 MAX_TOKENS = 1024
-_TOKENIZER = []
+
+
+@functools.cache
+def shipped_tokenizer():
+    return load_tokenizer()
 
 
 def num_tokens(messages: list[dict]) -> int:
     """Length of a conversation rendered and tokenized as the trainer does (shipped tokenizer)."""
-    from dataset.formats import parse_row
-    from dataset.rendering import encode_conversation, load_tokenizer
-
-    if not _TOKENIZER:
-        _TOKENIZER.append(load_tokenizer())
-    return len(encode_conversation(_TOKENIZER[0], parse_row({"conversations": messages}), 1 << 20)[0])
+    return len(encode_conversation(shipped_tokenizer(), parse_row({"conversations": messages}), 1 << 20)[0])
 
 
 def add_reasoning(rng: random.Random, row: dict) -> dict:

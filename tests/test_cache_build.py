@@ -3,6 +3,7 @@ and resuming a killed build from the rows it finished."""
 
 import gzip
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -120,7 +121,7 @@ def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path
     assert progress["total_rows"] == BIG_ROWS and progress["rows"] < BIG_ROWS
 
 
-@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
 def test_a_signal_while_the_pool_forks_is_not_lost(tmp_path):
     """A SIGTERM that lands while the pool forks its workers stops the build. The signal is sent
     from an at-fork hook, the place a loaded machine once hit by chance: before the fix its
