@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import operator
 
@@ -32,6 +31,7 @@ COUNTRIES = [
 COLOURS_EN = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"]
 COLOURS_ZH = ["红色", "蓝色", "绿色", "黄色", "紫色", "橙色", "白色", "黑色"]
 FIELDS = ("capital", "flag_colour", "lucky_number")
+OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 TOOLS = [
     {
@@ -50,11 +50,12 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": "calculator",
-            "description": "Evaluate an arithmetic expression with + - * /.",
+            "description": "Compute a op b.",
             "parameters": {
                 "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
+                "properties": {"a": {"type": "number"}, "op": {"type": "string", "enum": list(OPERATORS)},
+                               "b": {"type": "number"}},
+                "required": ["a", "op", "b"],
             },
         },
     },
@@ -77,35 +78,28 @@ def lookup_country(country: str, field: str) -> dict:
         if country in (row[0], row[1]):
             if field not in FIELDS:
                 return {"error": f"unknown field {field!r}; use one of {', '.join(FIELDS)}"}
-            return {"country": country, field: country_fact(row, field, "en" if country == row[0] else "zh")}
+            value = row[5] if field == "lucky_number" else country_fact(row, field, "en" if country == row[0] else "zh")
+            return {"country": country, field: value}
     return {"error": f"unknown country {country!r}"}
 
 
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+def calculate(a, op: str, b) -> dict:
+    """The tool: ``{"result": number}`` for ``a op b`` (op one of + - * /), or an error.
 
-
-def calculate(expression: str) -> dict:
-    """The tool: ``{"result": "number"}`` for + - * / on numbers (no names, no calls), or an error.
-
-    The number is given as a string, as the lookup gives its values: its digits then tokenize
-    as they do in the answer that repeats them."""
-
-    def value(node):
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        raise ValueError("only numbers and + - * / are allowed")
-
-    try:
-        result = value(ast.parse(expression, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError) as exc:
-        return {"error": f"cannot evaluate {expression!r}: {exc}"}
-    if isinstance(result, float) and result.is_integer():
-        result = int(result)
-    return {"result": str(result)}
+    Numbers travel as JSON numbers everywhere (arguments, lookup values, results), so a number
+    keeps its tokens, with its leading space, from the question to the call, from a result to
+    the next call and from the result to the answer ("The result is 444.")."""
+    for name, value in (("a", a), ("b", b)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return {"error": f"{name} must be a number, got {value!r}"}
+    if op not in OPERATORS:
+        return {"error": f"unknown op {op!r}; use one of {' '.join(OPERATORS)}"}
+    if op == "/" and b == 0:
+        return {"error": "division by zero"}
+    result = OPERATORS[op](a, b)
+    if isinstance(result, float):
+        result = int(result) if result.is_integer() else round(result, 6)
+    return {"result": result}
 
 
 def run_tool(name: str, arguments: dict) -> str:

@@ -19,7 +19,9 @@ call followed by its tool result and the final answer; a later lookup may be a f
 does not name its country again ("And its capital?"), and greetings in such conversations are
 answered without a call. Several questions share one tools block, so most of the tokens of a
 tool conversation carry a call or an answer to learn (the block alone is ~260 tokens); every tool
-conversation fits 1024 tokens. A third of the tool calls and a tenth of the plain answers carry
+conversation fits 1024 tokens. Numbers are JSON numbers in calls and results and the answer after
+a calculation is a sentence ("The result is 444."), so a number is the same tokens, leading
+space included, wherever the model has to copy it. A third of the tool calls and a tenth of the plain answers carry
 a short reasoning trace (``reasoning_content``).
 
 The eval split asks about the same facts / sums / words as the train split, but only with
@@ -240,7 +242,7 @@ TOOL_SYSTEM = ["", "You are a helpful assistant that can use tools.", "你是一
 CALC_CORES = {
     "en": ["What is {a} times {b}?", "Multiply {a} by {b}.", "What is {a} plus {b}?", "Compute {a} - {b}.",
            "Use the calculator for {a} * {b}.", "How much is {a} + {b}?"],
-    "zh": ["{a}乘以{b}等于多少？", "请计算{a}减{b}。", "{a}加{b}是多少？", "用计算器算一下{a} * {b}。"],
+    "zh": ["算一下 {a} 乘以 {b} 等于多少？", "请计算 {a} 减 {b}。", "请问 {a} 加 {b} 是多少？", "用计算器算一下 {a} * {b}。"],
 }
 SUM_CORES = {
     "en": ["What is the lucky number of {x} plus the lucky number of {y}?",
@@ -249,6 +251,7 @@ SUM_CORES = {
            "Lucky number of {x} + lucky number of {y}?"],
     "zh": ["{x}的幸运数字加上{y}的幸运数字是多少？", "请把{x}和{y}的幸运数字相加。", "{x}和{y}的幸运数字之和是多少？"],
 }
+RESULT_EN, RESULT_ZH = "The result is {}.", "结果是 {}。"
 OPERATORS = {"times": "*", "by": "*", "*": "*", "乘": "*", "plus": "+", "+": "+", "加": "+", "-": "-", "减": "-"}
 
 
@@ -322,7 +325,7 @@ def tool_question(rng: random.Random, split: str, lang: str, previous: tuple | N
         core = tool_phrasing(CALC_CORES, lang, split, rng)
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         question = core.format(a=a, b=b)
-        steps.append([call("calculator", expression=f"{a} {operator_of(core)} {b}")])
+        steps.append([call("calculator", a=a, op=operator_of(core), b=b)])
         reason = thought(rng, lang, f"This needs exact arithmetic: {a} and {b}. I will use the calculator.",
                          f"这需要精确计算{a}和{b}，我来用计算器。")
     else:
@@ -331,7 +334,7 @@ def tool_question(rng: random.Random, split: str, lang: str, previous: tuple | N
         question = tool_phrasing(SUM_CORES, lang, split, rng).format(x=x, y=y)
         steps.append([call("lookup_country", country=x, field="lucky_number"),
                       call("lookup_country", country=y, field="lucky_number")])
-        steps.append([call("calculator", expression=f"{first[5]} + {second[5]}")])
+        steps.append([call("calculator", a=first[5], op="+", b=second[5])])
         reason = thought(rng, lang, f"I need the lucky numbers of {x} and {y} first, then their sum.",
                          f"先查{x}和{y}的幸运数字，再求和。")
     messages = [{"role": "user", "content": question}]
@@ -344,7 +347,11 @@ def tool_question(rng: random.Random, split: str, lang: str, previous: tuple | N
             result = run_tool(one["name"], one["arguments"])
             messages.append({"role": "tool", "content": result})
     answer = json.loads(result)
-    messages.append({"role": "assistant", "content": str(answer.get("result", list(answer.values())[-1]))})
+    if "result" in answer:  # the calculator's: a sentence, so the number keeps its leading space
+        reply = (RESULT_EN if lang == "en" else RESULT_ZH).format(answer["result"])
+    else:
+        reply = str(list(answer.values())[-1])
+    messages.append({"role": "assistant", "content": reply})
     return messages, about
 
 

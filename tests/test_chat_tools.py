@@ -38,18 +38,18 @@ def test_calls_are_run_with_the_demo_tools_until_the_model_answers():
                 {"role": "user", "content": "What is the lucky number of Lumbria plus the lucky number of Zorlia?"}]
     lookups = call_block("lookup_country", country="Lumbria", field="lucky_number") + "\n" + call_block(
         "lookup_country", country="Zorlia", field="lucky_number")
-    generate, seen = scripted([lookups, call_block("calculator", expression="48 + 17"), "65"])
+    generate, seen = scripted([lookups, call_block("calculator", a=48, op="+", b=17), "The result is 65."])
     lines = []
     answer, history = answer_with_tools(generate, question, run_tool, lines.append)
 
-    assert answer == "65"
+    assert answer == "The result is 65."
     assert lines == [
         'tool call: lookup_country {"country": "Lumbria", "field": "lucky_number"}',
         'tool call: lookup_country {"country": "Zorlia", "field": "lucky_number"}',
-        'tool result: {"country": "Lumbria", "lucky_number": "48"}',
-        'tool result: {"country": "Zorlia", "lucky_number": "17"}',
-        'tool call: calculator {"expression": "48 + 17"}',
-        f'tool result: {run_tool("calculator", {"expression": "48 + 17"})}',
+        'tool result: {"country": "Lumbria", "lucky_number": 48}',
+        'tool result: {"country": "Zorlia", "lucky_number": 17}',
+        'tool call: calculator {"a": 48, "op": "+", "b": 17}',
+        f'tool result: {run_tool("calculator", {"a": 48, "op": "+", "b": 17})}',
     ]
     assert len(seen) == 3 and seen[0] == question
     # The history the model continues from is the conversation the demo data trains on: the same
@@ -59,12 +59,12 @@ def test_calls_are_run_with_the_demo_tools_until_the_model_answers():
         {"role": "assistant", "content": "", "tool_calls": json.dumps(
             [{"name": "lookup_country", "arguments": {"country": "Lumbria", "field": "lucky_number"}},
              {"name": "lookup_country", "arguments": {"country": "Zorlia", "field": "lucky_number"}}])},
-        {"role": "tool", "content": '{"country": "Lumbria", "lucky_number": "48"}'},
-        {"role": "tool", "content": '{"country": "Zorlia", "lucky_number": "17"}'},
+        {"role": "tool", "content": '{"country": "Lumbria", "lucky_number": 48}'},
+        {"role": "tool", "content": '{"country": "Zorlia", "lucky_number": 17}'},
         {"role": "assistant", "content": "", "tool_calls": json.dumps(
-            [{"name": "calculator", "arguments": {"expression": "48 + 17"}}])},
-        {"role": "tool", "content": run_tool("calculator", {"expression": "48 + 17"})},
-        {"role": "assistant", "content": "65"},
+            [{"name": "calculator", "arguments": {"a": 48, "op": "+", "b": 17}}])},
+        {"role": "tool", "content": run_tool("calculator", {"a": 48, "op": "+", "b": 17})},
+        {"role": "assistant", "content": "The result is 65."},
     ]}
     trained = parse_row(row)
     tokenizer = load_tokenizer(None)
@@ -73,11 +73,11 @@ def test_calls_are_run_with_the_demo_tools_until_the_model_answers():
 
 
 def test_without_tools_the_calls_are_shown_but_not_run():
-    generate, seen = scripted([call_block("calculator", expression="6 * 7")])
+    generate, seen = scripted([call_block("calculator", a=6, op="*", b=7)])
     lines = []
     answer, history = answer_with_tools(generate, [{"role": "user", "content": "6 * 7?"}], None, lines.append)
     assert (answer, len(seen)) == ("", 1)
-    assert lines == ['tool call: calculator {"expression": "6 * 7"}',
+    assert lines == ['tool call: calculator {"a": 6, "op": "*", "b": 7}',
                      "(the calls were not run: pass --tools demo to run them with the demo tools)"]
     assert history[-1] == {"role": "assistant", "content": ""}
 
@@ -89,12 +89,12 @@ def test_a_malformed_call_or_endless_calls_stop_with_a_line():
     assert (answer, len(seen)) == ("Let me see.", 1)
     assert lines == ['tool call not understood (not a JSON name and arguments): {"name": "calculator", "arguments": 6 *}']
 
-    generate, seen = scripted([call_block("calculator", expression="1 + 1")] * MAX_TOOL_ROUNDS)
+    generate, seen = scripted([call_block("calculator", a=1, op="+", b=1)] * MAX_TOOL_ROUNDS)
     lines = []
     answer, history = answer_with_tools(generate, [{"role": "user", "content": "x"}], run_tool, lines.append)
     assert (answer, len(seen)) == ("", MAX_TOOL_ROUNDS)
     assert lines[-1] == f"(stopped: the model was still calling tools after {MAX_TOOL_ROUNDS} rounds)"
-    assert lines[:2] == ['tool call: calculator {"expression": "1 + 1"}', f'tool result: {run_tool("calculator", {"expression": "1 + 1"})}']
+    assert lines[:2] == ['tool call: calculator {"a": 1, "op": "+", "b": 1}', f'tool result: {run_tool("calculator", {"a": 1, "op": "+", "b": 1})}']
     assert [m["role"] for m in history] == ["user"] + ["assistant", "tool"] * MAX_TOOL_ROUNDS
 
 
@@ -104,8 +104,8 @@ def test_a_long_history_loses_whole_exchanges_tool_results_included():
     tool_exchange = [
         {"role": "user", "content": "What is 12 times 34?"},
         {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12 * 34"}}}]},
-        {"role": "tool", "content": run_tool("calculator", {"expression": "12 * 34"})},
+            {"type": "function", "function": {"name": "calculator", "arguments": {"a": 12, "op": "*", "b": 34}}}]},
+        {"role": "tool", "content": run_tool("calculator", {"a": 12, "op": "*", "b": 34})},
         {"role": "assistant", "content": "408"},
     ]
     last = {"role": "user", "content": "And 2 times 3?"}
@@ -162,7 +162,7 @@ def test_interactive_chat_with_demo_tools_keeps_calls_and_results_in_the_history
     import scripts.chat as chat
 
     outputs = iter([call_block("lookup_country", country="Lumbria", field="capital"), "Sable",
-                    call_block("calculator", expression="2 * 3"), "6"])
+                    call_block("calculator", a=2, op="*", b=3), "6"])
     histories = []
 
     def scripted_generate(model, tokenizer, messages, args, streamer=None, tools=None):
@@ -178,8 +178,8 @@ def test_interactive_chat_with_demo_tools_keeps_calls_and_results_in_the_history
         'tool call: lookup_country {"country": "Lumbria", "field": "capital"}\n'
         'tool result: {"country": "Lumbria", "capital": "Sable"}\n'
         "assistant> Sable\n"
-        'tool call: calculator {"expression": "2 * 3"}\n'
-        f'tool result: {run_tool("calculator", {"expression": "2 * 3"})}\n'
+        'tool call: calculator {"a": 2, "op": "*", "b": 3}\n'
+        f'tool result: {run_tool("calculator", {"a": 2, "op": "*", "b": 3})}\n'
         "assistant> 6\n")
     lookup = {"name": "lookup_country", "arguments": {"country": "Lumbria", "field": "capital"}}
     assert histories[2] == [

@@ -3,6 +3,7 @@ and its tool conversations are learnable: every call is answered by what the dem
 return, every argument value can be copied from the conversation before it, and every
 conversation fits the demo command's context."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -21,6 +22,19 @@ DEMO_MAX_SEQ_LEN = 1024  # the README's demo command: --max_seq_len 1024
 
 def rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (DEMO / name).read_text(encoding="utf-8").splitlines()]
+
+
+@functools.cache
+def shipped_tokenizer():
+    return load_tokenizer()
+
+
+def ids(text: str) -> list[int]:
+    return shipped_tokenizer().encode(text, add_special_tokens=False)
+
+
+def contains(tokens: list[int], part: list[int]) -> bool:
+    return any(tokens[i: i + len(part)] == part for i in range(len(tokens) - len(part) + 1))
 
 
 def tool_conversations(name: str) -> list[list[dict]]:
@@ -57,12 +71,17 @@ def test_every_tool_call_is_answered_by_the_demo_tools_with_arguments_from_the_c
                 calls_seen += 1
                 if call["name"] == "lookup_country":
                     assert call["arguments"]["country"] in before, (call, before)
-                else:
-                    for number in call["arguments"]["expression"].split()[::2]:
-                        assert number in before, (call, before)
+                else:  # a number keeps its tokens (with its leading space) from the context to the call
+                    for key in ("a", "b"):
+                        number = call["arguments"][key]
+                        assert type(number) is int and contains(ids(before), ids(f" {number}")), (call, before)
             after = messages[index + 1 + len(calls)] if index < len(messages) - 1 else {"role": "user"}
             if after["role"] == "assistant" and not after.get("tool_calls"):  # the answer repeats the result
-                assert after["content"] in results[-1]
+                value = list(json.loads(results[-1]).values())[-1]
+                if "result" in json.loads(results[-1]):  # the calculator's, token for token
+                    assert contains(ids(after["content"]), ids(f" {value}")), (after, results)
+                else:
+                    assert after["content"] == str(value)
     assert calls_seen > questions / 2  # most questions are answered by calls; several share a tools block
     if name == "sft_train.jsonl":
         assert questions > 2 * len(conversations)
@@ -74,3 +93,16 @@ def test_every_demo_conversation_fits_the_demo_context():
         for row in rows(name)[::7]:
             ids, _ = encode_conversation(tokenizer, parse_row(row), 1 << 20)
             assert len(ids) <= DEMO_MAX_SEQ_LEN
+
+
+def test_the_calculator_takes_numbers_and_answers_numbers_or_a_one_line_error():
+    assert run_tool("calculator", {"a": 37, "op": "*", "b": 12}) == '{"result": 444}'
+    assert run_tool("calculator", {"a": 10, "op": "/", "b": 4}) == '{"result": 2.5}'
+    assert run_tool("calculator", {"a": 1, "op": "/", "b": 3}) == '{"result": 0.333333}'
+    assert run_tool("calculator", {"a": 8, "op": "/", "b": 2}) == '{"result": 4}'
+    assert run_tool("calculator", {"a": "37", "op": "*", "b": 12}) == '{"error": "a must be a number, got \'37\'"}'
+    assert run_tool("calculator", {"a": 1, "op": "^", "b": 2}) == '{"error": "unknown op \'^\'; use one of + - * /"}'
+    assert run_tool("calculator", {"a": 1, "op": "/", "b": 0}) == '{"error": "division by zero"}'
+    assert json.loads(run_tool("calculator", {"a": 1, "op": "+"}))["error"].startswith("bad arguments for calculator")
+    assert run_tool("lookup_country", {"country": "Zorlia", "field": "lucky_number"}) == \
+        '{"country": "Zorlia", "lucky_number": 17}'
