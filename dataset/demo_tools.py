@@ -62,14 +62,15 @@ TOOLS = [
 ]
 
 
-def country_fact(country: tuple, field: str, lang: str) -> str:
-    """The value of ``field`` for ``country`` in English (``en``) or Chinese (``zh``)."""
+def country_fact(country: tuple, field: str, lang: str) -> str | int:
+    """The value of ``field`` for ``country`` in English (``en``) or Chinese (``zh``); the lucky
+    number as a number."""
     _, _, capital_en, capital_zh, colour, number = country
     if field == "capital":
         return capital_en if lang == "en" else capital_zh
     if field == "flag_colour":
         return COLOURS_EN[colour] if lang == "en" else COLOURS_ZH[colour]
-    return str(number)
+    return number
 
 
 def lookup_country(country: str, field: str) -> dict:
@@ -78,8 +79,7 @@ def lookup_country(country: str, field: str) -> dict:
         if country in (row[0], row[1]):
             if field not in FIELDS:
                 return {"error": f"unknown field {field!r}; use one of {', '.join(FIELDS)}"}
-            value = row[5] if field == "lucky_number" else country_fact(row, field, "en" if country == row[0] else "zh")
-            return {"country": country, field: value}
+            return {"country": country, field: country_fact(row, field, "en" if country == row[0] else "zh")}
     return {"error": f"unknown country {country!r}"}
 
 

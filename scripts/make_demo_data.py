@@ -156,7 +156,7 @@ FIELD_OF = {"capital": "capital", "colour": "flag_colour", "number": "lucky_numb
 
 def fact_answer(country: tuple, attribute: str, lang: str) -> str:
     """Exact answer for one (country, attribute, language)."""
-    return country_fact(country, FIELD_OF[attribute], lang)
+    return str(country_fact(country, FIELD_OF[attribute], lang))
 
 
 def country_name(country: tuple, lang: str) -> str:
@@ -252,7 +252,7 @@ SUM_CORES = {
     "zh": ["{x}的幸运数字加上{y}的幸运数字是多少？", "请把{x}和{y}的幸运数字相加。", "{x}和{y}的幸运数字之和是多少？"],
 }
 RESULT_EN, RESULT_ZH = "The result is {}.", "结果是 {}。"
-OPERATORS = {"times": "*", "by": "*", "*": "*", "乘": "*", "plus": "+", "+": "+", "加": "+", "-": "-", "减": "-"}
+OPERATOR_WORDS = {"times": "*", "by": "*", "*": "*", "乘": "*", "plus": "+", "+": "+", "加": "+", "-": "-", "减": "-"}
 
 
 def tool_phrasing(cores: dict, lang: str, split: str, rng: random.Random) -> str:
@@ -268,7 +268,7 @@ def tool_phrasing(cores: dict, lang: str, split: str, rng: random.Random) -> str
 
 
 def operator_of(core: str) -> str:
-    for word, symbol in OPERATORS.items():
+    for word, symbol in OPERATOR_WORDS.items():
         if word in core.replace("{a}", "").replace("{b}", ""):
             return symbol
     raise ValueError(core)

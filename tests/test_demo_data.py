@@ -72,13 +72,15 @@ def test_every_tool_call_is_answered_by_the_demo_tools_with_arguments_from_the_c
                 if call["name"] == "lookup_country":
                     assert call["arguments"]["country"] in before, (call, before)
                 else:  # a number keeps its tokens (with its leading space) from the context to the call
+                    context = ids(before)
                     for key in ("a", "b"):
                         number = call["arguments"][key]
-                        assert type(number) is int and contains(ids(before), ids(f" {number}")), (call, before)
+                        assert type(number) is int and contains(context, ids(f" {number}")), (call, before)
             after = messages[index + 1 + len(calls)] if index < len(messages) - 1 else {"role": "user"}
             if after["role"] == "assistant" and not after.get("tool_calls"):  # the answer repeats the result
-                value = list(json.loads(results[-1]).values())[-1]
-                if "result" in json.loads(results[-1]):  # the calculator's, token for token
+                result = json.loads(results[-1])
+                value = list(result.values())[-1]
+                if "result" in result:  # the calculator's, token for token
                     assert contains(ids(after["content"]), ids(f" {value}")), (after, results)
                 else:
                     assert after["content"] == str(value)
@@ -88,11 +90,11 @@ def test_every_tool_call_is_answered_by_the_demo_tools_with_arguments_from_the_c
 
 
 def test_every_demo_conversation_fits_the_demo_context():
-    tokenizer = load_tokenizer()
+    tokenizer = shipped_tokenizer()
     for name in ("sft_train.jsonl", "sft_eval.jsonl"):
         for row in rows(name)[::7]:
-            ids, _ = encode_conversation(tokenizer, parse_row(row), 1 << 20)
-            assert len(ids) <= DEMO_MAX_SEQ_LEN
+            tokens, _ = encode_conversation(tokenizer, parse_row(row), 1 << 20)
+            assert len(tokens) <= DEMO_MAX_SEQ_LEN
 
 
 def test_the_calculator_takes_numbers_and_answers_numbers_or_a_one_line_error():
