@@ -14,15 +14,16 @@ tokens. Every answer is short and in a fixed format.
 
 About one training conversation in three (4,000 of 11,000 by default) has the demo tools
 (``dataset/demo_tools.py``: ``lookup_country`` and ``calculator``) on its system message and
-asks one to four questions answered by calling them: one lookup, one calculation, or two lookups in parallel followed by a calculation, each
-call followed by its tool result and the final answer; a later lookup may be a follow-up that
-does not name its country again ("And its capital?"), and greetings in such conversations are
-answered without a call. Several questions share one tools block, so most of the tokens of a
-tool conversation carry a call or an answer to learn (the block alone is ~260 tokens); every tool
-conversation fits 1024 tokens. Numbers are JSON numbers in calls and results and the answer after
-a calculation is a sentence ("The result is 444."), so a number is the same tokens, leading
-space included, wherever the model has to copy it. A third of the tool calls and a tenth of the
-plain answers carry a short reasoning trace (``reasoning_content``).
+asks one to four questions answered by calling them: one lookup, one calculation, or two lookups
+in parallel followed by a calculation, each call followed by its tool result and the final
+answer; a later lookup may be a follow-up that does not name its country again ("And its
+capital?"), and greetings in such conversations are answered without a call. Several questions
+share one tools block, so most of the tokens of a tool conversation carry a call or an answer to
+learn (the block alone is ~260 tokens); every tool conversation fits 1024 tokens. Numbers are
+JSON numbers in calls and results and the answer after a calculation is a sentence ("The result
+is 444."), so a number is the same tokens, leading space included, wherever the model has to
+copy it. A third of the tool calls and a tenth of the plain answers carry a short reasoning
+trace (``reasoning_content``).
 
 The eval split asks about the same facts / sums / words as the train split, but only with
 question phrasings that never occur in train: a question is a prefix ("Quick question: ", …)
