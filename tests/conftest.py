@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tests.trainer_launch import REPO
+from tests.helpers.trainer_launch import REPO
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ skipped on CPU-only machines such as CI."""
 import pytest
 import torch
 
-from tests.trainer_launch import final_weights, flags, run_trainer, train_losses
+from tests.helpers.trainer_launch import final_weights, flags, run_trainer, train_losses
 
 pytestmark = [
     pytest.mark.slow,
@@ -37,7 +37,7 @@ def test_two_gpus_with_nccl_equal_one_gpu_with_double_batch(data, tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
     from model import packed_attention
-    from tests.test_model import packed_rows, tiny_model
+    from tests.model.test_model import packed_rows, tiny_model
 
     ids, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40], [33, 2, 1, 1]], row_len=40)
     ids, positions = ids.cuda(), positions.cuda()
@@ -73,7 +73,7 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
     the collator's precomputed loss positions and packed layout; for a mixture the per-source
     losses of trainer/source_losses.py): any host sync raises."""
     from dataset import SFTCollator
-    from tests.test_model import packed_rows, tiny_model
+    from tests.model.test_model import packed_rows, tiny_model
     from trainer.loop import model_inputs
     from trainer.source_losses import SourceLosses
 
@@ -121,7 +121,7 @@ def test_an_optimizer_step_makes_one_host_sync():
     the previous update's weights check together (tests/test_loop_syncs.py is the CPU version)."""
     import warnings
 
-    from tests.test_loop_syncs import micro_batches, tiny_run
+    from tests.trainer.loop.test_loop_syncs import micro_batches, tiny_run
     from trainer.loop import agree_on_step, optimizer_step
 
     run = tiny_run(torch.device("cuda:0"))
@@ -148,7 +148,7 @@ def test_bench_memory_measures_on_the_gpu():
     allocator's peak over the step holds at least them (plus the activations)."""
     from model import MiniMindConfig, MiniMindForCausalLM
     from scripts.bench_memory import run
-    from tests.test_bench_memory import TINY
+    from tests.scripts.test_bench_memory import TINY
 
     with torch.device("meta"):
         parameters = list(MiniMindForCausalLM(MiniMindConfig(**TINY)).parameters())

@@ -1,0 +1,414 @@
+"""Building the token cache: compressed inputs, interruptions (real signals to real processes)
+and resuming a killed build from the rows it finished."""
+
+import gzip
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dataset.partial_build as partial_build
+import dataset.sources as sources
+import dataset.token_cache as token_cache
+from dataset import DataError, SFTDataset, load_tokenizer
+from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def chat_line(i: int) -> str:
+    return json.dumps({"conversations": [{"role": "user", "content": f"What is {i} plus 1?"},
+                                         {"role": "assistant", "content": str(i + 1)}]})
+
+
+def write_rows(path: Path, lines: list[str]) -> Path:
+    text = "\n".join(lines) + "\n"
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+def cache_arrays(ds: SFTDataset) -> list[np.ndarray]:
+    return [np.asarray(ds.tokens), np.asarray(ds.loss_mask), ds.offsets]
+
+
+# ----------------------------------------------------------------------------- .jsonl.gz
+
+
+def test_gzip_file_gives_the_same_cache_as_the_plain_file(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    lines = [chat_line(i) for i in range(23)]
+    plain = SFTDataset(write_rows(tmp_path / "a.jsonl", lines), tokenizer, 64, num_proc=1)
+    packed = SFTDataset(write_rows(tmp_path / "a.jsonl.gz", lines), tokenizer, 64, num_proc=2)
+    assert len(packed) == 23
+    for a, b in zip(cache_arrays(plain), cache_arrays(packed)):
+        assert np.array_equal(a, b)
+
+
+def test_gzip_bad_row_and_corrupt_gzip_are_one_line_errors(tokenizer, tmp_path):
+    lines = [chat_line(i) for i in range(4)]
+    lines[2] = '{"broken'
+    path = write_rows(tmp_path / "b.jsonl.gz", lines)
+    with pytest.raises(DataError, match=f"^{path}:3: invalid JSON"):
+        SFTDataset(path, tokenizer, 64, num_proc=1)
+    truncated = tmp_path / "c.jsonl.gz"
+    truncated.write_bytes(gzip.compress(("\n".join(chat_line(i) for i in range(200)) + "\n").encode())[:300])
+    with pytest.raises(DataError, match=f"^{truncated}: not a readable gzip file"):
+        SFTDataset(truncated, tokenizer, 64, num_proc=1)
+
+
+# ----------------------------------------------------------------------------- interruptions
+
+BIG_ROWS = 80_000  # long enough to tokenize that the signal lands mid-build on a fast machine
+
+
+def partials(cache_root: Path) -> list[str]:
+    return sorted(p.name for p in cache_root.glob(".partial-*")) if cache_root.is_dir() else []
+
+
+def wait_for_build_start(cache_root: Path, process: subprocess.Popen, timeout: float = 120.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while not partials(cache_root):
+        assert process.poll() is None, f"exited early: {process.communicate()}"
+        assert time.monotonic() < deadline, "the build never started"
+        time.sleep(0.05)
+    time.sleep(0.5)  # into the tokenizing, with the pool's workers running
+    return partials(cache_root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path, signum):
+    data = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(BIG_ROWS)])
+    cache_root = tmp_path / "cache"
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, *TINY, "--data_path", str(data), "--cache_dir", str(cache_root),
+         "--save_dir", str(tmp_path / "out")],
+        cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        wait_for_build_start(cache_root, process)
+        os.killpg(process.pid, signum)
+        sent = time.monotonic()
+        _, stderr = process.communicate(timeout=60)  # the old code waited forever for lost chunks
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert time.monotonic() - sent < 30
+    assert process.returncode == 128 + signum, stderr
+    name = signal.Signals(signum).name
+    assert stderr.strip().splitlines()[-1] == (
+        f"stopped: {name} while building the token cache: stopped; run the same command again to continue it "
+        "(the rows tokenized so far are kept)")
+    # What was tokenized is committed for the next run; no cache is in place yet.
+    [partial] = partials(cache_root)
+    assert sorted(p.name for p in cache_root.iterdir()) == [".digests", partial]
+    progress = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
+    assert progress["total_rows"] == BIG_ROWS and progress["rows"] < BIG_ROWS
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+def test_a_signal_while_the_pool_forks_is_not_lost(tmp_path):
+    """A SIGTERM that lands while the pool forks its workers stops the build. The signal is sent
+    from an at-fork hook, the place a loaded machine once hit by chance: before the fix its
+    BuildInterrupted was raised inside the at-fork callbacks, where CPython drops exceptions, and
+    the build went on to the end."""
+    data = write_rows(tmp_path / "rows.jsonl", [chat_line(i) for i in range(200)])
+    code = ("import os, signal, sys; import dataset.token_cache as t; from dataset import SFTDataset; "
+            "t.CHUNK_LINES = 20; sent = []; "
+            "os.register_at_fork(before=lambda: sent or sent.append(os.kill(os.getpid(), signal.SIGTERM))); "
+            "SFTDataset(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=2); print('built')")
+    result = subprocess.run([sys.executable, "-c", code, str(data), str(tmp_path / "cache")], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.stdout == "", result.stdout
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("dataset.token_cache.BuildInterrupted: SIGTERM while building"), \
+        result.stderr
+    assert "Exception ignored" not in result.stderr
+
+
+def cache_files(cache: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(cache.iterdir())}
+
+
+ENCODE_CHUNK = token_cache._encode_chunk
+
+
+def counting_encoder(monkeypatch, fail_at_chunk: int | None = None) -> list[int]:
+    """Count the rows the build encodes (num_proc=1 encodes in this process); optionally fail at a chunk."""
+    rows: list[int] = []
+    real = ENCODE_CHUNK
+
+    def encode(task):
+        if fail_at_chunk is not None and len(rows) == fail_at_chunk:
+            raise RuntimeError("injected failure")
+        rows.append(len(task[1]))
+        return real(task)
+
+    monkeypatch.setattr(token_cache, "_encode_chunk", encode)
+    return rows
+
+
+def mixed_rows(count: int) -> list[str]:
+    """Good rows with two bad ones (3, 17), a blank one (9) and one without loss tokens at 64 tokens (12)."""
+    lines = [chat_line(i) for i in range(count)]
+    lines[2] = '{"broken'
+    lines[8] = ""
+    lines[11] = json.dumps({"conversations": [{"role": "user", "content": "long " * 200},
+                                              {"role": "assistant", "content": "ok"}]})
+    lines[16] = json.dumps({"conversations": [{"role": "robot", "content": "x"}]})
+    return lines
+
+
+def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cache(tokenizer, tmp_path, monkeypatch,
+                                                                                    capsys):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    path = write_rows(tmp_path / "r.jsonl", mixed_rows(23))
+    whole = SFTDataset(path, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1, bad_data="skip")
+    assert (whole.num_skipped, whole.num_dropped, len(whole)) == (2, 1, 19)
+
+    cache_root = tmp_path / "resumed"
+    counting_encoder(monkeypatch, fail_at_chunk=3)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        SFTDataset(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
+    [partial] = partials(cache_root)
+    progress = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
+    assert (progress["rows"], progress["total_rows"], progress["num_skipped"]) == (15, 23, 1)
+    for torn in (cache_root / partial / "cache" / "tokens.bin", cache_root / partial / "lengths.bin"):
+        with open(torn, "ab") as f:  # what a process killed while writing a chunk leaves after its last commit
+            f.write(b"\x07" * 11)
+    capsys.readouterr()
+
+    encoded = counting_encoder(monkeypatch)
+    resumed = SFTDataset(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
+    assert sum(encoded) == 23 - 15  # the old code encoded all 23 again
+    assert "resuming cache build at row 15 of 23" in capsys.readouterr().err
+    assert resumed.cache_path.name == whole.cache_path.name
+    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)  # tokens, masks, offsets, meta
+    assert partials(cache_root) == []
+
+
+def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 4)
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    path = write_rows(tmp_path / "v.jsonl", [chat_line(i) for i in range(20)])
+    other = write_rows(tmp_path / "other.jsonl", [chat_line(i) for i in range(20)][::-1])
+    counting_encoder(monkeypatch, fail_at_chunk=2)
+    for data in (path, other):
+        with pytest.raises(RuntimeError, match="injected failure"):
+            SFTDataset(data, tokenizer, 64, num_proc=1)
+    cache_root = tmp_path / ".cache"
+    old_partials = partials(cache_root)
+    assert len(old_partials) == 2
+    other_partial = [name for name in old_partials
+                     if json.loads((cache_root / name / "progress.json").read_text())["data_file"] == str(other.resolve())]
+
+    write_rows(path, [chat_line(i + 100) for i in range(20)])  # a new version of the file
+    encoded = counting_encoder(monkeypatch)
+    changed = SFTDataset(path, tokenizer, 64, num_proc=1)
+    assert sum(encoded) == 20  # nothing of the old version's 8 rows was reused
+    fresh = SFTDataset(path, tokenizer, 64, cache_dir=tmp_path / "fresh", num_proc=1)
+    assert cache_files(changed.cache_path) == cache_files(fresh.cache_path)
+    # The old version's partial build is removed; the other file's is kept for its own restart.
+    assert len(other_partial) == 1 and partials(cache_root) == other_partial
+
+
+def hold_lock(lock: Path, seconds: float) -> subprocess.Popen:
+    """A live process that holds a partial build's lock (as a builder does) for ``seconds``."""
+    code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "f.seek(0); f.truncate(); f.write('otherhost.4242'); f.flush(); print('locked', flush=True); "
+            "time.sleep(float(sys.argv[2]))")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen([sys.executable, "-c", code, str(lock), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().strip() == "locked"
+    return process
+
+
+def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 4)
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    monkeypatch.setattr(partial_build, "WAIT_REPORT_S", 0.2)
+    path = write_rows(tmp_path / "w.jsonl", [chat_line(i) for i in range(12)])
+    cache_root = tmp_path / ".cache"
+    counting_encoder(monkeypatch, fail_at_chunk=1)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        SFTDataset(path, tokenizer, 64, num_proc=1)
+    [old] = partials(cache_root)
+    counting_encoder(monkeypatch)
+    # An outdated partial build held by a live process stays...
+    holder = hold_lock(cache_root / old / "lock", 60)
+    try:
+        write_rows(path, [chat_line(i + 50) for i in range(12)])
+        new = SFTDataset(path, tokenizer, 64, num_proc=1)
+        assert partials(cache_root) == [old]
+    finally:
+        holder.kill()
+        holder.wait()
+    # ...and a build of the same cache waits for the live builder, then does the work itself.
+    new_partial = cache_root / f".partial-{new.cache_path.name}"
+    shutil.rmtree(new.cache_path)
+    holder = hold_lock(new_partial / "lock", 1.5)
+    capsys.readouterr()
+    rebuilt = SFTDataset(path, tokenizer, 64, num_proc=1)
+    holder.wait()
+    assert "waiting for process otherhost.4242, which is building this token cache" in capsys.readouterr().err
+    assert len(rebuilt) == 12 and partials(cache_root) == []  # the old version's is removed once its holder is gone
+
+
+@pytest.mark.slow
+def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, monkeypatch):
+    rows = 600
+    data = write_rows(tmp_path / "k9.jsonl", [chat_line(i) for i in range(rows)])
+    cache_root = tmp_path / "cache"
+    code = ("import sys, time; import dataset.token_cache as t, dataset.partial_build as p; "
+            "t.CHUNK_LINES = 20; p.COMMIT_S = 0.0; encode = t._encode_chunk; "
+            "t._encode_chunk = lambda task: time.sleep(0.1) or encode(task); "
+            "from dataset import SFTDataset; SFTDataset(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=1)")
+    process = subprocess.Popen([sys.executable, "-c", code, str(data), str(cache_root)], cwd=REPO, env=clean_env(),
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            found = list(cache_root.glob(".partial-*/progress.json"))
+            if found and json.loads(found[0].read_text(encoding="utf-8"))["rows"] >= 100:
+                break
+            assert process.poll() is None and time.monotonic() < deadline, "no progress was committed"
+            time.sleep(0.02)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    committed = json.loads(found[0].read_text(encoding="utf-8"))["rows"]
+    assert 100 <= committed < rows
+
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 20)
+    encoded = counting_encoder(monkeypatch)
+    resumed = SFTDataset(data, tokenizer, 64, cache_dir=cache_root, num_proc=1)
+    assert sum(encoded) == rows - committed
+    whole = SFTDataset(data, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1)
+    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
+    assert partials(cache_root) == []
+
+
+# ----------------------------------------------------------------------------- no collective while building
+
+
+def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out_dir: str) -> None:
+    """One gloo rank whose process group times out after 2 s; local rank 0 build takes 4 s."""
+    import contextlib
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=2))
+    real_build = token_cache.build_cache
+
+    def slow_build(*args, **kwargs):
+        time.sleep(4)
+        real_build(*args, **kwargs)
+
+    token_cache.build_cache = slow_build
+    token_cache.WAIT_REPORT_S = 1.0
+    result = {}
+    with open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
+        try:
+            ds = SFTDataset(data_path, load_tokenizer(None), 64, cache_dir=cache_dir, num_proc=1)
+            result["cache_path"] = str(ds.cache_path)
+            result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            result["error"] = f"{type(exc).__name__}: {exc}"
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_wait_for_a_build_longer_than_the_process_group_timeout(tmp_path):
+    import torch.multiprocessing as torch_mp
+
+    from tests.helpers.trainer_launch import free_port
+
+    data = write_rows(tmp_path / "d.jsonl", [chat_line(i) for i in range(12)])
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    args = (free_port(), str(data), str(tmp_path / "cache"), str(out_dir))
+    context = torch_mp.start_processes(_slow_build_worker, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the ranks did not finish (hang)")
+    rank0, rank1 = (json.loads((out_dir / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2))
+    assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)  # old code: gloo timeout on rank 1
+    assert rank0 == rank1 and len(rank0["input_ids"]) == 12
+    assert "rank 1: waiting for local rank 0 to build the token cache" in (out_dir / "stdout1.txt").read_text()
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == [".digests"]
+
+
+def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(token_cache, "PROGRESS_S", 0.0)
+    SFTDataset(write_rows(tmp_path / "p.jsonl", [chat_line(i) for i in range(12)]), tokenizer, 64, num_proc=1)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing p.jsonl: ")]
+    assert [line.split(": ")[1].split(" rows")[0] for line in lines] == ["5/12", "10/12", "12/12"]
+    assert all(" rows/s, elapsed " in line and ", ETA " in line for line in lines)
+    assert lines[-1].endswith("ETA 0 s")
+
+
+def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashed(tokenizer, tmp_path, monkeypatch):
+    path = write_rows(tmp_path / "k.jsonl", [chat_line(i) for i in range(6)])
+    first = SFTDataset(path, tokenizer, 64, num_proc=1)
+    hashed = []
+    real_digest = token_cache.file_digest
+    monkeypatch.setattr(token_cache, "file_digest", lambda p: hashed.append(p) or real_digest(p))
+    assert SFTDataset(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
+    assert hashed == []  # the old code read the whole file at every start
+    stat = path.stat()
+    changed = path.read_bytes().replace(b"What is 0", b"What is 9", 1)  # same size; mtime restored below
+    path.write_bytes(changed)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = SFTDataset(path, tokenizer, 64, num_proc=1)
+    assert hashed == [path] and second.cache_path != first.cache_path
+    assert token_cache.data_digest(path, path.parent / ".cache") == real_digest(path)
+
+
+# ----------------------------------------------------------------------------- .parquet
+
+
+def test_parquet_file_gives_the_same_cache_as_the_jsonl_file(tokenizer, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 4)
+    lines = [chat_line(i) for i in range(13)]
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), tmp_path / "a.parquet")
+    plain = SFTDataset(write_rows(tmp_path / "a.jsonl", lines), tokenizer, 64, num_proc=1)
+    table = SFTDataset(tmp_path / "a.parquet", tokenizer, 64, num_proc=2)
+    for a, b in zip(cache_arrays(plain), cache_arrays(table)):
+        assert np.array_equal(a, b)
+    rows = [json.loads(line) for line in lines]
+    rows[6]["conversations"][0]["role"] = "robot"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match=f"^{tmp_path / 'bad.parquet'}:7: .*unknown role 'robot'"):
+        SFTDataset(tmp_path / "bad.parquet", tokenizer, 64, num_proc=1)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
+        SFTDataset(tmp_path / "junk.parquet", tokenizer, 64, num_proc=1)

@@ -1,0 +1,26 @@
+"""One optimizer step is the same mathematics however its rows are split: 2 ranks x B rows x
+accumulation 2 (DDP's `no_sync()` micro-steps) equals 1 rank x 4B rows, dense and MoE (the MoE
+balance loss is per row and divided by the step's global row count)."""
+
+import pytest
+
+from tests.helpers.trainer_launch import assert_weights_equal, final_weights, flags, run_trainer, train_losses
+
+pytestmark = pytest.mark.slow
+
+# A strong balance loss and 2 experts per token, so a wrong normaliser would show in the weights.
+MOE = ["--use_moe", "1", "--num_experts", "4", "--num_experts_per_tok", "2", "--aux_loss_coef", "0.1"]
+
+
+@pytest.mark.parametrize("model_flags", [[], MOE], ids=["dense", "moe"])
+def test_two_ranks_with_accumulation_equal_one_rank_with_the_whole_batch(data, tmp_path, model_flags):
+    steps = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", "--warmup_steps", "10",
+             *model_flags]
+    run_trainer(flags(data, tmp_path / "one", "--batch_size", "8", *steps))
+    run_trainer(flags(data, tmp_path / "split", "--batch_size", "2", "--accumulation_steps", "2", *steps), nproc=2)
+    one, split = final_weights(tmp_path / "one"), final_weights(tmp_path / "split")
+    assert_weights_equal(split, one, atol=1e-5)
+    losses = train_losses(tmp_path / "one")
+    assert sorted(losses) == [1, 2, 3]
+    for step, loss in train_losses(tmp_path / "split").items():
+        assert loss == pytest.approx(losses[step], abs=1e-5)

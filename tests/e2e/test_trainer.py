@@ -1,0 +1,230 @@
+"""train_full_sft.py end to end in real processes (CPU, gloo): equivalences, multi-node, resume."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers.trainer_launch import (
+    REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_trainer, train_losses,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(data, tmp_path):
+    # Adam's first steps divide by |gradient|: an element whose gradient is ~1e-8 turns float
+    # reassociation noise into visible weight differences. A warmup keeps those below 1e-5.
+    steps = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", "--warmup_steps", "10"]
+    run_trainer(flags(data, tmp_path / "one", "--batch_size", "8", *steps))
+    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *steps), nproc=2)
+    run_trainer(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *steps))
+    one = final_weights(tmp_path / "one")
+    assert_weights_equal(final_weights(tmp_path / "two"), one, atol=1e-5)
+    assert_weights_equal(final_weights(tmp_path / "accum"), one, atol=1e-5)
+    losses = train_losses(tmp_path / "one")
+    for other in ("two", "accum"):
+        for step, loss in train_losses(tmp_path / other).items():
+            assert loss == pytest.approx(losses[step], abs=1e-5)
+    # the training changed the weights (the equality above is not trivial)
+    initial = torch.load(checkpoint_at(tmp_path / "one", 3), weights_only=True)
+    assert initial["step"] == 3 and initial["samples_in_epoch"] == 24
+
+
+def test_the_equivalence_runs_split_batches_of_unequal_loss_token_counts(data):
+    """The first step of the runs above: its halves (2 ranks, or 2 micro-batches) carry different
+    numbers of loss tokens, so a per-micro-batch mean would not give equal weights."""
+    from dataset import ResumableDistributedSampler, SFTCollator, SFTDataset, load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    dataset = SFTDataset(data / "train.jsonl", tokenizer, 128)
+    collate = SFTCollator(pad_token_id=tokenizer.pad_token_id)
+    order = list(ResumableDistributedSampler(len(dataset), 1, 0, seed=42, lengths=dataset.lengths, group_size=8))
+
+    def loss_tokens(indices):
+        return int((collate([dataset[i] for i in indices])["labels"][:, 1:] != -100).sum())
+
+    steps = [order[8 * k:8 * (k + 1)] for k in range(4)]
+    assert any(loss_tokens(step[0::2]) != loss_tokens(step[1::2]) for step in steps)  # rank 0 vs rank 1
+    assert any(loss_tokens(step[:4]) != loss_tokens(step[4:]) for step in steps)  # micro-batch 1 vs 2
+
+
+@pytest.mark.parametrize("style", ["legacy_launch", "self_spawn", "slurm"])
+def test_other_launch_styles_train_the_same_as_one_process(data, tmp_path, style):
+    args = flags(data, tmp_path / style, "--batch_size", "4", "--max_steps", "3", "--save_interval", "0")
+    if style == "legacy_launch":  # passes --local-rank to each worker
+        run_trainer(args, launcher=[sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
+                                    "--master_addr", "127.0.0.1", "--master_port", str(free_port())])
+    elif style == "self_spawn":  # seed 004's method C: the script starts its own workers
+        run_trainer([*args, "--world_size", "2"])
+    else:  # what `srun --ntasks 2` sets for each task (MASTER_* given: no scontrol here)
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "train_full_sft.py"), *args], cwd=REPO,
+                                  env=clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                                                SLURM_JOB_ID="7", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in (0, 1)]
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        assert "2 process(es) x batch 4" in outputs[0]
+    run_trainer(flags(data, tmp_path / "single", "--batch_size", "8", "--max_steps", "3", "--save_interval", "0"))
+    assert_weights_equal(final_weights(tmp_path / style), final_weights(tmp_path / "single"), atol=1e-5)
+
+
+def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):
+    # Autocast is proven by the dtype of the matmul outputs inside the training step, not by the
+    # losses differing (on a CPU without native bf16 they can coincide). 2 tiny steps: bf16 is
+    # emulated, many times slower, on AVX2-only CPUs.
+    for dtype in ("bfloat16", "float32"):
+        run_trainer(flags(data, tmp_path / dtype, "--batch_size", "4", "--max_steps", "2", "--dtype", dtype),
+                    script=os.path.join(REPO, "tests", "helpers", "record_dtypes.py"),
+                    env=clean_env(MINISFT_DTYPE_REPORT=str(tmp_path / f"{dtype}.json")))
+    assert json.load(open(tmp_path / "bfloat16.json")) == ["torch.bfloat16"]
+    assert json.load(open(tmp_path / "float32.json")) == ["torch.float32"]
+    weights = final_weights(tmp_path / "bfloat16")
+    assert all(w.dtype == torch.float32 and torch.isfinite(w).all() for w in weights.values())  # fp32 master
+    bf16, fp32 = train_losses(tmp_path / "bfloat16"), train_losses(tmp_path / "float32")
+    for step in (1, 2):  # the same training, computed in bf16: close to fp32
+        assert abs(bf16[step] - fp32[step]) < 0.02 * fp32[step]
+    result = run_trainer(flags(data, tmp_path / "fp16", "--max_steps", "1", "--dtype", "float16"), check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"
+
+
+@pytest.mark.parametrize("packing", ["0", "1"])
+def test_torch_compile_trains_like_eager(data, tmp_path, packing):
+    # Length-grouped batches of varying length (dynamic shapes) and packed rows (per-document
+    # attention outside the compiled graph): compiled and eager runs follow the same losses.
+    common = ["--batch_size", "4", "--max_steps", "4", "--packing", packing, "--save_interval", "0"]
+    run_trainer(flags(data, tmp_path / "eager", *common))
+    result = run_trainer(flags(data, tmp_path / "compiled", *common, "--use_compile", "1"), timeout=600)
+    assert "recompile_limit" not in result.stderr  # would mean it silently fell back to eager
+    eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert sorted(eager) == sorted(compiled) == [1, 2, 3, 4]
+    for step in eager:
+        assert abs(eager[step] - compiled[step]) < 1e-4 * eager[step], (step, eager[step], compiled[step])
+    assert_weights_equal(final_weights(tmp_path / "eager"), final_weights(tmp_path / "compiled"), atol=1e-4)
+
+
+def test_wandb_offline_run_is_continued_after_resume(data, tmp_path):
+    env = clean_env(WANDB_MODE="offline", WANDB_SILENT="true")
+    common = ["--batch_size", "4", "--use_wandb", "1", "--save_interval", "2"]
+    run_trainer(flags(data, tmp_path, *common, "--max_steps", "2"), env=env)
+    run_trainer(flags(data, tmp_path, *common, "--max_steps", "4", "--from_resume", "1"), env=env)
+    runs = sorted(name for name in os.listdir(tmp_path / "wandb") if name.startswith("offline-run-"))
+    assert len(runs) == 2
+    run_ids = {name.rsplit("-", 1)[-1] for name in runs}
+    assert len(run_ids) == 1  # the resumed run continues the same wandb run
+    assert torch.load(checkpoint_at(tmp_path, 4), weights_only=True)["wandb_run_id"] in run_ids
+
+
+def test_two_torchrun_agents_as_two_nodes_train_together(data, tmp_path):
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                    "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        args = flags(data, tmp_path / "nodes", "--batch_size", "4", "--max_steps", "3", "--save_interval", "0")
+        procs.append(subprocess.Popen([*launcher, os.path.join(REPO, "train_full_sft.py"), *args], cwd=REPO,
+                                      env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError("the two agents did not finish: " + " | ".join(p.communicate()[0][-2000:] for p in procs))
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "2 process(es) x batch 4" in outputs[0]
+    run_trainer(flags(data, tmp_path / "single", "--batch_size", "8", "--max_steps", "3", "--save_interval", "0"))
+    assert_weights_equal(final_weights(tmp_path / "nodes"), final_weights(tmp_path / "single"), atol=1e-5)
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
+    # With MiniMind's augmentations on: they are drawn per (seed, epoch, sample), also in workers.
+    common = ["--batch_size", "4", "--max_steps", "7", "--dropout", "0.1", "--num_workers", workers,
+              "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2",
+              "--system_prompt_ratio", "0.5", "--drop_empty_think_ratio", "0.5"]
+    run_trainer(flags(data, tmp_path / "full", *common, "--save_interval", "3"))
+    # The state a crash after step 3 leaves behind is the step-3 checkpoint: continue from it.
+    resumed = run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",
+                                "--resume_from", checkpoint_at(tmp_path / "full", 3)))
+    assert "resuming from" in resumed.stdout and "training 7 optimizer steps from step 3" in resumed.stdout
+    assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "full"))
+    assert torch.load(checkpoint_at(tmp_path / "full", 7), weights_only=True)["step"] == 7
+    losses_full, losses_resumed = train_losses(tmp_path / "full"), train_losses(tmp_path / "resumed")
+    assert all(losses_resumed[s] == losses_full[s] for s in range(4, 8))
+
+
+def test_resume_on_a_different_world_size_continues_the_same_sample_stream(data, tmp_path):
+    common = ["--max_steps", "6"]
+    run_trainer(flags(data, tmp_path / "full", "--batch_size", "4", *common, "--save_interval", "3"))
+    # same global batch (2 ranks x 2 = 1 rank x 4), so the same samples and the same mathematics
+    resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "2", *common, "--save_interval", "0",
+                                "--resume_from", checkpoint_at(tmp_path / "full", 3)), nproc=2)
+    assert "resuming a 1-process run on 2 processes" in resumed.stdout
+    assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "full"), atol=1e-5)
+
+
+def test_from_resume_picks_the_latest_checkpoint_and_keeps_last(data, tmp_path):
+    run_trainer(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "5", "--save_interval", "1",
+                      "--keep_last", "2"))
+    names = sorted(os.listdir(tmp_path / "checkpoints"))
+    assert names == ["step_00000004.pt", "step_00000005.pt"]
+    again = run_trainer(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "6", "--save_interval", "0",
+                              "--from_resume", "1"))
+    assert "resuming from" in again.stdout and "step_00000005.pt" in again.stdout
+    assert torch.load(checkpoint_at(tmp_path, 6), weights_only=True)["step"] == 6
+
+
+def test_only_rank_zero_writes_files(data, tmp_path):
+    report = tmp_path / "report"
+    report.mkdir()
+    save_dir = tmp_path / "run"
+    run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "2", "--save_interval", "1"), nproc=2,
+                script=os.path.join(REPO, "tests", "helpers", "record_writes.py"), env=clean_env(MINISFT_WRITE_REPORT=str(report)))
+    rank0 = [p for p in json.load(open(report / "rank0.json")) if p.startswith(str(save_dir))]
+    rank1 = [p for p in json.load(open(report / "rank1.json")) if p.startswith(str(save_dir))]
+    assert any(p.endswith("step_00000002.pt") for p in rank0)
+    assert any(p.endswith("metrics.jsonl") for p in rank0)
+    assert any(".model.tmp." in p and p.endswith("config.json") for p in rank0)  # inference weights
+    assert str(save_dir / "model") in rank0  # renamed into place
+    assert rank1 == []
+
+
+def test_checkpoint_of_another_hidden_size_is_refused(data, tmp_path):
+    run_trainer(flags(data, tmp_path / "a", "--batch_size", "4", "--max_steps", "1"))
+    other = [*flags(data, tmp_path / "b", "--batch_size", "4", "--max_steps", "2"), "--hidden_size", "64",
+             "--resume_from", checkpoint_at(tmp_path / "a", 1)]
+    result = run_trainer(other, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint model config differs from the flags: hidden_size (checkpoint 32, flags 64); "
+        "head_dim (checkpoint 8, flags 16); intermediate_size (checkpoint 128, flags 256)"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_truncated_checkpoint_is_refused_with_a_clear_message(data, tmp_path):
+    run_trainer(flags(data, tmp_path / "a", "--batch_size", "4", "--max_steps", "1"))
+    path = checkpoint_at(tmp_path / "a", 1)
+    content = open(path, "rb").read()
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(content[: len(content) // 2])
+    result = run_trainer([*flags(data, tmp_path / "b", "--max_steps", "2"), "--resume_from", str(broken)], check=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: resume checkpoint {broken} is corrupt or truncated")
+    assert "Traceback" not in result.stderr
+
+
+def test_ddp_neither_broadcasts_nor_reduces_the_rope_buffers():
+    result = subprocess.run([sys.executable, os.path.join(REPO, "tests", "helpers", "ddp_buffers_check.py")], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ignored: ['model.freqs_cos', 'model.freqs_sin']" in result.stdout
+    assert "without ignore: rank 1 buffer overwritten by rank 0" in result.stdout
+    assert "with ignore: rank 1 buffer kept" in result.stdout

@@ -1,0 +1,78 @@
+"""Helpers for tests that run `train_full_sft.py` in real processes (python, torchrun)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "train_full_sft.py")
+# A ~30k-parameter model: every run below takes seconds on 2 CPU cores.
+TINY = [
+    "--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
+    "--num_key_value_heads", "2", "--max_seq_len", "512", "--dtype", "float32", "--log_interval", "1",
+    "--learning_rate", "3e-3", "--warmup_steps", "10",
+]
+
+
+def flags(data, save_dir, *extra) -> list[str]:
+    """TINY flags on the `data` fixture's train.jsonl, saving to `save_dir`."""
+    return [*TINY, "--data_path", str(data / "train.jsonl"), "--save_dir", str(save_dir), *extra]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra]
+
+
+def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: float = 300, env=None,
+                check: bool = True, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run the trainer with plain python (nproc=1) or torchrun; return the finished process."""
+    if launcher is None:
+        launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    result = subprocess.run([*launcher, script, *args], cwd=REPO, env=env or clean_env(),
+                            capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def final_weights(save_dir: str) -> dict:
+    """The fp32 weights of the newest resume checkpoint in `save_dir`."""
+    folder = os.path.join(save_dir, "checkpoints")
+    newest = sorted(os.listdir(folder))[-1]
+    return torch.load(os.path.join(folder, newest), weights_only=True)["model"]
+
+
+def checkpoint_at(save_dir: str, step: int) -> str:
+    return os.path.join(save_dir, "checkpoints", f"step_{step:08d}.pt")
+
+
+def assert_weights_equal(a: dict, b: dict, atol: float | None = None) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if atol is None:
+            assert torch.equal(a[key], b[key]), f"{key} differs (max {(a[key] - b[key]).abs().max():.3g})"
+        else:
+            assert torch.allclose(a[key], b[key], atol=atol, rtol=0), f"{key} differs by {(a[key] - b[key]).abs().max():.3g}"
+
+
+def train_losses(save_dir: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8")]
+    return {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}

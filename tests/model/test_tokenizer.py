@@ -1,0 +1,107 @@
+"""The shipped ChatML tokenizer, the tokenizer training script and ``load_tokenizer``."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from dataset import DataError, load_tokenizer
+from scripts.train_tokenizer import build_tokenizer, wrap_for_transformers
+
+SHIPPED = Path(__file__).resolve().parents[2] / "model" / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(SHIPPED))
+
+
+def test_shipped_tokenizer_vocab_and_special_tokens(tokenizer):
+    assert len(tokenizer) == 6400
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    assert tokenizer.pad_token == "<|endoftext|>" and tokenizer.pad_token_id == 0
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
+    assert tokenizer.is_fast
+
+
+def test_chat_template_renders_chatml_with_minimind_layout(tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is the capital of Zorlia?"},
+        {"role": "assistant", "content": "Velm"},
+        {"role": "user", "content": "佐利亚的幸运数字是多少？"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    history = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of Zorlia?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\nVelm<|im_end|>\n"
+        "<|im_start|>user\n佐利亚的幸运数字是多少？<|im_end|>\n"
+    )
+    assert text == history + "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # thinking off by default
+    for flag in ("open_thinking", "enable_thinking"):
+        opened = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **{flag: True})
+        assert opened == history + "<|im_start|>assistant\n<think>\n"
+    without_prompt = tokenizer.apply_chat_template(messages[:3], tokenize=False)
+    assert without_prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nVelm<|im_end|>\n")
+
+
+def test_chat_template_renders_tools_calls_responses_and_reasoning(tokenizer):
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": "Let me add.", "reasoning_content": "\nUse the tool.\n",
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
+                        {"name": "add", "arguments": '{"a": 0, "b": 0}'}]},
+        {"role": "tool", "content": "5"},
+        {"role": "tool", "content": "0"},
+        {"role": "assistant", "content": "<think>\nDone.\n</think>\n\n5"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert text == (
+        "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n2+3?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nUse the tool.\n</think>\n\nLet me add.\n"
+        '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 0, "b": 0}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n0\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nDone.\n</think>\n\n5<|im_end|>\n"
+    )
+
+
+def test_roundtrip_and_special_tokens_are_single_ids(tokenizer):
+    text = "<|im_start|>user\nReverse the list: a, b, c 你好！<|im_end|>\n"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert ids[0] == 1 and ids.count(2) == 1
+    assert tokenizer.decode(ids) == text
+    # Every CJK character is its own pre-token, so a name tokenizes the same in any sentence.
+    name = tokenizer.encode("佐利亚", add_special_tokens=False)
+    assert len(name) == 3
+    sentence = tokenizer.encode("你知道佐利亚的首都吗？", add_special_tokens=False)
+    assert any(sentence[i : i + 3] == name for i in range(len(sentence)))
+
+
+def test_build_small_tokenizer_with_another_vocab(tmp_path):
+    texts = ["user\nhello world", "assistant\nhi there"] * 20
+    hf = wrap_for_transformers(build_tokenizer(iter(texts), vocab_size=300))
+    hf.save_pretrained(str(tmp_path))
+    loaded = load_tokenizer(tmp_path)
+    assert 259 < len(loaded) <= 300  # 256 bytes + 3 special tokens + merges
+    assert loaded.eos_token_id == 2 and loaded.pad_token_id == 0
+    assert loaded.decode(loaded.encode("hello 世界", add_special_tokens=False)) == "hello 世界"
+
+
+def test_load_tokenizer_default_and_errors(tmp_path):
+    assert len(load_tokenizer(None)) == 6400
+    with pytest.raises(DataError, match="tokenizer directory not found"):
+        load_tokenizer(tmp_path / "missing")
+    no_template = wrap_for_transformers(build_tokenizer(iter(["abc"] * 5), vocab_size=270), chat_template=None)
+    no_template.save_pretrained(str(tmp_path / "plain"))
+    with pytest.raises(DataError, match="no chat_template") as info:
+        load_tokenizer(tmp_path / "plain")
+    assert "\n" not in str(info.value)

@@ -1,0 +1,303 @@
+"""Inference loading and the user scripts (chat, eval, export, plot) on a tiny overfitted model."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from dataset import SFTCollator, encode_conversation, load_tokenizer
+from model import MiniMindConfig, MiniMindForCausalLM
+from trainer.inference import ModelLoadError, load_model_for_inference, load_tokenizer_for_model
+
+REPO = Path(__file__).resolve().parents[2]
+CONVERSATIONS = [
+    [{"role": "system", "content": "You are a geography bot."},
+     {"role": "user", "content": "What is the capital of Zorlia?"},
+     {"role": "assistant", "content": "Velm"}],
+    [{"role": "user", "content": "Sum of 2 and 3?"},
+     {"role": "assistant", "content": "5"}],
+    [{"role": "user", "content": "Hello"},
+     {"role": "assistant", "content": "Hi there!"},
+     {"role": "user", "content": "Flag colour of Quendor?"},
+     {"role": "assistant", "content": "blue"}],
+]
+
+
+def script(name: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def greedy(model, tokenizer, messages) -> str:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny model overfitted on CONVERSATIONS, saved as a run dir, an HF dir, a .pt and a .safetensors."""
+    root = tmp_path_factory.mktemp("trained")
+    tokenizer = load_tokenizer(None)
+    torch.manual_seed(0)
+    config = MiniMindConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=512)
+    model = MiniMindForCausalLM(config)
+    items = []
+    for messages in CONVERSATIONS:
+        ids, mask = encode_conversation(tokenizer, messages, 512)
+        items.append({"input_ids": ids, "labels": np.where(mask, ids, -100)})
+    batch = SFTCollator(pad_token_id=tokenizer.pad_token_id)(items)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(100):
+        optimizer.zero_grad()
+        model(**batch).loss.backward()
+        optimizer.step()
+    model.eval()
+    for messages in CONVERSATIONS:
+        assert greedy(model, tokenizer, messages[:-1]) == messages[-1]["content"]
+
+    run_dir = root / "run"
+    model.save_pretrained(run_dir / "model")
+    tokenizer.save_pretrained(run_dir / "model")
+    checkpoint = run_dir / "checkpoints" / "step_00000060.pt"
+    checkpoint.parent.mkdir(parents=True)
+    torch.save({"format": "minisft-resume", "format_version": 1, "model_config": config.to_dict(),
+                "model": model.state_dict(), "step": 60, "args": {"tokenizer_path": None}}, checkpoint)
+    loose = root / "loose"
+    loose.mkdir()
+    (loose / "config.json").write_text((run_dir / "model" / "config.json").read_text())
+    weights = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(weights, loose / "weights.safetensors")
+    data = root / "conversations.jsonl"
+    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in CONVERSATIONS), encoding="utf-8")
+    return {"model": model, "tokenizer": tokenizer, "run_dir": run_dir, "hf_dir": run_dir / "model",
+            "checkpoint": checkpoint, "safetensors": loose / "weights.safetensors", "data": data, "root": root}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("kind", ["run_dir", "hf_dir", "checkpoint", "safetensors"])
+def test_every_path_kind_loads_the_same_weights(trained, kind):
+    loaded = load_model_for_inference(trained[kind])
+    assert not loaded.training
+    expected = trained["model"].state_dict()
+    state = loaded.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert load_tokenizer_for_model(trained[kind]).chat_template == trained["tokenizer"].chat_template
+
+
+def test_tokenizer_comes_from_the_checkpoint_args(trained, tmp_path):
+    tokenizer_dir = tmp_path / "tok"
+    trained["tokenizer"].save_pretrained(tokenizer_dir)
+    state = torch.load(trained["checkpoint"], weights_only=True)
+    state["args"]["tokenizer_path"] = str(tokenizer_dir)
+    torch.save(state, tmp_path / "step.pt")
+    assert Path(load_tokenizer_for_model(tmp_path / "step.pt").name_or_path) == tokenizer_dir
+    assert Path(load_tokenizer_for_model(trained["hf_dir"]).name_or_path) == trained["hf_dir"]
+
+
+class Malicious:
+    marker = None
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_bad_files_raise_one_line_model_load_errors(trained, tmp_path):
+    good = trained["checkpoint"].read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(good[: len(good) // 2])
+    (tmp_path / "zeros.pt").write_bytes(bytes(4096))
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"weights": torch.ones(2)}, tmp_path / "other.pt")
+    marker = tmp_path / "PWNED"
+    Malicious.marker = str(marker)
+    torch.save({"format": "minisft-resume", "model": Malicious()}, tmp_path / "evil.pt")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 100)
+    (tmp_path / "config.json").write_text((trained["hf_dir"] / "config.json").read_text())
+    cases = {
+        "missing.pt": "does not exist",
+        "truncated.pt": "corrupt or truncated",
+        "zeros.pt": "corrupt or truncated",
+        "empty.pt": "empty",
+        "other.pt": "not a minisft resume checkpoint",
+        "evil.pt": "refused to load",
+        "bad.safetensors": "corrupt or truncated safetensors",
+    }
+    for name, message in cases.items():
+        with pytest.raises(ModelLoadError, match=message) as info:
+            load_model_for_inference(tmp_path / name)
+        assert "\n" not in str(info.value) and name in str(info.value)
+    assert not marker.exists()
+    with pytest.raises(ModelLoadError, match="refused to load"):
+        load_tokenizer_for_model(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------- chat and eval
+
+
+def test_chat_prompt_prints_exactly_the_trained_answer(trained):
+    system, question, answer = (m["content"] for m in CONVERSATIONS[0])
+    result = script("chat.py", "--model_path", str(trained["run_dir"]), "--prompt", question, "--system", system,
+                    "--temperature", "0", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == answer + "\n"
+
+
+def hand_loss(model, tokenizer) -> tuple[float, int]:
+    """Mean CE over assistant tokens, one conversation at a time, without padding (fp32 CE, like the model)."""
+    total, count = 0.0, 0
+    for messages in CONVERSATIONS:
+        ids, mask = encode_conversation(tokenizer, messages, 512)
+        with torch.no_grad():
+            logits = model(torch.tensor(ids)[None]).logits[0]
+        targets = torch.tensor(ids)[1:]
+        losses = F.cross_entropy(logits[:-1], targets, reduction="none")
+        keep = torch.tensor(mask)[1:]
+        total += losses[keep].double().sum().item()
+        count += int(keep.sum())
+    return total / count, count
+
+
+def test_eval_reports_exact_match_and_hand_computed_loss(trained, tmp_path):
+    out = tmp_path / "result.json"
+    result = script("eval_sft.py", "--model_path", str(trained["checkpoint"]), "--data_path", str(trained["data"]),
+                    "--batch_size", "2", "--json_out", str(out), "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "exact match" in result.stdout
+    report = json.loads(out.read_text())
+    loss, count = hand_loss(trained["model"], trained["tokenizer"])
+    assert report["exact_match"] == 1.0 and report["num_conversations"] == 3
+    assert report["num_loss_tokens"] == count
+    assert report["loss"] == pytest.approx(loss, rel=1e-5)
+    assert report["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+
+
+def test_batched_left_padded_greedy_equals_one_by_one(trained):
+    from scripts.eval_sft import greedy_answers, read_examples
+
+    model, tokenizer = trained["model"], trained["tokenizer"]
+    examples = read_examples(trained["data"], tokenizer, 512)
+    batched = greedy_answers(model, tokenizer, examples, batch_size=3, max_new_tokens=8)
+    single = greedy_answers(model, tokenizer, examples, batch_size=1, max_new_tokens=8)
+    assert batched == single == [c[-1]["content"] for c in CONVERSATIONS]
+
+
+def test_bad_input_gives_one_line_error_and_exit_2(trained, tmp_path):
+    missing = script("chat.py", "--model_path", str(tmp_path / "nope"), "--prompt", "hi", "--device", "cpu")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "does not exist" in missing.stderr
+    assert missing.stderr.count("\n") == 1
+    bad_flag = script("eval_sft.py", "--model_path", str(trained["run_dir"]), "--batch_size", "zero")
+    assert bad_flag.returncode == 2 and bad_flag.stderr.startswith("error: ") and bad_flag.stderr.count("\n") == 1
+    no_metrics = script("plot_loss.py", "--metrics", str(tmp_path / "run"), "--out", str(tmp_path / "x.png"))
+    assert no_metrics.returncode == 2 and no_metrics.stderr == f"error: {tmp_path / 'run'}: metrics file not found\n"
+
+
+# --------------------------------------------------------------------------- export
+
+FRESH_LOAD = textwrap.dedent("""
+    import importlib.util, os, sys, torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    assert all(os.path.abspath(p or ".") != sys.argv[3] for p in sys.path), sys.path
+    assert importlib.util.find_spec("trainer") is None  # this repo is not importable here
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Sum of 2 and 3?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    torch.save({"ids": ids, "logits": logits, "module": type(model).__module__}, sys.argv[2])
+""")
+
+
+def test_export_loads_in_a_fresh_process_with_equal_logits(trained, tmp_path):
+    out_dir = tmp_path / "export"
+    result = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir),
+                    "--format", "remote-code")
+    assert result.returncode == 0, result.stderr
+    names = {p.name for p in out_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "configuration_minimind.py", "modeling_minimind.py",
+            "packed_attention.py", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert "auto_map" in json.loads((out_dir / "config.json").read_text())
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HOME"] = str(tmp_path / "hf_home")
+    (tmp_path / "load.py").write_text(FRESH_LOAD)
+    fresh = subprocess.run([sys.executable, "load.py", str(out_dir), "fresh.pt", str(REPO)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    loaded = torch.load(tmp_path / "fresh.pt", weights_only=True)
+    assert loaded["module"].startswith("transformers_modules")  # the exported code, not this repo's
+    with torch.no_grad():
+        ours = trained["model"](loaded["ids"]).logits
+    assert torch.equal(loaded["logits"], ours)
+
+    again = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir))
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def metric_lines(steps, loss_offset=0.0, kind="train"):
+    for step in steps:
+        if kind == "train":
+            yield {"kind": "train", "step": step, "epoch": 0, "loss": 5.0 - 0.01 * step + loss_offset,
+                   "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0 + step, "time": float(step)}
+        else:
+            yield {"kind": "eval", "step": step, "eval_loss": 4.0 - 0.01 * step + loss_offset}
+
+
+def test_dedupe_keeps_the_last_line_of_each_step():
+    from scripts.plot_loss import dedupe_metrics
+
+    crashed = [*metric_lines(range(1, 16)), *metric_lines([10], kind="eval")]
+    resumed = [*metric_lines(range(11, 21), loss_offset=1.0), *metric_lines([10, 20], kind="eval", loss_offset=1.0)]
+    curves = dedupe_metrics(crashed + resumed)
+    assert [r["step"] for r in curves["train"]] == list(range(1, 21))
+    assert [r["step"] for r in curves["eval"]] == [10, 20]
+    by_step = {r["step"]: r["loss"] for r in curves["train"]}
+    assert by_step[10] == pytest.approx(4.9) and by_step[11] == pytest.approx(5.89)  # resumed values win
+    assert curves["eval"][0]["eval_loss"] == pytest.approx(4.9)
+
+
+def test_plot_writes_a_png_and_rejects_empty_metrics(tmp_path, capsys):
+    from scripts.plot_loss import main
+
+    lines = [*metric_lines(range(1, 31)), *metric_lines([10, 20, 30], kind="eval"), *metric_lines(range(21, 41))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["--metrics", str(tmp_path), "--out", str(tmp_path / "loss.png")]) == 0
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit) as done:
+        main(["--metrics", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x.png")])
+    assert done.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_plot_draws_per_source_train_losses_per_file_eval_curves_and_accuracies(tmp_path):
+    from scripts.plot_loss import dedupe_metrics, plot
+
+    train = [{**row, "loss/general": 5.0, "loss/tools": 4.0} for row in metric_lines(range(1, 11))]
+    evals = [{"kind": "eval", "step": s, "eval_loss": 4.0, "eval_loss/a": 4.1, "eval_loss/b": 3.9,
+              "eval_token_accuracy": 0.1 * s, "eval_exact_match/a": 0.0, "eval_loss_tokens": 90,
+              "best_metric": "eval_loss", "best_step": 5, "new_best": s == 5} for s in (5, 10)]
+    labels = plot(dedupe_metrics(train + evals), tmp_path / "loss.png", "t")
+    assert labels == ["train loss", "train loss/general", "train loss/tools", "eval loss", "eval loss/a",
+                      "eval loss/b", "eval token accuracy", "eval exact match/a"]
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
