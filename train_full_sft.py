@@ -21,7 +21,7 @@ See README.md for multi-node, SLURM and elastic launches.
 import os
 import sys
 
-from trainer.preemption import PreemptionFlag
+from trainer.runtime.preemption import PreemptionFlag
 
 # Run as a script, SIGTERM and Ctrl-C are handled from here on, before the slow imports below:
 # a scheduler's SIGTERM during start-up also ends in a clean stop (exit 0), not in exit 143.
@@ -29,31 +29,26 @@ EARLY_PREEMPTION = PreemptionFlag().install() if __name__ == "__main__" else Non
 
 import torch
 
-from dataset import BuildInterrupted, DataError
 from trainer.args import names_a_user_path, parse_args
-from trainer.checkpoint import (
-    CheckpointError, SaveDirLock, check_model_config, claim_for_fresh_run, ensure_writable_dir,
-    find_resume_checkpoint, inside_a_run_model_dir, load_resume_checkpoint,
-)
+from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint, load_resume_checkpoint
+from trainer.checkpoint.save_dir import SaveDirLock, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir
 from trainer.data_setup import build_eval_sets, build_train_data
-from trainer.distributed import (
-    DistributedError, broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message,
-    spawn_local_workers, spawned_by_us,
-)
-from trainer.evaluation import metric_names
-from trainer.loop import Run, TrainingError, restore, train
-from trainer.model_selection import SelectionError, check_selection
+from trainer.errors import USER_ERRORS, BuildInterrupted, CheckpointError, TrainingError
+from trainer.evaluation.evaluate import metric_names
+from trainer.evaluation.selection import check_selection
+from trainer.loop.loop import train
+from trainer.loop.state import Run, restore
 from trainer.model_setup import (
-    ConfigError, build_grad_scaler, build_model, build_model_config, build_optimizer, compile_model,
-    load_tokenizer_for_weights, read_initial_weights, resolve_dtype,
+    build_model, build_model_config, build_optimizer, compile_model, load_tokenizer_for_weights, read_initial_weights,
 )
-from trainer.parallelism import build_parallelism
-from trainer.run_logger import LoggingError, RunLogger, check_wandb_login
-from trainer.seeding import setup_seed
-
-# Problems the user can fix (data, paths, flags, checkpoints, the launch, a full disk named by
-# path): reported as one line, exit code 2. Anything else is a bug and keeps its traceback.
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, LoggingError)
+from trainer.parallel import build_parallelism
+from trainer.run_logger import RunLogger, check_wandb_login
+from trainer.runtime.distributed import (
+    broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message, spawn_local_workers,
+    spawned_by_us,
+)
+from trainer.runtime.precision import build_grad_scaler, resolve_dtype
+from trainer.runtime.seeding import setup_seed
 
 
 def claim_save_dir(args, ctx):
@@ -117,11 +112,12 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
     log = print if ctx.is_main else (lambda message: None)
     weights = read_initial_weights(args, log)
-    tokenizer = load_tokenizer_for_weights(args, weights, log)
+    tokenizer, tokenizer_path = load_tokenizer_for_weights(args, weights, log)
     config = build_model_config(args, tokenizer, weights)
     saved = locate_resume(args, config, ctx, log)
 
-    # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch.
+    # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch; the
+    # run's identity (what defines its sample stream), from the data opened, kept in every checkpoint.
     data = build_train_data(args, tokenizer, ctx)
     eval_sets = build_eval_sets(args, tokenizer, ctx)
     check_selection(args, metric_names(eval_sets))
@@ -135,7 +131,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     # The logger is finished (wandb.finish) however the run ends, also before fail()'s os._exit.
     with RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None) as logger:
         run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
-                  tokenizer, logger, preemption, parallel)
+                  tokenizer, logger, preemption, parallel, tokenizer_path)
         del wrapped  # run.model stays its only reference (see step 9)
         if saved is not None:
             restore(run, saved)

@@ -24,7 +24,7 @@
 """
 
 from .augment import ChatAugmenter
-from .collate import SFTCollator, pad_fraction
+from .collate import SFTCollator, model_inputs, pad_fraction
 from .epoch_padding import FillerIndex, MarkFillers
 from .formats import DataError
 from .rendering import encode_conversation, load_tokenizer
@@ -45,6 +45,7 @@ __all__ = [
     "SFTDataset",
     "encode_conversation",
     "load_tokenizer",
+    "model_inputs",
     "pack_lengths",
     "pad_fraction",
 ]

@@ -7,10 +7,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from model.modeling_minimind import loss_positions_of
+from model.loss import IGNORE_INDEX, loss_positions_of
 from model.packed_attention import PackedDocuments, document_starts
-
-from .sft_dataset import IGNORE_INDEX
 
 
 class SFTCollator:
@@ -87,3 +85,16 @@ def pad_fraction(batches: Iterable[dict[str, torch.Tensor]]) -> float:
         padded += int((mask == 0).sum())
         total += mask.numel()
     return padded / total if total else 0.0
+
+
+def model_inputs(batch: dict, device: torch.device) -> dict:
+    """The batch -> model-inputs contract, for training and evaluation alike. Right padding + causal
+    attention: real tokens never see the pads, so no attention mask is needed (and SDPA keeps its
+    fused causal kernel); `token_mask` only tells the MoE balance loss which tokens are real. Packed
+    rows carry position_ids. The collator's precomputed `loss_positions` / `packed_layout` spare the
+    model host syncs (see model/modeling_minimind.py); every copy is asynchronous."""
+    inputs = {key: batch[key].to(device, non_blocking=True)
+              for key in ("input_ids", "labels", "position_ids", "loss_positions", "packed_layout") if key in batch}
+    if "attention_mask" in batch:
+        inputs["token_mask"] = batch["attention_mask"].to(device, non_blocking=True)
+    return inputs

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Dataset
 
-from .rendering import check_tokenizer, load_tokenizer
-from .token_cache import default_cache_root, prepare_cache, read_meta
+from model.loss import IGNORE_INDEX
 
-IGNORE_INDEX = -100
+from .rendering import check_tokenizer, load_tokenizer
+from .token_cache import data_digest, default_cache_root, prepare_cache, read_meta
+
 
 
 def is_main_process() -> bool:
@@ -68,6 +69,9 @@ class SFTDataset(Dataset):
         self.cache_path = prepare_cache(self.data_path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)
 
         meta = read_meta(self.cache_path)
+        # The content this dataset holds (sha256 of the file when its cache was built): the run's
+        # identity (trainer/run_identity.py) takes it from here, never from the file again.
+        self.data_digest: str = meta.get("data_digest") or data_digest(self.data_path, cache_root)
         self.num_skipped: int = meta["num_skipped"]
         self.num_dropped: int = meta["num_dropped"]
         self.num_tokens: int = meta["num_tokens"]

@@ -318,6 +318,7 @@ def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, b
     partial.finish({
         "version": CACHE_VERSION,
         "data_file": str(path),
+        "data_digest": partial.progress.data_digest,
         "max_seq_len": max_seq_len,
         "vocab_size": len(tokenizer),
         "dtype": partial.dtype.name,

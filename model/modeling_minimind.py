@@ -44,75 +44,16 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .configuration_minimind import MiniMindConfig
+from .feed_forward import MiniMindMLP, MiniMindMoE
+from .loss import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, loss_positions_of
 from .packed_attention import PackedDocuments
-
-IGNORE_INDEX = -100
-# Tokens x vocabulary entries of fp32 logits that the chunked LM loss holds at a time (256 MiB).
-LOSS_CHUNK_ELEMENTS = 1 << 26
-
-
-def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
-    """Flat indices into the B x T tokens of `labels` [B, T] whose NEXT token has a label (the
-    positions whose hidden state predicts something). On a GPU tensor this is a host sync."""
-    predicts = torch.zeros_like(labels, dtype=torch.bool)
-    predicts[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    return predicts.reshape(-1).nonzero().squeeze(1)
-
+from .rope import apply_rope, precompute_rope_tables
 
 @dataclass
 class MiniMindCausalLMOutput(MoeCausalLMOutputWithPast):
     """`MoeCausalLMOutputWithPast` plus `token_losses` (see `return_token_losses`)."""
 
     token_losses: torch.FloatTensor | None = None
-
-
-# --------------------------------------------------------------------------- RoPE
-
-
-def precompute_rope_tables(config: MiniMindConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape [max_position_embeddings, head_dim], always fp32.
-
-    With `config.rope_yarn` (YaRN), frequencies whose wavelength is longer than the original
-    context are interpolated by `factor`, short ones are kept, and a linear ramp blends the two
-    bands between `beta_slow` and `beta_fast` rotations; the tables are scaled by the YaRN
-    attention factor.
-    """
-    dim, base = config.head_dim, float(config.rope_theta)
-    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
-    inv_freq = 1.0 / (base**exponents)
-    attention_factor = 1.0
-    yarn = config.rope_yarn
-    if yarn:
-        factor = float(yarn["factor"])
-        original = int(yarn["original_max_position_embeddings"])
-        beta_fast = float(yarn.get("beta_fast", 32.0))
-        beta_slow = float(yarn.get("beta_slow", 1.0))
-
-        def dim_for_rotations(rotations: float) -> float:
-            # The frequency index whose wavelength fits `rotations` times into the original context.
-            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(dim_for_rotations(beta_fast)), 0)
-        high = min(math.ceil(dim_for_rotations(beta_slow)), dim // 2 - 1)
-        index = torch.arange(dim // 2, dtype=torch.float32, device=device)
-        ramp = ((index - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
-        inv_freq = inv_freq * (1.0 - ramp) + (inv_freq / factor) * ramp
-        attention_factor = float(yarn.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
-    angles = torch.outer(positions, inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos() * attention_factor, angles.sin() * attention_factor
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, D]; cos/sin: [B, T, D] (fp32). Returns x's dtype."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
 # --------------------------------------------------------------------------- blocks
@@ -179,96 +120,6 @@ class MiniMindAttention(nn.Module):
         scores = scores.masked_fill(~allowed, float("-inf"))
         weights = F.dropout(scores.float().softmax(-1).to(q.dtype), p=dropout, training=dropout > 0)
         return weights @ v
-
-
-class MiniMindMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, hidden: int, intermediate: int, dropout: float):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
-
-
-class MiniMindMoE(nn.Module):
-    """Top-k routed experts with MiniMind's sequence-wise load-balancing loss.
-
-    For every row s with n real tokens (pads excluded), E experts and k experts per token:
-        balance_s = E / (k * n^2) * sum_e (slots of s routed to e) * (sum of e's router probs over s)
-    = E * sum_e (fraction of s's slots on e) * (mean router prob of e over s); 1 for a perfectly
-    balanced router, larger as routing collapses. `forward` returns coef * balance_s per row; a
-    row is the unit, so how rows are split over micro-batches and ranks does not change the sum.
-
-    Two dispatches with the same result: "gather" runs each expert on the tokens routed to it
-    (the index lists have data-dependent sizes: free on the CPU, a host sync per expert on a
-    GPU); "dense" runs each expert on every token and weights the output by the routing weight
-    (0 where not routed): no sync, E/k times the expert FLOPs. `dispatch=None` picks "dense"
-    on CUDA and "gather" elsewhere.
-    """
-
-    def __init__(self, config: MiniMindConfig):
-        super().__init__()
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_experts
-        self.norm_topk_prob = config.norm_topk_prob
-        self.aux_coef = config.router_aux_loss_coef
-        self.dispatch: str | None = None
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            MiniMindMLP(config.hidden_size, config.moe_intermediate_size, config.dropout)
-            for _ in range(config.num_experts)
-        )
-
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, H]; token_mask [B, T] (1 = real token) or None. Returns (output, coef * balance [B])."""
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
-        probs = self.gate(tokens).float().softmax(dim=-1)
-        top_probs, top_experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        dispatch = self.dispatch or ("dense" if tokens.is_cuda else "gather")
-        if dispatch == "dense":
-            out = self._dense(tokens, top_probs, top_experts)
-        else:
-            out = self._gather(tokens, top_probs, top_experts)
-        return out.view(shape), self._balance(probs, top_experts, shape[0], token_mask)
-
-    def _gather(self, tokens, top_probs, top_experts):
-        out = torch.zeros_like(tokens)
-        for expert_id, expert in enumerate(self.experts):
-            token_idx, slot = (top_experts == expert_id).nonzero(as_tuple=True)
-            if token_idx.numel() == 0:
-                continue
-            weight = top_probs[token_idx, slot].unsqueeze(-1).to(tokens.dtype)
-            out.index_add_(0, token_idx, expert(tokens[token_idx]) * weight)
-        return out
-
-    def _dense(self, tokens, top_probs, top_experts):
-        weights = torch.zeros(tokens.shape[0], self.num_experts, device=tokens.device, dtype=top_probs.dtype)
-        weights = weights.scatter(1, top_experts, top_probs).to(tokens.dtype)  # [N, E], 0 = not routed
-        out = torch.zeros_like(tokens)
-        for expert_id, expert in enumerate(self.experts):
-            out = out + expert(tokens) * weights[:, expert_id:expert_id + 1]
-        return out
-
-    def _balance(self, probs, top_experts, rows, token_mask):
-        """coef * balance_s for every row s (0 for a row without real tokens)."""
-        experts = torch.arange(self.num_experts, device=probs.device)
-        routed = (top_experts.unsqueeze(-1) == experts).sum(dim=1).float()  # [N, E] slots per expert
-        if token_mask is not None:
-            real = token_mask.reshape(-1, 1).to(probs.dtype)
-            routed, probs = routed * real, probs * real
-        slots = routed.view(rows, -1, self.num_experts).sum(dim=1)  # [B, E]
-        prob_sums = probs.view(rows, -1, self.num_experts).sum(dim=1)
-        n = slots.sum(dim=-1) / self.top_k  # real tokens per row
-        balance = (slots * prob_sums).sum(dim=-1) * self.num_experts / (self.top_k * n.clamp(min=1) ** 2)
-        return self.aux_coef * balance
 
 
 class MiniMindBlock(GradientCheckpointingLayer):
@@ -549,60 +400,3 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
         if num_items_in_batch is None:
             num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
         return total / num_items_in_batch
-
-
-# --------------------------------------------------------------------------- chunked LM loss
-
-
-@torch.compiler.disable
-def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
-                    token_losses: bool = False):
-    """sum over tokens of cross_entropy(hidden @ weight.T, targets), fp32, `chunk_tokens` rows
-    of logits at a time in the forward and again in the backward. hidden [N, H], weight [V, H],
-    targets [N]. Under autocast the matmuls run in the autocast dtype, as `lm_head` would.
-    `token_losses=True` returns (sum, the N per-token values it summed, detached)."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-    elif hidden.dtype != weight.dtype:
-        hidden = hidden.to(weight.dtype)
-    with torch.autocast(device_type, enabled=False):
-        total, per_token = _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
-    return (total, per_token) if token_losses else total
-
-
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Saves only the inputs and one log-sum-exp per token; the backward recomputes each chunk's
-    logits: softmax - one_hot(target) is the gradient of the logits, never stored whole."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens):
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        log_norms = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            end = start + chunk_tokens
-            logits = (hidden[start:end] @ weight.t()).float()
-            log_norms[start:end] = logits.logsumexp(dim=-1)
-            per_token[start:end] = log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)
-            total += per_token[start:end].sum()
-        ctx.save_for_backward(hidden, weight, targets, log_norms)
-        ctx.chunk_tokens = chunk_tokens
-        ctx.mark_non_differentiable(per_token)
-        return total, per_token
-
-    @staticmethod
-    def backward(ctx, grad_total, _grad_per_token):
-        hidden, weight, targets, log_norms = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            end = start + ctx.chunk_tokens
-            chunk = hidden[start:end]
-            grad_logits = ((chunk @ weight.t()).float() - log_norms[start:end, None]).exp_()  # softmax
-            grad_logits.scatter_add_(1, targets[start:end, None], grad_logits.new_full((len(chunk), 1), -1.0))
-            grad_logits = (grad_logits * grad_total).to(hidden.dtype)
-            grad_hidden[start:end] = grad_logits @ weight
-            grad_weight += (grad_logits.t() @ chunk).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None

@@ -12,7 +12,7 @@ to B x T tokens and each document is treated as a sequence of its own:
   The padding sits after every real token, so causal attention never lets a real token see it;
   a bucket pads a document to at most twice its length.
 
-Both paths give the same result as the dense document mask: tests/test_model.py checks the
+Both paths give the same result as the dense document mask: tests/model/test_model.py checks the
 bucketed path against the eager reference, tests/test_cuda.py the varlen kernel against the
 bucketed path (on a GPU). The layout is built on the CPU from `position_ids`, by the collator
 (dataset/collate.py, where the batch already is) and handed to the model, so a CUDA forward

@@ -69,7 +69,7 @@ def resolve_dtype(name: str):
 
 def load_model_and_tokenizer(args):
     """Model (eval mode, on ``args.device`` in ``args.dtype``) and tokenizer from the common flags."""
-    from trainer.inference import load_model_for_inference, load_tokenizer_for_model
+    from trainer.weights.inference import load_model_for_inference, load_tokenizer_for_model
 
     device = resolve_device(args.device)
     model = load_model_for_inference(args.model_path, device=device, dtype=resolve_dtype(args.dtype))
@@ -83,7 +83,7 @@ def load_model_and_tokenizer(args):
 def is_user_error(error: BaseException) -> bool:
     """Errors that describe bad input (model path, data, tokenizer) rather than a bug."""
     from dataset import DataError
-    from trainer.inference import ModelLoadError
+    from trainer.errors import ModelLoadError
 
     return isinstance(error, (ModelLoadError, DataError))
 

@@ -114,14 +114,15 @@ from model.packed_attention import document_starts  # noqa: E402
 from scripts._common import REPO_DIR, ArgumentParser, fail, resolve_device  # noqa: E402
 from trainer.args import parse_args  # noqa: E402
 from trainer.data_setup import build_train_data  # noqa: E402
-from trainer.distributed import DistContext  # noqa: E402
-from trainer.loop import IGNORE_INDEX, Run, agree_on_step, optimizer_step  # noqa: E402
-from trainer.model_setup import (  # noqa: E402
-    build_grad_scaler, build_model, build_model_config, build_optimizer, compile_model,
-)
-from trainer.parallelism import Replicated  # noqa: E402
-from trainer.preemption import PreemptionFlag  # noqa: E402
-from trainer.seeding import setup_seed  # noqa: E402
+from trainer.runtime.distributed import DistContext  # noqa: E402
+from dataset import IGNORE_INDEX  # noqa: E402
+from trainer.loop.loop import agree_on_step, optimizer_step  # noqa: E402
+from trainer.loop.state import Run  # noqa: E402
+from trainer.model_setup import build_model, build_model_config, build_optimizer, compile_model  # noqa: E402
+from trainer.runtime.precision import build_grad_scaler  # noqa: E402
+from trainer.parallel.ddp import Replicated  # noqa: E402
+from trainer.runtime.preemption import PreemptionFlag  # noqa: E402
+from trainer.runtime.seeding import setup_seed  # noqa: E402
 
 MODES = ("minimind", "dynamic", "grouped", "packed", "unchunked")
 DEFAULT_MODES = MODES[:4]

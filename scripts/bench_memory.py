@@ -41,12 +41,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dataset import SFTCollator  # noqa: E402
 from model import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from model.modeling_minimind import precompute_rope_tables  # noqa: E402
-from trainer.distributed import DistContext, all_gather_objects, free_port  # noqa: E402
-from trainer.fsdp import FullyShardedParallel  # noqa: E402
-from trainer.loop import Run, agree_on_step, optimizer_step  # noqa: E402
-from trainer.model_setup import build_grad_scaler, build_optimizer  # noqa: E402
-from trainer.parallelism import Replicated  # noqa: E402
+from model.rope import precompute_rope_tables  # noqa: E402
+from trainer.runtime.distributed import all_gather_objects, DistContext, free_port  # noqa: E402
+from trainer.parallel.fsdp import FullyShardedParallel  # noqa: E402
+from trainer.loop.loop import agree_on_step, optimizer_step  # noqa: E402
+from trainer.loop.state import Run  # noqa: E402
+from trainer.model_setup import build_optimizer  # noqa: E402
+from trainer.runtime.precision import build_grad_scaler  # noqa: E402
+from trainer.parallel.ddp import Replicated  # noqa: E402
 
 MODELS = {
     # the trainer's defaults (--hidden_size 768 --num_hidden_layers 8, the shipped 6400-token vocabulary)

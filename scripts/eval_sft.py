@@ -117,7 +117,7 @@ def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size
 
 def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> list[str]:
     """Greedy answers of all prompts (batched, left padding; trainer.evaluation.greedy_generate)."""
-    from trainer.evaluation import greedy_generate
+    from trainer.evaluation.evaluate import greedy_generate
 
     context = model.config.max_position_embeddings
     if max_new_tokens >= context:
@@ -129,7 +129,7 @@ def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, m
 
 def score(answers: list[str], examples: list[Example]) -> dict:
     """Exact match over the reply references, tool-call accuracy over the tool-call references."""
-    from trainer.evaluation import answer_is_right  # the same judgement as the trainer's evaluation
+    from trainer.evaluation.evaluate import answer_is_right  # the same judgement as the trainer's evaluation
 
     correct = calls_correct = num_calls = 0
     for answer, example in zip(answers, examples):

@@ -60,7 +60,7 @@ def check_out_dir(out_dir: Path, model_path: Path, overwrite: bool) -> None:
     target = out_dir.resolve()
     if target == source or target in source.parents:
         fail(f"--out_dir {out_dir} contains the model being exported ({model_path}); choose another directory")
-    from trainer.checkpoint import inside_a_run_model_dir
+    from trainer.checkpoint.save_dir import inside_a_run_model_dir
 
     run_model = inside_a_run_model_dir(str(target))
     if run_model:
@@ -72,7 +72,7 @@ def check_out_dir(out_dir: Path, model_path: Path, overwrite: bool) -> None:
 
 def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype) -> None:
     """Write model + tokenizer into a fresh sibling folder, then move it to ``out_dir``."""
-    from trainer.weights_io import write_qwen3_dir, write_remote_code_dir
+    from trainer.weights.write import write_qwen3_dir, write_remote_code_dir
 
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -88,7 +88,7 @@ def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype) -> None:
 
 
 def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
-    from trainer.weights_io import minimind_pth_name, minimind_settings, write_minimind_pth
+    from trainer.weights.write import minimind_pth_name, minimind_settings, write_minimind_pth
 
     target = out_dir / minimind_pth_name(model.config, prefix)
     if target.exists() and not overwrite:
@@ -104,7 +104,7 @@ def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.weights_io import minimind_unsupported, qwen3_unsupported
+    from trainer.weights.write import minimind_unsupported, qwen3_unsupported
 
     args = build_parser().parse_args(argv)
     out_dir = Path(args.out_dir)

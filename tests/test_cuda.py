@@ -74,8 +74,8 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
     losses of trainer/source_losses.py): any host sync raises."""
     from dataset import SFTCollator
     from tests.model.test_model import packed_rows, tiny_model
-    from trainer.loop import model_inputs
-    from trainer.source_losses import SourceLosses
+    from dataset import model_inputs
+    from trainer.loop.source_losses import SourceLosses
 
     model = tiny_model(**(dict(use_moe=True, num_experts=4, num_experts_per_tok=2) if kind == "moe" else {}))
     model = model.cuda().train()
@@ -122,7 +122,7 @@ def test_an_optimizer_step_makes_one_host_sync():
     import warnings
 
     from tests.trainer.loop.test_loop_syncs import micro_batches, tiny_run
-    from trainer.loop import agree_on_step, optimizer_step
+    from trainer.loop.loop import agree_on_step, optimizer_step
 
     run = tiny_run(torch.device("cuda:0"))
     batches = micro_batches()

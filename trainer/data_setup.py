@@ -1,5 +1,6 @@
-"""Step 4: tokenizer, SFT dataset (tokenized once, memory-mapped; several weighted sources with
-`dataset.mixture`), the resumable distributed sampler and the DataLoaders."""
+"""Step 4: the SFT dataset (tokenized once, memory-mapped; several weighted sources with
+`dataset.mixture`), the resumable distributed sampler and the DataLoaders, the run's identity
+(trainer/run_identity.py) from the data just opened, and the held-out sets."""
 
 import math
 import os
@@ -11,15 +12,16 @@ from torch.utils.data import DataLoader
 
 from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, parse_data_path
-from trainer.evaluation import EvalSet, eval_set_names, generation_examples
-from trainer.sample_stream import epoch_grouping
+from trainer.evaluation.evaluate import EvalSet, eval_set_names, generation_examples
+from trainer.run_identity import RunIdentity, epoch_grouping, identify_run
 
 
 @dataclass
 class TrainData:
-    dataset: object
+    dataset: MixtureDataset
     sampler: ResumableDistributedSampler
     loader: DataLoader
+    identity: RunIdentity  # what defines the sample stream, from the data opened here
     source_names: list[str] = field(default_factory=lambda: ["data"])  # of --data_path's sources, in order
 
 
@@ -55,13 +57,15 @@ def build_dataset(path, args, tokenizer, augmenter=None):
     return PackedSFTDataset(dataset, args.max_seq_len) if args.packing else dataset
 
 
-def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, EpochMixture]:
+def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, EpochMixture, list]:
     """The sources of --data_path end to end (one token cache per file; with --packing 1 each
-    source is packed into rows of its own) and the epoch's counts per source."""
+    source is packed into rows of its own), the epoch's counts per source, and each source with
+    the datasets of its files."""
     sources = parse_data_path(args.data_path)
-    parts, first_index = [], 0
+    parts, opened, first_index = [], [], 0
     for source in sources:
         files = []
+        opened.append((source, files))
         for path in source.files:
             files.append(open_samples(path, args, tokenizer, augmenter))
             files[-1].index_base, first_index = first_index, first_index + len(files[-1])  # distinct augmentation draws
@@ -76,13 +80,13 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
         log("[data] mixture per epoch: " + "; ".join(
             f"{source.name} {count} of {len(part)} {unit} (weight {source.weight:g}, {len(source.files)} file(s))"
             for source, part, count in zip(sources, parts, mixture.counts)))
-    return MixtureDataset(parts, [source.name for source in sources]), mixture
+    return MixtureDataset(parts, [source.name for source in sources]), mixture, opened
 
 
 def build_train_data(args, tokenizer, ctx) -> TrainData:
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
-    dataset, mixture = build_mixture(args, tokenizer, augmenter, print if ctx.rank == 0 else (lambda message: None))
+    dataset, mixture, opened = build_mixture(args, tokenizer, augmenter, print if ctx.rank == 0 else (lambda message: None))
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order
@@ -105,7 +109,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
         generator=torch.Generator().manual_seed(args.seed),
         worker_init_fn=_worker_ignores_preemption if workers else None,
     )
-    return TrainData(dataset, sampler, loader, dataset.names)
+    return TrainData(dataset, sampler, loader, identify_run(args, tokenizer, opened), dataset.names)
 
 
 def eval_data_paths(args) -> list[str]:

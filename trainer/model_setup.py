@@ -1,25 +1,16 @@
 """Steps 3 and 5: the initial weights (`--from_weight`), the tokenizer that goes with them, the
-model config (from the weights, else from the flags), the model,
-its DDP wrapper, the optimizer, and the mixed-precision pieces (autocast dtype, GradScaler)."""
+model config (from the weights, else from the flags), the model, its optimizer, torch.compile.
+(The DDP / FSDP wrapper is trainer/parallel/, the dtype and loss scaling trainer/runtime/precision.py.)"""
 
-import contextlib
 import os
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from dataset import load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
-from trainer.weights_io import (
-    Weights, build_config, load_into, minimind_unsupported, read_weights, resolve_minimind_name,
-)
-
-ROPE_BUFFERS = ("freqs_cos", "freqs_sin")
-
-
-class ConfigError(ValueError):
-    """Flags that do not describe a valid model or run."""
-
+from trainer.errors import ConfigError
+from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
+from trainer.weights.write import minimind_unsupported
 
 # Architecture flags and the config field each sets. With --from_weight the field comes from the
 # weights; a flag the user gave that says otherwise is refused.
@@ -45,9 +36,10 @@ def read_initial_weights(args, log=print) -> Weights | None:
 
 
 def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
-    """`--tokenizer_path`, else the tokenizer saved with the weights, else the shipped one.
-
-    An explicit tokenizer whose vocabulary differs from the one saved with the weights is refused."""
+    """(tokenizer, where it came from): `--tokenizer_path`, else the tokenizer saved with the weights,
+    else the shipped one (path None). The path is recorded in the resume checkpoints, where inference
+    looks for it. An explicit tokenizer whose vocabulary differs from the one saved with the weights
+    is refused."""
     own = weights.tokenizer_dir if weights is not None else None
     path = args.tokenizer_path or own
     tokenizer = load_tokenizer(path)
@@ -57,8 +49,7 @@ def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
                               f"saved with the weights ({own}); leave --tokenizer_path out to use that one")
     origin = "--tokenizer_path" if args.tokenizer_path else ("saved with the weights" if own else "the shipped default")
     log(f"tokenizer: {path or 'model/tokenizer'} ({origin}, {len(tokenizer)} tokens)")
-    args.tokenizer_path = path  # recorded in the resume checkpoints, where inference looks for it
-    return tokenizer
+    return tokenizer, path
 
 
 def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniMindConfig:
@@ -133,36 +124,13 @@ def build_model(args, config: MiniMindConfig, device: torch.device, weights: Wei
     return model.to(device)
 
 
-def wrap_for_distributed(model: MiniMindForCausalLM, ctx):
-    """DDP that neither broadcasts nor syncs the RoPE tables (they are derived, identical everywhere).
-
-    DDP matches the ignore list against fully-qualified names, e.g. `model.freqs_cos`.
-    """
-    if not ctx.distributed:
-        return model
-    ignore = [name for name, _ in model.named_buffers() if name.rsplit(".", 1)[-1] in ROPE_BUFFERS]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    return DistributedDataParallel(
-        model,
-        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        find_unused_parameters=model.config.use_moe,  # an expert may get no token in a micro-batch
-    )
-
-
-def unwrap(model):
-    """The plain MiniMindForCausalLM behind DDP and/or torch.compile."""
-    model = getattr(model, "_orig_mod", model)
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
-
-
 def compile_model(model, device: torch.device):
     """torch.compile(model) for --use_compile 1.
 
     On CPU inductor's C++ code is generated without SIMD vectorization: in torch 2.13 its
     vectorized kernels for int64-indexed gathers under dynamic shapes (the loss positions' targets,
     the RoPE rows of packed position ids) wrote out-of-range indices with ATEN_CPU_CAPABILITY=avx2
-    and corrupted the heap ("free(): invalid pointer") with AVX-512 (tests/test_trainer.py::
+    and corrupted the heap ("free(): invalid pointer") with AVX-512 (tests/e2e/test_trainer.py::
     test_torch_compile_trains_like_eager, test_compiled_cpu_gathers_equal_eager). The compiled
     graph still fuses; CUDA (Triton) is not affected."""
     if device.type == "cpu":
@@ -178,61 +146,3 @@ def build_optimizer(model: MiniMindForCausalLM, args, device: torch.device) -> t
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda")
-
-
-def resolve_dtype(name: str, device: torch.device, log=print) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    dtype = getattr(torch, name)
-    if dtype == torch.float16 and device.type == "cpu":
-        raise ConfigError("--dtype float16 needs a GPU; on CPU use float32 or bfloat16")
-    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
-        log("warning: --dtype bfloat16 on a CPU without native bf16 (no avx512_bf16 / amx_bf16): emulated, "
-            "many times slower than float32 (use --dtype float32 here)")
-    return dtype
-
-
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether the CPU has bf16 arithmetic (x86 avx512_bf16 or AMX, Arm bf16). True when unknown
-    (no /proc/cpuinfo, e.g. macOS): the warning is only for CPUs known to lack it."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as handle:
-            text = handle.read()
-    except OSError:
-        return True
-    flags = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    if not flags:
-        return True
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-INITIAL_LOSS_SCALE = 2.0**16  # GradScaler's default
-
-
-def build_grad_scaler(device: torch.device, dtype: torch.dtype) -> torch.amp.GradScaler:
-    """Loss scaling is needed for float16 only; a disabled scaler is a no-op pass-through."""
-    return torch.amp.GradScaler(device.type, init_scale=INITIAL_LOSS_SCALE, enabled=dtype == torch.float16)
-
-
-def scaler_state_for_resume(state: dict, log=print) -> dict:
-    """The GradScaler state to resume with. A run stopped by --max_bad_steps (or by a burst of
-    overflows) saved a collapsed scale (below 1: halved ~20 times); resuming with it would train
-    for thousands of steps on underflowing gradients. Such a scale restarts at the initial one
-    (the scaler calibrates down again within a few steps if it is still too large)."""
-    if state and state.get("scale", INITIAL_LOSS_SCALE) < 1.0:
-        log(f"resume: the checkpoint's fp16 loss scale {state['scale']:.3g} had collapsed; "
-            f"starting again from {INITIAL_LOSS_SCALE:.0f}")
-        state = {**state, "scale": INITIAL_LOSS_SCALE, "_growth_tracker": 0}
-    return state

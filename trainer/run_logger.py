@@ -13,11 +13,9 @@ import sys
 import time
 from urllib.parse import urlparse
 
+from trainer.errors import LoggingError
+
 WANDB_MODES_WITHOUT_LOGIN = ("offline", "dryrun", "disabled")
-
-
-class LoggingError(RuntimeError):
-    """metrics.jsonl cannot be written, or wandb cannot start: one line for the user."""
 
 
 def check_wandb_login(args) -> None:

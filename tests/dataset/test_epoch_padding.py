@@ -12,8 +12,9 @@ from model import MiniMindConfig, MiniMindForCausalLM
 from tests.helpers.trainer_launch import REPO
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
-from trainer.distributed import DistContext
-from trainer.loop import agree_on_step, model_inputs
+from trainer.runtime.distributed import DistContext
+from dataset import model_inputs
+from trainer.loop.loop import agree_on_step
 
 CPU = torch.device("cpu")
 

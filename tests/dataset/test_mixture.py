@@ -17,7 +17,7 @@ from tests.helpers.trainer_launch import TINY, checkpoint_at, final_weights, run
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
 from trainer.run_logger import format_figure
-from trainer.source_losses import SourceLosses
+from trainer.loop.source_losses import SourceLosses
 
 
 def per_source(order: np.ndarray, mixture: EpochMixture) -> list[np.ndarray]:
@@ -168,7 +168,6 @@ def test_the_resume_fingerprint_uses_the_token_caches_digests_not_a_new_hash(tmp
     import hashlib
 
     import dataset.token_cache as token_cache
-    from trainer import sample_stream
 
     write_rows(tmp_path / "a.jsonl", [chat(i) for i in range(4)])
     train_data(str(tmp_path / "a.jsonl"), tmp_path / "cache")  # builds the cache, memoizes the digest
@@ -177,9 +176,7 @@ def test_the_resume_fingerprint_uses_the_token_caches_digests_not_a_new_hash(tmp
         raise AssertionError(f"{path} hashed again")
 
     monkeypatch.setattr(token_cache, "file_digest", no_hashing)
-    monkeypatch.setattr(sample_stream, "file_digest", no_hashing, raising=False)  # where the old code hashed
-    args = parse_args([*TINY, "--data_path", f"{tmp_path / 'a.jsonl'}", "--cache_dir", str(tmp_path / "cache")])
-    settings = sample_stream.fixed_settings(args, load_tokenizer(None))
+    settings = train_data(str(tmp_path / "a.jsonl"), tmp_path / "cache").identity.legacy_fixed()
     assert settings["--data_path content"] == hashlib.sha256((tmp_path / "a.jsonl").read_bytes()).hexdigest()[:16]
     assert settings["--data_path weights"] == "1"
 

@@ -22,7 +22,7 @@ from tests.helpers.trainer_launch import (
     REPO, SCRIPT, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_trainer,
     torchrun_cmd,
 )
-from trainer.checkpoint import load_resume_checkpoint
+from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -13,9 +13,11 @@ import torch.distributed as dist
 from tests.e2e.test_fault_tolerance import Launcher, metric_rows, wait_until
 from tests.helpers.trainer_launch import REPO, checkpoint_at, clean_env, final_weights, flags, run_trainer, train_losses
 from trainer.args import parse_args
-from trainer.distributed import DistributedError, is_peer_failure, pick_device
-from trainer.model_setup import INITIAL_LOSS_SCALE, cpu_has_native_bf16, resolve_dtype, scaler_state_for_resume
-from trainer.run_logger import LoggingError, check_wandb_login
+from trainer.errors import DistributedError
+from trainer.runtime.distributed import is_peer_failure, pick_device
+from trainer.runtime.precision import cpu_has_native_bf16, INITIAL_LOSS_SCALE, resolve_dtype, scaler_state_for_resume
+from trainer.errors import LoggingError
+from trainer.run_logger import check_wandb_login
 
 STEPS = ["--batch_size", "4", "--max_steps", "10", "--save_interval", "5", "--keep_last", "10"]
 

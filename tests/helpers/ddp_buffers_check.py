@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from model import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
-from trainer.distributed import DistContext  # noqa: E402
-from trainer.model_setup import wrap_for_distributed  # noqa: E402
+from trainer.runtime.distributed import DistContext  # noqa: E402
+from trainer.parallel.ddp import wrap_for_distributed  # noqa: E402
 
 
 def tiny_model(rank: int) -> MiniMindForCausalLM:

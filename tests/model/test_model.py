@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM, count_parameters
-from model.modeling_minimind import precompute_rope_tables
+from model.rope import precompute_rope_tables
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -329,7 +329,7 @@ def test_cpu_autocast_forward_and_backward(dtype):
 def test_torch_compile_traces_the_body_as_one_graph_for_any_length():
     # Batches of varying length (dynamic shapes) must not make dynamo fall back to eager. With the
     # collator's loss positions the only graph break is the chunked LM loss (compiler-disabled).
-    from model.modeling_minimind import loss_positions_of
+    from model.loss import loss_positions_of
 
     model = tiny_model().train()
     ids = torch.randint(3, 97, (2, 12))

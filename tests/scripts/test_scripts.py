@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from dataset import SFTCollator, encode_conversation, load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
-from trainer.inference import ModelLoadError, load_model_for_inference, load_tokenizer_for_model
+from trainer.errors import ModelLoadError
+from trainer.weights.inference import load_model_for_inference, load_tokenizer_for_model
 
 REPO = Path(__file__).resolve().parents[2]
 CONVERSATIONS = [

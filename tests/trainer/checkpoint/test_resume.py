@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from dataset import ResumableDistributedSampler, load_tokenizer
-from tests.helpers.trainer_launch import REPO, checkpoint_at, clean_env, flags, run_trainer
-from trainer import sample_stream
+from tests.helpers.trainer_launch import REPO, TINY, checkpoint_at, clean_env, flags, run_trainer
+from trainer import run_identity
 from trainer.args import parse_args
-from trainer.checkpoint import (
-    CheckpointError, SaveDirLock, claim_for_fresh_run, find_resume_checkpoint, load_resume_checkpoint,
-)
+from trainer.checkpoint.resume import find_resume_checkpoint, load_resume_checkpoint
+from trainer.checkpoint.save_dir import claim_for_fresh_run, SaveDirLock
+from trainer.errors import CheckpointError
 from trainer.data_setup import build_train_data
-from trainer.seeding import capture_rng_state, restore_rng_state
+from trainer.runtime.seeding import capture_rng_state, restore_rng_state
 
 # --------------------------------------------------------------------------- the sample stream
 
@@ -73,7 +73,7 @@ def replay_epoch(argv: list[str], world_size: int, saved: dict | None) -> list[i
     if saved is None:
         return global_order_after(data.sampler, world_size, epoch=0, start=0)
     messages = []
-    assert sample_stream.check_and_pin(saved, args, tokenizer, data.sampler, True, messages.append) is None
+    assert run_identity.check_and_pin(saved, data.identity, args.save_dir, data.sampler, messages.append) is None
     assert messages and messages[0].startswith("finishing epoch 1 in the checkpoint's order (length groups of 8")
     return global_order_after(data.sampler, world_size, epoch=saved["epoch"], start=saved["samples_in_epoch"])
 
@@ -134,19 +134,29 @@ def test_resume_with_another_seed_or_data_file_is_refused(data, two_rank_run, tm
     assert not os.path.exists(tmp_path / "data" / "checkpoints")
 
 
+def identity_of(tmp_path, **flags):
+    """The run identity of TINY flags (plus `flags`) on the demo data's first rows, from the trainer's data setup."""
+    args = parse_args([*TINY, "--cache_dir", str(tmp_path / "cache"), "--save_dir", "/runs/b",
+                       *[part for name, value in flags.items() for part in (f"--{name}", str(value))]])
+    return build_train_data(args, load_tokenizer(None), SimpleNamespace(world_size=1, rank=0,
+                                                                        device=torch.device("cpu"))).identity
+
+
 def test_refusal_names_each_fixed_setting(tmp_path):
-    args = SimpleNamespace(seed=1, data_path=__file__, max_seq_len=64, packing=0, save_dir="/runs/b",
-                           cache_dir=str(tmp_path))
-    tokenizer = load_tokenizer(None)
-    saved = {"sample_stream": {"fixed": sample_stream.fixed_settings(args, tokenizer)},
-             "args": {"save_dir": "/runs/a", "data_path": __file__}}
-    assert sample_stream.refusal(saved, args, tokenizer) is None
-    for name, change in (("--max_seq_len", {"max_seq_len": 128}), ("--packing", {"packing": 1}),
-                         ("--data_path content", {"data_path": os.path.join(REPO, "README.md")}),
-                         ("--data_path weights", {"data_path": f"{__file__}:2,{__file__}"})):
-        problem = sample_stream.refusal(saved, SimpleNamespace(**{**vars(args), **change}), tokenizer)
-        assert problem.startswith(f"cannot resume: {name} differs from the checkpoint's run"), problem
-        assert problem.endswith("--from_weight /runs/a/model --save_dir NEW_DIR")
+    rows = open(os.path.join(REPO, "dataset", "demo", "sft_train.jsonl"), encoding="utf-8").readlines()
+    (tmp_path / "a.jsonl").write_text("".join(rows[:12]), encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text("".join(rows[12:20]), encoding="utf-8")
+    identity = identity_of(tmp_path, data_path=tmp_path / "a.jsonl")
+    for saved_stream in (run_identity.recorded(identity, None), {"fixed": identity.legacy_fixed()}):  # new and old records
+        saved = {"sample_stream": saved_stream, "args": {"save_dir": "/runs/a", "data_path": str(tmp_path / "a.jsonl")}}
+        assert run_identity.refusal(saved, identity, "/runs/b") is None
+        for name, change in (("--max_seq_len", {"max_seq_len": 128}), ("--packing", {"packing": 1}),
+                             ("--data_path content", {"data_path": tmp_path / "b.jsonl"}),
+                             ("--data_path weights", {"data_path": f"{tmp_path / 'a.jsonl'}:2,{tmp_path / 'b.jsonl'}"})):
+            problem = run_identity.refusal(saved, identity_of(tmp_path, **{"data_path": tmp_path / "a.jsonl", **change}),
+                                           "/runs/b")
+            assert problem.startswith(f"cannot resume: {name} differs from the checkpoint's run"), problem
+            assert problem.endswith("--from_weight /runs/a/model --save_dir NEW_DIR")
 
 
 # --------------------------------------------------------------------------- RNG
@@ -319,7 +329,7 @@ def test_export_into_a_runs_model_dir_is_refused(tmp_path, capsys):
 
 def test_rank_zero_reads_the_resume_file_once_and_memory_maps_it(tmp_path, monkeypatch):
     import train_full_sft
-    from trainer.checkpoint import FORMAT
+    from trainer.checkpoint.single_file import FORMAT
 
     config = {"hidden_size": 32}
     state = {"format": FORMAT, "format_version": 1, "model_config": config, "model": {"w": torch.ones(3)},

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer
-from trainer.evaluation import last_assistant_turn, loss_and_accuracy_sums
-from trainer.model_selection import improves, metric_mode, update_selection
+from trainer.evaluation.evaluate import last_assistant_turn, loss_and_accuracy_sums
+from trainer.evaluation.selection import improves, metric_mode, update_selection
 
 IGNORE = -100
 
@@ -177,7 +177,7 @@ def test_generation_with_fsdp_is_refused_with_one_line(capsys):
 def _evaluate_in_process(rank, world_size, init_file, data_path, out_dir):
     from dataset import load_tokenizer
     from trainer.data_setup import build_eval_sets
-    from trainer.evaluation import evaluate
+    from trainer.evaluation.evaluate import evaluate
 
     if world_size > 1:
         torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
@@ -249,7 +249,7 @@ def call_text(name, arguments):
 
 
 def test_an_answer_is_right_by_its_calls_or_by_its_reply():
-    from trainer.evaluation import answer_is_right
+    from trainer.evaluation.evaluate import answer_is_right
 
     think = "<think>\nthe user wants the weather\n</think>\n\n"
     assert answer_is_right(think + call_text("get_weather", {"days": 2.0, "city": "Paris"}), "", [WEATHER])

@@ -15,12 +15,14 @@ import torch
 from dataset import SFTCollator
 from tests.model.test_model import tiny_model
 from tests.helpers.trainer_launch import REPO
-from trainer.distributed import DistContext
-from trainer.loop import (
-    Run, TrainingError, agree_on_step, evaluate_and_select, optimizer_step, save, settle_weights_check,
-)
-from trainer.model_setup import build_grad_scaler, build_optimizer
-from trainer.parallelism import Replicated
+from trainer.runtime.distributed import DistContext
+from trainer.checkpoint.single_file import save
+from trainer.errors import TrainingError
+from trainer.loop.loop import agree_on_step, evaluate_and_select, optimizer_step, settle_weights_check
+from trainer.loop.state import Run
+from trainer.model_setup import build_optimizer
+from trainer.runtime.precision import build_grad_scaler
+from trainer.parallel.ddp import Replicated
 
 OUR_CODE = tuple(os.path.join(REPO, folder) + os.sep for folder in ("trainer", "model", "dataset"))
 CONVERSIONS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.e2e.test_fault_tolerance import Launcher, wait_until, worker_pids
 from tests.helpers.trainer_launch import assert_weights_equal, checkpoint_at, flags, run_trainer, train_losses
-from trainer.checkpoint import load_resume_checkpoint
+from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def test_fsdp_equals_one_process_and_ddp_and_resumes_a_ddp_checkpoint(data, fsdp
     for name, tensor in saved.items():
         assert torch.equal(tensor, fsdp_final[name]), name
     # the inference loader reads a sharded checkpoint too
-    from trainer.inference import load_model_for_inference
+    from trainer.weights.inference import load_model_for_inference
 
     model = load_model_for_inference(dcp_at(fsdp_run, 4))
     assert torch.equal(model.state_dict()["model.norm.weight"], fsdp_final["model.norm.weight"])
@@ -161,9 +161,10 @@ def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(data, tmp_path
 def test_fsdp_refuses_what_it_cannot_do_with_one_line_errors():
     from types import SimpleNamespace
 
-    from trainer.distributed import DistContext
-    from trainer.model_setup import ConfigError
-    from trainer.parallelism import Replicated, build_parallelism
+    from trainer.runtime.distributed import DistContext
+    from trainer.errors import ConfigError
+    from trainer.parallel import build_parallelism
+    from trainer.parallel.ddp import Replicated
 
     two = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cpu"), backend="gloo")
     one = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)

@@ -9,7 +9,7 @@ from tests.model.test_model import tiny_model
 from trainer import data_setup
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
-from trainer.distributed import DistContext
+from trainer.runtime.distributed import DistContext
 from trainer.model_setup import build_optimizer
 
 

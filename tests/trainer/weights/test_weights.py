@@ -17,10 +17,12 @@ from model import MiniMindConfig, MiniMindForCausalLM
 from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
 from tests.helpers.trainer_launch import train_losses
 from trainer.args import parse_args
-from trainer.checkpoint import CheckpointError
-from trainer.inference import load_model_for_inference
-from trainer.model_setup import ConfigError, build_model_config, load_tokenizer_for_weights, read_initial_weights
-from trainer.weights_io import build_config, clean_state_dict, load_into, read_weights, write_qwen3_dir
+from trainer.errors import CheckpointError
+from trainer.weights.inference import load_model_for_inference
+from trainer.errors import ConfigError
+from trainer.model_setup import build_model_config, load_tokenizer_for_weights, read_initial_weights
+from trainer.weights.read import build_config, clean_state_dict, load_into, read_weights
+from trainer.weights.write import write_qwen3_dir
 
 # head_dim 16 != hidden 32 / 4 heads, as in Qwen3
 SHAPES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -131,7 +133,7 @@ def test_unsupported_qwen3_settings_are_refused_with_the_reason(tmp_path):
 
 
 def test_a_config_without_a_qwen3_form_is_saved_with_remote_code_and_refused_by_the_qwen3_export(tmp_path):
-    from trainer.weights_io import qwen3_unsupported, write_inference_dir
+    from trainer.weights.write import qwen3_unsupported, write_inference_dir
 
     yarn = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "mscale": 0.7}
     model = MiniMindForCausalLM(MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
@@ -149,7 +151,7 @@ def test_a_config_without_a_qwen3_form_is_saved_with_remote_code_and_refused_by_
 def setup(argv):
     args = parse_args(argv)
     weights = read_initial_weights(args, log=lambda message: None)
-    tokenizer = load_tokenizer_for_weights(args, weights, log=lambda message: None)
+    tokenizer, _ = load_tokenizer_for_weights(args, weights, log=lambda message: None)
     return build_model_config(args, tokenizer, weights)
 
 

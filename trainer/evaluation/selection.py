@@ -15,14 +15,8 @@ step before the one in best.json (a rollback) moves that best/ aside with the la
 from __future__ import annotations
 
 import json
-import os
 
-BEST_DIR = "best"
-BEST_FILE = "best.json"
-
-
-class SelectionError(ValueError):
-    """--keep_best / --early_stop_patience that cannot work with this run's eval data."""
+from trainer.errors import SelectionError
 
 
 def metric_mode(metric: str) -> str:
@@ -64,13 +58,3 @@ def update_selection(state, metric: str, figures: dict, patience: int) -> tuple[
 def best_record(metric: str, value: float, step: int) -> str:
     """The content of best.json."""
     return json.dumps({"metric": metric, "mode": metric_mode(metric), "value": value, "step": step}, indent=2) + "\n"
-
-
-def best_step_on_disk(save_dir: str) -> int | None:
-    """The step recorded in `<save_dir>/best/best.json`, or None (no best/ or an unreadable record)."""
-    try:
-        with open(os.path.join(save_dir, BEST_DIR, BEST_FILE), encoding="utf-8") as handle:
-            step = json.load(handle).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) else None

@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dataset import IGNORE_INDEX, model_inputs
 from dataset.mixture import short_names
 from dataset.tool_calls import calls_match, parse_reply
-from trainer.distributed import all_reduce_sum
-from trainer.model_setup import autocast
+from trainer.runtime.distributed import all_reduce_sum
+from trainer.runtime.precision import autocast
 
-IGNORE_INDEX = -100
 # The sums kept per held-out file, in this order in the all-reduced tensor.
 SUMS = ("loss_sum", "tokens", "tokens_correct", "replies", "replies_correct", "tool_turns", "tool_turns_correct")
 # The figures reported, and whether a smaller value is better (for --keep_best).
@@ -173,8 +173,6 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
     The model computes its LM head only at the loss positions (`skip_logits=True`); a hook on
     the head reads those logits for the argmax, so the accuracy costs no second forward. (A
     change of the model that calls the head elsewhere fails here on the size, loudly.)"""
-    from trainer.loop import model_inputs  # the same inputs as training
-
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     captured = []
     hook = model.get_output_embeddings().register_forward_hook(lambda _module, _inputs, output: captured.append(output))
@@ -186,7 +184,7 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
             if index >= max(forwards, len(loader)):
                 break
             captured.clear()
-            inputs = model_inputs(batch, device)
+            inputs = model_inputs(batch, device)  # the same inputs as training
             with autocast(device, dtype):
                 out = model(**inputs, num_items_in_batch=1, skip_logits=True)
             targets = inputs["labels"][:, 1:]

@@ -8,7 +8,7 @@
 
 Atomic: all ranks write into `step_XXXXXXXX.dcp.tmp/`; after a barrier (every shard on disk and
 fsynced) rank 0 adds `meta.pt` and renames the directory. A crash at any moment before the rename
-leaves only a `.tmp` directory, which `list_checkpoints` does not match and the next save deletes;
+leaves only a `.tmp` directory, which `save_dir.list_checkpoints` does not match and the next save deletes;
 checkpoints rotated out are renamed away before they are deleted, so a half-deleted one is never
 taken for a checkpoint either.
 
@@ -27,9 +27,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer import checkpoint
-from trainer.checkpoint import CheckpointError
-from trainer.distributed import barrier
+from trainer.checkpoint import single_file
+from trainer.checkpoint.files import atomic_torch_save, fsync_dir, remove_stale_temporaries
+from trainer.checkpoint.save_dir import checkpoints_dir, drop_old_checkpoints, remove_directory_checkpoint
+from trainer.errors import CheckpointError, first_line
+from trainer.runtime.distributed import barrier
 
 SUFFIX = ".dcp"
 META = "meta.pt"
@@ -37,7 +39,7 @@ SHARDED_ENTRIES = ("model", "optimizer")  # in the shards; everything else is in
 
 
 def sharded_path(save_dir: str, step: int) -> str:
-    return os.path.join(checkpoint.checkpoints_dir(save_dir), f"step_{step:08d}{SUFFIX}")
+    return os.path.join(checkpoints_dir(save_dir), f"step_{step:08d}{SUFFIX}")
 
 
 def is_sharded(saved: dict) -> bool:
@@ -53,49 +55,35 @@ def remove_stale(folder: str) -> None:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
-def remove_directory_checkpoint(path: str) -> None:
-    """Rename first (no longer a checkpoint name), then delete."""
-    doomed = f"{path}.old"
-    shutil.rmtree(doomed, ignore_errors=True)
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
 def save(content: dict, save_dir: str, keep_last: int, ctx) -> str | None:
     """Every rank writes its shard; rank 0 publishes the directory and rotates. Returns the path on
     rank 0, None elsewhere (collective)."""
     final = sharded_path(save_dir, content["step"])
     tmp = f"{final}.tmp"
-    folder = checkpoint.checkpoints_dir(save_dir)
+    folder = checkpoints_dir(save_dir)
     if ctx.is_main:
         os.makedirs(folder, exist_ok=True)
         remove_stale(folder)
-        checkpoint.remove_stale_temporaries(folder)
+        remove_stale_temporaries(folder)
     barrier(ctx.device)
     try:
         dcp.save({key: content[key] for key in SHARDED_ENTRIES}, checkpoint_id=tmp)
     except (CheckpointException, OSError) as error:
-        raise CheckpointError(f"could not write the sharded checkpoint {final}: {_reason(error)}") from None
+        raise CheckpointError(f"could not write the sharded checkpoint {final}: {first_line(error, 200)}") from None
     barrier(ctx.device)  # every shard is on disk
     if not ctx.is_main:
         return None
     meta = {key: value for key, value in content.items() if key not in SHARDED_ENTRIES}
-    checkpoint.atomic_torch_save({"format": checkpoint.FORMAT, "format_version": checkpoint.FORMAT_VERSION, **meta},
-                                 os.path.join(tmp, META))
+    atomic_torch_save(single_file.stamped(meta), os.path.join(tmp, META))
     try:
         if os.path.exists(final):  # the same step saved again
             remove_directory_checkpoint(final)
         os.replace(tmp, final)
-        checkpoint._fsync_dir(folder)
+        fsync_dir(folder)
     except OSError as error:
         raise CheckpointError(f"could not publish the sharded checkpoint {final}: {error.strerror or error}") from error
-    checkpoint.drop_old_checkpoints(save_dir, keep_last)
+    drop_old_checkpoints(save_dir, keep_last)
     return final
-
-
-def _reason(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else type(error).__name__
 
 
 def load_meta(path: str, required) -> dict:
@@ -104,7 +92,7 @@ def load_meta(path: str, required) -> dict:
     meta_file = os.path.join(path, META)
     if not os.path.isfile(meta_file) or not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"sharded checkpoint {path} is incomplete (no {META} or .metadata)")
-    saved = checkpoint.load_resume_checkpoint(meta_file, required=[k for k in required if k not in SHARDED_ENTRIES])
+    saved = single_file.load(meta_file, required=[k for k in required if k not in SHARDED_ENTRIES])
     saved["sharded_path"] = path
     if "model" in required and "optimizer" not in required:
         saved["model"] = read_full(path, "model")
@@ -124,7 +112,7 @@ def read_full(path: str, entry: str) -> dict:
         }
         dcp.load(state, storage_reader=reader, no_dist=True)
     except (CheckpointException, OSError, RuntimeError, ValueError) as error:
-        raise CheckpointError(f"sharded checkpoint {path} is unreadable ({_reason(error)})") from None
+        raise CheckpointError(f"sharded checkpoint {path} is unreadable ({first_line(error, 200)})") from None
     return {key[len(prefix):]: value for key, value in state.items()}
 
 
@@ -135,5 +123,5 @@ def load_training_state(model, optimizer, saved: dict) -> None:
     try:
         dcp.load(state, checkpoint_id=saved["sharded_path"], no_dist=not dist.is_initialized())
     except CheckpointException as error:
-        raise CheckpointError(f"sharded checkpoint {saved['sharded_path']} does not fit this run: {_reason(error)}") from None
+        raise CheckpointError(f"sharded checkpoint {saved['sharded_path']} does not fit this run: {first_line(error, 200)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

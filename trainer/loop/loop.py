@@ -12,152 +12,34 @@ Host synchronisation: none per micro-step; per optimizer step one on one process
 gradient norm is finite, read together with the previous update's finite-weights check, see
 `read_step_flags`) and one more with several processes (the token count / stop flag); one per log
 interval (the loss; with several training sources a second one for the per-source losses,
-`trainer.source_losses`).
+`trainer/loop/source_losses.py`).
+The run and its resume state are trainer/loop/state.py.
 """
 
 import itertools
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
-from trainer import checkpoint, sample_stream
-from trainer.distributed import all_gather_objects, all_reduce_sum, barrier, broadcast_object
-from trainer.evaluation import evaluate
-from trainer.lr_schedule import cosine_lr, default_warmup_steps, set_lr
-from trainer.model_selection import BEST_DIR, BEST_FILE, best_record, update_selection
-from trainer.model_setup import autocast, scaler_state_for_resume, unwrap
-from trainer.seeding import capture_rng_state, restore_rng_state, setup_seed
-from trainer.source_losses import SourceLosses
-from trainer.weights_io import save_minimind_copy
+from dataset import IGNORE_INDEX, model_inputs
+from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE
+from trainer.errors import CheckpointError, TrainingError
+from trainer.evaluation.evaluate import evaluate
+from trainer.evaluation.selection import best_record, update_selection
+from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, set_lr
+from trainer.loop.source_losses import SourceLosses
+from trainer.loop.state import Run, WeightsCheck, resume_state
+from trainer.runtime.distributed import all_reduce_sum, barrier, broadcast_object
+from trainer.runtime.precision import autocast
+from trainer.weights.write import publish_inference_weights, save_minimind_copy
 
-IGNORE_INDEX = -100
-# Fault injection for tests/test_fault_tolerance.py, read in `injected_nan_steps` and nowhere else:
+# Fault injection for tests/e2e/test_fault_tolerance.py, read in `injected_nan_steps` and nowhere else:
 # a comma-separated list of optimizer steps (numbered from 1, as in the logs) whose loss is made
 # NaN, e.g. MINISFT_FAULT_NAN_STEPS="3,4,5". Leave it unset for real training.
 FAULT_NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
-
-
-class TrainingError(RuntimeError):
-    """The run had to stop (e.g. too many non-finite steps); the message says why."""
-
-
-class WeightsCheck(NamedTuple):
-    """An applied update's finite-weights check, computed on the device and not read yet."""
-
-    step: int  # the optimizer step (numbered from 1) whose update it checks
-    bad: torch.Tensor  # > 0 when some weight is inf/NaN (on every rank under --fsdp 1)
-
-
-@dataclass
-class TrainState:
-    """Where the run is. Saved in every resume checkpoint."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    samples_in_epoch: int = 0  # global (all ranks) samples of this epoch already consumed
-    skipped_steps: int = 0
-    bad_steps_in_a_row: int = 0
-    wandb_run_id: str | None = None
-    run_id: str = field(default_factory=checkpoint.new_run_id)  # one line of training, kept across resumes
-    best_value: float | None = None  # of the --keep_best metric, and the step that reached it
-    best_step: int | None = None
-    evals_without_improvement: int = 0
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, built by `train_full_sft.py`."""
-
-    args: object
-    ctx: object
-    model: torch.nn.Module  # possibly DDP- and/or compile-wrapped
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    dtype: torch.dtype
-    data: object
-    eval_sets: list  # trainer.evaluation.EvalSet per held-out file; empty without --eval_data_path
-    tokenizer: object
-    logger: object
-    preemption: object
-    parallel: object = None  # trainer.parallelism: how the processes share the model (DDP or FSDP)
-    state: TrainState = field(default_factory=TrainState)
-    weights_check: WeightsCheck | None = None  # the last update's check, read at the next host sync
-
-    @property
-    def raw_model(self):
-        return unwrap(self.model)
-
-
-# --------------------------------------------------------------------------- resume
-
-
-def resume_state(run: Run) -> dict:
-    """The resume checkpoint's content (collective: every rank contributes its RNG state)."""
-    rng_states = all_gather_objects(capture_rng_state())
-    state = run.state
-    return {
-        "model_config": run.raw_model.config.to_dict(),
-        **run.parallel.training_state(run.optimizer),  # "model" and "optimizer" (sharded under --fsdp 1)
-        "scaler": run.scaler.state_dict(),
-        "step": state.step,
-        "epoch": state.epoch,
-        "samples_in_epoch": state.samples_in_epoch,
-        "skipped_steps": state.skipped_steps,
-        "bad_steps_in_a_row": state.bad_steps_in_a_row,
-        "best_value": state.best_value,
-        "best_step": state.best_step,
-        "evals_without_improvement": state.evals_without_improvement,
-        "rng": rng_states,
-        "world_size": run.ctx.world_size,
-        "args": dict(vars(run.args)),
-        # only rank 0 writes it (it lists the data sources and reads their memoized digests)
-        "sample_stream": sample_stream.recorded(run.args, run.tokenizer, run.data.sampler) if run.ctx.is_main else None,
-        "run_id": state.run_id,
-        "wandb_run_id": run.logger.wandb_run_id,
-    }
-
-
-def restore(run: Run, saved: dict) -> None:
-    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position).
-
-    A resume that changes a setting of the sample stream is refused on every rank; another global
-    batch or grouping finishes the interrupted epoch in the checkpoint's order (`sample_stream`)."""
-    problem = sample_stream.check_and_pin(saved, run.args, run.tokenizer, run.data.sampler, run.ctx.is_main,
-                                          run.logger.print)
-    problem = broadcast_object(problem)
-    if problem:
-        raise checkpoint.CheckpointError(problem)
-    try:
-        run.parallel.load_training_state(run.optimizer, saved)
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise checkpoint.CheckpointError(f"resume checkpoint does not fit this run: {str(error).splitlines()[0]}") from error
-    if saved.get("scaler") and run.scaler.is_enabled():
-        run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
-    run.state = TrainState(
-        step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
-        skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
-        wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
-        best_value=saved.get("best_value"), best_step=saved.get("best_step"),
-        evals_without_improvement=saved.get("evals_without_improvement", 0),
-    )
-    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
-    if run.ctx.is_main and checkpoint.set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
-        run.state.run_id = checkpoint.new_run_id()
-    if saved["world_size"] == run.ctx.world_size:
-        note = restore_rng_state(saved["rng"][run.ctx.rank])
-        if note:
-            run.logger.print(f"warning: {note}")
-    else:
-        # Same sample stream, new per-rank randomness (dropout) for the new world size.
-        setup_seed(run.args.seed + run.ctx.rank + saved["step"])
-        run.logger.print(
-            f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
-            f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
-        )
 
 
 def raise_on_every_rank(error: str | None) -> None:
@@ -165,7 +47,7 @@ def raise_on_every_rank(error: str | None) -> None:
     rank waits in the next collective for one that stopped."""
     error = broadcast_object(error)
     if error:
-        raise checkpoint.CheckpointError(error)
+        raise CheckpointError(error)
 
 
 def save(run: Run) -> None:
@@ -179,18 +61,18 @@ def save(run: Run) -> None:
     error = path = None
     try:
         path = run.parallel.write_resume_checkpoint(content, run.args.save_dir, run.args.keep_last)
-    except checkpoint.CheckpointError as failure:
+    except CheckpointError as failure:
         error = str(failure)
     del content
     save_dtype = getattr(torch, run.args.save_dtype)
     weights = run.parallel.inference_model(save_dtype)  # collective under --fsdp 1
     if run.ctx.is_main and error is None:
         try:
-            checkpoint.save_inference_weights(weights, run.tokenizer, run.args.save_dir, save_dtype)
+            publish_inference_weights(weights, run.tokenizer, run.args.save_dir, save_dtype)
             if run.args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
                 save_minimind_copy(weights, run.args.save_dir, run.args.save_weight)
             run.logger.print(f"saved {path}")
-        except checkpoint.CheckpointError as failure:
+        except CheckpointError as failure:
             error = str(failure)
     del weights
     raise_on_every_rank(error)
@@ -236,19 +118,6 @@ def agree_on_step(run: Run, micro_batches: list[dict]) -> StepTotals:
         figures = torch.tensor([loss_tokens, real_tokens, sequences, stop], dtype=torch.int64, device=run.ctx.device)
         loss_tokens, real_tokens, sequences, stop = all_reduce_sum(figures).tolist()
     return StepTotals(loss_tokens, real_tokens, sequences, bool(stop))
-
-
-def model_inputs(batch: dict, device: torch.device) -> dict:
-    """Right padding + causal attention: real tokens never see the pads, so no attention mask is
-    needed (and SDPA keeps its fused causal kernel); `token_mask` only tells the MoE balance loss
-    which tokens are real. Packed rows carry position_ids. The collator's precomputed
-    `loss_positions` / `packed_layout` spare the model host syncs (see model/modeling_minimind.py);
-    every copy is asynchronous."""
-    inputs = {key: batch[key].to(device, non_blocking=True)
-              for key in ("input_ids", "labels", "position_ids", "loss_positions", "packed_layout") if key in batch}
-    if "attention_mask" in batch:
-        inputs["token_mask"] = batch["attention_mask"].to(device, non_blocking=True)
-    return inputs
 
 
 def injected_nan_steps() -> frozenset[int]:
@@ -375,9 +244,9 @@ def save_best(run: Run) -> None:
     if run.ctx.is_main:
         try:
             record = best_record(args.keep_best, state.best_value, state.best_step)
-            checkpoint.save_inference_weights(weights, run.tokenizer, args.save_dir, getattr(torch, args.save_dtype),
+            publish_inference_weights(weights, run.tokenizer, args.save_dir, getattr(torch, args.save_dtype),
                                               name=BEST_DIR, extra_files={BEST_FILE: record})
-        except checkpoint.CheckpointError as failure:
+        except CheckpointError as failure:
             error = str(failure)
     del weights
     raise_on_every_rank(error)

@@ -19,7 +19,7 @@ i.e. the token-weighted per-source losses sum back to the loss.
 
 import torch
 
-from trainer.distributed import all_reduce_sum
+from trainer.runtime.distributed import all_reduce_sum
 
 
 class SourceLosses:

@@ -20,11 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.preemption import forward_to
-
-
-class DistributedError(RuntimeError):
-    """A distributed-setup problem with a one-line explanation."""
+from trainer.errors import DistributedError, first_line
+from trainer.runtime.preemption import forward_to
 
 
 @dataclass
@@ -162,11 +159,6 @@ def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> di
                                 timeout=timeout)
     store = dist.PrefixStore(f"minisft/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
     return {"store": store, "rank": rank, "world_size": world_size}
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 # What the transports put in the plain RuntimeError they raise when a peer dies, closes its

@@ -7,7 +7,7 @@ reduce-scattered in float32 after the last micro-batch of an optimizer step.
 
 The mathematics is DDP's: FSDP2's reduce-scatter averages over the ranks exactly as DDP's
 all-reduce does, so the loop's `x world_size` gives the same token-mean gradient under both
-(tests/test_fsdp.py checks FSDP against one process and against DDP).
+(tests/trainer/parallel/test_fsdp.py checks FSDP against one process and against DDP).
 """
 
 import torch
@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from model import MiniMindForCausalLM
-from trainer import sharded_checkpoint
+from trainer.checkpoint import sharded
 
 
 def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -47,7 +47,7 @@ def shard_model(model: MiniMindForCausalLM, world_size: int, device: torch.devic
 
 
 class FullyShardedParallel:
-    """The `trainer.parallelism` interface for a fully_shard-ed model."""
+    """The `trainer.parallel.Parallelism` interface for a fully_shard-ed model."""
 
     checkpoint_kind = "sharded"
 
@@ -78,8 +78,8 @@ class FullyShardedParallel:
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_training_state(self, optimizer, saved: dict) -> None:
-        if sharded_checkpoint.is_sharded(saved):
-            sharded_checkpoint.load_training_state(self.model, optimizer, saved)
+        if sharded.is_sharded(saved):
+            sharded.load_training_state(self.model, optimizer, saved)
             return
         # A DDP / single-process file: full tensors on every rank; each rank keeps its shard.
         full = StateDictOptions(full_state_dict=True)
@@ -88,7 +88,7 @@ class FullyShardedParallel:
                                  options=full)
 
     def write_resume_checkpoint(self, content: dict, save_dir: str, keep_last: int) -> str | None:
-        return sharded_checkpoint.save(content, save_dir, keep_last, self.ctx)
+        return sharded.save(content, save_dir, keep_last, self.ctx)
 
     def inference_model(self, dtype: torch.dtype):
         return gather_to_rank0(self.model, self.ctx.is_main, dtype)

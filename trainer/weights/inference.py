@@ -12,7 +12,7 @@ Accepted ``path`` kinds:
 
 Every problem (missing path, corrupt or truncated file, a pickle the safe loader refuses, a file
 that is not a minisft model) raises ``ModelLoadError`` with a one-line message. The formats
-themselves are read by ``trainer/weights_io.py``, the same code as ``--from_weight``.
+themselves are read by ``trainer/weights/read.py``, the same code as ``--from_weight``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ import torch
 
 from model import MiniMindForCausalLM
 
-from .checkpoint import CheckpointError, list_checkpoints
-from .weights_io import TOKENIZER_FILES, build_config, load_into, read_weights, saved_run_args
-
-
-class ModelLoadError(ValueError):
-    """A model path that cannot be loaded; the message is one line naming the path and the problem."""
+from dataset import DataError, load_tokenizer
+from trainer.checkpoint.save_dir import list_checkpoints
+from trainer.errors import CheckpointError, ModelLoadError
+from trainer.weights.read import TOKENIZER_FILES, build_config, load_into, read_weights, saved_run_args
 
 
 # --------------------------------------------------------------------------- path kinds
@@ -84,8 +82,6 @@ def load_tokenizer_for_model(path: str | Path, tokenizer_path: str | Path | None
     Order: an explicit ``tokenizer_path``; tokenizer files inside the HF directory (or beside the
     safetensors file); the checkpoint's ``args["tokenizer_path"]``; the shipped default.
     """
-    from dataset import DataError, load_tokenizer
-
     if tokenizer_path is None:
         kind, concrete = resolve_model_path(path)
         folder = concrete if kind == "hf_dir" else concrete.parent

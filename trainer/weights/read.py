@@ -1,4 +1,4 @@
-"""Weights in and out: every format `--from_weight`, the inference loader and the export speak.
+"""Model weights in every format `--from_weight`, the inference loader and the export read.
 
 Our network is MiniMind's and transformers' Qwen3 at once: the three share parameter names and
 shapes (MoE: Qwen3-MoE's on-disk per-expert names), so converting is a matter of the config, a
@@ -11,28 +11,26 @@ tied `lm_head.weight` that may be absent, and the dtype. Formats read (`read_wei
 - an HF directory of this model (`model_type` minimind), or a native Qwen3 / Qwen3-MoE
   directory (`model_type` qwen3 / qwen3_moe), single or sharded safetensors;
 - a `.safetensors` file (config.json beside it, else shapes as for a `.pth`);
-- a minisft resume checkpoint (`checkpoints/step_*.pt`).
+- a minisft resume checkpoint (`checkpoints/step_*.pt` or a sharded `step_*.dcp/`), read by the
+  checkpoints' own reader (trainer/checkpoint/resume.py).
 
-Formats written: `write_qwen3_dir` (a standard Qwen3 / Qwen3-MoE directory that transformers
-loads without remote code), `write_remote_code_dir` (model_type minimind + our code),
-`write_minimind_pth` (MiniMind's `{prefix}_{hidden}[_moe].pth`, fp16, lm_head included).
-`qwen3_unsupported` / `minimind_unsupported` say why a config cannot be written in a format.
+The formats written are in trainer/weights/write.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 from dataclasses import dataclass
 
 import torch
 
 from model import MiniMindConfig
-from trainer.checkpoint import FORMAT as RESUME_FORMAT
-from trainer.checkpoint import FORMAT_VERSION as RESUME_FORMAT_VERSION
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint import single_file
+from trainer.checkpoint.files import safe_torch_load
+from trainer.checkpoint.resume import load_resume_checkpoint
+from trainer.errors import CheckpointError, first_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP
@@ -68,8 +66,6 @@ def read_weights(path: str) -> Weights:
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist")
     if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):  # a sharded resume checkpoint (--fsdp 1)
-        from trainer.checkpoint import load_resume_checkpoint
-
         loaded = load_resume_checkpoint(path, required=("model_config", "model"))
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
                        f"resume checkpoint {path}")
@@ -81,12 +77,12 @@ def read_weights(path: str) -> Weights:
         config_file = os.path.join(os.path.dirname(path), "config.json")
         state = _load_safetensors([path])
         if os.path.isfile(config_file):
-            return _from_config_json(_read_json(config_file), state, path, _tokenizer_dir(os.path.dirname(path)))
+            return _from_config_json(read_json(config_file), state, path, _tokenizer_dir(os.path.dirname(path)))
         return Weights(state, config_from_shapes(state, path), f"safetensors file {path}")
     return _read_torch_file(path)
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
@@ -102,12 +98,12 @@ def _read_directory(folder: str) -> Weights:
     config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
         raise CheckpointError(f"{folder}: no config.json (not an HF model directory)")
-    saved = _read_json(config_file)
+    saved = read_json(config_file)
     _check_model_type(saved, folder)
     index = os.path.join(folder, "model.safetensors.index.json")
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(index):
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map")
         files = [os.path.join(folder, name) for name in sorted(set(weight_map.values()))]
@@ -129,31 +125,14 @@ def _load_safetensors(files: list[str]) -> dict:
         try:
             state.update(load_file(name))
         except (SafetensorError, OSError, ValueError) as error:
-            raise CheckpointError(f"{name}: corrupt or truncated safetensors file ({_first_line(error)})") from error
+            raise CheckpointError(f"{name}: corrupt or truncated safetensors file ({first_line(error, 160)})") from error
     return state
 
 
-def _load_torch_file(path: str, mmap: bool = False):
-    """`torch.load(weights_only=True)` with one-line errors."""
-    if os.path.getsize(path) == 0:
-        raise CheckpointError(f"{path} is empty")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as error:
-        if "Weights only load failed" in str(error):
-            raise CheckpointError(f"refused to load {path}: it holds Python objects that a safe (weights_only) load "
-                                  "does not allow; it is not a checkpoint and may be malicious") from error
-        raise CheckpointError(f"{path} is corrupt or truncated ({_first_line(error)})") from error
-    except Exception as error:  # noqa: BLE001 - torch raises many types for a damaged file
-        raise CheckpointError(f"{path} is corrupt or truncated ({_first_line(error)})") from error
-
-
 def _read_torch_file(path: str) -> Weights:
-    loaded = _load_torch_file(path)
-    if isinstance(loaded, dict) and loaded.get("format") == RESUME_FORMAT:
-        version = loaded.get("format_version")
-        if not isinstance(version, int) or version > RESUME_FORMAT_VERSION:
-            raise CheckpointError(f"{path} was written by a newer minisft (format version {version}): upgrade minisft")
+    loaded = safe_torch_load(path, mmap=False)
+    if single_file.is_resume_state(loaded):
+        single_file.check_format(loaded, path)
         if not isinstance(loaded.get("model"), dict) or not isinstance(loaded.get("model_config"), dict):
             raise CheckpointError(f"resume checkpoint {path} is incomplete (missing model or model_config)")
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
@@ -166,15 +145,10 @@ def _read_torch_file(path: str) -> Weights:
 
 def saved_run_args(path: str) -> dict | None:
     """The flags stored in a resume checkpoint (None for a plain state dict), read without loading its tensors."""
-    loaded = _load_torch_file(path, mmap=True)
-    if isinstance(loaded, dict) and loaded.get("format") == RESUME_FORMAT and isinstance(loaded.get("args"), dict):
+    loaded = safe_torch_load(path)
+    if single_file.is_resume_state(loaded) and isinstance(loaded.get("args"), dict):
         return loaded["args"]
     return None
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0][:160] if lines else type(error).__name__
 
 
 def clean_state_dict(state: dict) -> dict:
@@ -255,7 +229,7 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
     try:
         hf = (Qwen3MoeConfig if moe else Qwen3Config).from_dict(saved)
     except Exception as error:  # noqa: BLE001 - transformers validates in many ways
-        raise CheckpointError(f"{source}: invalid {saved['model_type']} config ({_first_line(error)})") from error
+        raise CheckpointError(f"{source}: invalid {saved['model_type']} config ({first_line(error, 160)})") from error
 
     def refuse(reason: str):
         raise CheckpointError(f"{source}: {reason}; this trainer's network cannot express it")
@@ -319,144 +293,4 @@ def build_config(weights: Weights, **overrides) -> MiniMindConfig:
     try:
         return MiniMindConfig(**{**overrides, **weights.config})
     except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{weights.source}: invalid model config ({_first_line(error)})") from error
-
-
-# --------------------------------------------------------------------------- writing
-
-
-def qwen3_unsupported(config: MiniMindConfig) -> str | None:
-    """Why `config` has no standard Qwen3 / Qwen3-MoE form (None: it has one)."""
-    yarn = config.rope_yarn or {}
-    unknown = sorted(set(yarn) - {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast",
-                                  "beta_slow", "attention_factor"})
-    if unknown:
-        return f"rope_scaling has settings transformers' YaRN does not read: {unknown}"
-    return None
-
-
-def qwen3_config(config: MiniMindConfig, dtype: torch.dtype):
-    """transformers' Qwen3Config / Qwen3MoeConfig with the same mathematics as `config`."""
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
-    if config.rope_yarn:
-        rope = {"rope_type": "yarn", "rope_theta": float(config.rope_theta),
-                **{k: v for k, v in config.rope_yarn.items() if k not in ("type", "rope_type")}}
-        rope.setdefault("attention_factor", None)
-    common = dict(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim, intermediate_size=config.intermediate_size, hidden_act="silu",
-        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
-        rope_parameters={k: v for k, v in rope.items() if v is not None}, attention_bias=False,
-        tie_word_embeddings=config.tie_word_embeddings, initializer_range=config.initializer_range,
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
-        dtype=dtype,
-    )
-    if config.use_moe:
-        hf = Qwen3MoeConfig(**common, num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-                            moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
-                            router_aux_loss_coef=config.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[])
-    else:
-        hf = Qwen3Config(**common)
-    hf.architectures = ["Qwen3MoeForCausalLM" if config.use_moe else "Qwen3ForCausalLM"]
-    return hf
-
-
-def _inference_state(model, dtype: torch.dtype) -> dict:
-    tied = model.config.tie_word_embeddings
-    return {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if not (tied and k == LM_HEAD)}
-
-
-def write_inference_dir(model, folder: str, dtype: torch.dtype) -> str:
-    """The trainer's `<save_dir>/model/`: the standard Qwen3 form where the config has one (so no
-    tool needs remote code for it), else the remote-code form. Returns the format written."""
-    if qwen3_unsupported(model.config) is None:
-        write_qwen3_dir(model, folder, dtype)
-        return "qwen3"
-    write_remote_code_dir(model, folder, dtype)
-    return "remote-code"
-
-
-def write_qwen3_dir(model, folder: str, dtype: torch.dtype) -> None:
-    """config.json (model_type qwen3 / qwen3_moe), generation_config.json, model.safetensors."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
-    reason = qwen3_unsupported(model.config)
-    if reason:
-        raise CheckpointError(f"this model has no standard Qwen3 form: {reason}")
-    os.makedirs(folder, exist_ok=True)
-    qwen3_config(model.config, dtype).save_pretrained(folder)
-    GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
-                     pad_token_id=model.config.pad_token_id).save_pretrained(folder)
-    save_file(_inference_state(model, dtype), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-
-
-def write_remote_code_dir(model, folder: str, dtype: torch.dtype) -> None:
-    """model_type minimind with our code and an `auto_map` (needs trust_remote_code)."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(folder, state_dict=_inference_state(model, dtype))
-    finally:
-        hf_logging.enable_progress_bar()
-    # save_pretrained records the live model's dtype; record the saved weights' dtype.
-    config_file = os.path.join(folder, "config.json")
-    config = _read_json(config_file)
-    config["dtype"] = str(dtype).removeprefix("torch.")
-    with open(config_file, "w", encoding="utf-8") as handle:
-        json.dump(config, handle, indent=2, sort_keys=True)
-
-
-# MiniMind's own config (model/model_minimind.py): YaRN only as this fixed `inference_rope_scaling` dict.
-MINIMIND_YARN = {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 2048,
-                 "attention_factor": 1.0, "type": "yarn"}
-
-
-def minimind_unsupported(config: MiniMindConfig) -> str | None:
-    """Why MiniMind's model cannot hold `config` (None: it can)."""
-    if not config.tie_word_embeddings:
-        return "the LM head is not tied to the embedding (MiniMind always ties them)"
-    if config.rope_yarn and config.rope_yarn != MINIMIND_YARN:
-        return "its YaRN rope_scaling differs from MiniMind's only one (inference_rope_scaling)"
-    return None
-
-
-def minimind_pth_name(config: MiniMindConfig, prefix: str) -> str:
-    return f"{prefix}_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"
-
-
-def minimind_settings(config: MiniMindConfig) -> dict:
-    """Keyword arguments MiniMind's MiniMindConfig needs besides hidden_size, num_hidden_layers, use_moe.
-
-    Our defaults are MiniMind's, so these are exactly the fields that differ from our defaults."""
-    reference = MiniMindConfig(hidden_size=config.hidden_size, use_moe=config.use_moe)
-    fields = ["vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-              "rms_norm_eps", "rope_theta", "max_position_embeddings"]
-    if config.use_moe:
-        fields += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef"]
-    settings = {k: getattr(config, k) for k in fields if getattr(config, k) != getattr(reference, k)}
-    if config.rope_yarn:
-        settings["inference_rope_scaling"] = True
-    return settings
-
-
-def save_minimind_copy(model, save_dir: str, prefix: str) -> str:
-    """The trainer's `--save_weight PREFIX`: MiniMind's own `{save_dir}/{prefix}_{hidden}[_moe].pth`."""
-    path = os.path.join(save_dir, minimind_pth_name(model.config, prefix))
-    write_minimind_pth(model, path)
-    return path
-
-
-def write_minimind_pth(model, path: str) -> None:
-    """MiniMind's `torch.save({k: v.half() for k in model.state_dict()})`, lm_head.weight included."""
-    from trainer.checkpoint import atomic_torch_save
-
-    reason = minimind_unsupported(model.config)
-    if reason:
-        raise CheckpointError(f"this model has no MiniMind .pth form: {reason}")
-    state = model.state_dict()
-    atomic_torch_save({k: v.detach().to(torch.float16).clone() for k, v in state.items()}, path)
+        raise CheckpointError(f"{weights.source}: invalid model config ({first_line(error, 160)})") from error

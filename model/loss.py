@@ -1,0 +1,71 @@
+"""The language-model loss: which positions carry a label, and the LM head + cross-entropy computed
+in chunks of tokens so that a large vocabulary never holds all the fp32 logits at once."""
+
+import torch
+
+IGNORE_INDEX = -100
+# Tokens x vocabulary entries of fp32 logits that the chunked LM loss holds at a time (256 MiB).
+LOSS_CHUNK_ELEMENTS = 1 << 26
+
+
+def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices into the B x T tokens of `labels` [B, T] whose NEXT token has a label (the
+    positions whose hidden state predicts something). On a GPU tensor this is a host sync."""
+    predicts = torch.zeros_like(labels, dtype=torch.bool)
+    predicts[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return predicts.reshape(-1).nonzero().squeeze(1)
+
+
+
+@torch.compiler.disable
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                    token_losses: bool = False):
+    """sum over tokens of cross_entropy(hidden @ weight.T, targets), fp32, `chunk_tokens` rows
+    of logits at a time in the forward and again in the backward. hidden [N, H], weight [V, H],
+    targets [N]. Under autocast the matmuls run in the autocast dtype, as `lm_head` would.
+    `token_losses=True` returns (sum, the N per-token values it summed, detached)."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    elif hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    with torch.autocast(device_type, enabled=False):
+        total, per_token = _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+    return (total, per_token) if token_losses else total
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Saves only the inputs and one log-sum-exp per token; the backward recomputes each chunk's
+    logits: softmax - one_hot(target) is the gradient of the logits, never stored whole."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_tokens):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        log_norms = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = start + chunk_tokens
+            logits = (hidden[start:end] @ weight.t()).float()
+            log_norms[start:end] = logits.logsumexp(dim=-1)
+            per_token[start:end] = log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)
+            total += per_token[start:end].sum()
+        ctx.save_for_backward(hidden, weight, targets, log_norms)
+        ctx.chunk_tokens = chunk_tokens
+        ctx.mark_non_differentiable(per_token)
+        return total, per_token
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_per_token):
+        hidden, weight, targets, log_norms = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            end = start + ctx.chunk_tokens
+            chunk = hidden[start:end]
+            grad_logits = ((chunk @ weight.t()).float() - log_norms[start:end, None]).exp_()  # softmax
+            grad_logits.scatter_add_(1, targets[start:end, None], grad_logits.new_full((len(chunk), 1), -1.0))
+            grad_logits = (grad_logits * grad_total).to(hidden.dtype)
+            grad_hidden[start:end] = grad_logits @ weight
+            grad_weight += (grad_logits.t() @ chunk).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None

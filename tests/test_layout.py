@@ -1,0 +1,91 @@
+"""The shape of the code: no import cycle among the project's modules (imports inside functions
+count too), and no module of the packages over 450 lines."""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("trainer", "dataset", "model", "scripts")
+MAX_LINES = 450
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    files = [REPO / "train_full_sft.py", *(path for package in PACKAGES for path in (REPO / package).rglob("*.py"))]
+    return {module_name(path): path for path in files}
+
+
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports anywhere in its file, with the packages they live in."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        ancestors = {".".join(name.split(".")[:end]) for end in range(1, name.count(".") + 1)}
+        for target in targets:
+            parts = target.split(".")
+            for end in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ first,
+                prefix = ".".join(parts[:end])  # except the packages the importer itself lives in (already running)
+                if prefix in modules and prefix != name and (prefix == target or prefix not in ancestors):
+                    found.add(prefix)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        state[node] = "done"
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycle_among_the_projects_modules():
+    modules = project_modules()
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert graph["trainer.loop.loop"] >= {"trainer.loop.state", "trainer.checkpoint.save_dir"}  # the walk sees imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle_through_an_import_inside_a_function(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n", encoding="utf-8")
+    (tmp_path / "b.py").write_text("def late():\n    from a import x\n", encoding="utf-8")
+    modules = {"a": tmp_path / "a.py", "b": tmp_path / "b.py"}
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert find_cycle(graph) == ["a", "b", "a"]
+
+
+def test_no_module_of_the_packages_is_over_450_lines():
+    long = {str(path.relative_to(REPO)): lines for name, path in project_modules().items()
+            if name.split(".")[0] in ("trainer", "dataset", "model")
+            and (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

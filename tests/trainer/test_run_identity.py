@@ -1,0 +1,164 @@
+"""The run's identity (trainer/run_identity.py): computed once from the data the run opened, kept in
+every checkpoint, compared on resume; a checkpoint written by an earlier main still resumes exactly."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dataset import load_tokenizer
+from tests.helpers.trainer_launch import (
+    REPO, SCRIPT, TINY, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer, train_losses,
+)
+from trainer import run_identity
+from trainer.args import parse_args
+from trainer.checkpoint.resume import load_resume_checkpoint
+from trainer.data_setup import build_train_data
+
+DATA = Path(__file__).resolve().parent / "checkpoint" / "data"
+DEMO = Path(REPO) / "dataset" / "demo" / "sft_train.jsonl"
+
+
+def demo_rows(start: int, stop: int) -> str:
+    return "".join(DEMO.read_text(encoding="utf-8").splitlines(keepends=True)[start:stop])
+
+
+def identity(tmp_path, data_path: str, *extra: str) -> run_identity.RunIdentity:
+    args = parse_args([*TINY, "--data_path", data_path, "--cache_dir", str(tmp_path / "cache"), *extra])
+    ctx = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+    return build_train_data(args, load_tokenizer(None), ctx).identity
+
+
+def refusal(tmp_path, before: run_identity.RunIdentity, now: run_identity.RunIdentity) -> str | None:
+    saved = {"sample_stream": run_identity.recorded(before, None), "args": {"save_dir": str(tmp_path / "run"),
+                                                                          "data_path": "DATA"}}
+    return run_identity.refusal(saved, now, str(tmp_path / "run"))
+
+
+def test_mixture_weights_are_compared_exactly_as_shares(tmp_path):
+    (tmp_path / "a.jsonl").write_text(demo_rows(0, 6), encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text(demo_rows(6, 10), encoding="utf-8")
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    ones = identity(tmp_path, f"{a}:1,{b}:1")
+    assert [source.share for source in ones.sources] == ["1/2", "1/2"]
+    assert refusal(tmp_path, ones, identity(tmp_path, f"{a}:0.5,{b}:0.5")) is None  # the same stream
+    problem = refusal(tmp_path, ones, identity(tmp_path, f"{a}:1,{b}:1.000004"))
+    assert problem.startswith("cannot resume: --data_path weights differs from the checkpoint's run "
+                              "(checkpoint 1,1, now 1,1.000004)"), problem
+
+
+@pytest.mark.parametrize("kind", ["glob", "directory"])
+def test_a_source_that_gains_a_file_is_refused_naming_the_file(tmp_path, kind):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "part-0.jsonl").write_text(demo_rows(0, 6), encoding="utf-8")
+    (shards / "part-1.jsonl").write_text(demo_rows(6, 12), encoding="utf-8")
+    spec = str(shards / "*.jsonl") if kind == "glob" else str(shards)
+    before = identity(tmp_path, spec)
+    (shards / "part-2.jsonl").write_text(demo_rows(12, 18), encoding="utf-8")
+    problem = refusal(tmp_path, before, identity(tmp_path, spec))
+    assert problem.startswith(f"cannot resume: --data_path content differs from the checkpoint's run (checkpoint 2 "
+                              f"file(s) in {spec}, now 3 file(s): new {shards / 'part-2.jsonl'})"), problem
+
+
+def test_an_edited_file_and_another_sample_count_are_refused_naming_the_file(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(demo_rows(0, 8), encoding="utf-8")
+    before = identity(tmp_path, str(path))
+    path.write_text(demo_rows(1, 9), encoding="utf-8")
+    problem = refusal(tmp_path, before, identity(tmp_path, str(path)))
+    assert problem.startswith(f"cannot resume: --data_path content differs from the checkpoint's run (checkpoint "
+                              f"{path} sha256 {before.sources[0].files[0].digest[:16]}, now sha256 "), problem
+    fewer = run_identity.RunIdentity(before.seed, before.max_seq_len, before.packing, before.tokenizer, (
+        run_identity.SourceRecord(before.sources[0].spec, 1.0, "1", (
+            run_identity.SourceFile(str(path), before.sources[0].files[0].digest, 7),)),))
+    assert f"(checkpoint {path} with 8 samples, now 7" in refusal(tmp_path, before, fewer)
+
+
+def start_and_stop(argv: list[str], while_training) -> str:
+    """Run the trainer, call `while_training()` once it logged step 2, then SIGTERM it; its output.
+    The stop's resume checkpoint is written after `while_training` changed the data."""
+    job = subprocess.Popen([sys.executable, SCRIPT, *argv], cwd=REPO, env=clean_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if line.startswith("step 2/"):
+            break
+    while_training()
+    job.send_signal(signal.SIGTERM)
+    output = "".join(lines) + job.communicate(timeout=300)[0]
+    assert job.returncode == 0, output
+    assert "continue with --from_resume 1" in output, output
+    return output
+
+
+@pytest.mark.slow
+def test_a_glob_grown_during_the_run_is_refused_on_resume_naming_the_new_file(tmp_path):
+    """The checkpoint holds the files the run opened, not what the glob matches at save time."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "part-0.jsonl").write_text(demo_rows(0, 14), encoding="utf-8")
+    (shards / "part-1.jsonl").write_text(demo_rows(14, 28), encoding="utf-8")
+    save_dir = tmp_path / "run"
+    argv = [*TINY, "--data_path", str(shards / "*.jsonl"), "--save_dir", str(save_dir), "--batch_size", "1",
+            "--epochs", "5", "--cache_dir", str(tmp_path / "cache")]
+    start_and_stop(argv, lambda: (shards / "part-2.jsonl").write_text(demo_rows(28, 40), encoding="utf-8"))
+    saved = load_resume_checkpoint(os.path.join(save_dir, "checkpoints", sorted(os.listdir(save_dir / "checkpoints"))[-1]))
+    recorded = run_identity.RunIdentity.from_dict(saved["sample_stream"]["identity"])
+    assert [Path(file.path).name for file in recorded.sources[0].files] == ["part-0.jsonl", "part-1.jsonl"]
+    result = run_trainer([*argv, "--from_resume", "1"], check=False)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: cannot resume: --data_path content differs from the checkpoint's run (checkpoint "
+                           f"2 file(s) in {shards / '*.jsonl'}, now 3 file(s): new {shards / 'part-2.jsonl'})"), line
+
+
+@pytest.mark.slow
+def test_a_data_file_moved_after_start_still_gets_its_sigterm_checkpoint(tmp_path):
+    """Training reads only the token cache; the SIGTERM save does not touch the data files."""
+    data = tmp_path / "train.jsonl"
+    data.write_text(demo_rows(0, 80), encoding="utf-8")
+    save_dir = tmp_path / "run"
+    argv = [*TINY, "--data_path", str(data), "--save_dir", str(save_dir), "--batch_size", "1", "--epochs", "3",
+            "--cache_dir", str(tmp_path / "cache")]
+    start_and_stop(argv, lambda: shutil.move(data, tmp_path / "moved.jsonl"))
+    assert os.listdir(save_dir / "checkpoints")
+
+
+# The losses main at af11f2e logged for steps 3 and 4 when it went on from that checkpoint itself.
+MAIN_LOSSES = {3: 8.602275848388672, 4: 8.615812301635742}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_by_the_previous_main_resumes_bit_exactly(tmp_path):
+    """tests/trainer/checkpoint/data/main_af11f2e_step_00000002.pt was written by main at af11f2e (before
+    the run identity existed; OMP_NUM_THREADS=1) with the flags below on main_af11f2e_train.jsonl.
+    Resumed by today's code it logs the losses main logged, and where this CPU computes the first two
+    steps exactly as the one that wrote it, it ends on exactly the weights of an uninterrupted run.
+    (Regenerate both files with those flags if the shipped tokenizer or the demo's first 40 rows change.)"""
+    data = tmp_path / "train.jsonl"
+    shutil.copy(DATA / "main_af11f2e_train.jsonl", data)
+    argv = [*TINY, "--data_path", str(data), "--batch_size", "4", "--max_steps", "4", "--save_interval", "2",
+            "--keep_last", "5", "--cache_dir", str(tmp_path / "cache")]
+    resumed = run_trainer([*argv, "--save_dir", str(tmp_path / "resumed"),
+                           "--resume_from", str(DATA / "main_af11f2e_step_00000002.pt")])
+    assert "(step 2, epoch 1, sample 8)" in resumed.stdout, resumed.stdout
+    losses = train_losses(tmp_path / "resumed")
+    assert losses.keys() == MAIN_LOSSES.keys() and all(abs(losses[k] - MAIN_LOSSES[k]) < 1e-5 for k in losses), losses
+    run_trainer([*argv, "--save_dir", str(tmp_path / "straight")])
+    old = torch.load(DATA / "main_af11f2e_step_00000002.pt", weights_only=True)["model"]
+    here = torch.load(checkpoint_at(tmp_path / "straight", 2), weights_only=True)["model"]
+    if all(torch.equal(old[key], here[key]) for key in old):  # this CPU's arithmetic is the writer's
+        assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "straight"))
+        straight = train_losses(tmp_path / "straight")
+        assert losses == {step: straight[step] for step in losses}
+    else:
+        assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "straight"), atol=1e-5)

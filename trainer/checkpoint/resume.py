@@ -1,0 +1,69 @@
+"""The one reader of resume checkpoints, whichever format wrote them: a single file
+(`step_*.pt`, trainer/checkpoint/single_file.py) or a sharded directory (`step_*.dcp`, `--fsdp 1`,
+trainer/checkpoint/sharded.py). It validates the format, finds the newest readable checkpoint of a
+run, and refuses one whose architecture differs from the run's."""
+
+import os
+
+from trainer.checkpoint import sharded, single_file
+from trainer.checkpoint.save_dir import checkpoints_dir, list_checkpoints
+from trainer.errors import CheckpointError
+
+REQUIRED_KEYS = ("model_config", "model", "optimizer", "step", "epoch", "samples_in_epoch", "rng", "world_size", "args")
+# Fields that change the shapes or the mathematics of the network.
+ARCHITECTURE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "use_moe", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "tie_word_embeddings", "rope_theta", "rope_yarn", "rms_norm_eps", "norm_topk_prob",
+    "router_aux_loss_coef",
+)
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef")
+
+
+def load_resume_checkpoint(path: str, required=REQUIRED_KEYS) -> dict:
+    """Read and validate a resume checkpoint of either format; never unpickles arbitrary objects.
+    `required` names the entries the caller needs (inference needs only the model and its config).
+    The tensors are memory-mapped (single file) or read when loaded into the model (sharded)."""
+    if os.path.isdir(path):
+        if path.rstrip("/").endswith(sharded.SUFFIX):
+            return sharded.load_meta(path, required)
+        raise CheckpointError(f"resume checkpoint {path} is a directory: give a step_*.pt file inside its "
+                              "checkpoints/, or --from_resume 1 with --save_dir set to the run directory")
+    return single_file.load(path, required)
+
+
+def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
+    """The newest readable checkpoint in `save_dir`; unreadable newer ones are skipped with a message.
+
+    None when there is no checkpoint at all; a CheckpointError when there are some but none can be
+    read (starting from scratch would then overwrite the run's model/)."""
+    found = list_checkpoints(save_dir)
+    for path in found:
+        try:
+            return path, load_resume_checkpoint(path)
+        except CheckpointError as error:
+            log(f"warning: skipping unusable checkpoint: {error}; falling back to the previous one")
+    if found:
+        raise CheckpointError(
+            f"none of the {len(found)} resume checkpoint(s) in {checkpoints_dir(save_dir)} can be read (see the "
+            f"warnings above); to go on from the last saved weights start a new run with --from_weight "
+            f"{os.path.join(save_dir, 'model')} --save_dir NEW_DIR, or move the damaged checkpoints away"
+        )
+    return None
+
+
+
+
+def check_model_config(saved: dict, current) -> None:
+    """Refuse a checkpoint whose architecture differs from the one the flags describe."""
+    current_dict = current.to_dict()
+    fields = ARCHITECTURE_FIELDS
+    if not saved.get("use_moe") and not current_dict.get("use_moe"):
+        fields = [name for name in fields if name not in MOE_FIELDS]
+    differing = [
+        f"{name} (checkpoint {saved.get(name)!r}, flags {current_dict.get(name)!r})"
+        for name in fields
+        if saved.get(name) != current_dict.get(name)
+    ]
+    if differing:
+        raise CheckpointError("checkpoint model config differs from the flags: " + "; ".join(differing))

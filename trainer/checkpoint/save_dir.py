@@ -1,0 +1,209 @@
+"""The layout of a run's `--save_dir`, and the rules that keep one run's files apart from another's:
+
+    checkpoints/step_00000100.pt   resume state, one file (trainer/checkpoint/single_file.py)
+    checkpoints/step_00000100.dcp/ the same, sharded (`--fsdp 1`; trainer/checkpoint/sharded.py)
+    model/                         inference weights: config.json, model.safetensors (`--save_dtype`)
+                                   and the tokenizer; a standard Qwen3 / Qwen3-MoE directory
+                                   (written by trainer/weights/write.py)
+    best/                          the same, for the best evaluation (`--keep_best`), with best.json
+                                   (trainer/evaluation/selection.py); never rotated
+    metrics.jsonl, .lock           the run's log (trainer/run_logger.py) and its lock (`SaveDirLock`)
+    set_aside/                     what a rollback or `--overwrite 1` moved away; nothing is deleted
+
+Rotation keeps the newest `--keep_last` resume checkpoints.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+
+from trainer.checkpoint.files import fsync_dir
+from trainer.errors import CheckpointError
+
+# step_00000100.pt: one file; step_00000100.dcp: a directory of shards
+CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.(pt|dcp)$")
+MODEL_DIR = "model"
+BEST_DIR = "best"
+BEST_FILE = "best.json"
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def checkpoints_dir(save_dir: str) -> str:
+    return os.path.join(save_dir, "checkpoints")
+
+
+def checkpoint_path(save_dir: str, step: int) -> str:
+    return os.path.join(checkpoints_dir(save_dir), f"step_{step:08d}.pt")
+
+
+def list_checkpoints(save_dir: str) -> list[str]:
+    """Resume checkpoints in `save_dir`, newest (highest step) first."""
+    folder = checkpoints_dir(save_dir)
+    if not os.path.isdir(folder):
+        return []
+    found = [(int(m.group(1)), name) for name in os.listdir(folder) if (m := CHECKPOINT_PATTERN.match(name))]
+    return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
+
+
+def step_of(path: str) -> int:
+    return int(CHECKPOINT_PATTERN.match(os.path.basename(path)).group(1))
+
+
+def new_run_id() -> str:
+    """Names one line of training: kept in its checkpoints and metrics.jsonl rows, kept across resumes."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def ensure_writable_dir(path: str) -> None:
+    """Fail before training, not at the first save, when `path` cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_probe.{os.getpid()}")
+        with open(probe, "wb") as handle:
+            handle.write(b"ok")
+        os.remove(probe)
+    except OSError as error:
+        raise CheckpointError(f"--save_dir {path} is not writable: {error.strerror or error}") from error
+
+
+# --------------------------------------------------------------------------- atomic writes
+
+
+# --------------------------------------------------------------------------- one run per save_dir
+
+
+def set_aside(save_dir: str, paths: list[str], reason: str) -> str:
+    """Move `paths` (files or folders of `save_dir`) into `<save_dir>/set_aside/<time>-<reason>/`,
+    keeping their relative paths; nothing is deleted. Returns that folder."""
+    folder = os.path.join(save_dir, "set_aside", time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + reason)
+    for path in paths:
+        target = os.path.join(folder, os.path.relpath(path, save_dir))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(path, target)
+    fsync_dir(save_dir)
+    return folder
+
+
+def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
+    """A resume to an earlier step starts a new line of training: the later checkpoints of the old
+    line would outrank (and rotate away) the new ones, so they are moved aside, named, not deleted."""
+    later = [path for path in list_checkpoints(save_dir) if step_of(path) > step]
+    best_step = best_step_on_disk(save_dir)
+    if best_step is not None and best_step > step:  # best/ of the old line: the new line keeps its own
+        later.append(os.path.join(save_dir, BEST_DIR))
+    if later:
+        names = ", ".join(os.path.basename(path) for path in reversed(later))
+        folder = set_aside(save_dir, later, f"after-step-{step}")
+        log(f"resuming at step {step} while later checkpoints exist: moved {names} to {folder} "
+            "(the new line of training replaces them; delete that folder when you no longer need it)")
+    return bool(later)
+
+
+def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print) -> None:
+    """Refuse to start a new run in a directory holding another run's checkpoints or model/,
+    unless `overwrite`; then those (and its metrics.jsonl) are moved aside, not deleted."""
+    previous = [os.path.join(save_dir, name) for name in ("checkpoints", MODEL_DIR, BEST_DIR, "metrics.jsonl")
+                if os.path.exists(os.path.join(save_dir, name))]
+    if not (list_checkpoints(save_dir) or os.path.isdir(os.path.join(save_dir, MODEL_DIR))):
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"--save_dir {save_dir} holds another run (checkpoints/ or model/): continue it with --from_resume 1, "
+            "choose another --save_dir, or pass --overwrite 1 to start over there (its files are moved to "
+            f"{os.path.join(save_dir, 'set_aside')}/)"
+        )
+    folder = set_aside(save_dir, previous, "overwritten")
+    log(f"--overwrite 1: moved the previous run's {', '.join(os.path.basename(p) for p in previous)} to {folder}")
+
+
+class SaveDirLock:
+    """An exclusive lock on `<save_dir>/.lock`, held while this process lives: a second run
+    writing to the same directory would mix or prune the first one's checkpoints.
+
+    A POSIX record lock (`lockf`), not `flock`: it belongs to this process only, so DataLoader
+    workers forked from it do not keep it after a `kill -9` of the trainer (an elastic restart
+    would otherwise find the directory "in use"); the kernel drops it when the process dies."""
+
+    def __init__(self, save_dir: str):
+        self.path = os.path.join(save_dir, ".lock")
+        self.handle = None
+
+    def acquire(self) -> "SaveDirLock":
+        handle = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                handle.close()
+                raise
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            if holder == str(os.getpid()):  # an earlier run in this process (main() called again) still holds it
+                return self
+            raise CheckpointError(
+                f"save_dir {os.path.dirname(self.path)} in use by pid {holder} (another training run writes there): "
+                "wait for it to end, or choose another --save_dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self.handle = handle
+        return self
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()  # closing the file drops the lock
+            self.handle = None
+
+
+def inside_a_run_model_dir(path: str) -> str | None:
+    """The `<run>/model` (or `<run>/best`) directory that `path` is or lies in (a later save replaces
+    it), else None."""
+    current = os.path.abspath(path)
+    while True:
+        parent = os.path.dirname(current)
+        if os.path.basename(current) in (MODEL_DIR, BEST_DIR) and (
+                os.path.isdir(checkpoints_dir(parent)) or os.path.exists(os.path.join(parent, "metrics.jsonl"))):
+            return current
+        if parent == current:
+            return None
+        current = parent
+
+
+def drop_old_checkpoints(save_dir: str, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` resume checkpoints (files and sharded directories)."""
+    for stale in list_checkpoints(save_dir)[keep_last:]:
+        try:
+            if os.path.isdir(stale):
+                remove_directory_checkpoint(stale)
+            else:
+                os.remove(stale)
+        except OSError:
+            pass
+
+
+def remove_directory_checkpoint(path: str) -> None:
+    """Rename first (no longer a checkpoint name, so a half-deleted one is never taken for one), then delete."""
+    doomed = f"{path}.old"
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def best_step_on_disk(save_dir: str) -> int | None:
+    """The step recorded in `<save_dir>/best/best.json`, or None (no best/ or an unreadable record)."""
+    try:
+        with open(os.path.join(save_dir, BEST_DIR, BEST_FILE), encoding="utf-8") as handle:
+            step = json.load(handle).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None

@@ -1,0 +1,139 @@
+"""The run's state: `Run` (everything the loop needs, built once by train_full_sft.py), `TrainState`
+(where the run is), and the resume checkpoint's content in (`restore`) and out (`resume_state`)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from trainer import run_identity
+from trainer.checkpoint.save_dir import new_run_id, set_aside_later_checkpoints
+from trainer.data_setup import TrainData
+from trainer.errors import CheckpointError, first_line
+from trainer.evaluation.evaluate import EvalSet
+from trainer.parallel import Parallelism
+from trainer.parallel.ddp import unwrap
+from trainer.run_logger import RunLogger
+from trainer.runtime.distributed import DistContext, all_gather_objects
+from trainer.runtime.precision import scaler_state_for_resume
+from trainer.runtime.preemption import PreemptionFlag
+from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
+
+
+class WeightsCheck(NamedTuple):
+    """An applied update's finite-weights check, computed on the device and not read yet."""
+
+    step: int  # the optimizer step (numbered from 1) whose update it checks
+    bad: torch.Tensor  # > 0 when some weight is inf/NaN (on every rank under --fsdp 1)
+
+
+@dataclass
+class TrainState:
+    """Where the run is. Saved in every resume checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    samples_in_epoch: int = 0  # global (all ranks) samples of this epoch already consumed
+    skipped_steps: int = 0
+    bad_steps_in_a_row: int = 0
+    wandb_run_id: str | None = None
+    run_id: str = field(default_factory=new_run_id)  # one line of training, kept across resumes
+    best_value: float | None = None  # of the --keep_best metric, and the step that reached it
+    best_step: int | None = None
+    evals_without_improvement: int = 0
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built by `train_full_sft.py`."""
+
+    args: argparse.Namespace  # as parsed; never changed afterwards
+    ctx: DistContext
+    model: torch.nn.Module  # possibly DDP- and/or compile-wrapped
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    dtype: torch.dtype
+    data: TrainData
+    eval_sets: list[EvalSet]  # one per held-out file; empty without --eval_data_path
+    tokenizer: PreTrainedTokenizerBase
+    logger: RunLogger
+    preemption: PreemptionFlag
+    parallel: Parallelism  # how the processes share the model (DDP or FSDP)
+    tokenizer_path: str | None = None  # where the tokenizer came from (None: the shipped one), for inference
+    state: TrainState = field(default_factory=TrainState)
+    weights_check: WeightsCheck | None = None  # the last update's check, read at the next host sync
+
+    @property
+    def raw_model(self):
+        return unwrap(self.model)
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def resume_state(run: Run) -> dict:
+    """The resume checkpoint's content (collective: every rank contributes its RNG state)."""
+    rng_states = all_gather_objects(capture_rng_state())
+    state = run.state
+    return {
+        "model_config": run.raw_model.config.to_dict(),
+        **run.parallel.training_state(run.optimizer),  # "model" and "optimizer" (sharded under --fsdp 1)
+        "scaler": run.scaler.state_dict(),
+        "step": state.step,
+        "epoch": state.epoch,
+        "samples_in_epoch": state.samples_in_epoch,
+        "skipped_steps": state.skipped_steps,
+        "bad_steps_in_a_row": state.bad_steps_in_a_row,
+        "best_value": state.best_value,
+        "best_step": state.best_step,
+        "evals_without_improvement": state.evals_without_improvement,
+        "rng": rng_states,
+        "world_size": run.ctx.world_size,
+        "args": {**vars(run.args), "tokenizer_path": run.tokenizer_path},  # where inference finds the tokenizer
+        "sample_stream": run_identity.recorded(run.data.identity, run.data.sampler.epoch_group_size()),
+        "run_id": state.run_id,
+        "wandb_run_id": run.logger.wandb_run_id,
+    }
+
+
+def restore(run: Run, saved: dict) -> None:
+    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position).
+
+    A resume that changes a fact of the sample stream is refused (every rank holds the same identity,
+    so every rank refuses); another global batch or grouping finishes the interrupted epoch in the
+    checkpoint's order (trainer/run_identity.py)."""
+    problem = run_identity.check_and_pin(saved, run.data.identity, run.args.save_dir, run.data.sampler,
+                                         run.logger.print)
+    if problem:
+        raise CheckpointError(problem)
+    try:
+        run.parallel.load_training_state(run.optimizer, saved)
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise CheckpointError(f"resume checkpoint does not fit this run: {first_line(error)}") from error
+    if saved.get("scaler") and run.scaler.is_enabled():
+        run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
+    run.state = TrainState(
+        step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
+        skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
+        wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
+        best_value=saved.get("best_value"), best_step=saved.get("best_step"),
+        evals_without_improvement=saved.get("evals_without_improvement", 0),
+    )
+    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
+    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
+        run.state.run_id = new_run_id()
+    if saved["world_size"] == run.ctx.world_size:
+        note = restore_rng_state(saved["rng"][run.ctx.rank])
+        if note:
+            run.logger.print(f"warning: {note}")
+    else:
+        # Same sample stream, new per-rank randomness (dropout) for the new world size.
+        setup_seed(run.args.seed + run.ctx.rank + saved["step"])
+        run.logger.print(
+            f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
+            f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
+        )

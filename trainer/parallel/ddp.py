@@ -1,0 +1,76 @@
+"""The default parallelism: every process holds the whole model and DDP all-reduces the gradients
+(one process: the model itself). DDP ignores the RoPE tables, which every process derives alike."""
+
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from model import MiniMindForCausalLM
+from trainer.checkpoint import sharded, single_file
+
+ROPE_BUFFERS = ("freqs_cos", "freqs_sin")
+
+
+class Replicated:
+    """One process, or DDP: the whole model on every rank."""
+
+    checkpoint_kind = "file"
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.model = None  # the plain model; the DDP wrapper is not kept here (see train_full_sft.py, step 9)
+
+    def wrap(self, model):
+        self.model = model
+        return wrap_for_distributed(model, self.ctx)
+
+    def micro_step(self, model, last: bool):
+        if last or not self.ctx.distributed:
+            return contextlib.nullcontext()
+        return model.no_sync()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def training_state(self, optimizer) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_training_state(self, optimizer, saved: dict) -> None:
+        if sharded.is_sharded(saved):
+            sharded.load_training_state(self.model, optimizer, saved)
+            return
+        self.model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+
+    def write_resume_checkpoint(self, content: dict, save_dir: str, keep_last: int) -> str | None:
+        if not self.ctx.is_main:
+            return None
+        return single_file.save(content, save_dir, keep_last)
+
+    def inference_model(self, dtype: torch.dtype):
+        return self.model if self.ctx.is_main else None
+
+
+def wrap_for_distributed(model: MiniMindForCausalLM, ctx):
+    """DDP that neither broadcasts nor syncs the RoPE tables (they are derived, identical everywhere).
+
+    DDP matches the ignore list against fully-qualified names, e.g. `model.freqs_cos`.
+    """
+    if not ctx.distributed:
+        return model
+    ignore = [name for name, _ in model.named_buffers() if name.rsplit(".", 1)[-1] in ROPE_BUFFERS]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    return DistributedDataParallel(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        find_unused_parameters=model.config.use_moe,  # an expert may get no token in a micro-batch
+    )
+
+
+def unwrap(model):
+    """The plain MiniMindForCausalLM behind DDP and/or torch.compile."""
+    model = getattr(model, "_orig_mod", model)
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)

@@ -1,0 +1,211 @@
+"""What decides which samples a run trains on and in which order, computed once at start-up from the
+data the run actually loaded, stored in every resume checkpoint and compared when resuming.
+
+A checkpoint's position ("N samples of epoch E consumed") only means something in the sample stream
+that these define, so a resume that changes one is refused with one line naming it:
+- the seed, `--max_seq_len` and `--packing`;
+- every training source: its files in order, each with the sha256 of its content (the token cache's
+  digest, taken when the cache was opened) and its number of samples, and the source's weight as an
+  exact fraction of the total (`1,1` and `0.5,0.5` are the same mixture, `1,1.000004` is not);
+- the tokenizer and chat template (their fingerprint).
+`save()` never reads the data files again: a file that is moved, deleted or grown while the run
+trains changes nothing in its checkpoints, and a resume over the changed data is refused.
+
+The epoch's length grouping (`epoch_grouping`: `--group_by_length` and the global batch) may change
+on resume: the interrupted epoch is finished in the order the checkpoint's run used (the sampler pins
+it), later epochs use the new settings. No sample of the epoch is seen twice or never.
+
+Checkpoints written before this record existed hold `sample_stream["fixed"]`, a dict of the same facts
+in an older form; `legacy_fixed` gives this run's facts in that form, so they still resume.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+from pathlib import Path
+
+from dataset.rendering import tokenizer_fingerprint
+
+RECORD_VERSION = 2
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str
+    digest: str  # sha256 of the file's content
+    samples: int  # after bad lines skipped and samples without loss tokens dropped
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    spec: str  # as given in --data_path (without the weight)
+    weight: float  # as given
+    share: str  # the weight's exact fraction of all weights ("1/2"); one source: "1"
+    files: tuple[SourceFile, ...]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    seed: int
+    max_seq_len: int
+    packing: int
+    tokenizer: str  # fingerprint of the tokenizer and its chat template
+    sources: tuple[SourceRecord, ...]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> RunIdentity:
+        sources = tuple(SourceRecord(source["spec"], source["weight"], source["share"],
+                                     tuple(SourceFile(**file) for file in source["files"]))
+                        for source in saved["sources"])
+        return cls(saved["seed"], saved["max_seq_len"], saved["packing"], saved["tokenizer"], sources)
+
+    def legacy_fixed(self) -> dict:
+        """These facts as checkpoints from before this record stored them (`sample_stream["fixed"]`)."""
+        many = len(self.sources) > 1
+        digests = [[file.digest for file in source.files] for source in self.sources]
+        if len(digests) == 1 and len(digests[0]) == 1:
+            content = digests[0][0][:16]
+        else:
+            content = hashlib.sha256("|".join(",".join(files) for files in digests).encode()).hexdigest()[:16]
+        return {
+            "--seed": self.seed,
+            "--data_path weights": ",".join(f"{source.weight:g}" for source in self.sources) if many else "1",
+            "--data_path content": content,
+            "--tokenizer_path (tokenizer and chat template)": self.tokenizer,
+            "--max_seq_len": self.max_seq_len,
+            "--packing": self.packing,
+        }
+
+
+def identify_run(args, tokenizer, sources) -> RunIdentity:
+    """The record of a run whose training data was built from `sources`: (Source, [SFTDataset per
+    file]) pairs, in --data_path order (trainer/data_setup.py)."""
+    total = sum(Fraction(source.weight) for source, _ in sources)
+    records = tuple(
+        SourceRecord(
+            spec=source.spec, weight=source.weight,
+            share=str(Fraction(source.weight) / total) if len(sources) > 1 else "1",
+            files=tuple(SourceFile(str(samples.data_path), samples.data_digest, len(samples)) for samples in files),
+        )
+        for source, files in sources
+    )
+    return RunIdentity(args.seed, args.max_seq_len, args.packing, tokenizer_fingerprint(tokenizer)[:16], records)
+
+
+def recorded(identity: RunIdentity, grouping: int | None) -> dict:
+    """The `sample_stream` entry of a resume checkpoint."""
+    return {"version": RECORD_VERSION, "identity": identity.to_dict(), "epoch_grouping": grouping}
+
+
+def saved_epoch_grouping(saved: dict) -> int | None:
+    """The group size that ordered the checkpoint's epoch (derived from its flags for old checkpoints)."""
+    if "sample_stream" in saved:
+        return saved["sample_stream"]["epoch_grouping"]
+    flags = saved["args"]
+    if not flags.get("group_by_length", 1):
+        return None
+    return flags["batch_size"] * saved["world_size"] * flags.get("accumulation_steps", 1)
+
+
+def epoch_grouping(args, world_size: int) -> int | None:
+    """The sampler's group size: one optimizer step's global batch, or None without grouping."""
+    return args.batch_size * world_size * args.accumulation_steps if args.group_by_length else None
+
+
+def refusal(saved: dict, now: RunIdentity, save_dir: str) -> str | None:
+    """One line naming the first fact of the sample stream the resume changes and what to do, or None."""
+    stream = saved.get("sample_stream", {})
+    flags = saved["args"]
+    if "identity" in stream:
+        found = difference(RunIdentity.from_dict(stream["identity"]), now, flags)
+    else:
+        found = legacy_difference(stream.get("fixed"), now, flags)
+    if found is None:
+        return None
+    what, before, after, keep = found
+    model_dir = Path(flags.get("save_dir", save_dir)) / "model"
+    return (f"cannot resume: {what} differs from the checkpoint's run (checkpoint {before}, now {after}), so its "
+            f"position in the epoch would mean other samples; {keep}, or start a new run from its weights with "
+            f"--from_weight {model_dir} --save_dir NEW_DIR")
+
+
+def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | None:
+    """(what, checkpoint's value, this run's value, what to do) of the first difference, or None."""
+    for name in ("seed", "max_seq_len", "packing"):
+        if getattr(before, name) != getattr(now, name):
+            return f"--{name}", getattr(before, name), getattr(now, name), f"resume with --{name} {getattr(before, name)}"
+    if before.tokenizer != now.tokenizer:
+        return ("--tokenizer_path (tokenizer and chat template)", before.tokenizer, now.tokenizer,
+                "resume with the tokenizer it was trained with")
+    if [source.share for source in before.sources] != [source.share for source in now.sources]:
+        return ("--data_path weights", ",".join(exact(source.weight) for source in before.sources),
+                ",".join(exact(source.weight) for source in now.sources),
+                f"resume with the same sources and weights (--data_path {flags.get('data_path')})")
+    content = data_difference(before.sources, now.sources)
+    if content:
+        return ("--data_path content", *content,
+                f"resume with the data it was trained on ({flags.get('data_path')}, unchanged)")
+    return None
+
+
+def exact(weight: float) -> str:
+    """A weight as short as it reads and as long as it takes to be exact (1, 0.5, 1.000004)."""
+    short = f"{weight:g}"
+    return short if float(short) == weight else repr(weight)
+
+
+def data_difference(before: tuple[SourceRecord, ...], now: tuple[SourceRecord, ...]) -> tuple[str, str] | None:
+    """(checkpoint's, this run's) description of the first file that differs, or None."""
+    for old, new in zip(before, now):
+        old_paths, new_paths = [file.path for file in old.files], [file.path for file in new.files]
+        if old_paths != new_paths:
+            changes = ([f"new {path}" for path in new_paths if path not in old_paths]
+                       + [f"missing {path}" for path in old_paths if path not in new_paths]) or ["another order"]
+            return (f"{len(old_paths)} file(s) in {old.spec}",
+                    f"{len(new_paths)} file(s): {'; '.join(changes)}")
+        for old_file, new_file in zip(old.files, new.files):
+            if old_file.digest != new_file.digest:
+                return f"{old_file.path} sha256 {old_file.digest[:16]}", f"sha256 {new_file.digest[:16]}"
+            if old_file.samples != new_file.samples:
+                return f"{old_file.path} with {old_file.samples} samples", f"{new_file.samples} (another --bad_data?)"
+    return None
+
+
+def legacy_difference(before: dict | None, now: RunIdentity, flags: dict) -> tuple | None:
+    """`difference` for a checkpoint that stored the older `fixed` dict (or, older still, only its flags)."""
+    if before is None:  # a checkpoint from before sample streams were recorded: compare its flags
+        before = {"--seed": flags.get("seed"), "--max_seq_len": flags.get("max_seq_len"),
+                  "--packing": flags.get("packing", 0)}
+    current = now.legacy_fixed()
+    changed = [name for name, value in before.items() if name in current and current[name] != value]
+    if not changed:
+        return None
+    name = changed[0]
+    if name == "--data_path content":
+        keep = f"resume with the data it was trained on ({flags.get('data_path')}, unchanged)"
+    elif name == "--data_path weights":
+        keep = f"resume with the same sources and weights (--data_path {flags.get('data_path')})"
+    elif isinstance(before[name], int):
+        keep = f"resume with {name} {before[name]}"
+    else:
+        keep = "resume with the tokenizer it was trained with"
+    return name, before[name], current[name], keep
+
+
+def check_and_pin(saved: dict, identity: RunIdentity, save_dir: str, sampler, log) -> str | None:
+    """The refusal message, else pin the interrupted epoch's order in `sampler`."""
+    problem = refusal(saved, identity, save_dir)
+    if problem:
+        return problem
+    grouping = saved_epoch_grouping(saved)
+    if grouping != sampler.group_size:
+        sampler.pin_epoch_grouping(saved["epoch"], grouping)
+        log(f"finishing epoch {saved['epoch'] + 1} in the checkpoint's order (length groups of "
+            f"{grouping or 'none'}; now {sampler.group_size or 'none'}), so every sample of it is seen once; "
+            "later epochs use the new grouping")
+    return None

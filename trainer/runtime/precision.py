@@ -1,0 +1,66 @@
+"""Mixed precision: which dtype the run computes in (`--dtype`), autocast around the forward pass,
+and the GradScaler that float16 needs (bfloat16 and float32 do not scale the loss)."""
+
+import contextlib
+
+import torch
+
+from trainer.errors import ConfigError
+
+
+def resolve_dtype(name: str, device: torch.device, log=print) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    dtype = getattr(torch, name)
+    if dtype == torch.float16 and device.type == "cpu":
+        raise ConfigError("--dtype float16 needs a GPU; on CPU use float32 or bfloat16")
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+        log("warning: --dtype bfloat16 on a CPU without native bf16 (no avx512_bf16 / amx_bf16): emulated, "
+            "many times slower than float32 (use --dtype float32 here)")
+    return dtype
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has bf16 arithmetic (x86 avx512_bf16 or AMX, Arm bf16). True when unknown
+    (no /proc/cpuinfo, e.g. macOS): the warning is only for CPUs known to lack it."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+    except OSError:
+        return True
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if not flags:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+INITIAL_LOSS_SCALE = 2.0**16  # GradScaler's default
+
+
+def build_grad_scaler(device: torch.device, dtype: torch.dtype) -> torch.amp.GradScaler:
+    """Loss scaling is needed for float16 only; a disabled scaler is a no-op pass-through."""
+    return torch.amp.GradScaler(device.type, init_scale=INITIAL_LOSS_SCALE, enabled=dtype == torch.float16)
+
+
+def scaler_state_for_resume(state: dict, log=print) -> dict:
+    """The GradScaler state to resume with. A run stopped by --max_bad_steps (or by a burst of
+    overflows) saved a collapsed scale (below 1: halved ~20 times); resuming with it would train
+    for thousands of steps on underflowing gradients. Such a scale restarts at the initial one
+    (the scaler calibrates down again within a few steps if it is still too large)."""
+    if state and state.get("scale", INITIAL_LOSS_SCALE) < 1.0:
+        log(f"resume: the checkpoint's fp16 loss scale {state['scale']:.3g} had collapsed; "
+            f"starting again from {INITIAL_LOSS_SCALE:.0f}")
+        state = {**state, "scale": INITIAL_LOSS_SCALE, "_growth_tracker": 0}
+    return state

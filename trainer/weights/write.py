@@ -1,0 +1,197 @@
+"""Model weights written: the inference directory a run publishes (`model/`, `best/`), the exports,
+MiniMind's `.pth`.
+
+- `publish_inference_weights`: `<save_dir>/model/` (or `best/`) replaced atomically: written under a
+  temporary name, fsynced, swapped in; a failed write leaves the previous directory in place.
+- `write_qwen3_dir`: a standard Qwen3 / Qwen3-MoE directory that transformers loads without
+  remote code; `write_remote_code_dir`: model_type minimind + our code;
+  `write_minimind_pth`: MiniMind's `{prefix}_{hidden}[_moe].pth` (fp16, lm_head included).
+- `qwen3_unsupported` / `minimind_unsupported` say why a config cannot be written in a format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors import SafetensorError
+
+from model import MiniMindConfig
+from trainer.checkpoint.files import atomic_torch_save, fsync_dir
+from trainer.checkpoint.save_dir import MODEL_DIR
+from trainer.errors import CheckpointError
+from trainer.weights.read import LM_HEAD, read_json
+
+
+def publish_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype, name: str = MODEL_DIR,
+                           extra_files: dict[str, str] | None = None) -> str:
+    """Write `<save_dir>/<name>/` (an HF directory, plus `extra_files`: file name -> text) atomically;
+    return its path."""
+    final = os.path.join(save_dir, name)
+    tmp, old = os.path.join(save_dir, f".{name}.tmp.{os.getpid()}"), os.path.join(save_dir, f".{name}.old")
+    if os.path.isdir(old) and not os.path.exists(final):  # a crash between the two renames below
+        os.replace(old, final)
+    for entry in os.listdir(save_dir):  # what killed saves left (the save_dir lock makes this safe)
+        if entry.startswith(f".{name}.tmp"):
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+    try:
+        write_inference_dir(model, tmp, dtype)
+        tokenizer.save_pretrained(tmp)
+        for file_name, text in (extra_files or {}).items():
+            with open(os.path.join(tmp, file_name), "w", encoding="utf-8") as handle:
+                handle.write(text)
+        for file_name in os.listdir(tmp):
+            with open(os.path.join(tmp, file_name), "rb") as handle:
+                os.fsync(handle.fileno())
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(final):
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(save_dir)
+    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as SafetensorError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(final) and os.path.exists(old):
+            os.replace(old, final)
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+        raise CheckpointError(f"could not write inference weights to {final}: {reason}") from error
+    return final
+
+
+
+
+def qwen3_unsupported(config: MiniMindConfig) -> str | None:
+    """Why `config` has no standard Qwen3 / Qwen3-MoE form (None: it has one)."""
+    yarn = config.rope_yarn or {}
+    unknown = sorted(set(yarn) - {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast",
+                                  "beta_slow", "attention_factor"})
+    if unknown:
+        return f"rope_scaling has settings transformers' YaRN does not read: {unknown}"
+    return None
+
+
+def qwen3_config(config: MiniMindConfig, dtype: torch.dtype):
+    """transformers' Qwen3Config / Qwen3MoeConfig with the same mathematics as `config`."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
+    if config.rope_yarn:
+        rope = {"rope_type": "yarn", "rope_theta": float(config.rope_theta),
+                **{k: v for k, v in config.rope_yarn.items() if k not in ("type", "rope_type")}}
+        rope.setdefault("attention_factor", None)
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, intermediate_size=config.intermediate_size, hidden_act="silu",
+        max_position_embeddings=config.max_position_embeddings, rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={k: v for k, v in rope.items() if v is not None}, attention_bias=False,
+        tie_word_embeddings=config.tie_word_embeddings, initializer_range=config.initializer_range,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        dtype=dtype,
+    )
+    if config.use_moe:
+        hf = Qwen3MoeConfig(**common, num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                            moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                            router_aux_loss_coef=config.router_aux_loss_coef, decoder_sparse_step=1, mlp_only_layers=[])
+    else:
+        hf = Qwen3Config(**common)
+    hf.architectures = ["Qwen3MoeForCausalLM" if config.use_moe else "Qwen3ForCausalLM"]
+    return hf
+
+
+def _inference_state(model, dtype: torch.dtype) -> dict:
+    tied = model.config.tie_word_embeddings
+    return {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if not (tied and k == LM_HEAD)}
+
+
+def write_inference_dir(model, folder: str, dtype: torch.dtype) -> str:
+    """The trainer's `<save_dir>/model/`: the standard Qwen3 form where the config has one (so no
+    tool needs remote code for it), else the remote-code form. Returns the format written."""
+    if qwen3_unsupported(model.config) is None:
+        write_qwen3_dir(model, folder, dtype)
+        return "qwen3"
+    write_remote_code_dir(model, folder, dtype)
+    return "remote-code"
+
+
+def write_qwen3_dir(model, folder: str, dtype: torch.dtype) -> None:
+    """config.json (model_type qwen3 / qwen3_moe), generation_config.json, model.safetensors."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    reason = qwen3_unsupported(model.config)
+    if reason:
+        raise CheckpointError(f"this model has no standard Qwen3 form: {reason}")
+    os.makedirs(folder, exist_ok=True)
+    qwen3_config(model.config, dtype).save_pretrained(folder)
+    GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
+                     pad_token_id=model.config.pad_token_id).save_pretrained(folder)
+    save_file(_inference_state(model, dtype), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_remote_code_dir(model, folder: str, dtype: torch.dtype) -> None:
+    """model_type minimind with our code and an `auto_map` (needs trust_remote_code)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder, state_dict=_inference_state(model, dtype))
+    finally:
+        hf_logging.enable_progress_bar()
+    # save_pretrained records the live model's dtype; record the saved weights' dtype.
+    config_file = os.path.join(folder, "config.json")
+    config = read_json(config_file)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    with open(config_file, "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+
+
+# MiniMind's own config (model/model_minimind.py): YaRN only as this fixed `inference_rope_scaling` dict.
+MINIMIND_YARN = {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 2048,
+                 "attention_factor": 1.0, "type": "yarn"}
+
+
+def minimind_unsupported(config: MiniMindConfig) -> str | None:
+    """Why MiniMind's model cannot hold `config` (None: it can)."""
+    if not config.tie_word_embeddings:
+        return "the LM head is not tied to the embedding (MiniMind always ties them)"
+    if config.rope_yarn and config.rope_yarn != MINIMIND_YARN:
+        return "its YaRN rope_scaling differs from MiniMind's only one (inference_rope_scaling)"
+    return None
+
+
+def minimind_pth_name(config: MiniMindConfig, prefix: str) -> str:
+    return f"{prefix}_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"
+
+
+def minimind_settings(config: MiniMindConfig) -> dict:
+    """Keyword arguments MiniMind's MiniMindConfig needs besides hidden_size, num_hidden_layers, use_moe.
+
+    Our defaults are MiniMind's, so these are exactly the fields that differ from our defaults."""
+    reference = MiniMindConfig(hidden_size=config.hidden_size, use_moe=config.use_moe)
+    fields = ["vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "rms_norm_eps", "rope_theta", "max_position_embeddings"]
+    if config.use_moe:
+        fields += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef"]
+    settings = {k: getattr(config, k) for k in fields if getattr(config, k) != getattr(reference, k)}
+    if config.rope_yarn:
+        settings["inference_rope_scaling"] = True
+    return settings
+
+
+def save_minimind_copy(model, save_dir: str, prefix: str) -> str:
+    """The trainer's `--save_weight PREFIX`: MiniMind's own `{save_dir}/{prefix}_{hidden}[_moe].pth`."""
+    path = os.path.join(save_dir, minimind_pth_name(model.config, prefix))
+    write_minimind_pth(model, path)
+    return path
+
+
+def write_minimind_pth(model, path: str) -> None:
+    """MiniMind's `torch.save({k: v.half() for k in model.state_dict()})`, lm_head.weight included."""
+    reason = minimind_unsupported(model.config)
+    if reason:
+        raise CheckpointError(f"this model has no MiniMind .pth form: {reason}")
+    state = model.state_dict()
+    atomic_torch_save({k: v.detach().to(torch.float16).clone() for k, v in state.items()}, path)
