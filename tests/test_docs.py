@@ -5,10 +5,22 @@ import subprocess
 
 import pytest
 
+from trainer.args import flags_markdown
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Built from pieces so that this file does not itself hold a line that looks like a marker.
 CONFLICT_START, CONFLICT_MIDDLE, CONFLICT_END = "<" * 7 + " ", "=" * 7, ">" * 7 + " "
+
+
+def read(name: str) -> str:
+    with open(os.path.join(REPO, name), encoding="utf-8") as handle:
+        return handle.read()
+
+
+def test_flags_doc_is_what_the_parser_generates():
+    assert read("docs/flags.md") == flags_markdown(), (
+        "docs/flags.md is not what trainer/args.py's parser gives now: run python scripts/write_flags_doc.py")
 
 
 def tracked_files() -> list[str]:
