@@ -12,15 +12,11 @@
 4. ``SFTDataset`` / ``PackedSFTDataset`` serve ``input_ids`` / ``labels`` (and ``position_ids``
    for packed rows) from the cache; ``ResumableDistributedSampler`` shards a world-size
    independent global order that can resume at any global sample offset; ``SFTCollator``
-<<<<<<< HEAD
    right-pads a batch to its longest item; ``epoch_padding``: the samples repeated only to pad an
    epoch to a multiple of the world size count for nothing.
-=======
-   right-pads a batch to its longest item.
 5. ``mixture`` reads ``--data_path`` (several weighted sources: files, directories of shards,
    globs), lays the sources end to end (``MixtureDataset``, items tagged with their ``source``)
    and says which samples each epoch holds (``EpochMixture``), for the sampler to shuffle.
->>>>>>> main
 """
 
 from .augment import ChatAugmenter
