@@ -367,7 +367,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
                 chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, loss_positions)
                 count = num_items_in_batch if num_items_in_batch is not None else max(len(targets), 1)
                 # Without gradients (evaluation) nothing is kept for a backward: one call of the
-                # head, so that hooks on it see the loss positions' logits (trainer/evaluation.py).
+                # head, so that hooks on it see the loss positions' logits (trainer/evaluation/evaluate.py).
                 if self.chunk_lm_loss and torch.is_grad_enabled():
                     total, token_losses = chunked_lm_loss(chosen, self.lm_head.weight, targets,
                                                           self.loss_chunk_tokens(), token_losses=True)

@@ -8,7 +8,7 @@ computed from the shapes, and measured after a real optimizer step.
 For each model (the trainer's default MiniMind and a Qwen3-0.6B-shaped one, random weights) and
 each process count N, N real processes (gloo on CPU, NCCL on CUDA):
 
-1. build the model on the meta device (no memory) and wrap it as the trainer does (trainer/fsdp.py
+1. build the model on the meta device (no memory) and wrap it as the trainer does (trainer/parallel/fsdp.py
    for FSDP: every block and the root fully_shard-ed; DDP keeps the whole model). "computed": the
    bytes of the weights a rank owns x 4 (weight, gradient, AdamW's two moments; all float32).
 2. allocate and initialise what the rank owns (`to_empty`: under FSDP only its shards), take one

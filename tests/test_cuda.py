@@ -71,7 +71,7 @@ def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
 def test_a_training_micro_step_makes_no_host_sync(kind):
     """Forward + backward of one micro-batch as trainer/loop.optimizer_step runs it (bf16 autocast,
     the collator's precomputed loss positions and packed layout; for a mixture the per-source
-    losses of trainer/source_losses.py): any host sync raises."""
+    losses of trainer/loop/source_losses.py): any host sync raises."""
     from dataset import SFTCollator
     from tests.model.test_model import packed_rows, tiny_model
     from dataset import model_inputs

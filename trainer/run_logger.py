@@ -99,7 +99,7 @@ class RunLogger:
         if figures.get("skipped_steps"):
             line += f" | skipped {figures['skipped_steps']}"
         by_source = [(key.split("/", 1)[1], value) for key, value in figures.items() if key.startswith("loss/")]
-        if by_source:  # several training sources (trainer/source_losses.py)
+        if by_source:  # several training sources (trainer/loop/source_losses.py)
             line += " | " + " ".join(f"{name} {format_figure(value, '.4f')}" for name, value in by_source)
         if self.use_bar:
             self._update_bar(step, total_steps, line)

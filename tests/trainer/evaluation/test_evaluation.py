@@ -1,6 +1,6 @@
 """Evaluation during training: token accuracy, generation subset, several held-out files, ranks
-sharing the work, the best model in best/ and early stopping (trainer/evaluation.py,
-trainer/model_selection.py)."""
+sharing the work, the best model in best/ and early stopping (trainer/evaluation/evaluate.py,
+trainer/evaluation/selection.py)."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The optimizer step's host synchronisation (trainer/loop.py): one read of device values per step,
+"""The optimizer step's host synchronisation (trainer/loop/loop.py): one read of device values per step,
 which carries both the gradient-norm check and the previous update's finite-weights check.
 
 On CPU a "host sync" is every place where our code turns a tensor into a Python value (.item(),

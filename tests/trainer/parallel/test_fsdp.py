@@ -77,7 +77,7 @@ def test_fsdp_equals_one_process_and_ddp_and_resumes_a_ddp_checkpoint(data, fsdp
 
 
 def test_compiled_fsdp_trains_like_eager_fsdp(data, fsdp_run, tmp_path):
-    # --use_compile 1 compiles the fully_shard-ed model (trainer/fsdp.py): the same 4 steps with
+    # --use_compile 1 compiles the fully_shard-ed model (trainer/parallel/fsdp.py): the same 4 steps with
     # accumulation 2 as the eager fsdp_run. Tolerance 1e-5 (fp32, as for 2 processes vs 1):
     # Inductor fuses the norms, softmax and matmul epilogues and so sums in another order; the
     # difference is rounding (measured 8e-8 on the weights, losses equal to the printed digit).

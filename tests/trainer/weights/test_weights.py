@@ -1,4 +1,4 @@
-"""Weights in and out (trainer/weights_io.py): Qwen3 / Qwen3-MoE directories built with transformers'
+"""Weights in and out (trainer/weights/read.py and write.py): Qwen3 / Qwen3-MoE directories built with transformers'
 own classes, MiniMind `.pth` state dicts, the standard-format export, and the refusals."""
 
 import json
