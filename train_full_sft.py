@@ -18,6 +18,7 @@ Examples:
 See README.md for multi-node, SLURM and elastic launches.
 """
 
+import gc
 import os
 import sys
 
@@ -142,9 +143,12 @@ def run_training(args, preemption: PreemptionFlag) -> int:
         # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
         status = train(run)
 
-        # 9. Clean shutdown. The DDP wrapper goes first, while its process group is still alive:
-        # freeing it after destroy_process_group can deadlock gloo's worker thread on the GIL.
-        run.model = None
+        # 9. Clean shutdown. The model goes first, while its process group is still alive: its DDP
+        # wrapper, or its FSDP-sharded parameters and their optimizer state, freed after
+        # destroy_process_group can deadlock gloo's worker thread or abort the process.
+        del run
+    del model, optimizer, parallel
+    gc.collect()
     cleanup(ctx)
     if save_dir_lock:
         save_dir_lock.release()

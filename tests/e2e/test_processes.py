@@ -134,7 +134,7 @@ def test_bfloat16_on_a_cpu_without_native_bf16_warns(tmp_path, monkeypatch):
     assert cpu_has_native_bf16(str(bf16))
     assert cpu_has_native_bf16(str(tmp_path / "absent"))  # unknown: no warning
     said = []
-    monkeypatch.setattr("trainer.model_setup.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("trainer.runtime.precision.cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("bfloat16", torch.device("cpu"), said.append) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cpu"), said.append) == torch.float32
     assert len(said) == 1 and said[0].startswith("warning: --dtype bfloat16 on a CPU without native bf16")
