@@ -19,6 +19,10 @@ messages may add ``name`` / ``tool_call_id``. Nothing the data carries is droppe
 message key we would not render is an error (``LineError``), unless its value is empty/null or it
 is pure metadata (``id``). Top-level keys other than the conversation, ``tools`` and ``system``
 (e.g. ``task``, ``id``) are metadata and ignored.
+
+Lines (and JSON strings inside them: ``tools``, tool-call ``arguments``) must be JSON: ``NaN``,
+``Infinity`` and numbers beyond the float range, which Python's ``json`` would accept, make the
+line bad (``loads``).
 """
 
 from __future__ import annotations
@@ -61,14 +65,37 @@ class Conversation:
         return row
 
 
+class _NotJSON(ValueError):
+    """A value Python's ``json`` accepts but JSON does not have (``NaN``, ``Infinity``, ``1e999``)."""
+
+
+def _reject_constant(name: str):
+    raise _NotJSON(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _NotJSON(f"the number {text} is out of range (it would be read as infinity)")
+    return value
+
+
+def loads(text: str):
+    """``json.loads`` that accepts only JSON: ``NaN``, ``Infinity`` and numbers beyond the float
+    range raise ``ValueError`` (``_NotJSON``) instead of becoming floats that are not JSON."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def parse_line(line: str) -> Conversation:
     """Parse one jsonl line, or raise ``LineError`` describing what is wrong."""
     if line.startswith("\ufeff"):  # a UTF-8 byte order mark (first line of some exported files)
         line = line[1:]
     try:
-        row = json.loads(line)
+        row = loads(line)
     except json.JSONDecodeError as exc:
         raise LineError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # NaN, Infinity, 1e999 (``_NotJSON``); an integer of over 4300 digits
+        raise LineError(f"invalid JSON ({exc})") from None
     except RecursionError:
         raise LineError("JSON nested too deeply") from None
     if not isinstance(row, dict):
@@ -220,9 +247,13 @@ def _json_value(value, where: str):
     """``value`` itself, or the JSON it encodes if it is a string."""
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            return loads(value)
         except json.JSONDecodeError as exc:
             raise LineError(f"{where} is a string but not valid JSON ({exc.msg})") from None
+        except ValueError as exc:
+            raise LineError(f"{where} is a string but not valid JSON ({exc})") from None
+        except RecursionError:
+            raise LineError(f"{where} is a string of JSON nested too deeply") from None
     return value
 
 

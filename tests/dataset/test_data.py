@@ -208,6 +208,36 @@ def test_bad_line_reports_file_and_line(tokenizer, tmp_path, bad_line, problem):
     assert len(skipped) == 3 and skipped.num_skipped == 1
 
 
+NOT_JSON_LINES = [
+    # NaN in tool-call arguments given as an object
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": {"x": NaN}}]}]}', "invalid JSON (NaN is not a JSON value)"),
+    # Infinity inside tool-call arguments given as a JSON string
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": "{\\"x\\": Infinity}"}]}]}',
+     "tool call 1 'arguments' is a string but not valid JSON (Infinity is not a JSON value)"),
+    # -Infinity inside a tools JSON string
+    ('{"tools": "[{\\"type\\": \\"function\\", \\"function\\": {\\"name\\": \\"f\\", \\"max\\": -Infinity}}]",'
+     ' "conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}',
+     "'tools' is a string but not valid JSON (-Infinity is not a JSON value)"),
+    # a number beyond the float range, which Python reads as infinity
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": {"x": 1e999}}]}]}', "the number 1e999 is out of range"),
+]
+
+
+@pytest.mark.parametrize("bad_line, problem", NOT_JSON_LINES)
+def test_nan_and_infinity_are_not_json_and_make_the_line_bad(tokenizer, tmp_path, bad_line, problem):
+    json.loads(bad_line)  # Python's json module accepts every one of these lines
+    path = write_lines(tmp_path / "nan.jsonl", [make_chat(1), bad_line, make_chat(2)])
+    with pytest.raises(DataError) as info:
+        SFTDataset(path, tokenizer, 128, num_proc=1)
+    assert str(info.value).startswith(f"{path}:2: ") and problem in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+    skipped = SFTDataset(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
+    assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
 def test_skip_mode_keeps_good_samples_and_reports(tokenizer, tmp_path, capsys):
     rows = [make_chat(1), BAD_LINES[0][0], make_chat(2), BAD_LINES[5][0], make_chat(3)]
     path = write_lines(tmp_path / "mixed.jsonl", rows)
