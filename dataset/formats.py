@@ -43,6 +43,10 @@ ROLE_ALIASES = {
 }
 METADATA_KEYS = {"id"}  # message keys that carry no content; ignored
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ROW_KEYS = ("conversations", "messages", "tools", "system")  # the top-level keys a row is read from
+# A line ``sources`` yields for a row it cannot turn into JSON (a parquet timestamp, ...): the
+# marker, then the problem. No JSON text starts with a NUL, so no data line can look like it.
+ROW_PROBLEM = "\x00row problem: "
 
 
 class DataError(ValueError):
@@ -89,6 +93,8 @@ def loads(text: str):
 
 def parse_line(line: str) -> Conversation:
     """Parse one jsonl line, or raise ``LineError`` describing what is wrong."""
+    if line.startswith(ROW_PROBLEM):
+        raise LineError(line[len(ROW_PROBLEM):].strip())
     if line.startswith("\ufeff"):  # a UTF-8 byte order mark (first line of some exported files)
         line = line[1:]
     try:

@@ -412,3 +412,72 @@ def test_parquet_file_gives_the_same_cache_as_the_jsonl_file(tokenizer, tmp_path
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
         SFTDataset(tmp_path / "junk.parquet", tokenizer, 64, num_proc=1)
+
+
+def openai_tool_row(call_arguments: dict, tool_properties: dict, **extra) -> dict:
+    """An OpenAI-format tool conversation: one call with ``call_arguments``, one tool with ``tool_properties``."""
+    tool = {"type": "function", "function": {"name": "calc", "description": "Compute.",
+                                             "parameters": {"type": "object", "properties": tool_properties}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": call_arguments}}
+    return {"tools": [tool], "messages": [
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": None, "tool_calls": [call], **extra},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": "42."},
+    ]}
+
+
+def parsed_rows(path: Path) -> list:
+    from dataset.formats import parse_line
+
+    return [parse_line(line.decode("utf-8")) for line in sources.open_lines(path)]
+
+
+def test_parquet_columns_the_trainer_does_not_read_do_not_matter(tokenizer, tmp_path):
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(chat_line(i)) for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "plain.parquet")
+    extra = pa.Table.from_pylist(rows).append_column(
+        "created", pa.array([datetime.datetime(2024, 1, 1, i) for i in range(6)], pa.timestamp("us"))
+    ).append_column("image", pa.array([bytes([i, 255]) for i in range(6)], pa.binary()))
+    pq.write_table(extra, tmp_path / "extra.parquet")
+    plain = SFTDataset(tmp_path / "plain.parquet", tokenizer, 64, num_proc=1)
+    for bad_data in ("error", "skip"):
+        wide = SFTDataset(tmp_path / "extra.parquet", tokenizer, 64, num_proc=1, bad_data=bad_data,
+                          cache_dir=tmp_path / bad_data)
+        assert wide.num_skipped == 0
+        for a, b in zip(cache_arrays(plain), cache_arrays(wide)):
+            assert np.array_equal(a, b)
+
+
+def test_a_parquet_value_json_has_no_type_for_makes_its_row_bad(tokenizer, tmp_path):
+    import datetime
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cases = {
+        "timestamp": ({"role": "user", "content": "Hi", "sent": datetime.datetime(2024, 1, 1)},
+                      "parquet column conversations[].sent holds a timestamp[us] value, which JSON has no type for"),
+        "binary": ({"role": "user", "content": "Hi", "image": b"\x89PNG"},
+                   "parquet column conversations[].image holds a binary value"),
+    }
+    for name, (message, problem) in cases.items():
+        rows = [json.loads(chat_line(i)) for i in range(3)]
+        rows[1]["conversations"][0] = message
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        with pytest.raises(DataError) as caught:
+            SFTDataset(path, tokenizer, 64, num_proc=1)
+        assert str(caught.value).startswith(f"{path}:2: {problem}") and "\n" not in str(caught.value)
+        skipped = SFTDataset(path, tokenizer, 64, num_proc=1, bad_data="skip", cache_dir=tmp_path / name)
+        assert len(skipped) == 2 and skipped.num_skipped == 1
+    # A NaN float (here in tool-call arguments) is not JSON either: that row's error, as in a jsonl line.
+    rows = [openai_tool_row({"x": 1.5}, {"x": {"type": "number"}}), openai_tool_row({"x": float("nan")}, {})]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "nan.parquet")
+    with pytest.raises(DataError, match=r"nan\.parquet:2: invalid JSON \(NaN is not a JSON value\)"):
+        SFTDataset(tmp_path / "nan.parquet", tokenizer, 512, num_proc=1)
