@@ -47,8 +47,9 @@ def _parquet_rows(path: Path) -> Iterator[bytes]:
     """Each row of a parquet file as one JSON line, read one record batch at a time.
 
     Only the columns a row is read from (``formats.ROW_KEYS``) are read: other columns (ids,
-    timestamps, images as binary) do not matter, as other keys of a jsonl line do not. A row
-    holding a value JSON has no type for is that row's problem (``formats.ROW_PROBLEM``).
+    timestamps, images as binary) do not matter, as other keys of a jsonl line do not. A null
+    column or struct field is an absent key (see ``_converter``); a row holding a value JSON has
+    no type for is that row's problem (``formats.ROW_PROBLEM``).
     """
     import pyarrow
     import pyarrow.parquet as pq
@@ -75,7 +76,8 @@ def _row_line(columns: list, index: int) -> bytes:
     row = {}
     try:
         for name, convert, values in columns:
-            row[name] = None if values[index] is None else convert(values[index])
+            if values[index] is not None:
+                row[name] = convert(values[index])
     except _NotJSONType as exc:
         return f"{ROW_PROBLEM}{exc}\n".encode("utf-8")
     return json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"
@@ -87,8 +89,13 @@ def _identity(value):
 
 def _converter(arrow_type, where: str):
     """A function from a non-null ``to_pylist`` value of ``arrow_type`` to its JSON value (a map
-    becomes an object). Types JSON has no value for raise ``_NotJSONType`` naming the field
-    (``messages[].created_at``).
+    becomes an object).
+
+    A struct's null fields are left out: pyarrow writes Python dicts as structs holding the union
+    of every row's keys, null where a row lacked one, so a null field is taken as an absent key
+    (a null the data means must be written inside a JSON string, or in a map column, whose keys
+    are the row's own). Nulls in lists and maps are kept. Types JSON has no value for raise
+    ``_NotJSONType`` naming the field (``messages[].created_at``).
     """
     import pyarrow.types as types
 
@@ -100,7 +107,7 @@ def _converter(arrow_type, where: str):
         fields = [(field.name, _converter(field.type, f"{where}.{field.name}")) for field in fields]
 
         def struct(value: dict) -> dict:
-            return {name: None if value[name] is None else convert(value[name]) for name, convert in fields}
+            return {name: convert(value[name]) for name, convert in fields if value[name] is not None}
 
         return struct
     if types.is_map(arrow_type):

@@ -433,6 +433,58 @@ def parsed_rows(path: Path) -> list:
     return [parse_line(line.decode("utf-8")) for line in sources.open_lines(path)]
 
 
+def test_parquet_structs_give_the_same_conversations_and_tokens_as_jsonl(tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"system": "Be brief.", **openai_tool_row({"country": "Zorlia"}, {"country": {"type": "string"}})},
+        openai_tool_row({"a": 2, "op": "+", "b": 3}, {"a": {"type": "integer"}, "op": {"type": "string"},
+                                                      "b": {"type": "integer"}}, reasoning_content="Add."),
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+    ]  # (from_pylist takes the columns from the first row's keys, the struct fields from all rows)
+    jsonl = write_rows(tmp_path / "tools.jsonl", [json.dumps(row) for row in rows])
+    table = pa.Table.from_pylist(rows)  # structs with the union of the rows' keys, null where a row lacks one
+    assert "op" in str(table.schema.field("messages").type)
+    pq.write_table(table, tmp_path / "tools.parquet")
+    assert parsed_rows(tmp_path / "tools.parquet") == parsed_rows(jsonl)
+    plain = SFTDataset(jsonl, tokenizer, 512, num_proc=1)
+    columns = SFTDataset(tmp_path / "tools.parquet", tokenizer, 512, num_proc=1)
+    assert len(columns) == 3
+    for a, b in zip(cache_arrays(plain), cache_arrays(columns)):
+        assert np.array_equal(a, b)
+
+
+def test_a_null_in_a_parquet_struct_is_an_absent_key_and_a_json_string_or_map_keeps_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def parquet(name: str, rows: list, schema=None) -> Path:
+        pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp_path / name)
+        return tmp_path / name
+
+    def jsonl(name: str, rows: list) -> Path:
+        return write_rows(tmp_path / name, [json.dumps(row) for row in rows])
+
+    with_null = openai_tool_row({"city": "Velm", "unit": None}, {"city": {"type": "string"}})
+    without = openai_tool_row({"city": "Velm"}, {"city": {"type": "string"}})
+    # A struct: the null field is an absent key, as pyarrow's filler for keys other rows have is.
+    assert parsed_rows(parquet("struct.parquet", [with_null])) == parsed_rows(jsonl("without.jsonl", [without]))
+    # Arguments as a JSON string keep the null the data wrote.
+    as_string = openai_tool_row(json.dumps({"city": "Velm", "unit": None}), {"city": {"type": "string"}})
+    kept = parsed_rows(parquet("string.parquet", [as_string]))
+    assert kept == parsed_rows(jsonl("with.jsonl", [with_null]))
+    assert kept[0].messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Velm", "unit": None}
+    # So does a map column: its keys are the row's own.
+    function = pa.struct([("name", pa.string()), ("arguments", pa.map_(pa.string(), pa.string()))])
+    message = pa.struct([("role", pa.string()), ("content", pa.string()),
+                         ("tool_calls", pa.list_(pa.struct([("type", pa.string()), ("function", function)])))])
+    schema = pa.schema([("messages", pa.list_(message))])
+    mapped = {"messages": [{"role": "user", "content": "Go."}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "calc", "arguments": {"city": "Velm", "unit": None}}}]}]}
+    assert parsed_rows(parquet("map.parquet", [mapped], schema)) == parsed_rows(jsonl("map.jsonl", [mapped]))
+
+
 def test_parquet_columns_the_trainer_does_not_read_do_not_matter(tokenizer, tmp_path):
     import datetime
 
