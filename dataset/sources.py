@@ -1,6 +1,7 @@
-"""Reading data files as raw lines: plain ``.jsonl``, gzip-compressed ``.jsonl.gz`` or
-``.parquet`` (each row becomes one JSON line of the columns a row is read from, so row N is
-reported as ``file:N``; see ``_parquet_rows``).
+"""Reading data files as raw lines: plain ``.jsonl`` (or ``.json``, JSON Lines too),
+gzip-compressed ``.jsonl.gz`` or ``.parquet``, suffixes in any case (each parquet row becomes one
+JSON line of the columns a row is read from, so row N is reported as ``file:N``; see
+``_parquet_rows``).
 
 The token cache reads every file through ``open_lines`` so a compressed file yields exactly the
 bytes (and line numbers) of its uncompressed twin; parsing stays in ``formats``.
@@ -18,7 +19,11 @@ from .formats import ROW_KEYS, ROW_PROBLEM, DataError
 
 
 def is_gzip(path: Path) -> bool:
-    return path.name.endswith(".gz")
+    return path.name.lower().endswith(".gz")
+
+
+def is_parquet(path: Path) -> bool:
+    return path.suffix.lower() == ".parquet"
 
 
 def open_lines(path: Path) -> Iterator[bytes]:
@@ -26,7 +31,7 @@ def open_lines(path: Path) -> Iterator[bytes]:
 
     A truncated or corrupt ``.gz`` raises one-line ``DataError`` naming the file.
     """
-    if path.suffix == ".parquet":
+    if is_parquet(path):
         yield from _parquet_rows(path)
         return
     if not is_gzip(path):
@@ -139,9 +144,9 @@ def _unsupported(arrow_type, where: str):
 
 def check_data_file(path: Path) -> None:
     """Raise a one-line ``DataError`` if the data file is missing, a directory, one JSON array or
-    has no non-blank line."""
+    document spread over lines (a ``.json`` file must be JSON Lines too) or has no non-blank line."""
     if path.is_dir():
-        raise DataError(f"{path}: is a directory; give a .jsonl, .jsonl.gz or .parquet file here (only "
+        raise DataError(f"{path}: is a directory; give a .jsonl, .jsonl.gz, .json or .parquet file here (only "
                         "--data_path takes a directory of shards)")
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
@@ -152,6 +157,11 @@ def check_data_file(path: Path) -> None:
         raise DataError(
             f"{path}: is one JSON array, not JSON Lines (one conversation object per line); "
             "convert it first, e.g. jq -c '.[]' in.json > out.jsonl"
+        )
+    if first == b"{":
+        raise DataError(
+            f"{path}: is one JSON document spread over several lines, not JSON Lines (one conversation object per "
+            "line); convert it (e.g. jq -c . in.json > out.jsonl), or keep it out of a directory of shards"
         )
 
 
