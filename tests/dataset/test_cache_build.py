@@ -533,3 +533,15 @@ def test_a_parquet_value_json_has_no_type_for_makes_its_row_bad(tokenizer, tmp_p
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "nan.parquet")
     with pytest.raises(DataError, match=r"nan\.parquet:2: invalid JSON \(NaN is not a JSON value\)"):
         SFTDataset(tmp_path / "nan.parquet", tokenizer, 512, num_proc=1)
+
+
+def test_a_cache_built_by_the_parser_before_its_fixes_is_not_reused(tokenizer, tmp_path, monkeypatch):
+    # Version 1 parsed '<think>' tags, NaN and parquet nulls otherwise: its caches hold other tokens.
+    path = write_rows(tmp_path / "a.jsonl", [chat_line(i) for i in range(3)])
+    with monkeypatch.context() as patch:
+        patch.setattr(token_cache, "CACHE_VERSION", 1)
+        old = SFTDataset(path, tokenizer, 64, num_proc=1).cache_path
+    built = []
+    real_build = token_cache.build_cache
+    monkeypatch.setattr(token_cache, "build_cache", lambda *args: built.append(args) or real_build(*args))
+    assert SFTDataset(path, tokenizer, 64, num_proc=1).cache_path != old and built
