@@ -150,7 +150,8 @@ def check_data_file(path: Path) -> None:
                         "--data_path takes a directory of shards)")
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
-    first = next((line.strip().removeprefix(b"\xef\xbb\xbf").lstrip() for line in open_lines(path) if line.strip()), b"")
+    lines = (line.strip().removeprefix(b"\xef\xbb\xbf").lstrip() for line in open_lines(path) if line.strip())
+    first, second = next(lines, b""), next(lines, b"")
     if not first:
         raise DataError(f"{path}: data file is empty")
     if first.startswith(b"[") and not _is_json(first):
@@ -158,7 +159,7 @@ def check_data_file(path: Path) -> None:
             f"{path}: is one JSON array, not JSON Lines (one conversation object per line); "
             "convert it first, e.g. jq -c '.[]' in.json > out.jsonl"
         )
-    if first == b"{":
+    if first == b"{" and second.startswith(b'"'):  # '{' alone, then '"key": ...': a pretty-printed object
         raise DataError(
             f"{path}: is one JSON document spread over several lines, not JSON Lines (one conversation object per "
             "line); convert it (e.g. jq -c . in.json > out.jsonl), or keep it out of a directory of shards"
