@@ -137,8 +137,13 @@ def test_a_directory_reads_json_and_upper_case_shards_and_names_its_subdirectori
     assert f"[data] {shards}: ignored 2 file(s) that are not data files (e.g. more)" in capsys.readouterr().out
     # A glob names a directory it matches (its files are not read) as well.
     assert [path.name for path in parse_data_path(str(shards / "*"))[0].ignored] == ["more", "notes.txt"]
-    # Every file of a subdirectory: a ** glob.
+    # Every file of a subdirectory: a ** glob; a directory of subdirectories only points to it.
     assert [path.name for path in parse_data_path(str(shards / "**" / "*.jsonl"))[0].files] == ["e.jsonl"]
+    (tmp_path / "tree" / "train").mkdir(parents=True)
+    write_rows(tmp_path / "tree" / "train" / "a.jsonl", [chat(1)])
+    with pytest.raises(DataError, match=r"tree: directory holds no data files .*\(subdirectories are not read: use a "
+                                        r"glob such as '.*tree/\*\*/\*\.jsonl'\)$"):
+        parse_data_path(str(tmp_path / "tree"))
 
 
 def test_a_json_shard_must_be_json_lines(tmp_path):
