@@ -13,12 +13,17 @@ Accepted line formats, all normalized to the same ``Conversation``:
   follow) and ``observation`` turns (tool results).
 
 Normalized messages: ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; assistant
-messages may add ``reasoning_content`` (non-empty str; also split out of a ``<think>...</think>``
-prefix of the content) and ``tool_calls`` (OpenAI form, ``arguments`` always a JSON object); tool
+messages may add ``reasoning_content`` (non-empty str, also split out of a leading
+``<think>...</think>`` block of the content; ``""`` when the content keeps a ``</think>`` as text,
+see ``_split_think``) and ``tool_calls`` (OpenAI form, ``arguments`` always a JSON object); tool
 messages may add ``name`` / ``tool_call_id``. Nothing the data carries is dropped silently: a
 message key we would not render is an error (``LineError``), unless its value is empty/null or it
 is pure metadata (``id``). Top-level keys other than the conversation, ``tools`` and ``system``
 (e.g. ``task``, ``id``) are metadata and ignored.
+
+Lines (and JSON strings inside them: ``tools``, tool-call ``arguments``) must be JSON: ``NaN``,
+``Infinity`` and numbers beyond the float range, which Python's ``json`` would accept, make the
+line bad (``loads``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ ROLE_ALIASES = {
 }
 METADATA_KEYS = {"id"}  # message keys that carry no content; ignored
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+ROW_KEYS = ("conversations", "messages", "tools", "system")  # the top-level keys a row is read from
+# A line ``sources`` yields for a row it cannot turn into JSON (a parquet timestamp, ...): the
+# marker, then the problem. No JSON text starts with a NUL, so no data line can look like it.
+ROW_PROBLEM = "\x00row problem: "
 
 
 class DataError(ValueError):
@@ -61,14 +70,39 @@ class Conversation:
         return row
 
 
+class _NotJSON(ValueError):
+    """A value Python's ``json`` accepts but JSON does not have (``NaN``, ``Infinity``, ``1e999``)."""
+
+
+def _reject_constant(name: str):
+    raise _NotJSON(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise _NotJSON(f"the number {text} is out of range (it would be read as infinity)")
+    return value
+
+
+def loads(text: str):
+    """``json.loads`` that accepts only JSON: ``NaN``, ``Infinity`` and numbers beyond the float
+    range raise ``ValueError`` (``_NotJSON``) instead of becoming floats that are not JSON."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def parse_line(line: str) -> Conversation:
     """Parse one jsonl line, or raise ``LineError`` describing what is wrong."""
+    if line.startswith(ROW_PROBLEM):
+        raise LineError(line[len(ROW_PROBLEM):].strip())
     if line.startswith("\ufeff"):  # a UTF-8 byte order mark (first line of some exported files)
         line = line[1:]
     try:
-        row = json.loads(line)
+        row = loads(line)
     except json.JSONDecodeError as exc:
         raise LineError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # NaN, Infinity, 1e999 (``_NotJSON``); an integer of over 4300 digits
+        raise LineError(f"invalid JSON ({exc})") from None
     except RecursionError:
         raise LineError("JSON nested too deeply") from None
     if not isinstance(row, dict):
@@ -170,12 +204,13 @@ def _parse_message(message: object, number: int) -> tuple[dict, list | None]:
         reasoning = message.get("reasoning_content")
         if reasoning is not None and not isinstance(reasoning, str):
             raise LineError(f"{where} has a non-string 'reasoning_content' ({type(reasoning).__name__})")
-        if reasoning is None and THINK_CLOSE in out["content"]:
-            head, _, tail = out["content"].partition(THINK_CLOSE)
-            reasoning = head.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
-            out["content"] = tail.lstrip("\n")
-        if reasoning and reasoning.strip("\n"):
+        out["content"], reasoning = _split_think(out["content"], reasoning or "", where)
+        if reasoning.strip("\n"):
             out["reasoning_content"] = reasoning.strip("\n")
+        elif THINK_CLOSE in out["content"]:
+            # Kept as text: an empty reasoning tells templates (this repo's, Qwen3's) that split
+            # content at '</think>' when a message has no reasoning_content to leave it alone.
+            out["reasoning_content"] = ""
         if has_calls:
             out["tool_calls"] = _parse_tool_calls(message["tool_calls"], where)
     elif role == "tool":
@@ -187,6 +222,30 @@ def _parse_message(message: object, number: int) -> tuple[dict, list | None]:
                 out[key] = message[key]
     _check_unknown_keys(message, allowed, where)
     return out, tools
+
+
+def _split_think(content: str, reasoning: str, where: str) -> tuple[str, str]:
+    """(content, reasoning) of an assistant message: a LEADING think block of the content
+    (optional whitespace, ``<think>``, up to the first ``</think>``) is its reasoning; think tags
+    anywhere else are text and kept as they are. Ambiguous tags are the line's error: a think
+    block at the start beside a ``reasoning_content``, a ``<think>`` at the start never closed,
+    and a ``</think>`` with no ``<think>`` before it (data whose ``<think>`` was in the prompt)."""
+    stripped = content.lstrip()
+    if stripped.startswith(THINK_OPEN):
+        if reasoning.strip("\n"):
+            raise LineError(f"{where} has both 'reasoning_content' and a <think> block at the start of its content; "
+                            "keep one of them")
+        if THINK_CLOSE not in stripped:
+            raise LineError(f"{where} content starts with <think> but has no </think>; close the think block")
+        head, _, content = stripped[len(THINK_OPEN):].partition(THINK_CLOSE)
+        reasoning, content = head.strip("\n"), content.lstrip("\n")
+    close = content.find(THINK_CLOSE)
+    if close >= 0 and THINK_OPEN not in content[:close]:
+        raise LineError(
+            f"{where} content has a </think> without a <think> before it (the reasoning's opening tag missing?); "
+            "put the reasoning in 'reasoning_content' or start the content with <think>"
+        )
+    return content, reasoning
 
 
 def _check_unknown_keys(message: dict, allowed: set, where: str) -> None:
@@ -220,9 +279,13 @@ def _json_value(value, where: str):
     """``value`` itself, or the JSON it encodes if it is a string."""
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            return loads(value)
         except json.JSONDecodeError as exc:
             raise LineError(f"{where} is a string but not valid JSON ({exc.msg})") from None
+        except ValueError as exc:
+            raise LineError(f"{where} is a string but not valid JSON ({exc})") from None
+        except RecursionError:
+            raise LineError(f"{where} is a string of JSON nested too deeply") from None
     return value
 
 

@@ -4,8 +4,10 @@
 
 A comma-separated list of sources, each with an optional trailing ``:weight`` (a positive number,
 default 1; only a trailing ``:number`` is a weight, and a path that exists as written is never
-split). A source is a file (``.jsonl``, ``.jsonl.gz``, ``.parquet``), a directory (its data files,
-sorted, as one source) or a glob (its matching data files, sorted, as one source). Every file keeps
+split). A source is a file (``.jsonl``, ``.jsonl.gz``, ``.json``, ``.json.gz`` (JSON Lines too),
+``.parquet``; in any case), a directory (its own data files, sorted, as one source; its other
+files and subdirectories are named in the log) or a glob (its matching data files, sorted, as one
+source). Every file keeps
 a token cache of its own, so adding a source never re-tokenizes the others.
 
 Counts per epoch (``epoch_counts``): an epoch has as many samples as all sources together
@@ -32,7 +34,7 @@ from torch.utils.data import Dataset
 
 from .formats import DataError
 
-DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")  # any case: .JSONL is data too
 GLOB_CHARS = "*?["
 
 
@@ -44,11 +46,12 @@ class Source:
     spec: str
     files: tuple[Path, ...]
     weight: float = 1.0
-    ignored: tuple[Path, ...] = field(default=(), compare=False)  # files of a directory/glob that are not data files
+    # what a directory or glob holds but is not read: other files and subdirectories (logged)
+    ignored: tuple[Path, ...] = field(default=(), compare=False)
 
 
 def is_data_file(path: Path) -> bool:
-    return path.name.endswith(DATA_SUFFIXES)
+    return path.name.lower().endswith(DATA_SUFFIXES)
 
 
 def is_glob(spec: str) -> bool:
@@ -95,24 +98,30 @@ def parse_weight(part: str, path: str, text: str | None) -> float:
 
 
 def source_files(spec: str) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
-    """(data files, ignored other files) of one source: a file, a directory or a glob."""
+    """(data files, ignored entries) of one source: a file, a directory or a glob.
+
+    A directory's data files are its own (sorted by name); its other files and its
+    subdirectories are ignored (named in the log; a glob with ``**`` reads subdirectories),
+    except hidden subdirectories (``.cache``, where token caches live by default, ``.git``)."""
     path = Path(spec)
     if path.is_dir():
-        entries = sorted(entry for entry in path.iterdir() if entry.is_file())
-        files = tuple(entry for entry in entries if is_data_file(entry))
+        entries = sorted(entry for entry in path.iterdir() if not (entry.name.startswith(".") and entry.is_dir()))
+        files = tuple(entry for entry in entries if entry.is_file() and is_data_file(entry))
         if not files:
+            hint = f" (subdirectories are not read: use a glob such as '{spec}/**/*.jsonl')" if any(
+                entry.is_dir() for entry in entries) else ""
             raise DataError(f"{spec}: directory holds no data files ({', '.join(DATA_SUFFIXES)}); give a directory of "
-                            "shards, a file or a glob")
-        return files, tuple(entry for entry in entries if not is_data_file(entry))
+                            f"shards, a file or a glob{hint}")
+        return files, tuple(entry for entry in entries if entry not in files)
     if path.exists() or not is_glob(spec):
         if not path.is_file():
             raise DataError(f"{spec}: data file not found")
         return (path,), ()
-    matches = sorted(Path(match) for match in glob.glob(spec, recursive=True) if Path(match).is_file())
-    files = tuple(match for match in matches if is_data_file(match))
+    matches = sorted(Path(match) for match in glob.glob(spec, recursive=True))
+    files = tuple(match for match in matches if match.is_file() and is_data_file(match))
     if not files:
         raise DataError(f"--data_path {spec}: no data file ({', '.join(DATA_SUFFIXES)}) matches this glob")
-    return files, tuple(match for match in matches if not is_data_file(match))
+    return files, tuple(match for match in matches if match not in files and not (match.is_dir() and "**" in spec))
 
 
 def parse_data_path(text: str) -> list[Source]:
@@ -141,7 +150,8 @@ def short_names(paths: list[str], fallback: str) -> list[str]:
     for path in paths:
         name = os.path.basename(os.path.normpath(path))
         for suffix in (".gz", ".jsonl", ".json", ".parquet"):
-            name = name.removesuffix(suffix)
+            if name.lower().endswith(suffix):
+                name = name[: -len(suffix)]
         if is_glob(path):
             name = "".join(char for char in name if char not in GLOB_CHARS + "]").strip("._- ") or os.path.basename(
                 os.path.dirname(os.path.normpath(path)))

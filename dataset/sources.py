@@ -1,5 +1,7 @@
-"""Reading data files as raw lines: plain ``.jsonl``, gzip-compressed ``.jsonl.gz`` or
-``.parquet`` (each row becomes one JSON line, so row N is reported as ``file:N``).
+"""Reading data files as raw lines: plain ``.jsonl`` (or ``.json``, JSON Lines too),
+gzip-compressed ``.jsonl.gz`` or ``.parquet``, suffixes in any case (each parquet row becomes one
+JSON line of the columns a row is read from, so row N is reported as ``file:N``; see
+``_parquet_rows``).
 
 The token cache reads every file through ``open_lines`` so a compressed file yields exactly the
 bytes (and line numbers) of its uncompressed twin; parsing stays in ``formats``.
@@ -13,11 +15,15 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from .formats import DataError
+from .formats import ROW_KEYS, ROW_PROBLEM, DataError
 
 
 def is_gzip(path: Path) -> bool:
-    return path.name.endswith(".gz")
+    return path.name.lower().endswith(".gz")
+
+
+def is_parquet(path: Path) -> bool:
+    return path.suffix.lower() == ".parquet"
 
 
 def open_lines(path: Path) -> Iterator[bytes]:
@@ -25,7 +31,7 @@ def open_lines(path: Path) -> Iterator[bytes]:
 
     A truncated or corrupt ``.gz`` raises one-line ``DataError`` naming the file.
     """
-    if path.suffix == ".parquet":
+    if is_parquet(path):
         yield from _parquet_rows(path)
         return
     if not is_gzip(path):
@@ -43,34 +49,120 @@ PARQUET_BATCH_ROWS = 1024
 
 
 def _parquet_rows(path: Path) -> Iterator[bytes]:
-    """Each row of a parquet file as one JSON line, read one record batch at a time."""
+    """Each row of a parquet file as one JSON line, read one record batch at a time.
+
+    Only the columns a row is read from (``formats.ROW_KEYS``) are read: other columns (ids,
+    timestamps, images as binary) do not matter, as other keys of a jsonl line do not. A null
+    column or struct field is an absent key (see ``_converter``); a row holding a value JSON has
+    no type for is that row's problem (``formats.ROW_PROBLEM``).
+    """
     import pyarrow
     import pyarrow.parquet as pq
 
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS)
-        for batch in batches:
-            for row in batch.to_pylist():
-                yield json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"
+        parquet = pq.ParquetFile(path)
+        names = [name for name in parquet.schema_arrow.names if name in ROW_KEYS]
+        converters = None
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=names):
+            if converters is None:
+                converters = [(field.name, _converter(field.type, field.name)) for field in batch.schema]
+            columns = [(name, convert, column.to_pylist()) for (name, convert), column in zip(converters, batch.columns)]
+            for index in range(batch.num_rows):
+                yield _row_line(columns, index)
     except (pyarrow.ArrowException, OSError) as exc:
         raise DataError(f"{path}: not a readable parquet file ({exc})") from None
 
 
+class _NotJSONType(ValueError):
+    """A parquet value of a type JSON does not have (timestamp, binary, decimal, ...)."""
+
+
+def _row_line(columns: list, index: int) -> bytes:
+    row = {}
+    try:
+        for name, convert, values in columns:
+            if values[index] is not None:
+                row[name] = convert(values[index])
+    except _NotJSONType as exc:
+        return f"{ROW_PROBLEM}{exc}\n".encode("utf-8")
+    return json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
+def _identity(value):
+    return value
+
+
+def _converter(arrow_type, where: str):
+    """A function from a non-null ``to_pylist`` value of ``arrow_type`` to its JSON value (a map
+    becomes an object).
+
+    A struct's null fields are left out: pyarrow writes Python dicts as structs holding the union
+    of every row's keys, null where a row lacked one, so a null field is taken as an absent key
+    (a null the data means must be written inside a JSON string, or in a map column, whose keys
+    are the row's own). Nulls in lists and maps are kept. Types JSON has no value for raise
+    ``_NotJSONType`` naming the field (``messages[].created_at``).
+    """
+    import pyarrow.types as types
+
+    def has(name: str) -> bool:  # type tests of newer pyarrow versions
+        return getattr(types, name, lambda _: False)(arrow_type)
+
+    if types.is_struct(arrow_type):
+        fields = [arrow_type.field(k) for k in range(arrow_type.num_fields)]
+        fields = [(field.name, _converter(field.type, f"{where}.{field.name}")) for field in fields]
+
+        def struct(value: dict) -> dict:
+            return {name: convert(value[name]) for name, convert in fields if value[name] is not None}
+
+        return struct
+    if types.is_map(arrow_type):
+        if not (types.is_string(arrow_type.key_type) or types.is_large_string(arrow_type.key_type)):
+            return _unsupported(arrow_type, where)
+        convert = _converter(arrow_type.item_type, f"{where}{{}}")
+        return lambda pairs: {key: None if item is None else convert(item) for key, item in pairs}
+    if (types.is_list(arrow_type) or types.is_large_list(arrow_type) or types.is_fixed_size_list(arrow_type)
+            or has("is_list_view") or has("is_large_list_view")):
+        convert = _converter(arrow_type.value_type, f"{where}[]")
+        return lambda items: [None if item is None else convert(item) for item in items]
+    if types.is_dictionary(arrow_type) or has("is_run_end_encoded"):
+        return _converter(arrow_type.value_type, where)
+    if (types.is_string(arrow_type) or types.is_large_string(arrow_type) or has("is_string_view")
+            or types.is_boolean(arrow_type) or types.is_integer(arrow_type) or types.is_null(arrow_type)):
+        return _identity
+    if types.is_floating(arrow_type):
+        return float  # a NaN or inf is written as such, and formats rejects it as not JSON
+    return _unsupported(arrow_type, where)
+
+
+def _unsupported(arrow_type, where: str):
+    def refuse(value):
+        raise _NotJSONType(f"parquet column {where} holds a {arrow_type} value, which JSON has no type for; "
+                           "store it as a string")
+
+    return refuse
+
+
 def check_data_file(path: Path) -> None:
     """Raise a one-line ``DataError`` if the data file is missing, a directory, one JSON array or
-    has no non-blank line."""
+    document spread over lines (a ``.json`` file must be JSON Lines too) or has no non-blank line."""
     if path.is_dir():
-        raise DataError(f"{path}: is a directory; give a .jsonl, .jsonl.gz or .parquet file here (only "
+        raise DataError(f"{path}: is a directory; give a .jsonl, .jsonl.gz, .json or .parquet file here (only "
                         "--data_path takes a directory of shards)")
     if not path.is_file():
         raise DataError(f"{path}: data file not found")
-    first = next((line.strip().removeprefix(b"\xef\xbb\xbf").lstrip() for line in open_lines(path) if line.strip()), b"")
+    lines = (line.strip().removeprefix(b"\xef\xbb\xbf").lstrip() for line in open_lines(path) if line.strip())
+    first, second = next(lines, b""), next(lines, b"")
     if not first:
         raise DataError(f"{path}: data file is empty")
     if first.startswith(b"[") and not _is_json(first):
         raise DataError(
             f"{path}: is one JSON array, not JSON Lines (one conversation object per line); "
             "convert it first, e.g. jq -c '.[]' in.json > out.jsonl"
+        )
+    if first == b"{" and second.startswith(b'"'):  # '{' alone, then '"key": ...': a pretty-printed object
+        raise DataError(
+            f"{path}: is one JSON document spread over several lines, not JSON Lines (one conversation object per "
+            "line); convert it (e.g. jq -c . in.json > out.jsonl), or keep it out of a directory of shards"
         )
 
 

@@ -42,7 +42,7 @@ from .partial_build import PartialBuild, remove_stale_partials
 from .sources import check_data_file, open_lines
 from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: parsing fixes (leading think blocks, NaN lines, parquet nulls) change the tokens of old caches
 CHUNK_LINES = 512
 PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")

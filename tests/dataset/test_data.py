@@ -208,6 +208,36 @@ def test_bad_line_reports_file_and_line(tokenizer, tmp_path, bad_line, problem):
     assert len(skipped) == 3 and skipped.num_skipped == 1
 
 
+NOT_JSON_LINES = [
+    # NaN in tool-call arguments given as an object
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": {"x": NaN}}]}]}', "invalid JSON (NaN is not a JSON value)"),
+    # Infinity inside tool-call arguments given as a JSON string
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": "{\\"x\\": Infinity}"}]}]}',
+     "tool call 1 'arguments' is a string but not valid JSON (Infinity is not a JSON value)"),
+    # -Infinity inside a tools JSON string
+    ('{"tools": "[{\\"type\\": \\"function\\", \\"function\\": {\\"name\\": \\"f\\", \\"max\\": -Infinity}}]",'
+     ' "conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}',
+     "'tools' is a string but not valid JSON (-Infinity is not a JSON value)"),
+    # a number beyond the float range, which Python reads as infinity
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": {"x": 1e999}}]}]}', "the number 1e999 is out of range"),
+]
+
+
+@pytest.mark.parametrize("bad_line, problem", NOT_JSON_LINES)
+def test_nan_and_infinity_are_not_json_and_make_the_line_bad(tokenizer, tmp_path, bad_line, problem):
+    json.loads(bad_line)  # Python's json module accepts every one of these lines
+    path = write_lines(tmp_path / "nan.jsonl", [make_chat(1), bad_line, make_chat(2)])
+    with pytest.raises(DataError) as info:
+        SFTDataset(path, tokenizer, 128, num_proc=1)
+    assert str(info.value).startswith(f"{path}:2: ") and problem in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+    skipped = SFTDataset(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
+    assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
 def test_skip_mode_keeps_good_samples_and_reports(tokenizer, tmp_path, capsys):
     rows = [make_chat(1), BAD_LINES[0][0], make_chat(2), BAD_LINES[5][0], make_chat(3)]
     path = write_lines(tmp_path / "mixed.jsonl", rows)
@@ -559,6 +589,53 @@ def test_three_formats_of_a_tool_conversation_give_identical_samples(tokenizer, 
         assert item["input_ids"].tolist() == items[0]["input_ids"].tolist()
         assert item["labels"].tolist() == items[0]["labels"].tolist()
     assert len(loss_runs(items[0])) == 2
+
+
+def think_row(content: str, **extra) -> dict:
+    return {"conversations": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": content, **extra}]}
+
+
+def test_only_a_leading_think_block_is_split_from_assistant_content(tokenizer, tmp_path):
+    rows = [
+        think_row(" \n<think>\nAdd them.\n</think>\n\n5"),  # a leading block (after whitespace): the reasoning
+        think_row("5", reasoning_content="Add them."),
+        think_row("Sure. <think>x</think> done"),  # text before <think>: all of it is text
+        think_row("Write <think> to open it and </think> to close it."),  # prose naming the tags
+        think_row("<think>r</think>\n\nThe tags are <think> and </think>."),  # tags after a leading block
+        think_row("<think>\n\n</think>\n\nThe tags are <think> and </think>.", reasoning_content=""),
+    ]
+    ds = SFTDataset(write_lines(tmp_path / "think.jsonl", rows), tokenizer, 256, num_proc=1)
+    head = "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n"
+    spans = [
+        "<think>\nAdd them.\n</think>\n\n5<|im_end|>",
+        "<think>\nAdd them.\n</think>\n\n5<|im_end|>",
+        f"{EMPTY_THINK}Sure. <think>x</think> done<|im_end|>",
+        f"{EMPTY_THINK}Write <think> to open it and </think> to close it.<|im_end|>",
+        "<think>\nr\n</think>\n\nThe tags are <think> and </think>.<|im_end|>",
+        f"{EMPTY_THINK}The tags are <think> and </think>.<|im_end|>",
+    ]
+    for index, span in enumerate(spans):
+        assert_token_exact(tokenizer, ds[index], f"{head}{span}\n", [span])
+
+
+AMBIGUOUS_THINK = [
+    (think_row("I should add.</think>\n\n5"), "has a </think> without a <think> before it"),
+    (think_row("The </think> tag ends a thought."), "has a </think> without a <think> before it"),
+    (think_row("<think>r</think>5 and a stray </think>"), "has a </think> without a <think> before it"),
+    (think_row("<think>\nI should add, but the line was cut"), "starts with <think> but has no </think>"),
+    (think_row("<think>\nAdd.\n</think>\n\n5", reasoning_content="Add."),
+     "has both 'reasoning_content' and a <think> block at the start of its content"),
+]
+
+
+@pytest.mark.parametrize("row, problem", AMBIGUOUS_THINK)
+def test_ambiguous_think_tags_are_that_lines_error(tokenizer, tmp_path, row, problem):
+    path = write_lines(tmp_path / "think.jsonl", [make_chat(1), row, make_chat(2)])
+    with pytest.raises(DataError) as info:
+        SFTDataset(path, tokenizer, 128, num_proc=1)
+    assert str(info.value).startswith(f"{path}:2: message 2 ") and problem in str(info.value), str(info.value)
+    skipped = SFTDataset(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
+    assert len(skipped) == 2 and skipped.num_skipped == 1
 
 
 def test_chatml_text_in_content_is_tokenized_as_text(tokenizer, tmp_path):

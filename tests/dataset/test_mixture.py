@@ -114,6 +114,50 @@ def test_a_directory_or_glob_source_holds_the_same_samples_as_listing_its_files(
     assert [path.name for path in parse_data_path(str(shards))[0].files] == ["part-0.jsonl", "part-1.jsonl.gz"]
 
 
+def test_a_directory_reads_json_and_upper_case_shards_and_names_its_subdirectories(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards = tmp_path / "shards"
+    (shards / "more").mkdir(parents=True)
+    (shards / ".cache").mkdir()
+    write_rows(shards / "a.JSONL", [chat(i) for i in range(2)])
+    write_rows(shards / "b.json", [chat(i) for i in range(2, 5)])  # a .json shard: JSON Lines as well
+    (shards / "c.Jsonl.GZ").write_bytes(gzip.compress((json.dumps(chat(5)) + "\n").encode()))
+    pq.write_table(pa.Table.from_pylist([chat(6), chat(7)]), shards / "d.PARQUET")
+    write_rows(shards / "more" / "e.jsonl", [chat(8)])  # a subdirectory: not read, named
+    write_rows(shards / ".cache" / "f.jsonl", [chat(9)])  # a hidden one (token caches): not read
+    (shards / "notes.txt").write_text("not data")
+    source = parse_data_path(str(shards))[0]
+    assert [path.name for path in source.files] == ["a.JSONL", "b.json", "c.Jsonl.GZ", "d.PARQUET"]
+    assert [path.name for path in source.ignored] == ["more", "notes.txt"]
+    assert [s.name for s in parse_data_path(f"{shards / 'a.JSONL'},{shards / 'd.PARQUET'}")] == ["a", "d"]
+    data = train_data(str(shards), tmp_path / "cache").dataset
+    assert len(data) == 8
+    assert f"[data] {shards}: ignored 2 file(s) that are not data files (e.g. more)" in capsys.readouterr().out
+    # A glob names a directory it matches (its files are not read) as well.
+    assert [path.name for path in parse_data_path(str(shards / "*"))[0].ignored] == ["more", "notes.txt"]
+    # Every file of a subdirectory: a ** glob; a directory of subdirectories only points to it.
+    assert [path.name for path in parse_data_path(str(shards / "**" / "*.jsonl"))[0].files] == ["e.jsonl"]
+    (tmp_path / "tree" / "train").mkdir(parents=True)
+    write_rows(tmp_path / "tree" / "train" / "a.jsonl", [chat(1)])
+    with pytest.raises(DataError, match=r"tree: directory holds no data files .*\(subdirectories are not read: use a "
+                                        r"glob such as '.*tree/\*\*/\*\.jsonl'\)$"):
+        parse_data_path(str(tmp_path / "tree"))
+
+
+def test_a_json_shard_must_be_json_lines(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_rows(shards / "a.jsonl", [chat(1)])
+    (shards / "b.json").write_text(json.dumps([chat(2), chat(3)], indent=1), encoding="utf-8")
+    with pytest.raises(DataError, match=r"b\.json: is one JSON array, not JSON Lines .* jq -c '\.\[\]'"):
+        train_data(str(shards), tmp_path / "cache")
+    (shards / "b.json").write_text(json.dumps({"dataset": "info", "rows": 3}, indent=2), encoding="utf-8")
+    with pytest.raises(DataError, match=r"b\.json: is one JSON document spread over several lines, not JSON Lines"):
+        train_data(str(shards), tmp_path / "cache")
+
+
 def test_bad_sources_and_weights_are_named_in_one_line(tmp_path):
     write_rows(tmp_path / "a.jsonl", [chat(1)])
     (tmp_path / "empty").mkdir()
@@ -122,9 +166,10 @@ def test_bad_sources_and_weights_are_named_in_one_line(tmp_path):
         ("odd:2", 1.0), ("a", 0.5)]
     cases = {
         f"{tmp_path / 'missing.jsonl'}": f"{tmp_path / 'missing.jsonl'}: data file not found",
-        f"{tmp_path / 'empty'}": f"{tmp_path / 'empty'}: directory holds no data files (.jsonl, .jsonl.gz, .parquet)",
-        f"{tmp_path / '*.parquet'}": f"--data_path {tmp_path / '*.parquet'}: no data file (.jsonl, .jsonl.gz, .parquet) "
-                                     "matches this glob",
+        f"{tmp_path / 'empty'}": f"{tmp_path / 'empty'}: directory holds no data files (.jsonl, .jsonl.gz, .json, "
+                                 ".json.gz, .parquet)",
+        f"{tmp_path / '*.parquet'}": f"--data_path {tmp_path / '*.parquet'}: no data file (.jsonl, .jsonl.gz, .json, "
+                                     ".json.gz, .parquet) matches this glob",
         f"{tmp_path / 'a.jsonl'}:0": f"--data_path {tmp_path / 'a.jsonl'}:0: the weight '0' after ':' must be a "
                                      f"positive number (e.g. {tmp_path / 'a.jsonl'}:2)",
         f"{tmp_path / 'a.jsonl'}:-1": "the weight '-1' after ':' must be a positive number",
