@@ -72,8 +72,8 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
         samples = files[0] if len(files) == 1 else ConcatenatedSamples(files)
         parts.append(PackedSFTDataset(samples, args.max_seq_len) if args.packing else samples)
         if source.ignored:
-            log(f"[data] {source.spec}: ignored {len(source.ignored)} file(s) that are not data files "
-                f"(e.g. {source.ignored[0].name})")
+            log(f"[data] {source.spec}: left out {len(source.ignored)} entries that are not data files or are "
+                f"subdirectories: {', '.join(path.name + ('/' if path.is_dir() else '') for path in source.ignored)}")
     mixture = EpochMixture([len(part) for part in parts], [source.weight for source in sources], args.seed)
     if len(sources) > 1:
         unit = "rows" if args.packing else "samples"

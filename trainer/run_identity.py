@@ -44,6 +44,7 @@ class SourceRecord:
     weight: float  # as given
     share: str  # the weight's exact fraction of all weights ("1/2"); one source: "1"
     files: tuple[SourceFile, ...]
+    left_out: tuple[str, ...] = ()  # entries of a directory or glob that were not read (for the record only)
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class RunIdentity:
     @classmethod
     def from_dict(cls, saved: dict) -> RunIdentity:
         sources = tuple(SourceRecord(source["spec"], source["weight"], source["share"],
-                                     tuple(SourceFile(**file) for file in source["files"]))
+                                     tuple(SourceFile(**file) for file in source["files"]), tuple(source["left_out"]))
                         for source in saved["sources"])
         return cls(saved["seed"], saved["max_seq_len"], saved["packing"], saved["tokenizer"], sources)
 
@@ -91,6 +92,7 @@ def identify_run(args, tokenizer, sources) -> RunIdentity:
             spec=source.spec, weight=source.weight,
             share=str(Fraction(source.weight) / total) if len(sources) > 1 else "1",
             files=tuple(SourceFile(str(samples.data_path), samples.data_digest, len(samples)) for samples in files),
+            left_out=tuple(str(path) for path in source.ignored),
         )
         for source, files in sources
     )

@@ -132,9 +132,11 @@ def test_a_directory_reads_json_and_upper_case_shards_and_names_its_subdirectori
     assert [path.name for path in source.files] == ["a.JSONL", "b.json", "c.Jsonl.GZ", "d.PARQUET"]
     assert [path.name for path in source.ignored] == ["more", "notes.txt"]
     assert [s.name for s in parse_data_path(f"{shards / 'a.JSONL'},{shards / 'd.PARQUET'}")] == ["a", "d"]
-    data = train_data(str(shards), tmp_path / "cache").dataset
-    assert len(data) == 8
-    assert f"[data] {shards}: ignored 2 file(s) that are not data files (e.g. more)" in capsys.readouterr().out
+    built = train_data(str(shards), tmp_path / "cache")
+    assert len(built.dataset) == 8
+    assert (f"[data] {shards}: left out 2 entries that are not data files or are subdirectories: more/, notes.txt"
+            in capsys.readouterr().out)
+    assert built.identity.sources[0].left_out == (str(shards / "more"), str(shards / "notes.txt"))  # in the run's record
     # A glob names a directory it matches (its files are not read) as well.
     assert [path.name for path in parse_data_path(str(shards / "*"))[0].ignored] == ["more", "notes.txt"]
     # Every file of a subdirectory: a ** glob; a directory of subdirectories only points to it.
