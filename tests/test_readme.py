@@ -30,3 +30,9 @@ def test_ci_runs_the_two_readme_commands_verbatim():
     assert len(commands) == 2 and all("pip install -r requirements.txt" in c for c in commands), commands
     for command in commands:
         assert command.strip() in ci, f"not in .ci/run: {command}"
+
+
+def test_the_readme_stays_a_newcomers_page():
+    """At most 15,000 bytes: reference tables belong in docs/, each in one place."""
+    size = os.path.getsize(os.path.join(REPO, "README.md"))
+    assert size <= 15_000, f"README.md is {size} bytes; move reference material to docs/"
