@@ -68,9 +68,16 @@ SAMPLED_BLOCK_BYTES = 1 << 16
 
 
 def cheap_file_key(path: Path) -> str:
-    """sha256 of the size, mtime and ``SAMPLED_BLOCKS`` evenly spaced blocks: reads ~1 MiB of any file."""
+    """sha256 of the size, mtime, inode number, inode change time and ``SAMPLED_BLOCKS`` evenly spaced
+    blocks: reads ~1 MiB of any file.
+
+    The inode change time (``st_ctime_ns``) is what notices an edit that keeps the size and sets the
+    mtime back (``rsync -a``, ``cp -p``, ``touch -r``, ``os.utime``): the kernel sets it to the current
+    time at every write and at every ``utime`` itself, and no system call sets it to a chosen value. A
+    file replaced by another one (a new inode) changes the inode number. The device number is left
+    out: one shared file has other device numbers on other nodes, which share the memo."""
     stat = path.stat()
-    digest = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}".encode())
+    digest = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}|{stat.st_ctime_ns}".encode())
     with path.open("rb") as f:
         for i in range(SAMPLED_BLOCKS):
             f.seek(stat.st_size * i // SAMPLED_BLOCKS)
@@ -80,8 +87,8 @@ def cheap_file_key(path: Path) -> str:
 
 def data_digest(path: Path, cache_root: Path) -> str:
     """The file's full sha256, hashed once per file version: memoized under ``cache_root/.digests``
-    by ``cheap_file_key`` (size + mtime + sampled blocks), so an unchanged multi-GB file is not
-    re-read at every start."""
+    by ``cheap_file_key`` (size, mtime, inode, inode change time, sampled blocks), so an unchanged
+    multi-GB file is not re-read at every start."""
     memo = Path(cache_root) / ".digests" / cheap_file_key(path)
     if memo.is_file():
         return memo.read_text(encoding="utf-8").strip()

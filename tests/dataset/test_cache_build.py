@@ -389,6 +389,30 @@ def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashe
     assert token_cache.data_digest(path, path.parent / ".cache") == real_digest(path)
 
 
+def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noticed(tokenizer, tmp_path):
+    """What `rsync -a`, `cp -p` or `touch -r` leave: other bytes, the same size and mtime. The edit lies
+    between two of the cheap key's sampled blocks of a file over 1 MiB; the old key (size, mtime,
+    sampled blocks) took the file for the old one and reused the stale cache and digest."""
+    path = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(14_000)])
+    size = path.stat().st_size
+    assert size > 1.2 * token_cache.SAMPLED_BLOCKS * token_cache.SAMPLED_BLOCK_BYTES  # gaps between the blocks
+    first = SFTDataset(path, tokenizer, 64, num_proc=1)
+    old_digest = token_cache.data_digest(path, path.parent / ".cache")
+    stat = path.stat()
+    gap_start = size // token_cache.SAMPLED_BLOCKS + token_cache.SAMPLED_BLOCK_BYTES  # after block 1, before block 2
+    data = bytearray(path.read_bytes())
+    at = data.index(b"plus 1?", gap_start) - 2  # the last digit of "What is N plus 1?"
+    assert gap_start < at < 2 * size // token_cache.SAMPLED_BLOCKS
+    data[at] = ord("7") if data[at] != ord("7") else ord("3")
+    with open(path, "r+b") as f:  # in place: same inode, same size
+        f.write(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    assert token_cache.data_digest(path, path.parent / ".cache") == token_cache.file_digest(path) != old_digest
+    second = SFTDataset(path, tokenizer, 64, num_proc=1)
+    assert second.cache_path != first.cache_path
+
+
 # ----------------------------------------------------------------------------- .parquet
 
 
