@@ -58,6 +58,9 @@ class Progress:
     first_bad_line: str | None = None
     num_dropped: int = 0
     version: int = PROGRESS_VERSION
+    # How the run that made this commit ended: None while it runs (so a killed run leaves None), the
+    # signal's name ("SIGTERM") when one interrupted it, else the error that stopped it.
+    stopped: str | None = None
 
 
 def partial_dir(target: Path) -> Path:
@@ -94,6 +97,7 @@ class PartialBuild:
         self.cache = self.dir / "cache"
         self.dtype = np.dtype(token_dtype)
         self.progress: Progress | None = None
+        self.earlier: Progress | None = None  # the committed build that ``resume`` continues
         self._lock = None
         self._files: dict = {}
         self._last_commit = time.monotonic()
@@ -128,12 +132,14 @@ class PartialBuild:
                       file=sys.stderr, flush=True)
         return False
 
-    def release(self) -> None:
-        """Commit what is finished and let go of the lock (the partial build stays for a restart)."""
+    def release(self, stopped: str | None = None) -> None:
+        """Commit what is finished, with how the build ``stopped`` (a signal's name or the error), and
+        let go of the lock (the partial build stays for a restart)."""
         if self._lock is None:
             return
         try:
             if self._files:
+                self.progress.stopped = stopped
                 self.commit(force=True)
         finally:
             self._close_files()
@@ -159,7 +165,9 @@ class PartialBuild:
         if old is not None and (old.key, old.data_digest) == (key, data_digest):
             sizes = {"tokens.bin": old.tokens * self.dtype.itemsize, "loss_mask.bin": old.tokens, "lengths.bin": old.samples * 8}
             if all(self._path(name).is_file() and self._path(name).stat().st_size >= size for name, size in sizes.items()):
+                self.earlier = Progress(**asdict(old))
                 self.progress = old
+                self.progress.stopped = None  # running again
             else:
                 print(f"{self.dir}: the partial token cache is shorter than its progress record; starting it again",
                       file=sys.stderr, flush=True)

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .formats import DataError, LineError, parse_line
-from .partial_build import PartialBuild, remove_stale_partials
+from .partial_build import PartialBuild, Progress, remove_stale_partials
 from .sources import check_data_file, open_lines
 from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 
@@ -278,6 +278,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     digest = data_digest(path, target.parent)
     partial = PartialBuild(target, token_dtype(len(tokenizer)))
     pool = None
+    stopped = None
     try:
         with _interrupts_raise():
             if not partial.claim():
@@ -287,8 +288,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
             done = partial.resume(target.name, data_file, digest, lambda: _count_lines(path))
             total_rows, start_row = done.total_rows, done.rows
             if start_row:
-                print(f"resuming cache build at row {start_row:,} of {total_rows:,} ({path.name}: the rows before "
-                      f"were tokenized by an earlier, interrupted run)", file=sys.stderr, flush=True)
+                print(restart_line(path, data_file, partial.earlier), file=sys.stderr, flush=True)
             chunks = _iter_chunks(path, max_seq_len, start_row)
             num_workers = min(num_proc, -(-(total_rows - start_row) // CHUNK_LINES))
             if num_workers > 1:
@@ -299,12 +299,43 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
                 _init_worker(tokenizer)
                 results = map(_encode_chunk, chunks)
             _write_cache(results, path, tokenizer, max_seq_len, partial, bad_data, BuildProgress(path, total_rows, start_row))
+    except BaseException as exc:
+        stopped = stop_reason(exc)
+        raise
     finally:
         _init_worker(None)
         if pool is not None:
             pool.terminate()
             pool.join()
-        partial.release()
+        partial.release(stopped)
+
+
+def stop_reason(exc: BaseException) -> str:
+    """What ``progress.json`` records about a build that ``exc`` ended: the signal's name, or the
+    error (one line)."""
+    if isinstance(exc, BuildInterrupted):
+        return signal.Signals(exc.signum).name
+    if isinstance(exc, KeyboardInterrupt):
+        return "SIGINT"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    reason = text if isinstance(exc, DataError) else f"{type(exc).__name__}: {text}".rstrip(": ")
+    return reason[:500]
+
+
+def restart_line(path: Path, data_file: str, earlier: Progress) -> str:
+    """The line a build that continues a committed partial build prints: "resuming" only after a
+    real interruption (a signal, or a run killed before it could record how it ended), else
+    "continuing" with the error that stopped the earlier run (a bad row in ``--bad_data error``
+    mode, a full disk, a bug)."""
+    where = f"{path.name}: the rows before were tokenized by an earlier run"
+    if earlier.data_file != data_file:
+        where += f" on {earlier.data_file} (the same bytes)"
+    at = f"cache build at row {earlier.rows:,} of {earlier.total_rows:,}"
+    if earlier.stopped is None:
+        return f"resuming {at} ({where}, interrupted before it could record how: killed, or its machine lost)"
+    if earlier.stopped in {s.name for s in STOP_SIGNALS}:
+        return f"resuming {at} ({where}, interrupted by {earlier.stopped})"
+    return f"continuing {at} ({where}, which stopped: {earlier.stopped})"
 
 
 def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, bad_data, progress) -> None:

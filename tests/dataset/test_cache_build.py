@@ -197,10 +197,48 @@ def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cac
     encoded = counting_encoder(monkeypatch)
     resumed = SFTDataset(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
     assert sum(encoded) == 23 - 15  # the old code encoded all 23 again
-    assert "resuming cache build at row 15 of 23" in capsys.readouterr().err
+    assert ("continuing cache build at row 15 of 23 (r.jsonl: the rows before were tokenized by an earlier run, "
+            "which stopped: RuntimeError: injected failure)") in capsys.readouterr().err
     assert resumed.cache_path.name == whole.cache_path.name
     assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)  # tokens, masks, offsets, meta
     assert partials(cache_root) == []
+
+
+def test_a_restart_says_resuming_only_after_an_interrupted_build(tokenizer, tmp_path, monkeypatch, capsys):
+    """A build stopped by a bad row (--bad_data error) was not interrupted: its restart in skip mode
+    continues after the committed rows and says why the earlier run stopped. The old code said
+    "resuming ... interrupted run" for every restart. A SIGTERM is an interruption."""
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    lines = [chat_line(i) for i in range(23)]
+    lines[16] = '{"broken'
+    path = write_rows(tmp_path / "s.jsonl", lines)
+    with pytest.raises(DataError, match=f"^{path}:17: invalid JSON"):
+        SFTDataset(path, tokenizer, 64, num_proc=1)
+    capsys.readouterr()
+    SFTDataset(path, tokenizer, 64, num_proc=1, bad_data="skip")
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "cache build at row" in line]
+    assert line == (f"continuing cache build at row 15 of 23 (s.jsonl: the rows before were tokenized by an earlier "
+                    f"run, which stopped: {path}:17: invalid JSON (Invalid control character at at column 9))"), line
+
+    other = write_rows(tmp_path / "t.jsonl", [chat_line(i) for i in range(23)])
+    real = ENCODE_CHUNK
+    calls = []
+
+    def interrupted_at_the_fourth_chunk(task):
+        calls.append(task)
+        if len(calls) == 4:
+            raise token_cache.BuildInterrupted(signal.SIGTERM)
+        return real(task)
+
+    monkeypatch.setattr(token_cache, "_encode_chunk", interrupted_at_the_fourth_chunk)
+    with pytest.raises(token_cache.BuildInterrupted):
+        SFTDataset(other, tokenizer, 64, num_proc=1)
+    capsys.readouterr()
+    SFTDataset(other, tokenizer, 64, num_proc=1)
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "cache build at row" in line]
+    assert line == ("resuming cache build at row 15 of 23 (t.jsonl: the rows before were tokenized by an earlier run, "
+                    "interrupted by SIGTERM)"), line
 
 
 def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_path, monkeypatch):
@@ -271,7 +309,7 @@ def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monke
 
 
 @pytest.mark.slow
-def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, monkeypatch):
+def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, monkeypatch, capsys):
     rows = 600
     data = write_rows(tmp_path / "k9.jsonl", [chat_line(i) for i in range(rows)])
     cache_root = tmp_path / "cache"
@@ -299,8 +337,11 @@ def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, mon
 
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 20)
     encoded = counting_encoder(monkeypatch)
+    capsys.readouterr()
     resumed = SFTDataset(data, tokenizer, 64, cache_dir=cache_root, num_proc=1)
     assert sum(encoded) == rows - committed
+    assert (f"resuming cache build at row {committed} of {rows} (k9.jsonl: the rows before were tokenized by an earlier "
+            "run, interrupted before it could record how: killed, or its machine lost)") in capsys.readouterr().err
     whole = SFTDataset(data, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1)
     assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
     assert partials(cache_root) == []
