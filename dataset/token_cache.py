@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .formats import DataError, LineError, parse_line
-from .partial_build import PartialBuild, Progress, remove_stale_partials
+from .partial_build import PartialBuild, Progress, remove_stale_partials, writing
 from .sources import check_data_file, open_lines
 from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 
@@ -93,10 +93,14 @@ def data_digest(path: Path, cache_root: Path) -> str:
     if memo.is_file():
         return memo.read_text(encoding="utf-8").strip()
     digest = file_digest(path)
-    memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_name(memo.name + f".tmp{os.getpid()}")
-    tmp.write_text(digest, encoding="utf-8")
-    os.replace(tmp, memo)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(digest, encoding="utf-8")
+        os.replace(tmp, memo)
+    except OSError:  # a full disk, a read-only cache of finished caches: hashed again next time, nothing lost
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return digest
 
 
@@ -274,7 +278,8 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     counted and the first one is recorded in ``meta.json``. SIGTERM or SIGINT raise
     ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with writing(target.parent):
+        target.parent.mkdir(parents=True, exist_ok=True)
     digest = data_digest(path, target.parent)
     partial = PartialBuild(target, token_dtype(len(tokenizer)))
     pool = None

@@ -347,6 +347,68 @@ def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, mon
     assert partials(cache_root) == []
 
 
+# ----------------------------------------------------------------------------- a full disk
+
+
+def run_trainer_on(data: Path, cache_root: Path, save_dir: Path, prefix: tuple = (), preexec_fn=None):
+    return subprocess.run([*prefix, sys.executable, SCRIPT, *TINY, "--data_path", str(data), "--cache_dir", str(cache_root),
+                           "--save_dir", str(save_dir)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=300, preexec_fn=preexec_fn)
+
+
+def assert_one_line_write_error(result, cache_root: Path, cause: str) -> None:
+    """Exit 2 and one line naming the cache file that could not be written and why (no traceback);
+    the rows committed before stay for the next run."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    [partial] = partials(cache_root)
+    assert last == (f"error: could not write the token cache {cache_root / partial / 'cache' / 'tokens.bin'}: {cause} "
+                    "(the rows committed so far are kept for the next run)"), last
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_while_building_the_token_cache_is_one_line(tmp_path):
+    """RLIMIT_FSIZE below the size of tokens.bin: the write fails with EFBIG. Before: exit 1 and a
+    traceback ending in a bare "OSError: [Errno 27] File too large" (no file named)."""
+    import resource
+
+    data = write_rows(tmp_path / "d.jsonl", [chat_line(i) for i in range(3000)])
+    limit = 64 * 1024  # far above the lock, progress.json and the digest memo; tokens.bin is ~150 KB
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = run_trainer_on(data, tmp_path / "cache", tmp_path / "out", preexec_fn=limit_file_size)
+    assert_one_line_write_error(result, tmp_path / "cache", "File too large")
+
+
+def can_mount_a_private_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux" or not can_mount_a_private_tmpfs(),
+                    reason="needs unshare -Urm and a tmpfs mount in a private namespace")
+def test_a_full_disk_while_building_the_token_cache_is_one_line(tmp_path):
+    """--cache_dir on a 128 KiB tmpfs (mounted in a private user and mount namespace: nothing is left
+    mounted): ENOSPC. Before: three chained tracebacks, the write's, then the final commit's and the
+    close's (each flushing the same buffered bytes again)."""
+    data = write_rows(tmp_path / "d.jsonl", [chat_line(i) for i in range(3000)])
+    cache_root = tmp_path / "small_disk"
+    cache_root.mkdir()
+    mount = ("sh", "-c", 'mount -t tmpfs -o size=128k tmpfs "$0" && exec "$@"', str(cache_root))
+    result = run_trainer_on(data, cache_root, tmp_path / "out", prefix=("unshare", "-Urm", *mount))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "During handling" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: could not write the token cache {cache_root}/.partial-") and last.endswith(
+        ": No space left on device (the rows committed so far are kept for the next run)"), last
+
+
 # ----------------------------------------------------------------------------- no collective while building
 
 
