@@ -121,6 +121,7 @@ class PartialBuild:
         self.dtype = np.dtype(token_dtype)
         self.progress: Progress | None = None
         self.earlier: Progress | None = None  # the committed build that ``resume`` continues
+        self._committed: dict | None = None  # what progress.json holds now
         self._lock = None
         self._files: dict = {}
         self._last_commit = time.monotonic()
@@ -172,8 +173,10 @@ class PartialBuild:
         try:
             if self._files:
                 self.progress.stopped = stopped
-                with contextlib.suppress(CacheWriteError):
+                try:
                     self.commit(force=True)
+                except CacheWriteError:  # at least say how the committed part stopped, if that fits
+                    self._record_stop(stopped)
         finally:
             self._close_files(quiet=True)
             self._lock.close()
@@ -199,6 +202,7 @@ class PartialBuild:
             sizes = {"tokens.bin": old.tokens * self.dtype.itemsize, "loss_mask.bin": old.tokens, "lengths.bin": old.samples * 8}
             if all(self._path(name).is_file() and self._path(name).stat().st_size >= size for name, size in sizes.items()):
                 self.earlier = Progress(**asdict(old))
+                self._committed = asdict(old)
                 self.progress = old
                 self.progress.stopped = None  # running again
             else:
@@ -247,12 +251,27 @@ class PartialBuild:
         tmp = self.dir / f"progress.json.tmp{os.getpid()}"
         try:
             with writing(tmp):
-                tmp.write_text(json.dumps(asdict(self.progress), indent=1), encoding="utf-8")
+                record = asdict(self.progress)
+                tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
                 os.replace(tmp, self.dir / "progress.json")
         except CacheWriteError:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise
+        self._committed = record
         self._last_commit = time.monotonic()
+
+    def _record_stop(self, stopped: str | None) -> None:
+        """Rewrite ``progress.json`` with its counters unchanged and ``stopped`` set (best effort)."""
+        if self._committed is None:
+            return
+        tmp = self.dir / f"progress.json.tmp{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps({**self._committed, "stopped": stopped}, indent=1), encoding="utf-8")
+            os.replace(tmp, self.dir / "progress.json")
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
     def _close_files(self, quiet: bool = False) -> None:
         """Close the data files; ``quiet``: a close that fails to flush (full disk) raises nothing

@@ -368,9 +368,10 @@ def assert_one_line_write_error(result, cache_root: Path, cause: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_file_size_limit_while_building_the_token_cache_is_one_line(tmp_path):
+def test_a_file_size_limit_while_building_the_token_cache_is_one_line(tokenizer, tmp_path, capsys):
     """RLIMIT_FSIZE below the size of tokens.bin: the write fails with EFBIG. Before: exit 1 and a
-    traceback ending in a bare "OSError: [Errno 27] File too large" (no file named)."""
+    traceback ending in a bare "OSError: [Errno 27] File too large" (no file named). The next run,
+    with room, continues after the committed rows and says why the earlier one stopped."""
     import resource
 
     data = write_rows(tmp_path / "d.jsonl", [chat_line(i) for i in range(3000)])
@@ -379,8 +380,19 @@ def test_a_file_size_limit_while_building_the_token_cache_is_one_line(tmp_path):
     def limit_file_size():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    result = run_trainer_on(data, tmp_path / "cache", tmp_path / "out", preexec_fn=limit_file_size)
-    assert_one_line_write_error(result, tmp_path / "cache", "File too large")
+    cache_root = tmp_path / "cache"
+    result = run_trainer_on(data, cache_root, tmp_path / "out", preexec_fn=limit_file_size)
+    assert_one_line_write_error(result, cache_root, "File too large")
+    [partial] = partials(cache_root)
+    committed = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
+    assert committed["rows"] > 0 and committed["stopped"].startswith("could not write the token cache ")
+
+    capsys.readouterr()
+    resumed = SFTDataset(data, tokenizer, 512, cache_dir=cache_root, num_proc=1)
+    assert (f"continuing cache build at row {committed['rows']:,} of 3,000 (d.jsonl: the rows before were tokenized "
+            f"by an earlier run, which stopped: could not write the token cache ") in capsys.readouterr().err
+    whole = SFTDataset(data, tokenizer, 512, cache_dir=tmp_path / "whole", num_proc=1)
+    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
 
 
 def can_mount_a_private_tmpfs() -> bool:
