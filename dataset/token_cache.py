@@ -8,7 +8,9 @@ Layout of ``<cache_root>/<key>/``:
 * ``meta.json``     counts (samples, tokens, skipped bad lines, dropped samples) and the dtype
 
 ``key`` hashes the data file's bytes, the tokenizer fingerprint (vocab, merges, special tokens,
-chat template), ``max_seq_len`` and ``CACHE_VERSION``. Lines are tokenized by a process pool
+chat template), ``max_seq_len``, ``CACHE_VERSION`` (the layout) and ``TOKENS_VERSION`` (the code
+that turns a row into tokens and labels); ``meta.json`` records ``tokens_version`` and a cache
+that records another one is built again. Lines are tokenized by a process pool
 over chunks of lines and appended to a partial build (``partial_build``): a killed build keeps
 the rows it committed and the next build of the same key continues after them; the finished
 cache is renamed into place, so a reader never sees a half-written cache. Under
@@ -28,6 +30,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -42,7 +45,18 @@ from .partial_build import PartialBuild, Progress, remove_stale_partials, writin
 from .sources import check_data_file, open_lines
 from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 
-CACHE_VERSION = 1
+CACHE_VERSION = 1  # the layout of the files
+# The version of everything besides the tokenizer (whose fingerprint is in the key already) that
+# decides a row's tokens and loss mask: reading lines (sources), parsing (formats), rendering and
+# loss spans (rendering), truncation to max_seq_len, which rows are skipped or dropped
+# (_encode_chunk). Every change to the tokens or labels of any row needs a new version, or caches
+# built by the old code are reused: tests/dataset/test_tokens_version.py holds a digest of the
+# tokens and labels of fixed conversations per version and fails when they change without one.
+TOKENS_VERSION = 2
+TOKENS_CHANGES = {  # what each version changed, for the line that says why a cache is built again
+    1: "caches of the code before versions were recorded (it may predate tool calls and reasoning)",
+    2: "tool definitions, tool calls, tool results and reasoning are rendered by the chat template and learned",
+}
 CHUNK_LINES = 512
 PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")
@@ -108,9 +122,12 @@ def default_cache_root(data_path: Path, cache_dir) -> Path:
     return Path(cache_dir) if cache_dir is not None else Path(data_path).parent / ".cache"
 
 
-def cache_key(data_digest: str, tokenizer, max_seq_len: int) -> str:
-    """Directory name of the cache for this (data, tokenizer, template, max_seq_len, version)."""
+def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int = TOKENS_VERSION) -> str:
+    """Directory name of the cache for this (data, tokenizer, template, max_seq_len, versions).
+    ``tokens_version=1`` gives the key of the code before it was part of the key."""
     parts = [f"v{CACHE_VERSION}", data_digest, tokenizer_fingerprint(tokenizer), str(max_seq_len)]
+    if tokens_version > 1:
+        parts.append(f"tokens{tokens_version}")
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
@@ -360,6 +377,7 @@ def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, b
         )
     partial.finish({
         "version": CACHE_VERSION,
+        "tokens_version": TOKENS_VERSION,
         "data_file": str(path),
         "max_seq_len": max_seq_len,
         "vocab_size": len(tokenizer),
@@ -392,10 +410,37 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     check_data_file(path)
     digest = data_digest(path, cache_root)
     target = cache_root / cache_key(digest, tokenizer, max_seq_len)
+    if (target / "meta.json").is_file():
+        recorded = read_meta(target).get("tokens_version")
+        if recorded != TOKENS_VERSION:
+            print(f"{path.name}: the token cache {target} records tokens version {recorded}, not this code's "
+                  f"{TOKENS_VERSION}: building it again", file=sys.stderr, flush=True)
+            _remove_cache(target)
     if not (target / "meta.json").is_file():
+        _report_older_caches(path, digest, tokenizer, max_seq_len, cache_root)
         build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc)
     check_bad_data(read_meta(target), bad_data)
     return target
+
+
+def _report_older_caches(path: Path, digest: str, tokenizer, max_seq_len: int, cache_root: Path) -> None:
+    """Say why a cache of these same bytes, tokenizer and max_seq_len built by older code is not used."""
+    for version in range(1, TOKENS_VERSION):
+        older = cache_root / cache_key(digest, tokenizer, max_seq_len, tokens_version=version)
+        if (older / "meta.json").is_file():
+            print(f"{path.name}: not reusing the token cache {older}: it was built by older code (tokens version "
+                  f"{version}; this code tokenizes as version {TOKENS_VERSION}: {TOKENS_CHANGES[TOKENS_VERSION]}); "
+                  "building a new one (delete the old one once no older minisft uses it)", file=sys.stderr, flush=True)
+
+
+def _remove_cache(cache: Path) -> None:
+    """Move a finished cache out of the way (a rename, so no reader sees half of it), then delete it."""
+    aside = cache.with_name(f".removed-{cache.name}-{os.getpid()}")
+    try:
+        os.rename(cache, aside)
+    except FileNotFoundError:  # another process moved it first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
