@@ -18,10 +18,14 @@ without interruption. A partial build whose lock is held belongs to a live proce
 never touched: a second builder of the same key waits for it (and continues its work if it
 dies). Partial builds of an older version of the same data file, and leftovers of finished
 caches, are removed by the next build in that cache directory.
+
+A file that cannot be written (a full disk, a file size limit, no permission) raises
+``CacheWriteError``, one line naming the file and the cause; what was committed before stays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -34,6 +38,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .formats import DataError
 
 PARTIAL_PREFIX = ".partial-"
 PROGRESS_VERSION = 1
@@ -58,6 +64,26 @@ class Progress:
     first_bad_line: str | None = None
     num_dropped: int = 0
     version: int = PROGRESS_VERSION
+    # How the run that made this commit ended: None while it runs (so a killed run leaves None), the
+    # signal's name ("SIGTERM") when one interrupted it, else the error that stopped it.
+    stopped: str | None = None
+
+
+class CacheWriteError(DataError):
+    """A token-cache file could not be written (full disk, file size limit, permissions): one line
+    naming the file and the cause. The rows committed before stay for the next run."""
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Turn an ``OSError`` raised while writing ``path`` into ``CacheWriteError`` (a buffered
+    write's error names no file: ``path`` does)."""
+    try:
+        yield
+    except OSError as exc:
+        name = exc.filename if isinstance(exc.filename, (str, os.PathLike)) else path
+        raise CacheWriteError(f"could not write the token cache {name}: {exc.strerror or exc} "
+                              "(the rows committed so far are kept for the next run)") from None
 
 
 def partial_dir(target: Path) -> Path:
@@ -94,6 +120,8 @@ class PartialBuild:
         self.cache = self.dir / "cache"
         self.dtype = np.dtype(token_dtype)
         self.progress: Progress | None = None
+        self.earlier: Progress | None = None  # the committed build that ``resume`` continues
+        self._committed: dict | None = None  # what progress.json holds now
         self._lock = None
         self._files: dict = {}
         self._last_commit = time.monotonic()
@@ -105,19 +133,24 @@ class PartialBuild:
         was finished meanwhile (by that process); nothing to do."""
         start = last_report = time.monotonic()
         while not (self.target / "meta.json").is_file():
-            self.dir.mkdir(parents=True, exist_ok=True)
+            with writing(self.dir):
+                self.dir.mkdir(parents=True, exist_ok=True)
             try:
-                self._lock = _try_lock(self.dir / "lock")
-            except FileNotFoundError:  # the finished builder removed the directory just now
-                continue
+                with writing(self.dir / "lock"):
+                    self._lock = _try_lock(self.dir / "lock")
+            except CacheWriteError:
+                if not self.dir.is_dir():  # the finished builder removed the directory just now
+                    continue
+                raise
             if self._lock is not None:
                 if (self.target / "meta.json").is_file():  # finished between our check and the lock
                     self.discard()
                     return False
-                self._lock.seek(0)
-                self._lock.truncate()
-                self._lock.write(f"{socket.gethostname()}.{os.getpid()}")
-                self._lock.flush()
+                with writing(self.dir / "lock"):
+                    self._lock.seek(0)
+                    self._lock.truncate()
+                    self._lock.write(f"{socket.gethostname()}.{os.getpid()}")
+                    self._lock.flush()
                 return True
             time.sleep(WAIT_POLL_S)
             now = time.monotonic()
@@ -128,15 +161,24 @@ class PartialBuild:
                       file=sys.stderr, flush=True)
         return False
 
-    def release(self) -> None:
-        """Commit what is finished and let go of the lock (the partial build stays for a restart)."""
+    def release(self, stopped: str | None = None) -> None:
+        """Commit what is finished, with how the build ``stopped`` (a signal's name or the error), and
+        let go of the lock (the partial build stays for a restart).
+
+        Files are still open here only when the build stopped early, with an exception on its way
+        out; a commit that fails now (the disk is still full) keeps the previous ``progress.json``
+        and raises nothing: the first error is the one to report, not the same one again."""
         if self._lock is None:
             return
         try:
             if self._files:
-                self.commit(force=True)
+                self.progress.stopped = stopped
+                try:
+                    self.commit(force=True)
+                except CacheWriteError:  # at least say how the committed part stopped, if that fits
+                    self._record_stop(stopped)
         finally:
-            self._close_files()
+            self._close_files(quiet=True)
             self._lock.close()
             self._lock = None
 
@@ -159,7 +201,10 @@ class PartialBuild:
         if old is not None and (old.key, old.data_digest) == (key, data_digest):
             sizes = {"tokens.bin": old.tokens * self.dtype.itemsize, "loss_mask.bin": old.tokens, "lengths.bin": old.samples * 8}
             if all(self._path(name).is_file() and self._path(name).stat().st_size >= size for name, size in sizes.items()):
+                self.earlier = Progress(**asdict(old))
+                self._committed = asdict(old)
                 self.progress = old
+                self.progress.stopped = None  # running again
             else:
                 print(f"{self.dir}: the partial token cache is shorter than its progress record; starting it again",
                       file=sys.stderr, flush=True)
@@ -167,11 +212,13 @@ class PartialBuild:
             (self.dir / "progress.json").unlink(missing_ok=True)
             self.progress = Progress(key, data_file, data_digest, count_rows())
             sizes = {"tokens.bin": 0, "loss_mask.bin": 0, "lengths.bin": 0}
-        self.cache.mkdir(parents=True, exist_ok=True)
+        with writing(self.cache):
+            self.cache.mkdir(parents=True, exist_ok=True)
         for name, size in sizes.items():
-            with open(self._path(name), "ab") as handle:
-                handle.truncate(size)
-            self._files[name] = open(self._path(name), "ab")
+            with writing(self._path(name)):
+                with open(self._path(name), "ab") as handle:
+                    handle.truncate(size)
+                self._files[name] = open(self._path(name), "ab")
         return self.progress
 
     def _path(self, name: str) -> Path:
@@ -180,9 +227,10 @@ class PartialBuild:
     def append(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, rows: int, bad: list[str], dropped: int) -> None:
         """Add one chunk's results (``bad``: its skipped rows as ``file:line: problem``). The counters
         change only after every file got its bytes, so a commit never counts a half-written chunk."""
-        self._files["tokens.bin"].write(ids.astype(self.dtype).tobytes())
-        self._files["loss_mask.bin"].write(mask.astype(np.uint8).tobytes())
-        self._files["lengths.bin"].write(lengths.astype(np.int64).tobytes())
+        for name, array in (("tokens.bin", ids.astype(self.dtype)), ("loss_mask.bin", mask.astype(np.uint8)),
+                            ("lengths.bin", lengths.astype(np.int64))):
+            with writing(self._path(name)):
+                self._files[name].write(array.tobytes())
         progress = self.progress
         progress.rows += rows
         progress.samples += len(lengths)
@@ -196,17 +244,44 @@ class PartialBuild:
         """Make the appended chunks durable: fsync the data, then replace ``progress.json``."""
         if not force and time.monotonic() - self._last_commit < COMMIT_S:
             return
-        for handle in self._files.values():
-            handle.flush()
-            os.fsync(handle.fileno())
+        for name, handle in self._files.items():
+            with writing(self._path(name)):
+                handle.flush()
+                os.fsync(handle.fileno())
         tmp = self.dir / f"progress.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(asdict(self.progress), indent=1), encoding="utf-8")
-        os.replace(tmp, self.dir / "progress.json")
+        try:
+            with writing(tmp):
+                record = asdict(self.progress)
+                tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+                os.replace(tmp, self.dir / "progress.json")
+        except CacheWriteError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        self._committed = record
         self._last_commit = time.monotonic()
 
-    def _close_files(self) -> None:
+    def _record_stop(self, stopped: str | None) -> None:
+        """Rewrite ``progress.json`` with its counters unchanged and ``stopped`` set (best effort)."""
+        if self._committed is None:
+            return
+        tmp = self.dir / f"progress.json.tmp{os.getpid()}"
+        try:
+            tmp.write_text(json.dumps({**self._committed, "stopped": stopped}, indent=1), encoding="utf-8")
+            os.replace(tmp, self.dir / "progress.json")
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+
+    def _close_files(self, quiet: bool = False) -> None:
+        """Close the data files; ``quiet``: a close that fails to flush (full disk) raises nothing
+        (the file is closed all the same)."""
         for handle in self._files.values():
-            handle.close()
+            try:
+                handle.close()
+            except OSError:
+                if not quiet:
+                    raise
         self._files = {}
 
     # ------------------------------------------------------------------ the end
@@ -215,17 +290,20 @@ class PartialBuild:
         """Write ``offsets.npy`` and ``meta.json``, move the cache into place, remove the rest."""
         self.commit(force=True)
         self._close_files()
-        write_offsets(self.dir / "lengths.bin", self.progress.samples, self.cache / "offsets.npy")
+        with writing(self.cache / "offsets.npy"):
+            write_offsets(self.dir / "lengths.bin", self.progress.samples, self.cache / "offsets.npy")
         meta_path = self.cache / "meta.json"
-        meta_path.write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        with writing(meta_path):
+            meta_path.write_text(json.dumps(meta, indent=1), encoding="utf-8")
         for name in ("tokens.bin", "loss_mask.bin", "offsets.npy", "meta.json"):
-            with open(self.cache / name, "rb") as handle:
+            with writing(self.cache / name), open(self.cache / name, "rb") as handle:
                 os.fsync(handle.fileno())
         try:
             os.rename(self.cache, self.target)
-        except OSError:
+        except OSError as exc:
             if not (self.target / "meta.json").is_file():  # not a finished cache of another host
-                raise
+                with writing(self.target):
+                    raise exc
         self.discard()
 
 

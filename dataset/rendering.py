@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from .formats import THINK_CLOSE, THINK_OPEN, Conversation, DataError, LineError
+from .prefix_tokens import encode_text
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "model" / "tokenizer"
 
@@ -244,28 +245,29 @@ def template_special_positions(
 
 
 def tokenize_rendered(
-    tokenizer, conversation: Conversation, text: str, **render_kwargs
+    tokenizer, conversation: Conversation, text: str, max_tokens: int | None = None, **render_kwargs
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and character offsets of ``text`` = ``render(tokenizer, conversation, **render_kwargs)``;
-    special tokens only where the template put them."""
+    special tokens only where the template put them. ``max_tokens``: at least the first that many
+    (``prefix_tokens``: a long text is not tokenized to its end)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise LineError(f"text contains {text[exc.start]!r}, a lone surrogate that is not valid Unicode") from None
     positions = template_special_positions(tokenizer, conversation, text, **render_kwargs)
     if positions is None:
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(encoding["input_ids"]), list(encoding["offset_mapping"])
+        return encode_text(tokenizer, text, max_tokens)
     ids: list[int] = []
     offsets: list[tuple[int, int]] = []
     cursor = 0
     for position, special in positions + [(len(text), None)]:
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
         if position > cursor:
-            piece = tokenizer(
-                text[cursor:position], add_special_tokens=False, split_special_tokens=True, return_offsets_mapping=True
-            )
-            ids += piece["input_ids"]
-            offsets += [(cursor + a, cursor + b) for a, b in piece["offset_mapping"]]
+            left = None if max_tokens is None else max_tokens - len(ids)
+            piece_ids, piece_offsets = encode_text(tokenizer, text[cursor:position], left, split_special_tokens=True)
+            ids += piece_ids
+            offsets += [(cursor + a, cursor + b) for a, b in piece_offsets]
         if special is not None:
             ids.append(tokenizer.convert_tokens_to_ids(special))
             offsets.append((position, position + len(special)))
@@ -290,7 +292,7 @@ def encode_conversation(tokenizer, conversation, max_seq_len: int) -> tuple[np.n
     list), truncated to ``max_seq_len``."""
     conversation = as_conversation(conversation)
     text, spans = loss_spans(tokenizer, conversation)
-    token_ids, token_offsets = tokenize_rendered(tokenizer, conversation, text)
+    token_ids, token_offsets = tokenize_rendered(tokenizer, conversation, text, max_tokens=max_seq_len)
     ids = np.asarray(token_ids[:max_seq_len], dtype=np.int64)
     offsets = np.asarray(token_offsets[:max_seq_len], dtype=np.int64).reshape(-1, 2)
     mask = np.zeros(len(ids), dtype=bool)

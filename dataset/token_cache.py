@@ -8,7 +8,9 @@ Layout of ``<cache_root>/<key>/``:
 * ``meta.json``     counts (samples, tokens, skipped bad lines, dropped samples) and the dtype
 
 ``key`` hashes the data file's bytes, the tokenizer fingerprint (vocab, merges, special tokens,
-chat template), ``max_seq_len`` and ``CACHE_VERSION``. Lines are tokenized by a process pool
+chat template), ``max_seq_len``, ``CACHE_VERSION`` (the layout) and ``TOKENS_VERSION`` (the code
+that turns a row into tokens and labels); ``meta.json`` records ``tokens_version`` and a cache
+that records another one is built again. Lines are tokenized by a process pool
 over chunks of lines and appended to a partial build (``partial_build``): a killed build keeps
 the rows it committed and the next build of the same key continues after them; the finished
 cache is renamed into place, so a reader never sees a half-written cache. Under
@@ -28,6 +30,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -38,11 +41,23 @@ from pathlib import Path
 import numpy as np
 
 from .formats import DataError, LineError, parse_line
-from .partial_build import PartialBuild, remove_stale_partials
+from .partial_build import PartialBuild, Progress, remove_stale_partials, writing
 from .sources import check_data_file, open_lines
 from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 
-CACHE_VERSION = 2  # 2: parsing fixes (leading think blocks, NaN lines, parquet nulls) change the tokens of old caches
+CACHE_VERSION = 1  # the layout of the files
+# The version of everything besides the tokenizer (whose fingerprint is in the key already) that
+# decides a row's tokens and loss mask: reading lines (sources), parsing (formats), rendering and
+# loss spans (rendering), truncation to max_seq_len, which rows are skipped or dropped
+# (_encode_chunk). Every change to the tokens or labels of any row needs a new version, or caches
+# built by the old code are reused: tests/dataset/test_tokens_version.py holds a digest of the
+# tokens and labels of fixed conversations per version and fails when they change without one.
+TOKENS_VERSION = 3
+TOKENS_CHANGES = {  # what each version changed, for the line that says why a cache is built again
+    1: "caches of the code before versions were recorded (it may predate tool calls and reasoning)",
+    2: "tool definitions, tool calls, tool results and reasoning are rendered by the chat template and learned",
+    3: "only a leading think block is reasoning, NaN/Infinity make a line bad, parquet struct nulls are absent keys",
+}
 CHUNK_LINES = 512
 PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")
@@ -68,9 +83,16 @@ SAMPLED_BLOCK_BYTES = 1 << 16
 
 
 def cheap_file_key(path: Path) -> str:
-    """sha256 of the size, mtime and ``SAMPLED_BLOCKS`` evenly spaced blocks: reads ~1 MiB of any file."""
+    """sha256 of the size, mtime, inode number, inode change time and ``SAMPLED_BLOCKS`` evenly spaced
+    blocks: reads ~1 MiB of any file.
+
+    The inode change time (``st_ctime_ns``) is what notices an edit that keeps the size and sets the
+    mtime back (``rsync -a``, ``cp -p``, ``touch -r``, ``os.utime``): the kernel sets it to the current
+    time at every write and at every ``utime`` itself, and no system call sets it to a chosen value. A
+    file replaced by another one (a new inode) changes the inode number. The device number is left
+    out: one shared file has other device numbers on other nodes, which share the memo."""
     stat = path.stat()
-    digest = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}".encode())
+    digest = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}|{stat.st_ctime_ns}".encode())
     with path.open("rb") as f:
         for i in range(SAMPLED_BLOCKS):
             f.seek(stat.st_size * i // SAMPLED_BLOCKS)
@@ -80,16 +102,20 @@ def cheap_file_key(path: Path) -> str:
 
 def data_digest(path: Path, cache_root: Path) -> str:
     """The file's full sha256, hashed once per file version: memoized under ``cache_root/.digests``
-    by ``cheap_file_key`` (size + mtime + sampled blocks), so an unchanged multi-GB file is not
-    re-read at every start."""
+    by ``cheap_file_key`` (size, mtime, inode, inode change time, sampled blocks), so an unchanged
+    multi-GB file is not re-read at every start."""
     memo = Path(cache_root) / ".digests" / cheap_file_key(path)
     if memo.is_file():
         return memo.read_text(encoding="utf-8").strip()
     digest = file_digest(path)
-    memo.parent.mkdir(parents=True, exist_ok=True)
     tmp = memo.with_name(memo.name + f".tmp{os.getpid()}")
-    tmp.write_text(digest, encoding="utf-8")
-    os.replace(tmp, memo)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(digest, encoding="utf-8")
+        os.replace(tmp, memo)
+    except OSError:  # a full disk, a read-only cache of finished caches: hashed again next time, nothing lost
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     return digest
 
 
@@ -97,9 +123,14 @@ def default_cache_root(data_path: Path, cache_dir) -> Path:
     return Path(cache_dir) if cache_dir is not None else Path(data_path).parent / ".cache"
 
 
-def cache_key(data_digest: str, tokenizer, max_seq_len: int) -> str:
-    """Directory name of the cache for this (data, tokenizer, template, max_seq_len, version)."""
+def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int | None = None) -> str:
+    """Directory name of the cache for this (data, tokenizer, template, max_seq_len, versions), by
+    default of this code's TOKENS_VERSION; ``tokens_version=1`` gives the key of the code before it
+    was part of the key."""
+    tokens_version = TOKENS_VERSION if tokens_version is None else tokens_version
     parts = [f"v{CACHE_VERSION}", data_digest, tokenizer_fingerprint(tokenizer), str(max_seq_len)]
+    if tokens_version > 1:
+        parts.append(f"tokens{tokens_version}")
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
@@ -267,10 +298,12 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     counted and the first one is recorded in ``meta.json``. SIGTERM or SIGINT raise
     ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with writing(target.parent):
+        target.parent.mkdir(parents=True, exist_ok=True)
     digest = data_digest(path, target.parent)
     partial = PartialBuild(target, token_dtype(len(tokenizer)))
     pool = None
+    stopped = None
     try:
         with _interrupts_raise():
             if not partial.claim():
@@ -280,8 +313,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
             done = partial.resume(target.name, data_file, digest, lambda: _count_lines(path))
             total_rows, start_row = done.total_rows, done.rows
             if start_row:
-                print(f"resuming cache build at row {start_row:,} of {total_rows:,} ({path.name}: the rows before "
-                      f"were tokenized by an earlier, interrupted run)", file=sys.stderr, flush=True)
+                print(restart_line(path, data_file, partial.earlier), file=sys.stderr, flush=True)
             chunks = _iter_chunks(path, max_seq_len, start_row)
             num_workers = min(num_proc, -(-(total_rows - start_row) // CHUNK_LINES))
             if num_workers > 1:
@@ -292,12 +324,43 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
                 _init_worker(tokenizer)
                 results = map(_encode_chunk, chunks)
             _write_cache(results, path, tokenizer, max_seq_len, partial, bad_data, BuildProgress(path, total_rows, start_row))
+    except BaseException as exc:
+        stopped = stop_reason(exc)
+        raise
     finally:
         _init_worker(None)
         if pool is not None:
             pool.terminate()
             pool.join()
-        partial.release()
+        partial.release(stopped)
+
+
+def stop_reason(exc: BaseException) -> str:
+    """What ``progress.json`` records about a build that ``exc`` ended: the signal's name, or the
+    error (one line)."""
+    if isinstance(exc, BuildInterrupted):
+        return signal.Signals(exc.signum).name
+    if isinstance(exc, KeyboardInterrupt):
+        return "SIGINT"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    reason = text if isinstance(exc, DataError) else f"{type(exc).__name__}: {text}".rstrip(": ")
+    return reason[:500]
+
+
+def restart_line(path: Path, data_file: str, earlier: Progress) -> str:
+    """The line a build that continues a committed partial build prints: "resuming" only after a
+    real interruption (a signal, or a run killed before it could record how it ended), else
+    "continuing" with the error that stopped the earlier run (a bad row in ``--bad_data error``
+    mode, a full disk, a bug)."""
+    where = f"{path.name}: the rows before were tokenized by an earlier run"
+    if earlier.data_file != data_file:
+        where += f" on {earlier.data_file} (the same bytes)"
+    at = f"cache build at row {earlier.rows:,} of {earlier.total_rows:,}"
+    if earlier.stopped is None:
+        return f"resuming {at} ({where}, interrupted before it could record how: killed, or its machine lost)"
+    if earlier.stopped in {s.name for s in STOP_SIGNALS}:
+        return f"resuming {at} ({where}, interrupted by {earlier.stopped})"
+    return f"continuing {at} ({where}, which stopped: {earlier.stopped})"
 
 
 def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, bad_data, progress) -> None:
@@ -317,6 +380,7 @@ def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, b
         )
     partial.finish({
         "version": CACHE_VERSION,
+        "tokens_version": TOKENS_VERSION,
         "data_file": str(path),
         "data_digest": partial.progress.data_digest,
         "max_seq_len": max_seq_len,
@@ -350,10 +414,37 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     check_data_file(path)
     digest = data_digest(path, cache_root)
     target = cache_root / cache_key(digest, tokenizer, max_seq_len)
+    if (target / "meta.json").is_file():
+        recorded = read_meta(target).get("tokens_version")
+        if recorded != TOKENS_VERSION:
+            print(f"{path.name}: the token cache {target} records tokens version {recorded}, not this code's "
+                  f"{TOKENS_VERSION}: building it again", file=sys.stderr, flush=True)
+            _remove_cache(target)
     if not (target / "meta.json").is_file():
+        _report_older_caches(path, digest, tokenizer, max_seq_len, cache_root)
         build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc)
     check_bad_data(read_meta(target), bad_data)
     return target
+
+
+def _report_older_caches(path: Path, digest: str, tokenizer, max_seq_len: int, cache_root: Path) -> None:
+    """Say why a cache of these same bytes, tokenizer and max_seq_len built by older code is not used."""
+    for version in range(1, TOKENS_VERSION):
+        older = cache_root / cache_key(digest, tokenizer, max_seq_len, tokens_version=version)
+        if (older / "meta.json").is_file():
+            print(f"{path.name}: not reusing the token cache {older}: it was built by older code (tokens version "
+                  f"{version}; this code tokenizes as version {TOKENS_VERSION}: {TOKENS_CHANGES[TOKENS_VERSION]}); "
+                  "building a new one (delete the old one once no older minisft uses it)", file=sys.stderr, flush=True)
+
+
+def _remove_cache(cache: Path) -> None:
+    """Move a finished cache out of the way (a rename, so no reader sees half of it), then delete it."""
+    aside = cache.with_name(f".removed-{cache.name}-{os.getpid()}")
+    try:
+        os.rename(cache, aside)
+    except FileNotFoundError:  # another process moved it first
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting

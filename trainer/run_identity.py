@@ -7,7 +7,8 @@ that these define, so a resume that changes one is refused with one line naming 
 - every training source: its files in order, each with the sha256 of its content (the token cache's
   digest, taken when the cache was opened) and its number of samples, and the source's weight as an
   exact fraction of the total (`1,1` and `0.5,0.5` are the same mixture, `1,1.000004` is not);
-- the tokenizer and chat template (their fingerprint).
+- the tokenizer and chat template (their fingerprint), and the version of the code that turns rows
+  into tokens (dataset.token_cache.TOKENS_VERSION).
 `save()` never reads the data files again: a file that is moved, deleted or grown while the run
 trains changes nothing in its checkpoints, and a resume over the changed data is refused.
 
@@ -27,6 +28,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from dataset.rendering import tokenizer_fingerprint
+from dataset.token_cache import TOKENS_VERSION
 
 RECORD_VERSION = 2
 
@@ -54,6 +56,7 @@ class RunIdentity:
     packing: int
     tokenizer: str  # fingerprint of the tokenizer and its chat template
     sources: tuple[SourceRecord, ...]
+    tokens_version: int = TOKENS_VERSION  # of the code that parsed, rendered and truncated the rows
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,7 +66,8 @@ class RunIdentity:
         sources = tuple(SourceRecord(source["spec"], source["weight"], source["share"],
                                      tuple(SourceFile(**file) for file in source["files"]), tuple(source["left_out"]))
                         for source in saved["sources"])
-        return cls(saved["seed"], saved["max_seq_len"], saved["packing"], saved["tokenizer"], sources)
+        return cls(saved["seed"], saved["max_seq_len"], saved["packing"], saved["tokenizer"], sources,
+                   saved["tokens_version"])
 
     def legacy_fixed(self) -> dict:
         """These facts as checkpoints from before this record stored them (`sample_stream["fixed"]`)."""
@@ -144,6 +148,9 @@ def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | No
     if before.tokenizer != now.tokenizer:
         return ("--tokenizer_path (tokenizer and chat template)", before.tokenizer, now.tokenizer,
                 "resume with the tokenizer it was trained with")
+    if before.tokens_version != now.tokens_version:
+        return ("the tokenizing code (dataset.token_cache.TOKENS_VERSION)", before.tokens_version,
+                now.tokens_version, "resume with the minisft version that wrote the checkpoint")
     if [source.share for source in before.sources] != [source.share for source in now.sources]:
         return ("--data_path weights", ",".join(exact(source.weight) for source in before.sources),
                 ",".join(exact(source.weight) for source in now.sources),

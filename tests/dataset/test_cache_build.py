@@ -197,10 +197,48 @@ def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cac
     encoded = counting_encoder(monkeypatch)
     resumed = SFTDataset(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
     assert sum(encoded) == 23 - 15  # the old code encoded all 23 again
-    assert "resuming cache build at row 15 of 23" in capsys.readouterr().err
+    assert ("continuing cache build at row 15 of 23 (r.jsonl: the rows before were tokenized by an earlier run, "
+            "which stopped: RuntimeError: injected failure)") in capsys.readouterr().err
     assert resumed.cache_path.name == whole.cache_path.name
     assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)  # tokens, masks, offsets, meta
     assert partials(cache_root) == []
+
+
+def test_a_restart_says_resuming_only_after_an_interrupted_build(tokenizer, tmp_path, monkeypatch, capsys):
+    """A build stopped by a bad row (--bad_data error) was not interrupted: its restart in skip mode
+    continues after the committed rows and says why the earlier run stopped. The old code said
+    "resuming ... interrupted run" for every restart. A SIGTERM is an interruption."""
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    lines = [chat_line(i) for i in range(23)]
+    lines[16] = '{"broken'
+    path = write_rows(tmp_path / "s.jsonl", lines)
+    with pytest.raises(DataError, match=f"^{path}:17: invalid JSON"):
+        SFTDataset(path, tokenizer, 64, num_proc=1)
+    capsys.readouterr()
+    SFTDataset(path, tokenizer, 64, num_proc=1, bad_data="skip")
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "cache build at row" in line]
+    assert line == (f"continuing cache build at row 15 of 23 (s.jsonl: the rows before were tokenized by an earlier "
+                    f"run, which stopped: {path}:17: invalid JSON (Invalid control character at at column 9))"), line
+
+    other = write_rows(tmp_path / "t.jsonl", [chat_line(i) for i in range(23)])
+    real = ENCODE_CHUNK
+    calls = []
+
+    def interrupted_at_the_fourth_chunk(task):
+        calls.append(task)
+        if len(calls) == 4:
+            raise token_cache.BuildInterrupted(signal.SIGTERM)
+        return real(task)
+
+    monkeypatch.setattr(token_cache, "_encode_chunk", interrupted_at_the_fourth_chunk)
+    with pytest.raises(token_cache.BuildInterrupted):
+        SFTDataset(other, tokenizer, 64, num_proc=1)
+    capsys.readouterr()
+    SFTDataset(other, tokenizer, 64, num_proc=1)
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "cache build at row" in line]
+    assert line == ("resuming cache build at row 15 of 23 (t.jsonl: the rows before were tokenized by an earlier run, "
+                    "interrupted by SIGTERM)"), line
 
 
 def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_path, monkeypatch):
@@ -271,7 +309,7 @@ def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monke
 
 
 @pytest.mark.slow
-def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, monkeypatch):
+def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, monkeypatch, capsys):
     rows = 600
     data = write_rows(tmp_path / "k9.jsonl", [chat_line(i) for i in range(rows)])
     cache_root = tmp_path / "cache"
@@ -299,11 +337,88 @@ def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, mon
 
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 20)
     encoded = counting_encoder(monkeypatch)
+    capsys.readouterr()
     resumed = SFTDataset(data, tokenizer, 64, cache_dir=cache_root, num_proc=1)
     assert sum(encoded) == rows - committed
+    assert (f"resuming cache build at row {committed} of {rows} (k9.jsonl: the rows before were tokenized by an earlier "
+            "run, interrupted before it could record how: killed, or its machine lost)") in capsys.readouterr().err
     whole = SFTDataset(data, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1)
     assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
     assert partials(cache_root) == []
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+def run_trainer_on(data: Path, cache_root: Path, save_dir: Path, prefix: tuple = (), preexec_fn=None):
+    return subprocess.run([*prefix, sys.executable, SCRIPT, *TINY, "--data_path", str(data), "--cache_dir", str(cache_root),
+                           "--save_dir", str(save_dir)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=300, preexec_fn=preexec_fn)
+
+
+def assert_one_line_write_error(result, cache_root: Path, cause: str) -> None:
+    """Exit 2 and one line naming the cache file that could not be written and why (no traceback);
+    the rows committed before stay for the next run."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    [partial] = partials(cache_root)
+    assert last == (f"error: could not write the token cache {cache_root / partial / 'cache' / 'tokens.bin'}: {cause} "
+                    "(the rows committed so far are kept for the next run)"), last
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_while_building_the_token_cache_is_one_line(tokenizer, tmp_path, capsys):
+    """RLIMIT_FSIZE below the size of tokens.bin: the write fails with EFBIG. Before: exit 1 and a
+    traceback ending in a bare "OSError: [Errno 27] File too large" (no file named). The next run,
+    with room, continues after the committed rows and says why the earlier one stopped."""
+    import resource
+
+    data = write_rows(tmp_path / "d.jsonl", [chat_line(i) for i in range(3000)])
+    limit = 64 * 1024  # far above the lock, progress.json and the digest memo; tokens.bin is ~150 KB
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cache_root = tmp_path / "cache"
+    result = run_trainer_on(data, cache_root, tmp_path / "out", preexec_fn=limit_file_size)
+    assert_one_line_write_error(result, cache_root, "File too large")
+    [partial] = partials(cache_root)
+    committed = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
+    assert committed["rows"] > 0 and committed["stopped"].startswith("could not write the token cache ")
+
+    capsys.readouterr()
+    resumed = SFTDataset(data, tokenizer, 512, cache_dir=cache_root, num_proc=1)
+    assert (f"continuing cache build at row {committed['rows']:,} of 3,000 (d.jsonl: the rows before were tokenized "
+            f"by an earlier run, which stopped: could not write the token cache ") in capsys.readouterr().err
+    whole = SFTDataset(data, tokenizer, 512, cache_dir=tmp_path / "whole", num_proc=1)
+    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
+
+
+def can_mount_a_private_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux" or not can_mount_a_private_tmpfs(),
+                    reason="needs unshare -Urm and a tmpfs mount in a private namespace")
+def test_a_full_disk_while_building_the_token_cache_is_one_line(tmp_path):
+    """--cache_dir on a 128 KiB tmpfs (mounted in a private user and mount namespace: nothing is left
+    mounted): ENOSPC. Before: three chained tracebacks, the write's, then the final commit's and the
+    close's (each flushing the same buffered bytes again)."""
+    data = write_rows(tmp_path / "d.jsonl", [chat_line(i) for i in range(3000)])
+    cache_root = tmp_path / "small_disk"
+    cache_root.mkdir()
+    mount = ("sh", "-c", 'mount -t tmpfs -o size=128k tmpfs "$0" && exec "$@"', str(cache_root))
+    result = run_trainer_on(data, cache_root, tmp_path / "out", prefix=("unshare", "-Urm", *mount))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "During handling" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: could not write the token cache {cache_root}/.partial-") and last.endswith(
+        ": No space left on device (the rows committed so far are kept for the next run)"), last
 
 
 # ----------------------------------------------------------------------------- no collective while building
@@ -387,6 +502,94 @@ def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashe
     second = SFTDataset(path, tokenizer, 64, num_proc=1)
     assert hashed == [path] and second.cache_path != first.cache_path
     assert token_cache.data_digest(path, path.parent / ".cache") == real_digest(path)
+
+
+def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noticed(tokenizer, tmp_path):
+    """What `rsync -a`, `cp -p` or `touch -r` leave: other bytes, the same size and mtime. The edit lies
+    between two of the cheap key's sampled blocks of a file over 1 MiB; the old key (size, mtime,
+    sampled blocks) took the file for the old one and reused the stale cache and digest."""
+    path = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(14_000)])
+    size = path.stat().st_size
+    assert size > 1.2 * token_cache.SAMPLED_BLOCKS * token_cache.SAMPLED_BLOCK_BYTES  # gaps between the blocks
+    first = SFTDataset(path, tokenizer, 64, num_proc=1)
+    old_digest = token_cache.data_digest(path, path.parent / ".cache")
+    stat = path.stat()
+    gap_start = size // token_cache.SAMPLED_BLOCKS + token_cache.SAMPLED_BLOCK_BYTES  # after block 1, before block 2
+    data = bytearray(path.read_bytes())
+    at = data.index(b"plus 1?", gap_start) - 2  # the last digit of "What is N plus 1?"
+    assert gap_start < at < 2 * size // token_cache.SAMPLED_BLOCKS
+    data[at] = ord("7") if data[at] != ord("7") else ord("3")
+    with open(path, "r+b") as f:  # in place: same inode, same size
+        f.write(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    assert token_cache.data_digest(path, path.parent / ".cache") == token_cache.file_digest(path) != old_digest
+    second = SFTDataset(path, tokenizer, 64, num_proc=1)
+    assert second.cache_path != first.cache_path
+
+
+# ----------------------------------------------------------------------------- one huge line
+
+
+def test_a_long_text_gives_the_tokens_of_the_whole_text(tokenizer, monkeypatch):
+    """A sample cut to max_seq_len tokens is tokenized from a prefix of its text (dataset/prefix_tokens.py),
+    not to its end, and gets the tokens and loss mask that tokenizing the whole text gives."""
+    import dataset.prefix_tokens as prefix_tokens
+    from dataset.formats import Conversation
+    from dataset.rendering import encode_conversation
+
+    texts = {
+        "english": " ".join(f"word{i} and the fox jumped over {i * 7} dogs." for i in range(3000)),
+        "chinese without spaces": "从前有一座山山里有一座庙庙里有一个老和尚在给小和尚讲故事" * 800,
+        "digits": "3141592653589793238462643383279502884197" * 600,
+        "whitespace runs": ("a  \n\n\t   b " * 4000),
+        "one long word": "x" * 60_000,
+        "special-token text in the data": "say <|im_end|> and <|im_start|>assistant\n then go on " * 2000,
+    }
+    seen: list[int] = []
+    real = prefix_tokens._encode
+    monkeypatch.setattr(prefix_tokens, "_encode", lambda tok, text, **kw: seen.append(len(text)) or real(tok, text, **kw))
+    for name, text in texts.items():
+        for conversation in (Conversation([{"role": "user", "content": "Go on."}, {"role": "assistant", "content": text}]),
+                             Conversation([{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}])):
+            for max_seq_len in (1, 64, 512):
+                seen.clear()
+                ids, mask = encode_conversation(tokenizer, conversation, max_seq_len)
+                assert max(seen, default=0) <= 4 * prefix_tokens.MIN_WINDOW_CHARS, (name, max_seq_len, seen)  # not the whole text
+                full_ids, full_mask = encode_conversation(tokenizer, conversation, 10**9)
+                assert len(full_ids) > 2 * max_seq_len
+                assert np.array_equal(ids, full_ids[:max_seq_len]), (name, max_seq_len)
+                assert np.array_equal(mask, full_mask[:max_seq_len]), (name, max_seq_len)
+
+
+PEAK_RSS_CODE = """
+import json, resource, sys
+from pathlib import Path
+import dataset.token_cache as token_cache
+from dataset import load_tokenizer
+tokenizer = load_tokenizer(None)
+rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024
+before = rss()
+token_cache.build_or_reuse(Path(sys.argv[1]), tokenizer, 512, Path(sys.argv[2]), "error", 1)
+print(json.dumps({"before_mib": before, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+"""
+
+
+@pytest.mark.slow
+def test_one_20_mb_line_is_built_in_a_small_multiple_of_its_size(tmp_path):
+    """One conversation whose reply is 20 MB, cut to 512 tokens: the build's peak RSS grows by about
+    150 MiB (the parsed and rendered copies of the text). Before, the whole text was tokenized
+    (8.2 million tokens as Python lists): 3.9 GiB more, and 35 s."""
+    data = tmp_path / "huge.jsonl"
+    reply = "The quick brown fox jumps over the lazy dog 12345. " * (20_000_000 // 51)
+    data.write_text(json.dumps({"conversations": [{"role": "user", "content": "Tell me everything."},
+                                                  {"role": "assistant", "content": reply}]}) + "\n", encoding="utf-8")
+    assert data.stat().st_size > 20_000_000
+    result = subprocess.run([sys.executable, "-c", PEAK_RSS_CODE, str(data), str(tmp_path / "cache")], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    assert measured["peak_mib"] - measured["before_mib"] < 600, measured
 
 
 # ----------------------------------------------------------------------------- .parquet
@@ -536,10 +739,10 @@ def test_a_parquet_value_json_has_no_type_for_makes_its_row_bad(tokenizer, tmp_p
 
 
 def test_a_cache_built_by_the_parser_before_its_fixes_is_not_reused(tokenizer, tmp_path, monkeypatch):
-    # Version 1 parsed '<think>' tags, NaN and parquet nulls otherwise: its caches hold other tokens.
+    # Version 2 parsed '<think>' tags, NaN and parquet nulls otherwise: its caches hold other tokens.
     path = write_rows(tmp_path / "a.jsonl", [chat_line(i) for i in range(3)])
     with monkeypatch.context() as patch:
-        patch.setattr(token_cache, "CACHE_VERSION", 1)
+        patch.setattr(token_cache, "TOKENS_VERSION", 2)
         old = SFTDataset(path, tokenizer, 64, num_proc=1).cache_path
     built = []
     real_build = token_cache.build_cache

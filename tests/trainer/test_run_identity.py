@@ -1,6 +1,7 @@
 """The run's identity (trainer/run_identity.py): computed once from the data the run opened, kept in
 every checkpoint, compared on resume; a checkpoint written by an earlier main still resumes exactly."""
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -80,6 +81,16 @@ def test_an_edited_file_and_another_sample_count_are_refused_naming_the_file(tmp
         run_identity.SourceRecord(before.sources[0].spec, 1.0, "1", (
             run_identity.SourceFile(str(path), before.sources[0].files[0].digest, 7),)),))
     assert f"(checkpoint {path} with 8 samples, now 7" in refusal(tmp_path, before, fewer)
+
+
+def test_a_resume_across_a_change_of_the_tokenizing_code_is_refused(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(demo_rows(0, 8), encoding="utf-8")
+    now = identity(tmp_path, str(path))
+    before = dataclasses.replace(now, tokens_version=now.tokens_version - 1)
+    assert refusal(tmp_path, before, now).startswith(
+        "cannot resume: the tokenizing code (dataset.token_cache.TOKENS_VERSION) differs from the checkpoint's run "
+        f"(checkpoint {now.tokens_version - 1}, now {now.tokens_version})")
 
 
 def start_and_stop(argv: list[str], while_training) -> str:
