@@ -12,7 +12,9 @@ from torch.utils.data import Dataset
 from model.loss import IGNORE_INDEX
 
 from .rendering import check_tokenizer, load_tokenizer
-from .token_cache import data_digest, default_cache_root, prepare_cache, read_meta
+from .digests import data_digest
+from .node_build import prepare_cache
+from .token_cache import default_cache_root, read_meta
 
 
 

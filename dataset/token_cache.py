@@ -15,7 +15,7 @@ over chunks of lines and appended to a partial build (``partial_build``): a kill
 the rows it committed and the next build of the same key continues after them; the finished
 cache is renamed into place, so a reader never sees a half-written cache. Under
 ``torch.distributed`` only local rank 0 builds, holding no collective: the other ranks wait on a
-status file (see ``prepare_cache``), so a build longer than the process group's timeout is
+status file (see ``node_build.prepare_cache``), so a build longer than the process group's timeout is
 fine, and an error raises the same ``DataError`` on all ranks instead of hanging them.
 
 SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (pool ended, finished rows kept for
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .digests import data_digest
 from .formats import DataError, LineError, parse_line
 from .partial_build import PartialBuild, Progress, remove_stale_partials, writing
 from .sources import check_data_file, open_lines
@@ -67,56 +68,6 @@ _worker_tokenizer = None  # set in each pool worker by _init_worker
 
 def default_num_proc() -> int:
     return min(8, os.cpu_count() or 1)
-
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-SAMPLED_BLOCKS = 16
-SAMPLED_BLOCK_BYTES = 1 << 16
-
-
-def cheap_file_key(path: Path) -> str:
-    """sha256 of the size, mtime, inode number, inode change time and ``SAMPLED_BLOCKS`` evenly spaced
-    blocks: reads ~1 MiB of any file.
-
-    The inode change time (``st_ctime_ns``) is what notices an edit that keeps the size and sets the
-    mtime back (``rsync -a``, ``cp -p``, ``touch -r``, ``os.utime``): the kernel sets it to the current
-    time at every write and at every ``utime`` itself, and no system call sets it to a chosen value. A
-    file replaced by another one (a new inode) changes the inode number. The device number is left
-    out: one shared file has other device numbers on other nodes, which share the memo."""
-    stat = path.stat()
-    digest = hashlib.sha256(f"{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}|{stat.st_ctime_ns}".encode())
-    with path.open("rb") as f:
-        for i in range(SAMPLED_BLOCKS):
-            f.seek(stat.st_size * i // SAMPLED_BLOCKS)
-            digest.update(f.read(SAMPLED_BLOCK_BYTES))
-    return digest.hexdigest()
-
-
-def data_digest(path: Path, cache_root: Path) -> str:
-    """The file's full sha256, hashed once per file version: memoized under ``cache_root/.digests``
-    by ``cheap_file_key`` (size, mtime, inode, inode change time, sampled blocks), so an unchanged
-    multi-GB file is not re-read at every start."""
-    memo = Path(cache_root) / ".digests" / cheap_file_key(path)
-    if memo.is_file():
-        return memo.read_text(encoding="utf-8").strip()
-    digest = file_digest(path)
-    tmp = memo.with_name(memo.name + f".tmp{os.getpid()}")
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(digest, encoding="utf-8")
-        os.replace(tmp, memo)
-    except OSError:  # a full disk, a read-only cache of finished caches: hashed again next time, nothing lost
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-    return digest
 
 
 def default_cache_root(data_path: Path, cache_dir) -> Path:
@@ -149,7 +100,7 @@ class BuildInterrupted(Exception):
 
 
 @contextlib.contextmanager
-def _interrupts_raise() -> Iterator[None]:
+def interrupts_raise() -> Iterator[None]:
     """While building, SIGTERM/SIGINT raise ``BuildInterrupted`` in this (main) thread.
 
     The trainer's own SIGTERM handler only sets a "stop at the next step" flag, which nothing
@@ -305,7 +256,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     pool = None
     stopped = None
     try:
-        with _interrupts_raise():
+        with interrupts_raise():
             if not partial.claim():
                 return  # another process finished it while we waited
             data_file = str(path.resolve())  # one name for the file however it is given
@@ -445,73 +396,3 @@ def _remove_cache(cache: Path) -> None:
     except FileNotFoundError:  # another process moved it first
         return
     shutil.rmtree(aside, ignore_errors=True)
-
-
-WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
-WAIT_POLL_S = 0.2
-
-
-def prepare_cache(
-    path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error", num_proc: int | None = None
-) -> Path:
-    """``build_or_reuse`` on this process, or on local rank 0 only under ``torch.distributed``.
-
-    The build holds no collective (NCCL's watchdog would kill the waiting ranks after the
-    process group's timeout): local rank 0 writes its outcome (cache path or error) to a status
-    file named by a nonce the ranks agree on first; the other ranks of its node poll for that
-    file, printing a line every ``WAIT_REPORT_S`` seconds. Only then, with everybody done, the
-    ranks gather the outcomes, so if any builder failed all ranks raise the same ``DataError``.
-    With NCCL, set the CUDA device before (the object collectives need it).
-    """
-    num_proc = num_proc or default_num_proc()
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)
-
-    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
-    nonce = [os.urandom(8).hex() if rank == 0 else None]
-    dist.broadcast_object_list(nonce)  # quick: nobody is building yet
-    status_file = Path(cache_root) / f".build-{nonce[0]}-rank{rank - local_rank}.json"
-    interrupted = None
-    if local_rank == 0:
-        try:
-            result = (None, str(build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)))
-        except BuildInterrupted as exc:
-            interrupted, result = exc, (f"rank {rank}: {exc}", None)
-        except DataError as exc:
-            result = (str(exc), None)
-        except Exception as exc:  # noqa: BLE001 - must reach the other ranks, not hang them
-            result = (f"building the token cache failed on rank {rank}: {type(exc).__name__}: {exc}", None)
-        _write_status(status_file, result)
-    else:
-        with _interrupts_raise():
-            result = _wait_for_status(status_file, rank)
-    results: list = [None] * dist.get_world_size()
-    dist.all_gather_object(results, result)  # everybody has finished waiting: this is quick
-    if local_rank == 0:
-        status_file.unlink(missing_ok=True)
-    errors = [error for error, _ in results if error is not None]
-    if interrupted is not None:
-        raise interrupted
-    if errors:
-        raise DataError(errors[0])
-    return Path(result[1])
-
-
-def _write_status(status_file: Path, result: tuple) -> None:
-    status_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = status_file.with_name(status_file.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(result), encoding="utf-8")
-    os.replace(tmp, status_file)
-
-
-def _wait_for_status(status_file: Path, rank: int) -> tuple:
-    start = last_report = time.monotonic()
-    while not status_file.is_file():
-        time.sleep(WAIT_POLL_S)
-        now = time.monotonic()
-        if now - last_report >= WAIT_REPORT_S:
-            last_report = now
-            print(f"rank {rank}: waiting for local rank 0 to build the token cache ({now - start:.0f} s)", flush=True)
-    return tuple(json.loads(status_file.read_text(encoding="utf-8")))

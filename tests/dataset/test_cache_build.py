@@ -17,6 +17,8 @@ import pytest
 
 import dataset.partial_build as partial_build
 import dataset.sources as sources
+import dataset.digests as digests
+import dataset.node_build as node_build
 import dataset.token_cache as token_cache
 from dataset import DataError, SFTDataset, load_tokenizer
 from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env
@@ -440,7 +442,7 @@ def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out
         real_build(*args, **kwargs)
 
     token_cache.build_cache = slow_build
-    token_cache.WAIT_REPORT_S = 1.0
+    node_build.WAIT_REPORT_S = 1.0
     result = {}
     with open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
         try:
@@ -491,8 +493,8 @@ def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashe
     path = write_rows(tmp_path / "k.jsonl", [chat_line(i) for i in range(6)])
     first = SFTDataset(path, tokenizer, 64, num_proc=1)
     hashed = []
-    real_digest = token_cache.file_digest
-    monkeypatch.setattr(token_cache, "file_digest", lambda p: hashed.append(p) or real_digest(p))
+    real_digest = digests.file_digest
+    monkeypatch.setattr(digests, "file_digest", lambda p: hashed.append(p) or real_digest(p))
     assert SFTDataset(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
     assert hashed == []  # the old code read the whole file at every start
     stat = path.stat()
@@ -501,7 +503,7 @@ def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashe
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     second = SFTDataset(path, tokenizer, 64, num_proc=1)
     assert hashed == [path] and second.cache_path != first.cache_path
-    assert token_cache.data_digest(path, path.parent / ".cache") == real_digest(path)
+    assert digests.data_digest(path, path.parent / ".cache") == real_digest(path)
 
 
 def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noticed(tokenizer, tmp_path):
@@ -510,20 +512,20 @@ def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noti
     sampled blocks) took the file for the old one and reused the stale cache and digest."""
     path = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(14_000)])
     size = path.stat().st_size
-    assert size > 1.2 * token_cache.SAMPLED_BLOCKS * token_cache.SAMPLED_BLOCK_BYTES  # gaps between the blocks
+    assert size > 1.2 * digests.SAMPLED_BLOCKS * digests.SAMPLED_BLOCK_BYTES  # gaps between the blocks
     first = SFTDataset(path, tokenizer, 64, num_proc=1)
-    old_digest = token_cache.data_digest(path, path.parent / ".cache")
+    old_digest = digests.data_digest(path, path.parent / ".cache")
     stat = path.stat()
-    gap_start = size // token_cache.SAMPLED_BLOCKS + token_cache.SAMPLED_BLOCK_BYTES  # after block 1, before block 2
+    gap_start = size // digests.SAMPLED_BLOCKS + digests.SAMPLED_BLOCK_BYTES  # after block 1, before block 2
     data = bytearray(path.read_bytes())
     at = data.index(b"plus 1?", gap_start) - 2  # the last digit of "What is N plus 1?"
-    assert gap_start < at < 2 * size // token_cache.SAMPLED_BLOCKS
+    assert gap_start < at < 2 * size // digests.SAMPLED_BLOCKS
     data[at] = ord("7") if data[at] != ord("7") else ord("3")
     with open(path, "r+b") as f:  # in place: same inode, same size
         f.write(data)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
-    assert token_cache.data_digest(path, path.parent / ".cache") == token_cache.file_digest(path) != old_digest
+    assert digests.data_digest(path, path.parent / ".cache") == digests.file_digest(path) != old_digest
     second = SFTDataset(path, tokenizer, 64, num_proc=1)
     assert second.cache_path != first.cache_path
 
@@ -565,6 +567,8 @@ def test_a_long_text_gives_the_tokens_of_the_whole_text(tokenizer, monkeypatch):
 PEAK_RSS_CODE = """
 import json, resource, sys
 from pathlib import Path
+import dataset.digests as digests
+import dataset.node_build as node_build
 import dataset.token_cache as token_cache
 from dataset import load_tokenizer
 tokenizer = load_tokenizer(None)

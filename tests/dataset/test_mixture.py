@@ -214,7 +214,7 @@ def test_with_packing_each_source_is_packed_into_rows_of_its_own(tmp_path):
 def test_the_resume_fingerprint_uses_the_token_caches_digests_not_a_new_hash(tmp_path, monkeypatch):
     import hashlib
 
-    import dataset.token_cache as token_cache
+    import dataset.digests as digests
 
     write_rows(tmp_path / "a.jsonl", [chat(i) for i in range(4)])
     train_data(str(tmp_path / "a.jsonl"), tmp_path / "cache")  # builds the cache, memoizes the digest
@@ -222,7 +222,7 @@ def test_the_resume_fingerprint_uses_the_token_caches_digests_not_a_new_hash(tmp
     def no_hashing(path):
         raise AssertionError(f"{path} hashed again")
 
-    monkeypatch.setattr(token_cache, "file_digest", no_hashing)
+    monkeypatch.setattr(digests, "file_digest", no_hashing)
     settings = train_data(str(tmp_path / "a.jsonl"), tmp_path / "cache").identity.legacy_fixed()
     assert settings["--data_path content"] == hashlib.sha256((tmp_path / "a.jsonl").read_bytes()).hexdigest()[:16]
     assert settings["--data_path weights"] == "1"

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import dataset.digests as digests
 import dataset.token_cache as token_cache
 from dataset import SFTDataset, load_tokenizer
 from dataset.rendering import tokenizer_fingerprint
@@ -71,7 +72,7 @@ def test_the_tokens_of_fixed_conversations_are_those_recorded_for_this_tokens_ve
 
 def legacy_key(data: Path, tokenizer, max_seq_len: int) -> str:
     """The key every build used before tokens were versioned: sha256 of v1|data sha256|tokenizer|max_seq_len."""
-    parts = ["v1", token_cache.file_digest(data), tokenizer_fingerprint(tokenizer), str(max_seq_len)]
+    parts = ["v1", digests.file_digest(data), tokenizer_fingerprint(tokenizer), str(max_seq_len)]
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
