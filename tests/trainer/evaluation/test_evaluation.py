@@ -266,7 +266,7 @@ def test_an_answer_is_right_by_its_calls_or_by_its_reply():
 def test_tool_call_accuracy_and_exact_match_are_counted_per_kind_of_turn(tmp_path, monkeypatch):
     """The held-out references come out of the token cache with their calls; answers that make
     the right calls / say the right reply count, the others do not."""
-    import trainer.evaluation as evaluation
+    import trainer.evaluation.evaluate as evaluation
     from dataset import load_tokenizer
     from trainer.data_setup import build_eval_sets
 
