@@ -13,6 +13,7 @@ import os
 import re
 
 from dataset.mixture import absolute_data_path, split_weight
+from trainer.evaluation.selection import flag_problems as selection_problems
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAIN_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_train.jsonl")
@@ -263,6 +264,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the answers of SAVE_DIR/best/ or model/ with scripts/eval_sft.py instead")
     if args.from_resume and args.resume_from:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
+    problems += selection_problems(args)  # before the data is read: a wrong combination fails in a second
     if problems:
         parser.error("; ".join(problems))
     if args.eval_data_path:  # several held-out files: a.jsonl,b.jsonl

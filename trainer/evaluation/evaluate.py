@@ -26,15 +26,13 @@ import numpy as np
 import torch
 
 from dataset import IGNORE_INDEX, model_inputs
-from dataset.mixture import short_names
 from dataset.tool_calls import calls_match, parse_reply
+from trainer.evaluation.selection import METRICS, eval_set_names  # noqa: F401 - eval_set_names re-exported
 from trainer.runtime.distributed import all_reduce_sum
 from trainer.runtime.precision import autocast
 
 # The sums kept per held-out file, in this order in the all-reduced tensor.
 SUMS = ("loss_sum", "tokens", "tokens_correct", "replies", "replies_correct", "tool_turns", "tool_turns_correct")
-# The figures reported, and whether a smaller value is better (for --keep_best).
-METRICS = {"eval_loss": "min", "eval_token_accuracy": "max", "eval_exact_match": "max", "eval_tool_call_accuracy": "max"}
 
 
 @dataclass
@@ -57,12 +55,6 @@ class EvalSet:
     examples: list[GenerationExample] = field(default_factory=list)  # this rank's share
     num_replies: int = 0  # in the whole generation subset (all ranks): answers judged by exact match
     num_tool_turns: int = 0  # ... and answers judged by tool-call accuracy
-
-
-def eval_set_names(paths: list[str]) -> list[str]:
-    """Short, distinct names for the held-out files: the file name without its data suffixes
-    (named like the training sources)."""
-    return short_names(paths, fallback="eval")
 
 
 def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, eos_token_id: int) -> tuple[int, int] | None:

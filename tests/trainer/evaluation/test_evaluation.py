@@ -136,16 +136,50 @@ def test_keep_best_of_a_metric_the_run_does_not_report_is_a_one_line_error(data,
 
     from train_full_sft import main
 
-    common = flags(data, tmp_path / "run", "--max_steps", "1")
+    # Only the data can tell: none of the first 3 held-out conversations calls a tool.
+    plain = [line for line in open(data / "train.jsonl", encoding="utf-8") if '"tool_calls"' not in line][:3]
+    (tmp_path / "plain.jsonl").write_text("".join(plain), encoding="utf-8")
     handler = signal.getsignal(signal.SIGTERM)
-    assert main([*common, "--eval_data_path", str(data / "eval.jsonl"), "--keep_best", "eval_exact_match"]) == 2
+    assert main(flags(data, tmp_path / "run", "--max_steps", "1", "--eval_data_path", str(tmp_path / "plain.jsonl"),
+                      "--eval_generate_samples", "3", "--keep_best", "eval_tool_call_accuracy")) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: --keep_best eval_exact_match: this run reports no such metric "
-        "(it reports: eval_loss, eval_token_accuracy)")
-    assert main([*common, "--early_stop_patience", "2"]) == 2
-    assert "--early_stop_patience needs --keep_best" in capsys.readouterr().err
+        "error: --keep_best eval_tool_call_accuracy: this run reports no such metric "
+        "(it reports: eval_loss, eval_token_accuracy, eval_exact_match)")
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
     signal.signal(signal.SIGTERM, handler)  # main() stopped before uninstalling its preemption handler
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--keep_best", "eval_loss"], "--keep_best eval_loss needs held-out data: give --eval_data_path"),
+    (["--early_stop_patience", "2"], "--early_stop_patience needs --keep_best METRIC (the metric that must improve)"),
+    (["--eval_data_path", "EVAL", "--keep_best", "eval_los"],
+     "--keep_best eval_los: unknown metric (use eval_loss, eval_token_accuracy, eval_exact_match, "
+     "eval_tool_call_accuracy, or KEY/NAME for one held-out file)"),
+    (["--eval_data_path", "EVAL", "--keep_best", "eval_exact_match"],
+     "--keep_best eval_exact_match needs --eval_generate_samples N (answers are generated only then)"),
+    (["--eval_data_path", "EVAL", "--keep_best", "eval_loss/eval"],
+     "--keep_best eval_loss/eval: no held-out file named 'eval' (a single held-out file has no per-file keys)"),
+    (["--eval_data_path", "EVAL,TRAIN", "--keep_best", "eval_loss/tools"],
+     "--keep_best eval_loss/tools: no held-out file named 'tools' (the held-out files are named eval, train)"),
+])
+def test_selection_flags_that_cannot_work_fail_before_the_data_is_read(data, tmp_path, capsys, extra, message):
+    """--keep_best / --early_stop_patience combinations the flags alone rule out are refused by
+    parse_args: one line, exit 2, before any token cache is built or the save dir is touched."""
+    import signal
+
+    from train_full_sft import main
+
+    extra = [part.replace("EVAL", str(data / "eval.jsonl")).replace("TRAIN", str(data / "train.jsonl"))
+             for part in extra]
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main(flags(data, tmp_path / "run", "--max_steps", "1", "--cache_dir", str(tmp_path / "cache"), *extra))
+    finally:
+        signal.signal(signal.SIGTERM, handler)  # main() stopped before uninstalling its preemption handler
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+    assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "run")
 
 
 # --------------------------------------------------------------------------- ranks share the work
