@@ -90,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     mdl.add_argument("--from_weight", default="none",
                      help="initial weights: none (from scratch); a MiniMind .pth state dict; a MiniMind name such as "
                           "pretrain (= SAVE_DIR/pretrain_HIDDEN[_moe].pth); an HF directory of this model or of "
-                          "Qwen3 / Qwen3-MoE (sharded too); a .safetensors file. The architecture comes from the "
-                          "weights (docs/weights.md)")
+                          "Qwen3 / Qwen3-MoE (sharded too); a .safetensors file; a resume checkpoint (its recorded "
+                          "tokenizer comes with it). The architecture comes from the weights (docs/weights.md). With "
+                          "--from_resume 1 / --resume_from and a checkpoint to continue, the checkpoint's weights win: "
+                          "these are not loaded (their architecture must still match), and the log says so")
     mdl.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0,
                      help="1 = recompute activations in backward (less memory, ~30%% more compute)")
     mdl.add_argument("--use_compile", type=int, choices=(0, 1), default=0,

@@ -24,15 +24,28 @@ MOE_ONLY_FLAGS = ("num_experts", "num_experts_per_tok", "aux_loss_coef")
 
 
 def read_initial_weights(args, log=print) -> Weights | None:
-    """The `--from_weight` weights (None: training from scratch); the log says which."""
-    if args.from_weight in ("none", ""):
-        resuming = args.resume_from or args.from_resume
-        log("weights: those of the resume checkpoint" if resuming else "weights: none, training from scratch")
-        return None
-    path = resolve_minimind_name(args.from_weight, args.save_dir, args.hidden_size, bool(args.use_moe))
-    weights = read_weights(path)
-    log(f"weights: {weights.source}")
+    """The `--from_weight` weights (None: training from scratch). The log says which, unless a
+    resume flag is given: whether a checkpoint is continued is known only later (`log_start_weights`)."""
+    weights = None
+    if args.from_weight not in ("none", ""):
+        weights = read_weights(resolve_minimind_name(args.from_weight, args.save_dir, args.hidden_size,
+                                                     bool(args.use_moe)))
+    if not (args.resume_from or args.from_resume):
+        log_start_weights(args, weights, None, log)
     return weights
+
+
+def log_start_weights(args, weights: Weights | None, saved: dict | None, log=print) -> None:
+    """One line: the weights the run starts from. A resume checkpoint wins over --from_weight, whose
+    weights are then not loaded (they only set the architecture, which the checkpoint must match)."""
+    if saved is not None:
+        ignored = (f"; --from_weight {args.from_weight} is ignored: the resume checkpoint's weights win"
+                   if weights is not None else "")
+        log(f"weights: those of the resume checkpoint (step {saved['step']}){ignored}")
+    elif weights is not None:
+        log(f"weights: {weights.source}")
+    else:
+        log("weights: none, training from scratch")
 
 
 def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
