@@ -67,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--eval_data_path", "--valid_data_path", default=None,
                       help="held-out jsonl file(s), comma-separated (each reported on its own); evaluated every "
                            "--eval_interval steps and at the end")
-    data.add_argument("--tokenizer_path", default=None, help="HF tokenizer dir; default: the shipped model/tokenizer")
+    data.add_argument("--tokenizer_path", default=None,
+                      help="HF tokenizer dir; default: the tokenizer of --from_weight (saved with it, or recorded by "
+                           "its resume checkpoint's run), else the shipped model/tokenizer. One that differs from the "
+                           "weights' own (vocabulary, special tokens or chat template) is refused")
     data.add_argument("--max_seq_len", type=int, default=512, help="samples are truncated to this many tokens")
     data.add_argument("--packing", type=int, choices=(0, 1), default=0,
                       help="1 = concatenate samples into rows of max_seq_len (attention kept per document)")
