@@ -7,9 +7,11 @@ lower for losses, higher for accuracies), rank 0 writes the inference weights to
 `--early_stop_patience N` stops the run after N evaluations in a row without improvement; every
 rank decides on the same all-reduced figures, so all stop at the same step, and the run saves.
 
-The state (best value and step, evaluations since) lives in `TrainState` and so in every resume
-checkpoint: a resumed run keeps comparing against the best of the run before. A resume to a
-step before the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
+The state (the metric, its best value and step, evaluations since) lives in `TrainState` and so in
+every resume checkpoint: a resumed run keeps comparing against the best of the run before. A resume
+with another --keep_best starts the selection afresh and moves the best/ of the other metric aside
+(trainer/loop/state.py), since values of two metrics cannot be compared. A resume to a step before
+the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def update_selection(state, metric: str, figures: dict, patience: int) -> tuple[
     value = figures.get(metric)
     if improves(value, state.best_value, metric_mode(metric)):
         state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
+        state.best_metric = metric
         return True, False
     state.evals_without_improvement += 1
     return False, bool(patience) and state.evals_without_improvement >= patience

@@ -273,6 +273,33 @@ def test_a_resumed_run_keeps_comparing_against_the_best_of_the_run_before(data, 
     assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["step"] == resumed[-1]["best_step"]
 
 
+def test_a_resume_with_another_keep_best_metric_starts_the_selection_afresh(data, tmp_path):
+    run = tmp_path / "run"
+    common = ["--batch_size", "8", "--eval_interval", "1", "--eval_data_path", str(data / "eval.jsonl")]
+    run_trainer(flags(data, run, *common, "--max_steps", "2", "--keep_best", "eval_loss"))
+    old_best = json.loads((run / "best" / "best.json").read_text())
+    # Token accuracy (about 0.1) compared with the best eval loss (about 8) would never "improve":
+    # patience 1 stopped the run at its first evaluation, and best/ kept the eval_loss model.
+    resumed = run_trainer(flags(data, run, *common, "--max_steps", "4", "--from_resume", "1",
+                                "--keep_best", "eval_token_accuracy", "--early_stop_patience", "1"))
+    evals, _ = eval_rows(run)
+    after = [row for row in evals if row["step"] > 2]
+    assert after[0]["step"] == 3 and after[0]["new_best"] and after[0]["best_metric"] == "eval_token_accuracy"
+    assert after[0]["best_value"] == after[0]["eval_token_accuracy"] and after[0]["best_step"] == 3
+    assert "stopped early" not in resumed.stdout and [row["step"] for row in after] == [3, 4]
+    notes = [line for line in resumed.stdout.splitlines() if line.startswith("--keep_best")]
+    assert len(notes) == 1 and notes[0].startswith(
+        f"--keep_best eval_token_accuracy: the checkpoint's best is of eval_loss ({old_best['value']:.4f} at step "
+        f"{old_best['step']}), which eval_token_accuracy cannot be compared with: the selection starts afresh; "
+        f"its best/ (of eval_loss) moved to {run / 'set_aside'}")
+    record = json.loads((run / "best" / "best.json").read_text())
+    assert record["metric"] == "eval_token_accuracy" and record["step"] >= 3
+    aside = [os.path.join(root, "best.json") for root, _, files in os.walk(run / "set_aside") if "best.json" in files]
+    assert len(aside) == 1 and json.loads(open(aside[0], encoding="utf-8").read()) == old_best
+    assert torch.load(checkpoint_at(run, 2), weights_only=True)["best_metric"] == "eval_loss"
+    assert torch.load(checkpoint_at(run, 4), weights_only=True)["best_metric"] == "eval_token_accuracy"
+
+
 # --------------------------------------------------------------------------- tool calls
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
