@@ -10,6 +10,7 @@ from dataset import load_tokenizer
 from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
 from model import MiniMindConfig, MiniMindForCausalLM
 from trainer.errors import ConfigError
+from trainer.evaluation.evaluate import stop_token_ids
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
 from trainer.weights.write import minimind_unsupported
 
@@ -113,10 +114,11 @@ def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
         num_experts_per_tok=args.num_experts_per_tok,
         router_aux_loss_coef=args.aux_loss_coef,
     )
+    stop_ids = stop_token_ids(tokenizer)  # the template's end-of-turn token first, then eos if another one
     tokens = dict(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=stop_ids[0] if len(stop_ids) == 1 else stop_ids,  # generation_config.json stops at each
     )
     if weights is None:
         try:

@@ -300,6 +300,62 @@ def test_a_resume_with_another_keep_best_metric_starts_the_selection_afresh(data
     assert torch.load(checkpoint_at(run, 4), weights_only=True)["best_metric"] == "eval_token_accuracy"
 
 
+# --------------------------------------------------------------------------- end of turn
+
+
+def test_a_tokenizer_whose_eos_is_not_the_end_of_turn_token_keeps_its_generation_prompts(data, tmp_path, capsys):
+    """A Qwen-base-like tokenizer: eos <|endoftext|>, while the template closes turns with <|im_end|>.
+    The prompts are still found, generation stops at either token, and the exported generation
+    config stops at both."""
+    from dataset import load_tokenizer
+    from trainer.data_setup import build_eval_sets
+
+    shipped = load_tokenizer(None)
+    shipped.eos_token = "<|endoftext|>"
+    shipped.save_pretrained(str(tmp_path / "tok"))
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tokenizer.eos_token_id == endoftext != im_end
+
+    args = SimpleNamespace(eval_data_path=str(data / "eval.jsonl"), max_seq_len=2048, bad_data="error",
+                           cache_dir=str(tmp_path / "cache"), packing=0, batch_size=4, eval_generate_samples=5,
+                           eval_max_new_tokens=4)
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx)
+    assert len(eval_set.examples) == 5  # was 0: the turns end with <|im_end|>, not with eos
+    assert "generation prompts" not in capsys.readouterr().out
+    args.eval_generate_samples = 40  # more than the file holds: one line says so
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx)
+    assert capsys.readouterr().out.splitlines() == [
+        "[eval] eval: 16 generation prompts of the 40 asked for (--eval_generate_samples): the file has only 16 "
+        "conversations"]
+
+    from trainer.evaluation.evaluate import end_of_turn_token_id, greedy_generate, stop_token_ids
+
+    assert end_of_turn_token_id(tokenizer) == im_end and stop_token_ids(tokenizer) == [im_end, endoftext]
+    assert stop_token_ids(load_tokenizer(None)) == [im_end]
+    # Generation stops at whichever stop token comes first.
+    seen = {}
+
+    def generate(input_ids, **settings):
+        seen.update(settings)
+        return torch.cat([input_ids, torch.tensor([[7, endoftext, 8, im_end], [7, 8, im_end, endoftext]])], dim=1)
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64), generate=generate,
+                            parameters=lambda: iter([torch.zeros(1)]))
+    assert greedy_generate(model, [[1, 5], [1, 6]], 0, stop_token_ids(tokenizer), 2, 4) == [[7], [7, 8]]
+    assert seen["eos_token_id"] == [im_end, endoftext]
+
+    # In a run: the held-out answers are generated and judged, and model/ stops at both tokens.
+    run = tmp_path / "run"
+    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tmp_path / "tok"),
+                      "--eval_data_path", str(data / "eval.jsonl"), "--eval_generate_samples", "2",
+                      "--eval_max_new_tokens", "2"))
+    evals, _ = eval_rows(run)
+    assert "eval_exact_match" in evals[-1] or "eval_tool_call_accuracy" in evals[-1]
+    assert json.loads((run / "model" / "generation_config.json").read_text())["eos_token_id"] == [im_end, endoftext]
+
+
 # --------------------------------------------------------------------------- tool calls
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
