@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     log = parser.add_argument_group("8. logging")
     log.add_argument("--log_interval", type=int, default=10, help="print and record figures every N optimizer steps")
     log.add_argument("--use_wandb", type=int, choices=(0, 1), default=0, nargs="?", const=1,
-                     help="1 (or bare --use_wandb) = also log to wandb (WANDB_MODE=offline works; a resumed run continues its wandb run)")
+                     help="1 (or bare --use_wandb) = also log to wandb (WANDB_MODE=offline works; a resumed run continues "
+                          "its wandb run; charts plot against the train/step metric, so steps logged again after a "
+                          "resume are kept)")
     log.add_argument("--wandb_project", default="minisft", help="wandb project")
     log.add_argument("--wandb_run_name", default=None, help="wandb run name")
     return parser
