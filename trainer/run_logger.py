@@ -107,6 +107,9 @@ class RunLogger:
         by_source = [(key.split("/", 1)[1], value) for key, value in figures.items() if key.startswith("loss/")]
         if by_source:  # several training sources (trainer/loop/source_losses.py)
             line += " | " + " ".join(f"{name} {format_figure(value, '.4f')}" for name, value in by_source)
+        if "resumed_at_step" in figures:  # the first window after a resume is shorter than --log_interval
+            steps = figures["loss_steps"]
+            line += f" | loss over {steps} step{'' if steps == 1 else 's'} since the resume at step {figures['resumed_at_step']}"
         if self.use_bar:
             self._update_bar(step, total_steps, line)
         else:

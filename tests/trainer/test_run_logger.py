@@ -60,3 +60,23 @@ def _no_wandb_run_left():
 
     if wandb.run is not None:
         wandb.finish()
+
+
+def test_the_first_loss_after_a_resume_says_it_averages_only_the_steps_since(data, tmp_path):
+    import json
+    import os
+
+    from tests.helpers.trainer_launch import flags, run_trainer
+
+    run = tmp_path / "run"
+    common = ["--batch_size", "8", "--log_interval", "4"]
+    run_trainer(flags(data, run, *common, "--max_steps", "3"))  # a checkpoint of step 3
+    resumed = run_trainer(flags(data, run, *common, "--max_steps", "8", "--from_resume", "1"))
+    lines = [line for line in resumed.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["4/8", "8/8"]
+    assert lines[0].endswith(" | loss over 1 step since the resume at step 3")
+    assert "since the resume" not in lines[1]
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"), encoding="utf-8")]
+    after = [row for row in rows if row["kind"] == "train" and row["step"] > 3]
+    assert (after[0]["step"], after[0]["resumed_at_step"], after[0]["loss_steps"]) == (4, 3, 1)
+    assert "resumed_at_step" not in after[1] and "loss_steps" not in after[1]
