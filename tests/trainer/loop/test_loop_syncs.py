@@ -16,9 +16,8 @@ from dataset import SFTCollator
 from tests.model.test_model import tiny_model
 from tests.helpers.trainer_launch import REPO
 from trainer.runtime.distributed import DistContext
-from trainer.checkpoint.single_file import save
 from trainer.errors import TrainingError
-from trainer.loop.loop import agree_on_step, evaluate_and_select, optimizer_step, settle_weights_check
+from trainer.loop.loop import agree_on_step, evaluate_and_select, optimizer_step, save, settle_weights_check
 from trainer.loop.state import Run
 from trainer.model_setup import build_optimizer
 from trainer.runtime.precision import build_grad_scaler
