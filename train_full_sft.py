@@ -40,7 +40,8 @@ from trainer.evaluation.selection import check_selection
 from trainer.loop.loop import train
 from trainer.loop.state import Run, restore
 from trainer.model_setup import (
-    build_model, build_model_config, build_optimizer, compile_model, load_tokenizer_for_weights, read_initial_weights,
+    build_model, build_model_config, build_optimizer, compile_model, load_tokenizer_for_weights, log_start_weights,
+    read_initial_weights,
 )
 from trainer.parallel import build_parallelism
 from trainer.run_logger import RunLogger, check_wandb_login
@@ -116,6 +117,8 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     tokenizer, tokenizer_path = load_tokenizer_for_weights(args, weights, log)
     config = build_model_config(args, tokenizer, weights)
     saved = locate_resume(args, config, ctx, log)
+    if args.resume_from or args.from_resume:
+        log_start_weights(args, weights, saved, log)
 
     # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch; the
     # run's identity (what defines its sample stream), from the data opened, kept in every checkpoint.
@@ -124,7 +127,8 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     check_selection(args, metric_names(eval_sets))
 
     # 5. Model, its DDP (or --fsdp 1: FSDP2) wrapper, optimizer and mixed precision, resume state.
-    model = build_model(args, config, ctx.device, weights)
+    model = build_model(args, config, ctx.device, weights if saved is None else None)  # a resume loads its own
+    del weights
     dtype = resolve_dtype(args.dtype, ctx.device, log)
     parallel = build_parallelism(args, ctx, dtype)
     wrapped = parallel.wrap(model)  # DDP around the model, or the model itself sharded in place

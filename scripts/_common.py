@@ -121,10 +121,13 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list | None = None, **tem
 
 
 def generation_kwargs(tokenizer, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
-    """``model.generate`` settings: greedy when ``temperature`` is 0, else nucleus sampling; stop at eos."""
+    """``model.generate`` settings: greedy when ``temperature`` is 0, else nucleus sampling; stop at the
+    template's end-of-turn token or eos (``stop_token_ids``)."""
+    from trainer.evaluation.evaluate import stop_token_ids
+
     settings = dict(
         max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=stop_token_ids(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         do_sample=temperature > 0,
     )

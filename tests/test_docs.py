@@ -134,3 +134,11 @@ def test_no_tracked_file_holds_merge_conflict_markers():
         if lines:
             bad.append(f"{name} (line {', '.join(map(str, lines))})")
     assert not bad, f"merge-conflict markers committed in: {'; '.join(bad)}"
+
+
+def test_the_reliability_page_counts_its_own_rows():
+    text = open(os.path.join(REPO, "docs", "reliability.md"), encoding="utf-8").read()
+    rows = [line for line in text.splitlines()
+            if line.startswith("| ") and not re.match(r"\| (Fault|Case) \|", line)]
+    stated = re.search(r"The tables below list (\d+) cases", text)
+    assert stated and int(stated.group(1)) == len(rows), f"docs/reliability.md has {len(rows)} rows"

@@ -13,6 +13,7 @@ import os
 import re
 
 from dataset.mixture import absolute_data_path, split_weight
+from trainer.evaluation.selection import flag_problems as selection_problems
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAIN_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_train.jsonl")
@@ -66,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--eval_data_path", "--valid_data_path", default=None,
                       help="held-out jsonl file(s), comma-separated (each reported on its own); evaluated every "
                            "--eval_interval steps and at the end")
-    data.add_argument("--tokenizer_path", default=None, help="HF tokenizer dir; default: the shipped model/tokenizer")
+    data.add_argument("--tokenizer_path", default=None,
+                      help="HF tokenizer dir; default: the tokenizer of --from_weight (saved with it, or recorded by "
+                           "its resume checkpoint's run), else the shipped model/tokenizer. One that differs from the "
+                           "weights' own (vocabulary, special tokens or chat template) is refused")
     data.add_argument("--max_seq_len", type=int, default=512, help="samples are truncated to this many tokens")
     data.add_argument("--packing", type=int, choices=(0, 1), default=0,
                       help="1 = concatenate samples into rows of max_seq_len (attention kept per document)")
@@ -89,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     mdl.add_argument("--from_weight", default="none",
                      help="initial weights: none (from scratch); a MiniMind .pth state dict; a MiniMind name such as "
                           "pretrain (= SAVE_DIR/pretrain_HIDDEN[_moe].pth); an HF directory of this model or of "
-                          "Qwen3 / Qwen3-MoE (sharded too); a .safetensors file. The architecture comes from the "
-                          "weights (docs/weights.md)")
+                          "Qwen3 / Qwen3-MoE (sharded too); a .safetensors file; a resume checkpoint (its recorded "
+                          "tokenizer comes with it). The architecture comes from the weights (docs/weights.md). With "
+                          "--from_resume 1 / --resume_from and a checkpoint to continue, the checkpoint's weights win: "
+                          "these are not loaded (their architecture must still match), and the log says so")
     mdl.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0,
                      help="1 = recompute activations in backward (less memory, ~30%% more compute)")
     mdl.add_argument("--use_compile", type=int, choices=(0, 1), default=0,
@@ -145,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     log = parser.add_argument_group("8. logging")
     log.add_argument("--log_interval", type=int, default=10, help="print and record figures every N optimizer steps")
     log.add_argument("--use_wandb", type=int, choices=(0, 1), default=0, nargs="?", const=1,
-                     help="1 (or bare --use_wandb) = also log to wandb (WANDB_MODE=offline works; a resumed run continues its wandb run)")
+                     help="1 (or bare --use_wandb) = also log to wandb (WANDB_MODE=offline works; a resumed run continues "
+                          "its wandb run; charts plot against the train/step metric, so steps logged again after a "
+                          "resume are kept)")
     log.add_argument("--wandb_project", default="minisft", help="wandb project")
     log.add_argument("--wandb_run_name", default=None, help="wandb run name")
     return parser
@@ -263,6 +271,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the answers of SAVE_DIR/best/ or model/ with scripts/eval_sft.py instead")
     if args.from_resume and args.resume_from:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
+    problems += selection_problems(args)  # before the data is read: a wrong combination fails in a second
     if problems:
         parser.error("; ".join(problems))
     if args.eval_data_path:  # several held-out files: a.jsonl,b.jsonl

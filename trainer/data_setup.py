@@ -134,6 +134,12 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
             num_workers=0,
         )
         examples = generation_examples(samples, args.eval_generate_samples, tokenizer)
+        if len(examples) < args.eval_generate_samples and ctx.rank == 0:
+            why = (f"the file has only {len(samples)} conversations" if len(examples) == len(samples) else
+                   f"only {len(examples)} of its {len(samples)} conversations end with a whole assistant turn "
+                   "(the others were cut by --max_seq_len)")
+            print(f"[eval] {name}: {len(examples)} generation prompts of the {args.eval_generate_samples} asked for "
+                  f"(--eval_generate_samples): {why}", flush=True)
         tool_turns = sum(bool(example.reference_calls) for example in examples)
         forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
         eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size],

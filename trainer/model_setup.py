@@ -7,8 +7,10 @@ import os
 import torch
 
 from dataset import load_tokenizer
+from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
 from model import MiniMindConfig, MiniMindForCausalLM
 from trainer.errors import ConfigError
+from trainer.evaluation.evaluate import stop_token_ids
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
 from trainer.weights.write import minimind_unsupported
 
@@ -24,30 +26,67 @@ MOE_ONLY_FLAGS = ("num_experts", "num_experts_per_tok", "aux_loss_coef")
 
 
 def read_initial_weights(args, log=print) -> Weights | None:
-    """The `--from_weight` weights (None: training from scratch); the log says which."""
-    if args.from_weight in ("none", ""):
-        resuming = args.resume_from or args.from_resume
-        log("weights: those of the resume checkpoint" if resuming else "weights: none, training from scratch")
-        return None
-    path = resolve_minimind_name(args.from_weight, args.save_dir, args.hidden_size, bool(args.use_moe))
-    weights = read_weights(path)
-    log(f"weights: {weights.source}")
+    """The `--from_weight` weights (None: training from scratch). The log says which, unless a
+    resume flag is given: whether a checkpoint is continued is known only later (`log_start_weights`)."""
+    weights = None
+    if args.from_weight not in ("none", ""):
+        weights = read_weights(resolve_minimind_name(args.from_weight, args.save_dir, args.hidden_size,
+                                                     bool(args.use_moe)))
+    if not (args.resume_from or args.from_resume):
+        log_start_weights(args, weights, None, log)
     return weights
 
 
+def log_start_weights(args, weights: Weights | None, saved: dict | None, log=print) -> None:
+    """One line: the weights the run starts from. A resume checkpoint wins over --from_weight, whose
+    weights are then not loaded (they only set the architecture, which the checkpoint must match)."""
+    if saved is not None:
+        ignored = (f"; --from_weight {args.from_weight} is ignored: the resume checkpoint's weights win"
+                   if weights is not None else "")
+        log(f"weights: those of the resume checkpoint (step {saved['step']}){ignored}")
+    elif weights is not None:
+        log(f"weights: {weights.source}")
+    else:
+        log("weights: none, training from scratch")
+
+
+def weights_tokenizer(weights: Weights | None) -> tuple[bool, str | None, str]:
+    """(whether the weights name their tokenizer, its directory (None: the shipped one), how they name it):
+    the tokenizer saved with an HF directory, or the one a resume checkpoint's run recorded (its
+    args["tokenizer_path"]), as inference (scripts/chat.py, eval_sft.py, export_hf.py) finds it."""
+    if weights is None:
+        return False, None, ""
+    if weights.tokenizer_dir:
+        return True, weights.tokenizer_dir, "saved with the weights"
+    if weights.run_args is not None:
+        return True, weights.run_args.get("tokenizer_path"), "recorded by the resume checkpoint's run"
+    return False, None, ""
+
+
 def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
-    """(tokenizer, where it came from): `--tokenizer_path`, else the tokenizer saved with the weights,
+    """(tokenizer, where it came from): `--tokenizer_path`, else the weights' own (`weights_tokenizer`),
     else the shipped one (path None). The path is recorded in the resume checkpoints, where inference
-    looks for it. An explicit tokenizer whose vocabulary differs from the one saved with the weights
-    is refused."""
-    own = weights.tokenizer_dir if weights is not None else None
+    looks for it. An explicit tokenizer that is not the weights' own is refused: they are compared by
+    fingerprint (vocabulary, special tokens, chat template), not by size. A recorded tokenizer that
+    is gone is refused unless --tokenizer_path names one."""
+    known, own, how = weights_tokenizer(weights)
+    if known and own and not os.path.isdir(own):
+        if not args.tokenizer_path:
+            raise ConfigError(f"{weights.source}: the tokenizer its run recorded, {own}, is gone; give "
+                              "--tokenizer_path DIR (that tokenizer or a copy of it)")
+        log(f"warning: the tokenizer recorded by {weights.source} ({own}) is gone: --tokenizer_path "
+            f"{args.tokenizer_path} is used unchecked")
+        known = False
     path = args.tokenizer_path or own
     tokenizer = load_tokenizer(path)
-    if own and args.tokenizer_path and os.path.realpath(own) != os.path.realpath(args.tokenizer_path):
-        if tokenizer.get_vocab() != load_tokenizer(own).get_vocab():
-            raise ConfigError(f"--tokenizer_path {args.tokenizer_path} has another vocabulary than the tokenizer "
-                              f"saved with the weights ({own}); leave --tokenizer_path out to use that one")
-    origin = "--tokenizer_path" if args.tokenizer_path else ("saved with the weights" if own else "the shipped default")
+    if known and args.tokenizer_path and os.path.realpath(own or DEFAULT_TOKENIZER_DIR) != os.path.realpath(path):
+        theirs = load_tokenizer(own)
+        if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(theirs):
+            what = ("another vocabulary" if tokenizer.get_vocab() != theirs.get_vocab()
+                    else "another chat template or other special tokens")
+            raise ConfigError(f"--tokenizer_path {args.tokenizer_path} has {what} than the tokenizer {how} "
+                              f"({own or 'the shipped model/tokenizer'}); leave --tokenizer_path out to use that one")
+    origin = "--tokenizer_path" if args.tokenizer_path else (how if known else "the shipped default")
     log(f"tokenizer: {path or 'model/tokenizer'} ({origin}, {len(tokenizer)} tokens)")
     return tokenizer, path
 
@@ -75,10 +114,11 @@ def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
         num_experts_per_tok=args.num_experts_per_tok,
         router_aux_loss_coef=args.aux_loss_coef,
     )
+    stop_ids = stop_token_ids(tokenizer)  # the template's end-of-turn token first, then eos if another one
     tokens = dict(
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=stop_ids[0] if len(stop_ids) == 1 else stop_ids,  # generation_config.json stops at each
     )
     if weights is None:
         try:
@@ -91,8 +131,8 @@ def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
     for name, value in tokens.items():
         setattr(config, name, value)
     check_flags_against_weights(args, config, weights.source)
-    # The weights' own tokenizer (or one with its very vocabulary) may be smaller than a padded vocab_size.
-    own_tokenizer = weights.tokenizer_dir is not None
+    # The weights' own tokenizer (or one with its very fingerprint) may be smaller than a padded vocab_size.
+    own_tokenizer = weights_tokenizer(weights)[0]
     if len(tokenizer) > config.vocab_size or (len(tokenizer) != config.vocab_size and not own_tokenizer):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the weights' vocab_size is "
                           f"{config.vocab_size} ({weights.source}): use the tokenizer the weights were trained with")

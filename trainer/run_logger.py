@@ -16,6 +16,10 @@ from urllib.parse import urlparse
 from trainer.errors import LoggingError
 
 WANDB_MODES_WITHOUT_LOGIN = ("offline", "dryrun", "disabled")
+# Every wandb row carries the optimizer step as this metric, the x-axis of every chart. wandb's own
+# step only counts rows (it must only increase): a resume to an earlier checkpoint logs steps again,
+# which an explicit `step=` would make wandb drop.
+WANDB_STEP_METRIC = "train/step"
 
 
 def check_wandb_login(args) -> None:
@@ -87,6 +91,8 @@ class RunLogger:
             raise LoggingError(f"--use_wandb 1: wandb could not start ({detail}); set WANDB_MODE=offline "
                                "to log locally and `wandb sync` later") from error
         self.wandb_run_id = run_id
+        self.wandb.define_metric(WANDB_STEP_METRIC)
+        self.wandb.define_metric("*", step_metric=WANDB_STEP_METRIC)
 
     def log_train(self, step: int, total_steps: int, epoch: int, epochs: int, figures: dict, eta_s: float) -> None:
         if not self.enabled:
@@ -101,6 +107,9 @@ class RunLogger:
         by_source = [(key.split("/", 1)[1], value) for key, value in figures.items() if key.startswith("loss/")]
         if by_source:  # several training sources (trainer/loop/source_losses.py)
             line += " | " + " ".join(f"{name} {format_figure(value, '.4f')}" for name, value in by_source)
+        if "resumed_at_step" in figures:  # the first window after a resume is shorter than --log_interval
+            steps = figures["loss_steps"]
+            line += f" | loss over {steps} step{'' if steps == 1 else 's'} since the resume at step {figures['resumed_at_step']}"
         if self.use_bar:
             self._update_bar(step, total_steps, line)
         else:
@@ -143,7 +152,8 @@ class RunLogger:
             raise LoggingError(f"could not write {self.metrics_path}: {error.strerror or error}") from error
         if self.wandb is not None:
             figures = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "time")}
-            self.wandb.log(figures, step=row["step"])  # numbers only (not kind, best_metric)
+            # numbers only (not kind, best_metric); wandb counts its own step (see WANDB_STEP_METRIC)
+            self.wandb.log({WANDB_STEP_METRIC: row["step"], **figures})
 
     def _update_bar(self, step: int, total_steps: int, line: str) -> None:
         from tqdm import tqdm

@@ -5,8 +5,9 @@ For every held-out file (`--eval_data_path a.jsonl,b.jsonl`), on every `--eval_i
 * loss: mean cross-entropy over all loss (assistant) tokens, token-weighted;
 * token accuracy: the fraction of those tokens whose greedy (argmax) prediction is the label;
 * with `--eval_generate_samples N`: the first N conversations of the file are answered greedily
-  (at most `--eval_max_new_tokens` tokens). The prompt is the sample's tokens before its last
-  assistant turn, the reference is that turn; reasoning (`<think>...</think>`) is split off both
+  (at most `--eval_max_new_tokens` tokens, stopping at the template's end-of-turn token or eos,
+  `stop_token_ids`). The prompt is the sample's tokens before its last assistant turn, the
+  reference is that turn; reasoning (`<think>...</think>`) is split off both
   (`dataset.tool_calls`). Exact match (turns without tool calls): the reply equals the reference,
   whitespace stripped at both ends, and calls no tool. Tool-call accuracy (turns with tool
   calls): the same calls, names equal and arguments JSON-equal, in any order.
@@ -26,15 +27,13 @@ import numpy as np
 import torch
 
 from dataset import IGNORE_INDEX, model_inputs
-from dataset.mixture import short_names
 from dataset.tool_calls import calls_match, parse_reply
+from trainer.evaluation.selection import METRICS, eval_set_names  # noqa: F401 - eval_set_names re-exported
 from trainer.runtime.distributed import all_reduce_sum
 from trainer.runtime.precision import autocast
 
 # The sums kept per held-out file, in this order in the all-reduced tensor.
 SUMS = ("loss_sum", "tokens", "tokens_correct", "replies", "replies_correct", "tool_turns", "tool_turns_correct")
-# The figures reported, and whether a smaller value is better (for --keep_best).
-METRICS = {"eval_loss": "min", "eval_token_accuracy": "max", "eval_exact_match": "max", "eval_tool_call_accuracy": "max"}
 
 
 @dataclass
@@ -59,16 +58,37 @@ class EvalSet:
     num_tool_turns: int = 0  # ... and answers judged by tool-call accuracy
 
 
-def eval_set_names(paths: list[str]) -> list[str]:
-    """Short, distinct names for the held-out files: the file name without its data suffixes
-    (named like the training sources)."""
-    return short_names(paths, fallback="eval")
+# A private-use character no template emits: marks where the reply's text ends in a rendering.
+PROBE = "\ue000"
 
 
-def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, eos_token_id: int) -> tuple[int, int] | None:
-    """[start, end) of the last run of loss tokens, if it ends with the end-of-turn token (not truncated)."""
+def end_of_turn_token_id(tokenizer) -> int | None:
+    """The token that closes an assistant turn in the tokenizer's chat template (ChatML:
+    `<|im_end|>`), which need not be its eos (Qwen base tokenizers: `<|endoftext|>`): a conversation
+    of one exchange is rendered, and the first special token after the reply is taken. None when the
+    template closes the turn with no special token."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": PROBE}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    special = set(tokenizer.all_special_ids) | {
+        token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+    for token_id in tokenizer(text[text.rindex(PROBE) + len(PROBE):], add_special_tokens=False)["input_ids"]:
+        if token_id in special:
+            return token_id
+    return None
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Where an answer ends: the template's end-of-turn token, and eos where that is another token."""
+    found = [end_of_turn_token_id(tokenizer), tokenizer.eos_token_id]
+    return list(dict.fromkeys(token_id for token_id in found if token_id is not None))
+
+
+def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, stop_ids) -> tuple[int, int] | None:
+    """[start, end) of the last run of loss tokens, if it ends with an end-of-turn token (one of
+    `stop_ids`, an id or a list of ids; not truncated)."""
+    stop_ids = {stop_ids} if isinstance(stop_ids, int) else set(stop_ids)
     positions = np.flatnonzero(labels != IGNORE_INDEX)
-    if len(positions) == 0 or input_ids[positions[-1]] != eos_token_id:
+    if len(positions) == 0 or int(input_ids[positions[-1]]) not in stop_ids:
         return None
     gaps = np.flatnonzero(np.diff(positions) > 1)
     start = int(positions[gaps[-1] + 1]) if len(gaps) else int(positions[0])
@@ -79,13 +99,13 @@ def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, eos_token_id:
 
 def generation_examples(dataset, count: int, tokenizer) -> list[GenerationExample]:
     """The first `count` usable samples of an (unpacked) SFT dataset as prompts and references."""
-    eos_token_id = tokenizer.eos_token_id
+    stop_ids = stop_token_ids(tokenizer) if count else []
     examples = []
     for index in range(len(dataset)):
         if len(examples) >= count:
             break
         sample = dataset[index]
-        span = last_assistant_turn(sample["input_ids"], sample["labels"], eos_token_id)
+        span = last_assistant_turn(sample["input_ids"], sample["labels"], stop_ids)
         if span is not None:
             start, end = span
             ids = sample["input_ids"].tolist()
@@ -111,11 +131,12 @@ def metric_names(eval_sets: list[EvalSet]) -> list[str]:
 
 
 @torch.no_grad()
-def greedy_generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int, batch_size: int,
-                    max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations (token ids, up to and without eos) of all prompts, batched with left
-    padding, longest prompts first. A prompt longer than the model's context minus
-    `max_new_tokens` keeps its end."""
+def greedy_generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int | list[int],
+                    batch_size: int, max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (token ids, up to and without the first stop token: `eos_token_id`, an id
+    or a list such as `stop_token_ids`) of all prompts, batched with left padding, longest prompts
+    first. A prompt longer than the model's context minus `max_new_tokens` keeps its end."""
+    stop_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     context = model.config.max_position_embeddings
     if max_new_tokens >= context:
         raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
@@ -135,13 +156,12 @@ def greedy_generate(model, prompts: list[list[int]], pad_token_id: int, eos_toke
             attention_mask[row, width - len(ids):] = 1
         output = model.generate(
             input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            do_sample=False, eos_token_id=stop_ids, pad_token_id=pad_token_id,
         )
         for row, index in enumerate(chunk):
             generated = output[row, width:].tolist()
-            if eos_token_id in generated:
-                generated = generated[: generated.index(eos_token_id)]
-            answers[index] = generated
+            ends = [generated.index(token_id) for token_id in stop_ids if token_id in generated]
+            answers[index] = generated[: min(ends)] if ends else generated
     return answers
 
 
@@ -208,7 +228,7 @@ def set_sums(run, eval_set: EvalSet) -> torch.Tensor:
     if eval_set.examples:
         with autocast(device, run.dtype):
             answers = greedy_generate(model, [e.prompt_ids for e in eval_set.examples], run.tokenizer.pad_token_id,
-                                      run.tokenizer.eos_token_id, args.batch_size, args.eval_max_new_tokens)
+                                      stop_token_ids(run.tokenizer), args.batch_size, args.eval_max_new_tokens)
         for answer, example in zip(answers, eval_set.examples):
             right = answer_is_right(run.tokenizer.decode(answer, skip_special_tokens=True), example.reference,
                                     example.reference_calls)

@@ -7,16 +7,29 @@ lower for losses, higher for accuracies), rank 0 writes the inference weights to
 `--early_stop_patience N` stops the run after N evaluations in a row without improvement; every
 rank decides on the same all-reduced figures, so all stop at the same step, and the run saves.
 
-The state (best value and step, evaluations since) lives in `TrainState` and so in every resume
-checkpoint: a resumed run keeps comparing against the best of the run before. A resume to a
-step before the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
+The state (the metric, its best value and step, evaluations since) lives in `TrainState` and so in
+every resume checkpoint: a resumed run keeps comparing against the best of the run before. A resume
+with another --keep_best starts the selection afresh and moves the best/ of the other metric aside
+(trainer/loop/state.py), since values of two metrics cannot be compared. A resume to a step before
+the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 
+from dataset.mixture import short_names
 from trainer.errors import SelectionError
+
+# The figures an evaluation reports, and whether a smaller value is better.
+METRICS = {"eval_loss": "min", "eval_token_accuracy": "max", "eval_exact_match": "max", "eval_tool_call_accuracy": "max"}
+GENERATED = ("eval_exact_match", "eval_tool_call_accuracy")  # reported only with --eval_generate_samples
+
+
+def eval_set_names(paths: list[str]) -> list[str]:
+    """Short, distinct names for the held-out files: the file name without its data suffixes
+    (named like the training sources); a per-file metric is KEY/NAME."""
+    return short_names(paths, fallback="eval")
 
 
 def metric_mode(metric: str) -> str:
@@ -32,15 +45,35 @@ def improves(value: float | None, best: float | None, mode: str) -> bool:
     return value < best if mode == "min" else value > best
 
 
+def flag_problems(args) -> list[str]:
+    """What the flags alone say about --keep_best / --early_stop_patience, checked by parse_args
+    before any slow work (the data is not read yet; `check_selection` checks the rest later)."""
+    metric = args.keep_best
+    if not metric:
+        return ["--early_stop_patience needs --keep_best METRIC (the metric that must improve)"] \
+            if args.early_stop_patience else []
+    paths = [path for path in (args.eval_data_path or "").split(",") if path]
+    if not paths:
+        return [f"--keep_best {metric} needs held-out data: give --eval_data_path"]
+    key, _, name = metric.partition("/")
+    if key not in METRICS:
+        return [f"--keep_best {metric}: unknown metric (use {', '.join(METRICS)}, or KEY/NAME for one held-out file)"]
+    if key in GENERATED and not args.eval_generate_samples:
+        return [f"--keep_best {metric} needs --eval_generate_samples N (answers are generated only then)"]
+    names = eval_set_names(paths) if len(paths) > 1 else []
+    if "/" in metric and name not in names:
+        known = f"the held-out files are named {', '.join(names)}" if names else "a single held-out file has no per-file keys"
+        return [f"--keep_best {metric}: no held-out file named {name!r} ({known})"]
+    return []
+
+
 def check_selection(args, metric_names: list[str]) -> None:
-    """Fail early (before training) when --keep_best names a metric this run will not report."""
-    if not args.keep_best:
-        if args.early_stop_patience:
-            raise SelectionError("--early_stop_patience needs --keep_best METRIC (the metric that must improve)")
-        return
-    if not args.eval_data_path:
-        raise SelectionError(f"--keep_best {args.keep_best} needs held-out data: give --eval_data_path")
-    if args.keep_best not in metric_names:
+    """Fail before training when --keep_best names a metric this run will not report (the data
+    decides: e.g. no tool-calling turn, no eval_tool_call_accuracy)."""
+    problems = flag_problems(args)
+    if problems:
+        raise SelectionError(problems[0])
+    if args.keep_best and args.keep_best not in metric_names:
         raise SelectionError(f"--keep_best {args.keep_best}: this run reports no such metric "
                              f"(it reports: {', '.join(metric_names)})")
 
@@ -50,6 +83,7 @@ def update_selection(state, metric: str, figures: dict, patience: int) -> tuple[
     value = figures.get(metric)
     if improves(value, state.best_value, metric_mode(metric)):
         state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
+        state.best_metric = metric
         return True, False
     state.evals_without_improvement += 1
     return False, bool(patience) and state.evals_without_improvement >= patience

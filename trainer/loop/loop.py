@@ -288,6 +288,8 @@ def train(run: Run) -> str:
     )
     interval = {"loss": torch.zeros((), device=run.ctx.device), "steps": 0, "tokens": 0, "start": time.time(),
                 "run_start": time.time(), "run_first_step": state.step,
+                # a resume off the log grid: the first window averages only the steps since then
+                "resumed_at": state.step if state.step % args.log_interval else None,
                 # several training sources: their losses per log window
                 "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
     nan_steps = injected_nan_steps()
@@ -363,6 +365,9 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
         "skipped_steps": state.skipped_steps,
         **(interval["sources"].figures() if interval["sources"] else {}),  # loss/<source>, loss_tokens/<source>, ...
     }
+    if interval["resumed_at"] is not None:  # a shorter window than --log_interval: said on the line and the row
+        figures.update(resumed_at_step=interval["resumed_at"], loss_steps=interval["steps"])
+        interval["resumed_at"] = None
     shown_epoch = min(state.epoch, run.args.epochs - 1)  # the step that ends the last epoch belongs to it
     run.logger.log_train(state.step, total_steps, shown_epoch, run.args.epochs, figures,
                          eta_s=seconds_per_step * (total_steps - state.step))

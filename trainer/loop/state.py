@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -11,7 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trainer import run_identity
-from trainer.checkpoint.save_dir import new_run_id, set_aside_later_checkpoints
+from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE, new_run_id, set_aside, set_aside_later_checkpoints
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
@@ -42,7 +44,8 @@ class TrainState:
     bad_steps_in_a_row: int = 0
     wandb_run_id: str | None = None
     run_id: str = field(default_factory=new_run_id)  # one line of training, kept across resumes
-    best_value: float | None = None  # of the --keep_best metric, and the step that reached it
+    best_metric: str | None = None  # the --keep_best metric the best value below is of
+    best_value: float | None = None  # of that metric, and the step that reached it
     best_step: int | None = None
     evals_without_improvement: int = 0
 
@@ -88,6 +91,7 @@ def resume_state(run: Run) -> dict:
         "samples_in_epoch": state.samples_in_epoch,
         "skipped_steps": state.skipped_steps,
         "bad_steps_in_a_row": state.bad_steps_in_a_row,
+        "best_metric": state.best_metric,
         "best_value": state.best_value,
         "best_step": state.best_step,
         "evals_without_improvement": state.evals_without_improvement,
@@ -120,12 +124,13 @@ def restore(run: Run, saved: dict) -> None:
         step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
         skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
         wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
-        best_value=saved.get("best_value"), best_step=saved.get("best_step"),
+        best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
     # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
     if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
         run.state.run_id = new_run_id()
+    restart_selection_for_another_metric(run)
     if saved["world_size"] == run.ctx.world_size:
         note = restore_rng_state(saved["rng"][run.ctx.rank])
         if note:
@@ -137,3 +142,44 @@ def restore(run: Run, saved: dict) -> None:
             f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
             f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
         )
+
+
+def saved_best_metric(saved: dict) -> str | None:
+    """The metric a checkpoint's best value is of: recorded since `best_metric` exists, else the
+    --keep_best of the run that wrote it."""
+    if "best_metric" in saved:
+        return saved["best_metric"]
+    return (saved.get("args") or {}).get("keep_best") if saved.get("best_value") is not None else None
+
+
+def best_metric_on_disk(save_dir: str) -> str | None:
+    """The metric recorded in `<save_dir>/best/best.json`, or None (no best/ or an unreadable record)."""
+    try:
+        with open(os.path.join(save_dir, BEST_DIR, BEST_FILE), encoding="utf-8") as handle:
+            metric = json.load(handle).get("metric")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return metric if isinstance(metric, str) else None
+
+
+def restart_selection_for_another_metric(run: Run) -> None:
+    """A resume with another --keep_best than the checkpoint's best is of: values of two metrics
+    cannot be compared (an accuracy of 0.28 never "improves" on a loss of 8.38), so the selection
+    starts afresh (every rank) and rank 0 moves the best/ of the other metric aside; one line says so."""
+    metric, state = run.args.keep_best, run.state
+    if not metric:
+        return  # no selection now: the checkpoint's best is kept for a later resume with its metric
+    notes = []
+    if state.best_metric not in (None, metric):
+        notes.append(f"the checkpoint's best is of {state.best_metric} ({state.best_value:.4f} at step "
+                     f"{state.best_step}), which {metric} cannot be compared with: the selection starts afresh")
+        state.best_metric = state.best_value = state.best_step = None
+        state.evals_without_improvement = 0
+    if run.ctx.is_main:
+        on_disk = best_metric_on_disk(run.args.save_dir)
+        if on_disk not in (None, metric):
+            folder = set_aside(run.args.save_dir, [os.path.join(run.args.save_dir, BEST_DIR)],
+                               "best-of-" + on_disk.replace("/", "-"))
+            notes.append(f"its best/ (of {on_disk}) moved to {folder}")
+    if notes:
+        run.logger.print(f"--keep_best {metric}: " + "; ".join(notes))

@@ -46,6 +46,7 @@ class Weights:
     config: dict  # MiniMindConfig keyword arguments
     source: str  # for the log: what was read
     tokenizer_dir: str | None = None  # a tokenizer saved with the weights
+    run_args: dict | None = None  # a resume checkpoint's recorded flags (its tokenizer_path: None = the shipped one)
 
 
 # --------------------------------------------------------------------------- reading
@@ -68,7 +69,7 @@ def read_weights(path: str) -> Weights:
     if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):  # a sharded resume checkpoint (--fsdp 1)
         loaded = load_resume_checkpoint(path, required=("model_config", "model"))
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
-                       f"resume checkpoint {path}")
+                       f"resume checkpoint {path}", run_args=loaded.get("args"))
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model", "config.json")):
             path = os.path.join(path, "model")  # a run directory: its inference weights
@@ -136,7 +137,7 @@ def _read_torch_file(path: str) -> Weights:
         if not isinstance(loaded.get("model"), dict) or not isinstance(loaded.get("model_config"), dict):
             raise CheckpointError(f"resume checkpoint {path} is incomplete (missing model or model_config)")
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
-                       f"resume checkpoint {path}")
+                       f"resume checkpoint {path}", run_args=loaded.get("args"))
     if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise CheckpointError(f"{path} is not a minisft resume checkpoint or a state dict (names to tensors)")
     state = clean_state_dict(loaded)

@@ -136,16 +136,50 @@ def test_keep_best_of_a_metric_the_run_does_not_report_is_a_one_line_error(data,
 
     from train_full_sft import main
 
-    common = flags(data, tmp_path / "run", "--max_steps", "1")
+    # Only the data can tell: none of the first 3 held-out conversations calls a tool.
+    plain = [line for line in open(data / "train.jsonl", encoding="utf-8") if '"tool_calls"' not in line][:3]
+    (tmp_path / "plain.jsonl").write_text("".join(plain), encoding="utf-8")
     handler = signal.getsignal(signal.SIGTERM)
-    assert main([*common, "--eval_data_path", str(data / "eval.jsonl"), "--keep_best", "eval_exact_match"]) == 2
+    assert main(flags(data, tmp_path / "run", "--max_steps", "1", "--eval_data_path", str(tmp_path / "plain.jsonl"),
+                      "--eval_generate_samples", "3", "--keep_best", "eval_tool_call_accuracy")) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "error: --keep_best eval_exact_match: this run reports no such metric "
-        "(it reports: eval_loss, eval_token_accuracy)")
-    assert main([*common, "--early_stop_patience", "2"]) == 2
-    assert "--early_stop_patience needs --keep_best" in capsys.readouterr().err
+        "error: --keep_best eval_tool_call_accuracy: this run reports no such metric "
+        "(it reports: eval_loss, eval_token_accuracy, eval_exact_match)")
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
     signal.signal(signal.SIGTERM, handler)  # main() stopped before uninstalling its preemption handler
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--keep_best", "eval_loss"], "--keep_best eval_loss needs held-out data: give --eval_data_path"),
+    (["--early_stop_patience", "2"], "--early_stop_patience needs --keep_best METRIC (the metric that must improve)"),
+    (["--eval_data_path", "EVAL", "--keep_best", "eval_los"],
+     "--keep_best eval_los: unknown metric (use eval_loss, eval_token_accuracy, eval_exact_match, "
+     "eval_tool_call_accuracy, or KEY/NAME for one held-out file)"),
+    (["--eval_data_path", "EVAL", "--keep_best", "eval_exact_match"],
+     "--keep_best eval_exact_match needs --eval_generate_samples N (answers are generated only then)"),
+    (["--eval_data_path", "EVAL", "--keep_best", "eval_loss/eval"],
+     "--keep_best eval_loss/eval: no held-out file named 'eval' (a single held-out file has no per-file keys)"),
+    (["--eval_data_path", "EVAL,TRAIN", "--keep_best", "eval_loss/tools"],
+     "--keep_best eval_loss/tools: no held-out file named 'tools' (the held-out files are named eval, train)"),
+])
+def test_selection_flags_that_cannot_work_fail_before_the_data_is_read(data, tmp_path, capsys, extra, message):
+    """--keep_best / --early_stop_patience combinations the flags alone rule out are refused by
+    parse_args: one line, exit 2, before any token cache is built or the save dir is touched."""
+    import signal
+
+    from train_full_sft import main
+
+    extra = [part.replace("EVAL", str(data / "eval.jsonl")).replace("TRAIN", str(data / "train.jsonl"))
+             for part in extra]
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            main(flags(data, tmp_path / "run", "--max_steps", "1", "--cache_dir", str(tmp_path / "cache"), *extra))
+    finally:
+        signal.signal(signal.SIGTERM, handler)  # main() stopped before uninstalling its preemption handler
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+    assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "run")
 
 
 # --------------------------------------------------------------------------- ranks share the work
@@ -237,6 +271,89 @@ def test_a_resumed_run_keeps_comparing_against_the_best_of_the_run_before(data, 
              if "best.json" in files]
     assert len(aside) == 1 and open(aside[0], encoding="utf-8").read() == old_best
     assert json.loads((tmp_path / "run" / "best" / "best.json").read_text())["step"] == resumed[-1]["best_step"]
+
+
+def test_a_resume_with_another_keep_best_metric_starts_the_selection_afresh(data, tmp_path):
+    run = tmp_path / "run"
+    common = ["--batch_size", "8", "--eval_interval", "1", "--eval_data_path", str(data / "eval.jsonl")]
+    run_trainer(flags(data, run, *common, "--max_steps", "2", "--keep_best", "eval_loss"))
+    old_best = json.loads((run / "best" / "best.json").read_text())
+    # Token accuracy (about 0.1) compared with the best eval loss (about 8) would never "improve":
+    # patience 1 stopped the run at its first evaluation, and best/ kept the eval_loss model.
+    resumed = run_trainer(flags(data, run, *common, "--max_steps", "4", "--from_resume", "1",
+                                "--keep_best", "eval_token_accuracy", "--early_stop_patience", "1"))
+    evals, _ = eval_rows(run)
+    after = [row for row in evals if row["step"] > 2]
+    assert after[0]["step"] == 3 and after[0]["new_best"] and after[0]["best_metric"] == "eval_token_accuracy"
+    assert after[0]["best_value"] == after[0]["eval_token_accuracy"] and after[0]["best_step"] == 3
+    assert "stopped early" not in resumed.stdout and [row["step"] for row in after] == [3, 4]
+    notes = [line for line in resumed.stdout.splitlines() if line.startswith("--keep_best")]
+    assert len(notes) == 1 and notes[0].startswith(
+        f"--keep_best eval_token_accuracy: the checkpoint's best is of eval_loss ({old_best['value']:.4f} at step "
+        f"{old_best['step']}), which eval_token_accuracy cannot be compared with: the selection starts afresh; "
+        f"its best/ (of eval_loss) moved to {run / 'set_aside'}")
+    record = json.loads((run / "best" / "best.json").read_text())
+    assert record["metric"] == "eval_token_accuracy" and record["step"] >= 3
+    aside = [os.path.join(root, "best.json") for root, _, files in os.walk(run / "set_aside") if "best.json" in files]
+    assert len(aside) == 1 and json.loads(open(aside[0], encoding="utf-8").read()) == old_best
+    assert torch.load(checkpoint_at(run, 2), weights_only=True)["best_metric"] == "eval_loss"
+    assert torch.load(checkpoint_at(run, 4), weights_only=True)["best_metric"] == "eval_token_accuracy"
+
+
+# --------------------------------------------------------------------------- end of turn
+
+
+def test_a_tokenizer_whose_eos_is_not_the_end_of_turn_token_keeps_its_generation_prompts(data, tmp_path, capsys):
+    """A Qwen-base-like tokenizer: eos <|endoftext|>, while the template closes turns with <|im_end|>.
+    The prompts are still found, generation stops at either token, and the exported generation
+    config stops at both."""
+    from dataset import load_tokenizer
+    from trainer.data_setup import build_eval_sets
+
+    shipped = load_tokenizer(None)
+    shipped.eos_token = "<|endoftext|>"
+    shipped.save_pretrained(str(tmp_path / "tok"))
+    tokenizer = load_tokenizer(tmp_path / "tok")
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert tokenizer.eos_token_id == endoftext != im_end
+
+    args = SimpleNamespace(eval_data_path=str(data / "eval.jsonl"), max_seq_len=2048, bad_data="error",
+                           cache_dir=str(tmp_path / "cache"), packing=0, batch_size=4, eval_generate_samples=5,
+                           eval_max_new_tokens=4)
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx)
+    assert len(eval_set.examples) == 5  # was 0: the turns end with <|im_end|>, not with eos
+    assert "generation prompts" not in capsys.readouterr().out
+    args.eval_generate_samples = 40  # more than the file holds: one line says so
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx)
+    assert capsys.readouterr().out.splitlines() == [
+        "[eval] eval: 16 generation prompts of the 40 asked for (--eval_generate_samples): the file has only 16 "
+        "conversations"]
+
+    from trainer.evaluation.evaluate import end_of_turn_token_id, greedy_generate, stop_token_ids
+
+    assert end_of_turn_token_id(tokenizer) == im_end and stop_token_ids(tokenizer) == [im_end, endoftext]
+    assert stop_token_ids(load_tokenizer(None)) == [im_end]
+    # Generation stops at whichever stop token comes first.
+    seen = {}
+
+    def generate(input_ids, **settings):
+        seen.update(settings)
+        return torch.cat([input_ids, torch.tensor([[7, endoftext, 8, im_end], [7, 8, im_end, endoftext]])], dim=1)
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=64), generate=generate,
+                            parameters=lambda: iter([torch.zeros(1)]))
+    assert greedy_generate(model, [[1, 5], [1, 6]], 0, stop_token_ids(tokenizer), 2, 4) == [[7], [7, 8]]
+    assert seen["eos_token_id"] == [im_end, endoftext]
+
+    # In a run: the held-out answers are generated and judged, and model/ stops at both tokens.
+    run = tmp_path / "run"
+    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tmp_path / "tok"),
+                      "--eval_data_path", str(data / "eval.jsonl"), "--eval_generate_samples", "2",
+                      "--eval_max_new_tokens", "2"))
+    evals, _ = eval_rows(run)
+    assert "eval_exact_match" in evals[-1] or "eval_tool_call_accuracy" in evals[-1]
+    assert json.loads((run / "model" / "generation_config.json").read_text())["eos_token_id"] == [im_end, endoftext]
 
 
 # --------------------------------------------------------------------------- tool calls

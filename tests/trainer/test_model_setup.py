@@ -1,0 +1,88 @@
+"""trainer/model_setup.py in a run: which weights a run starts from (--from_weight against a
+resume checkpoint) and which tokenizer goes with them."""
+
+import os
+
+from tests.helpers.trainer_launch import flags, run_trainer
+
+
+def test_a_resume_checkpoint_wins_over_from_weight_and_the_log_says_so(data, tmp_path):
+    run = tmp_path / "run"
+    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--save_interval", "1"))
+    other = tmp_path / "other"  # weights of the same architecture, saved elsewhere
+    run_trainer(flags(data, other, "--batch_size", "8", "--max_steps", "1", "--seed", "7"))
+    resumed = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "3", "--from_resume", "1",
+                                "--from_weight", str(other / "model")))
+    lines = [line for line in resumed.stdout.splitlines() if line.startswith("weights: ")]
+    assert lines == [f"weights: those of the resume checkpoint (step 2); --from_weight {other / 'model'} is ignored: "
+                     "the resume checkpoint's weights win"]
+    # --from_resume 1 with no checkpoint yet: a fresh run from those weights, and the line says that instead
+    fresh = run_trainer(flags(data, tmp_path / "fresh", "--batch_size", "8", "--max_steps", "1", "--from_resume", "1",
+                              "--from_weight", str(other / "model")))
+    assert [line for line in fresh.stdout.splitlines() if line.startswith("weights: ")] == [
+        f"weights: qwen3 model {other / 'model'}"]
+    assert os.path.isdir(tmp_path / "fresh" / "model")
+
+
+def custom_tokenizer(folder):
+    """The shipped tokenizer with another chat template (a Jinja comment): the same vocabulary and
+    size, another fingerprint."""
+    from dataset import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    tokenizer.chat_template = tokenizer.chat_template + "{#- a template of its own -#}"
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def tokenizer_of(argv):
+    from trainer.args import parse_args
+    from trainer.model_setup import load_tokenizer_for_weights, read_initial_weights
+
+    args = parse_args(argv)
+    messages = []
+    weights = read_initial_weights(args, messages.append)
+    tokenizer, path = load_tokenizer_for_weights(args, weights, messages.append)
+    return tokenizer, path, messages
+
+
+def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_recorded(data, tmp_path):
+    import shutil
+
+    import pytest
+
+    from dataset import load_tokenizer
+    from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
+    from tests.helpers.trainer_launch import checkpoint_at
+    from trainer.errors import ConfigError
+
+    tok = custom_tokenizer(tmp_path / "tok")
+    run = tmp_path / "run"
+    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tok)))
+    step_1 = checkpoint_at(run, 1)
+    base = ["--from_weight", step_1, "--save_dir", str(tmp_path / "next")]
+    tokenizer, path, messages = tokenizer_of(base)
+    assert path == str(tok) and tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(load_tokenizer(tok))
+    assert messages[-1] == f"tokenizer: {tok} (recorded by the resume checkpoint's run, {len(tokenizer)} tokens)"
+    # the shipped tokenizer has the same vocabulary and size but not the same template: refused, by fingerprint
+    with pytest.raises(ConfigError) as refused:
+        tokenizer_of([*base, "--tokenizer_path", str(DEFAULT_TOKENIZER_DIR)])
+    assert str(refused.value) == (
+        f"--tokenizer_path {DEFAULT_TOKENIZER_DIR} has another chat template or other special tokens than the "
+        f"tokenizer recorded by the resume checkpoint's run ({tok}); leave --tokenizer_path out to use that one")
+    # the same for an HF directory that holds its tokenizer (the run's model/), compared by vocabulary before
+    with pytest.raises(ConfigError, match="has another chat template or other special tokens than the tokenizer "
+                                          "saved with the weights"):
+        tokenizer_of(["--from_weight", str(run / "model"), "--tokenizer_path", str(DEFAULT_TOKENIZER_DIR)])
+
+    # The recorded tokenizer is gone: one line, exit 2, before any data is read; --tokenizer_path stands in for it.
+    shutil.move(str(tok), str(tmp_path / "moved"))
+    gone = run_trainer(flags(data, tmp_path / "next", "--max_steps", "1", "--cache_dir", str(tmp_path / "cache"),
+                             *base), check=False)
+    assert gone.returncode == 2 and gone.stderr.strip().splitlines() == [
+        f"error: resume checkpoint {step_1}: the tokenizer its run recorded, {tok}, is gone; give --tokenizer_path "
+        "DIR (that tokenizer or a copy of it)"]
+    assert not os.path.exists(tmp_path / "cache")
+    tokenizer, path, messages = tokenizer_of([*base, "--tokenizer_path", str(tmp_path / "moved")])
+    assert path == str(tmp_path / "moved") and messages[-2].startswith(f"warning: the tokenizer recorded by resume "
+                                                                        f"checkpoint {step_1} ({tok}) is gone")
