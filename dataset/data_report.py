@@ -32,7 +32,7 @@ from .segments import SEGMENTS, TOOL_CALL, SegmentedRow, segment_row
 from .sources import is_gzip, is_parquet, open_lines
 
 WHOLE_FILE_BYTES = 64 << 20  # a plain file up to this size is read whole to pick its rows; beyond, by seeking
-TRAINING_ROWS = 256  # rows the trainer's start summary reads, spread over the sources
+TRAINING_ROWS = 128  # rows the trainer's start summary reads, spread over the sources
 MIN_TRAINING_ROWS = 16  # ... but at least this many per source
 MOST = 0.5  # "most rows": the share of truncated rows that is warned about
 
@@ -224,7 +224,7 @@ def pick_samples(candidates: list[Sample], count: int) -> list[Sample]:
         return []
     chosen: list[int] = []
     tests = (lambda row: row.dropped,
-             lambda row: bool((row.segments[row.supervised] == TOOL_CALL).any()),
+             lambda row: bool((row.segments[: row.kept][row.supervised[: row.kept]] == TOOL_CALL).any()),
              lambda row: row.thoughts > 0)
     for test in tests:
         found = next((k for k, sample in enumerate(candidates) if k not in chosen and test(sample.row)), None)

@@ -18,7 +18,7 @@ from .segments import SEGMENTS
 
 HIGHLIGHT = "#ffd84d"  # the supervised tokens' background (tests look for it in a screenshot)
 LOST = "#fff1b8"  # a token that would carry loss but is cut by --max_seq_len
-SEGMENT_COLOURS = ("#6d6d6d", "#8d5a2b", "#1e63c6", "#00897b", "#8e24aa", "#d32f2f", "#ef6c00", "#111111", "#b8b8b8")
+SEGMENT_COLOURS = ("#2e7d32", "#8d6e63", "#1565c0", "#00acc1", "#8e24aa", "#e53935", "#fb8c00", "#000000", "#bdbdbd")
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; color: #1b1b1b; background: #fff; }
@@ -38,6 +38,8 @@ pre.tokens { white-space: pre-wrap; word-break: break-all; font: 13px/2.0 ui-mon
 .lost { background: %(lost)s; }
 .nl::before { content: "\\21B5"; color: #a0a0a0; }
 .warn { color: #a03800; }
+.source { display: flex; flex-wrap: wrap; gap: 8px 28px; align-items: flex-start; }
+.about { flex: 1 1 360px; max-width: 560px; }
 """ % {"highlight": HIGHLIGHT, "lost": LOST} + "".join(
     f".seg-{name.replace(' ', '-')} {{ border-bottom-color: {colour}; }}\n"
     for name, colour in zip(SEGMENTS, SEGMENT_COLOURS))
@@ -115,14 +117,14 @@ def html_page(reports: list[SourceReport], samples: list[Sample], title: str, me
     body.append("<h2>Tokens per segment</h2>")
     for report in reports:
         dropped = sum(report.dropped.values())
-        body.append(f"<h3>{html.escape(report.name)} ({html.escape(report.spec)}): {html.escape(report.sampled_text())}"
-                    f"</h3><p class=\"facts\">{report.kept} rows kept, {dropped} dropped, {report.bad} bad; "
-                    f"{report.truncated} longer than --max_seq_len {report.max_seq_len} (cut); {report.empty_thinks} of "
-                    f"{report.assistant_turns} assistant turns learn an empty think block "
-                    f"({percent(report.empty_think_tokens, int(report.supervised.sum()))} of the loss tokens)</p>")
-        body.extend(f'<p class="facts">dropped {count}: {html.escape(reason)} (e.g. '
-                    f"{html.escape(report.drop_examples[reason])})</p>" for reason, count in report.dropped.most_common())
-        body.append(_table_html([report]))
+        about = [f"<h3>{html.escape(report.name)} ({html.escape(report.spec)}): {html.escape(report.sampled_text())}</h3>",
+                 f'<p class="facts">{report.kept} rows kept, {dropped} dropped, {report.bad} bad; {report.truncated} '
+                 f"longer than --max_seq_len {report.max_seq_len} (cut); {report.empty_thinks} of "
+                 f"{report.assistant_turns} assistant turns learn an empty think block "
+                 f"({percent(report.empty_think_tokens, int(report.supervised.sum()))} of the loss tokens)</p>"]
+        about += [f'<p class="facts">dropped {count}: {html.escape(reason)} (e.g. '
+                  f"{html.escape(report.drop_examples[reason])})</p>" for reason, count in report.dropped.most_common()]
+        body.append(f'<div class="source"><div class="about">{"".join(about)}</div>{_table_html([report])}</div>')
     if len(reports) > 1:
         body.append("<h3>all sources</h3>" + _table_html(reports))
     body.append(f"<h2>Samples ({len(samples)})</h2>" + legend_html())
@@ -144,7 +146,7 @@ CUT_STYLE = "\x1b[9;38;5;244m"  # struck through, grey
 
 def terminal_legend(colour: bool = True) -> str:
     if not colour:
-        return "tokens between | ; supervised runs in «...»; cut by --max_seq_len after ✂"
+        return "tokens between ¦ ; supervised runs in «...»; cut by --max_seq_len after ✂; ↵ a newline"
     return (f"{SUPERVISED_STYLES[0]}supervised{RESET}{SUPERVISED_STYLES[1]}tokens{RESET}  "
             f"{PLAIN_STYLES[0]}not{RESET}{PLAIN_STYLES[1]}supervised{RESET}  {CUT_STYLE}cut by --max_seq_len{RESET}"
             "  (token boundaries: the background alternates; ↵ a newline)")
@@ -164,10 +166,11 @@ def terminal_view(sample: Sample, colour: bool = True) -> str:
             out.append("\n".join(f"{style}{line}{RESET}" if line else "" for line in piece.split("\n")))
             continue
         supervised = index < row.kept and bool(row.supervised[index])
-        mark = "✂" if index == row.kept else ""
-        mark += "«" if supervised and not supervised_run else ("»" if supervised_run and not supervised else "")
+        mark = "»" if supervised_run and not supervised else ""
+        mark += ("¦" if index else "") + ("✂" if index == row.kept else "")
+        mark += "«" if supervised and not supervised_run else ""
         supervised_run = supervised
-        out.append(("" if index == 0 else "|") + mark + piece)
+        out.append(mark + piece)
     if supervised_run:
         out.append("»")
     counts, learned = row.counts() + row.counts(kept=False), row.counts(supervised_only=True)
