@@ -25,10 +25,10 @@ body { font: 14px/1.45 system-ui, sans-serif; margin: 24px; color: #1b1b1b; back
 h1 { font-size: 20px; } h2 { font-size: 17px; margin-top: 28px; } h3 { font-size: 14px; margin: 18px 0 4px; }
 .meta, .facts { color: #555; margin: 2px 0; }
 table { border-collapse: collapse; margin: 6px 0 14px; }
-td, th { border: 1px solid #ddd; padding: 2px 10px; text-align: right; }
+td, th { border: 1px solid #ddd; padding: 0 8px; text-align: right; font-size: 13px; }
 td:first-child, th:first-child { text-align: left; }
-.legend { margin: 10px 0; line-height: 2.2; }
-.key { padding: 1px 6px; margin-right: 6px; border-bottom: 3px solid; }
+.legend { margin: 8px 0; line-height: 2.0; }
+.key { padding: 1px 6px; margin-right: 6px; border-bottom: 3px solid; white-space: nowrap; }
 pre.tokens { white-space: pre-wrap; word-break: break-all; font: 13px/2.0 ui-monospace, Menlo, Consolas, monospace;
              background: #fafafa; border: 1px solid #e2e2e2; padding: 10px; margin: 4px 0 12px; }
 .t { border-right: 1px solid #9e9e9e; border-bottom: 3px solid transparent; padding: 1px 0; }
@@ -103,13 +103,13 @@ def legend_html() -> str:
     keys = "".join(f'<span class="key {segment_class(k)}">{html.escape(name)}</span>' for k, name in enumerate(SEGMENTS))
     return ('<div class="legend"><span class="t sup">supervised (carries loss)</span> '
             '<span class="t">not supervised</span> <span class="t cut">cut by --max_seq_len</span> '
-            '<span class="t cut lost">would be supervised, but cut</span> · token boundaries: thin grey lines · '
-            f"underline: the segment · hover a token for its id · ↵ a newline<br>{keys}</div>")
+            '<span class="t cut lost">supervised, but cut</span> · boundaries: grey lines · hover: token id · '
+            f"underline: segment {keys}</div>")
 
 
 def html_page(reports: list[SourceReport], samples: list[Sample], title: str, meta: list[str]) -> str:
     """A self-contained page: summary, per-segment tables, warnings, legend and the samples."""
-    body = [f"<h1>{html.escape(title)}</h1>"] + [f'<p class="meta">{html.escape(line)}</p>' for line in meta]
+    body = [f"<h1>{html.escape(title)}</h1>", '<p class="meta">' + " · ".join(map(html.escape, meta)) + "</p>"]
     warnings = [warning for report in reports for warning in report.warnings()]
     if warnings:
         body.append("<h2>Warnings</h2><ul>" + "".join(f'<li class="warn">{html.escape(w)}</li>' for w in warnings)
