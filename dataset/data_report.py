@@ -28,7 +28,7 @@ import numpy as np
 from .formats import LineError, parse_line
 from .mixture import Source
 from .rendering import tokenizer_fingerprint
-from .segments import SEGMENTS, TOOL_CALL, SegmentedRow, segment_row
+from .segments import REPLY, SEGMENTS, THINK, TOOL_CALL, SegmentedRow, segment_row
 from .sources import is_gzip, is_parquet, open_lines
 
 WHOLE_FILE_BYTES = 64 << 20  # a plain file up to this size is read whole to pick its rows; beyond, by seeking
@@ -52,6 +52,7 @@ class SourceReport:
     spec: str
     files: int
     max_seq_len: int
+    weight: float = 1.0
     rows: int = 0  # rows read (non-blank lines)
     total_rows: int | None = 0  # rows of the source when every file was read whole, else None
     bad: int = 0
@@ -109,6 +110,10 @@ class SourceReport:
             dropped = sum(self.dropped.values())
             found.append(f"{self.name}: {dropped} of {self.parsed} rows dropped, no loss token left after truncation to "
                          f"--max_seq_len {self.max_seq_len}: {self.drops_text()}")
+        for k in (THINK, REPLY, TOOL_CALL):  # a kind of turn truncation takes away entirely
+            if self.cut[k] and not self.supervised[k] and self.supervised.sum():
+                found.append(f"{self.name}: no {SEGMENTS[k]} is trained: all {self.cut[k]} {SEGMENTS[k]} tokens are cut by "
+                             f"--max_seq_len {self.max_seq_len}")
         if self.kept and self.truncated_kept > MOST * self.kept:
             found.append(f"{self.name}: {self.truncated_kept} of the {self.kept} rows kept are longer than --max_seq_len "
                          f"{self.max_seq_len}; their ends are not trained on")
@@ -121,7 +126,7 @@ class SourceReport:
 
     def to_json(self) -> dict:
         return {
-            "name": self.name, "spec": self.spec, "files": self.files, "max_seq_len": self.max_seq_len,
+            "name": self.name, "spec": self.spec, "files": self.files, "weight": self.weight, "max_seq_len": self.max_seq_len,
             "rows": self.rows, "total_rows": self.total_rows, "bad": self.bad, "kept": self.kept,
             "truncated": self.truncated, "dropped": dict(self.dropped), "drop_examples": dict(self.drop_examples),
             "assistant_turns": self.assistant_turns, "supervised_empty_think_blocks": self.empty_thinks,
@@ -183,7 +188,7 @@ def _seek_lines(path: Path, limit: int) -> list[tuple[str, bytes]]:
 def inspect_source(source: Source, tokenizer, max_seq_len: int, rows: int = 0, samples: int = 0) -> SourceReport:
     """Read ``rows`` rows spread over the source's files (0: all) and add them up; keep ``samples``
     rows for display (``pick_samples``)."""
-    report = SourceReport(source.name, source.spec, len(source.files), max_seq_len)
+    report = SourceReport(source.name, source.spec, len(source.files), max_seq_len, source.weight)
     files = list(source.files)
     if rows > 0 and len(files) > rows:
         files = [files[k] for k in _spread(len(files), rows)]
@@ -271,8 +276,8 @@ def segment_table(reports: list[SourceReport]) -> list[str]:
 
 def report_lines(report: SourceReport) -> list[str]:
     """A source's block of the inspection script's output."""
-    lines = [f"source {report.name} ({report.spec}, {report.files} file(s)): {report.sampled_text()}, "
-             f"--max_seq_len {report.max_seq_len}",
+    lines = [f"source {report.name} ({report.spec}, {report.files} file(s), weight {report.weight:g}): "
+             f"{report.sampled_text()}, --max_seq_len {report.max_seq_len}",
              f"  rows: {report.kept} kept, {sum(report.dropped.values())} dropped, {report.bad} bad; "
              f"{report.truncated} longer than --max_seq_len (cut)"]
     for reason, count in report.dropped.most_common():

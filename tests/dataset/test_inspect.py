@@ -174,6 +174,8 @@ def test_with_256_tokens_every_demo_tool_conversation_is_dropped(tokenizer, tmp_
     warnings = report.warnings()
     assert any(f"{with_tools} of 40 rows dropped" in w and "tools block alone" in w for w in warnings)
     assert any("learn an empty think block" in w for w in warnings)
+    cut_calls = report.cut[SEGMENTS.index("tool call")]
+    assert f"{report.name}: no tool call is trained: all {cut_calls} tool call tokens are cut by --max_seq_len 256" in warnings
 
 
 def test_a_source_without_supervised_tokens_bad_rows_and_truncation_are_warned(tokenizer, tmp_path):
@@ -336,3 +338,31 @@ def test_the_terminal_view_colours_supervised_tokens_and_marks_boundaries(tokeni
     assert "\x1b" not in plain and body.count("«") == body.count("»") == 2  # the two assistant turns
     assert re.sub("[¦«»]", "", body) == row.text.replace("\n", "↵\n")
     assert body.count("¦") == len(row.ids) - 1
+
+
+def test_training_prints_the_summary_after_building_the_data(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests.helpers.trainer_launch import TINY
+    from trainer.args import parse_args
+    from trainer.data_setup import build_train_data
+
+    lines = demo_rows(30)
+    tools = write_rows(tmp_path / "tools.jsonl", [line for line in lines if '"tools"' in line])
+    plain = write_rows(tmp_path / "plain.jsonl", [line for line in lines if '"tools"' not in line])
+    for extra, empty_think_warning in (((), True), (("--drop_empty_think_ratio", "0.8"), False)):
+        args = parse_args([*TINY, "--data_path", f"{tools},{plain}", "--max_seq_len", "400",
+                           "--cache_dir", str(tmp_path / "cache"), *extra])
+        build_train_data(args, load_tokenizer(None), SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu")))
+        out = capsys.readouterr().out.splitlines()
+        summary = [line for line in out if line.startswith("[data] ") and "mixture per epoch" not in line]
+        assert summary[0].startswith("[data] inspected up to 64 rows per source") and len(summary) <= 5, summary
+        assert any(line.startswith("[data] tools: all ") and "cut to --max_seq_len" in line for line in summary)
+        assert any(line.startswith("[data] warning: tools: ") and "rows kept are longer than --max_seq_len 400" in line
+                   for line in summary)
+        assert any("empty think block" in line for line in summary) == empty_think_warning
+    quiet = parse_args([*TINY, "--data_path", str(plain), "--cache_dir", str(tmp_path / "cache")])
+    build_train_data(quiet, load_tokenizer(None), SimpleNamespace(world_size=2, rank=1, device=torch.device("cpu")))
+    assert "[data] inspected" not in capsys.readouterr().out  # rank 0 only
