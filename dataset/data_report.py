@@ -31,7 +31,7 @@ from .rendering import tokenizer_fingerprint
 from .segments import REPLY, SEGMENTS, THINK, TOOL_CALL, SegmentedRow, segment_row
 from .sources import is_gzip, is_parquet, open_lines
 
-WHOLE_FILE_BYTES = 64 << 20  # a plain file up to this size is read whole to pick its rows; beyond, by seeking
+WHOLE_FILE_BYTES = 64 << 20  # a source's plain files up to this size in all are read whole to pick rows, else sought
 TRAINING_ROWS = 128  # rows the trainer's start summary reads, spread over the sources
 MIN_TRAINING_ROWS = 16  # ... but at least this many per source
 MOST = 0.5  # "most rows": the share of truncated rows that is warned about
@@ -140,13 +140,14 @@ class SourceReport:
 # --------------------------------------------------------------------------- reading rows
 
 
-def sample_lines(path: Path, limit: int) -> tuple[list[tuple[int | str, bytes]], int | None]:
+def sample_lines(path: Path, limit: int, whole_bytes: int | None = None) -> tuple[list[tuple[int | str, bytes]], int | None]:
     """(where, raw line) of up to ``limit`` non-blank rows spread evenly over a data file (every row
     for ``limit <= 0``), and the file's row count when it was read whole (else ``None``). ``where``
-    is the line number (from 1, as the token cache counts); a large plain file is sampled by
-    seeking, and its rows are named by byte offset instead (``"byte N"``); a compressed or parquet
-    file gives its first rows."""
-    if limit > 0 and not (is_gzip(path) or is_parquet(path)) and path.stat().st_size > WHOLE_FILE_BYTES:
+    is the line number (from 1, as the token cache counts); a plain file over ``whole_bytes``
+    (default ``WHOLE_FILE_BYTES``) is sampled by seeking, and its rows are named by byte offset
+    instead (``"byte N"``); a compressed or parquet file gives its first rows."""
+    whole_bytes = WHOLE_FILE_BYTES if whole_bytes is None else whole_bytes
+    if limit > 0 and not (is_gzip(path) or is_parquet(path)) and path.stat().st_size > whole_bytes:
         return _seek_lines(path, limit), None
     rows, total = [], 0
     for number, line in enumerate(open_lines(path), start=1):
@@ -195,7 +196,7 @@ def inspect_source(source: Source, tokenizer, max_seq_len: int, rows: int = 0, s
     kept: list[Sample] = []
     for number, path in enumerate(files):
         quota = rows // len(files) + (number < rows % len(files)) if rows > 0 else 0
-        lines, total = sample_lines(path, quota)
+        lines, total = sample_lines(path, quota, WHOLE_FILE_BYTES // len(files))
         report.total_rows = None if total is None or report.total_rows is None else report.total_rows + total
         for where, raw in lines:
             location = f"{path}:{where}" if isinstance(where, int) else f"{path} ({where})"

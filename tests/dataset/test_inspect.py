@@ -221,6 +221,13 @@ def test_rows_are_sampled_evenly_by_line_by_seeking_and_from_compressed_files(tm
     for where, line in lines:  # the offset names the row
         start = int(where.split()[1])
         assert path.read_bytes()[start:start + len(line)] == line
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k in range(4):  # a source of 4 files reads each whole only up to a quarter of WHOLE_FILE_BYTES
+        (shards / f"part-{k}.jsonl").write_bytes(path.read_bytes())
+    monkeypatch.setattr(data_report, "WHOLE_FILE_BYTES", 2 * path.stat().st_size)
+    report = inspect_source(parse_data_path(str(shards))[0], load_tokenizer(None), 64, rows=8)
+    assert report.rows == report.bad == 8 and report.total_rows is None and "part-0.jsonl (byte 0): " in report.first_bad
     packed = tmp_path / "rows.jsonl.gz"
     packed.write_bytes(gzip.compress(path.read_bytes()))
     lines, total = sample_lines(packed, 3)
