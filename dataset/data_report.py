@@ -35,6 +35,7 @@ WHOLE_FILE_BYTES = 64 << 20  # a source's plain files up to this size in all are
 TRAINING_ROWS = 128  # rows the trainer's start summary reads, spread over the sources
 MIN_TRAINING_ROWS = 16  # ... but at least this many per source
 MOST = 0.5  # "most rows": the share of truncated rows that is warned about
+CANDIDATES = 2000  # rows kept in memory to pick the samples shown from (and the first dropped row after them)
 
 
 @dataclass
@@ -208,7 +209,7 @@ def inspect_source(source: Source, tokenizer, max_seq_len: int, rows: int = 0, s
                 report.first_bad = report.first_bad or f"{location}: {error}"
                 continue
             report.add(location, row)
-            if samples:
+            if samples and (len(kept) < CANDIDATES or row.dropped and sum(report.dropped.values()) == 1):
                 kept.append(Sample(source.name, location, row))
     if len(files) < len(source.files):
         report.total_rows = None

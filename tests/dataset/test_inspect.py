@@ -373,3 +373,11 @@ def test_training_prints_the_summary_after_building_the_data(tmp_path, capsys):
     quiet = parse_args([*TINY, "--data_path", str(plain), "--cache_dir", str(tmp_path / "cache")])
     build_train_data(quiet, load_tokenizer(None), SimpleNamespace(world_size=2, rank=1, device=torch.device("cpu")))
     assert "[data] inspected" not in capsys.readouterr().out  # rank 0 only
+
+
+def test_a_dropped_row_is_shown_even_after_the_rows_kept_in_memory(tokenizer, tmp_path, monkeypatch):
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    path = write_rows(tmp_path / "rows.jsonl", [plain] * 3 + [{"messages": TOOL_CHAT.messages, "tools": TOOL_CHAT.tools}])
+    monkeypatch.setattr(data_report, "CANDIDATES", 2)
+    report = inspect_source(parse_data_path(str(path))[0], tokenizer, 64, samples=2)
+    assert [sample.location for sample in report.samples] == [f"{path}:1", f"{path}:4"] and report.samples[1].row.dropped
