@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
+from dataset.data_report import training_summary
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, parse_data_path
 from trainer.evaluation.evaluate import EvalSet, eval_set_names, generation_examples
 from trainer.run_identity import RunIdentity, epoch_grouping, identify_run
@@ -87,6 +88,9 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
     dataset, mixture, opened = build_mixture(args, tokenizer, augmenter, print if ctx.rank == 0 else (lambda message: None))
+    if ctx.rank == 0:  # what is supervised per segment, rows dropped and why, warnings: from a few hundred rows
+        print("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
+                                          drop_empty_think=args.drop_empty_think_ratio > 0)))
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order

@@ -1,0 +1,145 @@
+"""Show what training data teaches: per source and per segment the tokens and supervised tokens,
+the rows dropped by truncation and why, what looks wrong, and pictures of a few rows.
+
+    python scripts/inspect_data.py --data_path dataset/demo/sft_train.jsonl --max_seq_len 256 --html data.html
+
+``--data_path``, ``--tokenizer_path``, ``--max_seq_len`` and ``--from_weight`` mean what they mean
+to the trainer (a mixture ``a.jsonl:3,shards/`` too; the tokenizer is ``--tokenizer_path``, else the
+one saved with the ``--from_weight`` weights, else the shipped one). Each conversation is rendered,
+tokenized and masked exactly as the token cache does it, and every token is attributed to the
+segment that produced it (system, tools block, user, tool result, think block, reply, tool call,
+end-of-turn, template: ``dataset/segments.py``). Prints a report per source (``dataset/data_report.py``);
+``--html FILE`` writes a self-contained page of ``--samples`` rows, ``--terminal`` (the default when
+stdout is a terminal) prints them in colour (``dataset/token_view.py``). docs/inspect_data.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts._common import REPO_DIR, ArgumentParser, fail, run_main  # noqa: E402
+
+DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(description=__doc__.splitlines()[0], prog="inspect_data.py")
+    parser.add_argument("--data_path", default=str(DEFAULT_DATA),
+                        help="as the trainer's: files, directories or globs, comma-separated, each with an optional :weight")
+    parser.add_argument("--tokenizer_path", default=None,
+                        help="tokenizer dir; default: the one saved with --from_weight's weights, else the shipped one")
+    parser.add_argument("--max_seq_len", type=int, default=512, help="rows are cut to this many tokens, as in training")
+    parser.add_argument("--from_weight", default=None,
+                        help="weights to train from (an HF/run directory, .safetensors or .pth): is their tokenizer "
+                             "and chat template the one used here?")
+    parser.add_argument("--rows", type=int, default=1000,
+                        help="rows read per source, spread evenly over it (0: all)")
+    parser.add_argument("--samples", type=int, default=3, help="rows shown by --html and --terminal")
+    parser.add_argument("--html", default=None, metavar="FILE", help="write a self-contained HTML page of the samples")
+    parser.add_argument("--terminal", action=argparse.BooleanOptionalAction, default=None,
+                        help="print the samples in colour (default: when stdout is a terminal; NO_COLOR: no colour)")
+    parser.add_argument("--json_out", default=None, metavar="FILE", help="write the figures as JSON")
+    return parser
+
+
+def weights_tokenizer_dir(path: str) -> str | None:
+    """The tokenizer directory the trainer takes from ``--from_weight path`` (``Weights.tokenizer_dir``
+    of ``trainer.weights.read.read_weights``), found without reading the tensors."""
+    from trainer.weights.read import TOKENIZER_FILES
+
+    weights = Path(path)
+    if not weights.exists():
+        fail(f"--from_weight {path}: not found (give the weights' path)")
+    if weights.is_dir() and weights.suffix == ".dcp":
+        return None  # a sharded resume checkpoint: no tokenizer with it
+    if weights.is_dir():
+        if not (weights / "config.json").is_file() and (weights / "model" / "config.json").is_file():
+            weights = weights / "model"  # a run directory: its inference weights
+        folder = weights
+    elif weights.suffix == ".safetensors" and (weights.parent / "config.json").is_file():
+        folder = weights.parent
+    else:
+        return None  # a .pth / .pt state dict or resume checkpoint
+    return str(folder) if any((folder / name).is_file() for name in TOKENIZER_FILES) else None
+
+
+def choose_tokenizer(args) -> tuple[object, str, list[str]]:
+    """(tokenizer, where it came from, lines about --from_weight's tokenizer)."""
+    from dataset.data_report import tokenizer_differences
+    from dataset.rendering import load_tokenizer
+
+    own = weights_tokenizer_dir(args.from_weight) if args.from_weight else None
+    path = args.tokenizer_path or own
+    tokenizer = load_tokenizer(path)
+    origin = "--tokenizer_path" if args.tokenizer_path else ("saved with the weights" if own else "the shipped one")
+    name = f"{path or 'model/tokenizer'} ({origin}, {len(tokenizer)} tokens)"
+    notes = []
+    if args.from_weight and own is None:
+        notes.append(f"note: --from_weight {args.from_weight} has no tokenizer saved with it; training uses "
+                     f"{'--tokenizer_path' if args.tokenizer_path else 'the shipped one'}: make sure the weights "
+                     "were trained with it")
+    elif own and args.tokenizer_path:
+        differences = tokenizer_differences(tokenizer, load_tokenizer(own))
+        if differences:
+            notes.append(f"warning: --tokenizer_path {args.tokenizer_path} differs from the tokenizer saved with "
+                         f"--from_weight's weights ({own}): {'; '.join(differences)}; the weights learned another "
+                         "text than this data would train (leave --tokenizer_path out to use theirs)")
+        else:
+            notes.append(f"--tokenizer_path {args.tokenizer_path} is the tokenizer saved with --from_weight's weights "
+                         "(same fingerprint)")
+    return tokenizer, name, notes
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    if args.max_seq_len < 1 or args.rows < 0 or args.samples < 0:
+        fail("--max_seq_len must be positive, --rows and --samples not negative")
+
+    from dataset.data_report import inspect_source, report_lines, segment_table
+    from dataset.mixture import parse_data_path
+    from dataset.token_view import html_page, terminal_legend, terminal_view
+
+    tokenizer, tokenizer_name, notes = choose_tokenizer(args)
+    sources = parse_data_path(args.data_path)
+    per_source = math.ceil(args.samples / len(sources)) if args.samples else 0
+    reports = [inspect_source(source, tokenizer, args.max_seq_len, args.rows, per_source) for source in sources]
+    samples = [sample for report in reports for sample in report.samples][: args.samples]
+
+    meta = [f"data: {args.data_path}", f"tokenizer: {tokenizer_name}", f"--max_seq_len {args.max_seq_len}"]
+    lines = meta + [""]
+    for report in reports:
+        lines += report_lines(report) + [""]
+    if len(reports) > 1:
+        lines += ["all sources"] + segment_table(reports) + [""]
+    warnings = [warning for report in reports for warning in report.warnings()]
+    lines += [f"warning: {warning}" for warning in warnings] + notes
+    print("\n".join(lines).rstrip("\n"))
+
+    terminal = args.terminal if args.terminal is not None else sys.stdout.isatty()
+    if terminal and samples:
+        colour = not os.environ.get("NO_COLOR")
+        print("\n" + terminal_legend(colour))
+        for sample in samples:
+            print(terminal_view(sample, colour))
+    if args.html:
+        page = html_page(reports, samples, f"minisft data: {args.data_path}", meta + notes)
+        Path(args.html).write_text(page, encoding="utf-8")
+        print(f"wrote {args.html} ({len(samples)} samples)")
+    elif not terminal and samples:
+        print(f"(pictures of {len(samples)} rows: --html FILE or --terminal)")
+    if args.json_out:
+        result = {"max_seq_len": args.max_seq_len, "tokenizer": tokenizer_name, "notes": notes,
+                  "sources": [report.to_json() for report in reports]}
+        Path(args.json_out).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
