@@ -23,6 +23,7 @@ minimind: an existing .pth) is only replaced with ``--overwrite``.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -71,20 +72,32 @@ def check_out_dir(out_dir: Path, model_path: Path, overwrite: bool) -> None:
 
 
 def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype) -> None:
-    """Write model + tokenizer into a fresh sibling folder, then move it to ``out_dir``."""
+    """Write model + tokenizer into a fresh sibling folder, then put its files in ``out_dir``.
+
+    ``out_dir`` itself is kept when it exists (it may be the current directory, ``--out_dir .``):
+    its old entries are moved to a second sibling, the new ones moved in, the old ones deleted."""
     from trainer.weights.write import write_qwen3_dir, write_remote_code_dir
 
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    old = out_dir.with_name(f".{out_dir.name}.export-old")
+    for leftover in (staging, old):  # of an export that was killed
+        shutil.rmtree(leftover, ignore_errors=True)
     try:
         (write_qwen3_dir if fmt == "qwen3" else write_remote_code_dir)(model, str(staging), dtype)
         tokenizer.save_pretrained(str(staging))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    old.mkdir()
+    for entry in out_dir.iterdir():
+        entry.rename(old / entry.name)
+    for entry in staging.iterdir():
+        entry.rename(out_dir / entry.name)
+    staging.rmdir()
+    shutil.rmtree(old)
 
 
 def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
@@ -107,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.weights.write import minimind_unsupported, qwen3_unsupported
 
     args = build_parser().parse_args(argv)
-    out_dir = Path(args.out_dir)
+    out_dir = Path(os.path.abspath(args.out_dir))  # "." and "dir/.." have no name of their own
+    if not out_dir.name:
+        fail(f"--out_dir {args.out_dir} is the file system's root: choose a folder")
     if args.format == "minimind":
         if out_dir.exists() and not out_dir.is_dir():
             fail(f"--out_dir {out_dir} exists and is not a directory")

@@ -252,6 +252,29 @@ def test_export_loads_in_a_fresh_process_with_equal_logits(trained, tmp_path):
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
+
+def test_export_into_the_current_directory(trained, tmp_path):
+    """`--out_dir .` (no name of its own) writes into the current directory, which stays the same directory."""
+    here = tmp_path / "here"
+    here.mkdir()
+    inode = here.stat().st_ino
+    result = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", cwd=here)
+    assert result.returncode == 0, result.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in here.iterdir()}
+    assert here.stat().st_ino == inode and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    assert torch.equal(load_model_for_inference(here).state_dict()["model.norm.weight"],
+                       trained["model"].state_dict()["model.norm.weight"])
+    again = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", cwd=here)
+    assert again.returncode == 2
+    assert again.stderr == f"error: --out_dir {here} is not empty (pass --overwrite to replace it)\n"
+    (here / "stale.txt").write_text("from before")
+    replaced = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", "--overwrite",
+                      cwd=here)
+    assert replaced.returncode == 0, replaced.stderr
+    assert not (here / "stale.txt").exists() and (here / "model.safetensors").is_file()
+    assert here.stat().st_ino == inode and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+
+
 # --------------------------------------------------------------------------- plot
 
 
