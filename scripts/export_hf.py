@@ -18,7 +18,8 @@ naming and dtype (float16, lm_head.weight included), which MiniMind's ``eval_llm
 ``trust_remote_code=True``.
 
 A config a format cannot express is refused with the reason. A non-empty ``--out_dir`` (for
-minimind: an existing .pth) is only replaced with ``--overwrite``.
+minimind: an existing .pth) is only replaced with ``--overwrite``. A training run's directory
+(checkpoints/, metrics.jsonl or a held .lock) and everything inside it are never written.
 """
 
 from __future__ import annotations
@@ -53,25 +54,45 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def refuse_run_dirs(out_dir: Path, overwrite: bool) -> None:
+    """A training run's folder (its --save_dir, or anything inside it) is never written, and with
+    --overwrite not one that holds a run either: the run's checkpoints, metrics and lock would go."""
+    from trainer.checkpoint.save_dir import inside_a_run_model_dir, lock_holder, run_dir_at_or_above, run_dir_below
+
+    run_model = inside_a_run_model_dir(str(out_dir))
+    if run_model:
+        fail(f"--out_dir {out_dir} is inside the training run's {run_model}, which the run's next save replaces; "
+             "choose a directory outside it")
+    run = run_dir_at_or_above(str(out_dir)) or run_dir_at_or_above(str(out_dir.resolve()))  # also through a link
+    if run:
+        where = "is" if Path(run) in (out_dir, out_dir.resolve()) else "is inside"
+        holder = lock_holder(run)
+        if holder:
+            fail(f"--out_dir {out_dir} {where} {run}, the --save_dir of a training run in progress (pid {holder}); "
+                 "export to a directory outside it")
+        fail(f"--out_dir {out_dir} {where} the training run directory {run} (it has checkpoints/ or "
+             "metrics.jsonl), whose files an export must not replace; choose a directory outside it")
+    if overwrite and out_dir.is_dir():
+        inner = run_dir_below(str(out_dir))
+        if inner:
+            fail(f"--out_dir {out_dir} holds the training run directory {inner}, which --overwrite would delete; "
+                 "choose another directory")
+
+
 def check_out_dir(out_dir: Path, model_path: Path, overwrite: bool) -> None:
-    """Refuse to clobber existing files (without --overwrite) or the model being exported."""
+    """Refuse to clobber existing files (without --overwrite), the model being exported, or a run's folders."""
     if out_dir.exists() and not out_dir.is_dir():
         fail(f"--out_dir {out_dir} exists and is not a directory")
     source = model_path.resolve()
     target = out_dir.resolve()
     if target == source or target in source.parents:
         fail(f"--out_dir {out_dir} contains the model being exported ({model_path}); choose another directory")
-    from trainer.checkpoint.save_dir import inside_a_run_model_dir
-
-    run_model = inside_a_run_model_dir(str(target))
-    if run_model:
-        fail(f"--out_dir {out_dir} is inside the training run's {run_model}, which the run's next save replaces; "
-             "choose a directory outside it")
+    refuse_run_dirs(out_dir, overwrite)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         fail(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")
 
 
-def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype) -> None:
+def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool) -> None:
     """Write model + tokenizer into a fresh sibling folder, then put its files in ``out_dir``.
 
     ``out_dir`` itself is kept when it exists (it may be the current directory, ``--out_dir .``):
@@ -86,6 +107,11 @@ def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype) -> None:
         (write_qwen3_dir if fmt == "qwen3" else write_remote_code_dir)(model, str(staging), dtype)
         tokenizer.save_pretrained(str(staging))
     except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    try:
+        refuse_run_dirs(out_dir, overwrite)  # again: a trainer may have started there since the first check
+    except SystemExit:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if not out_dir.exists():
@@ -126,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.format == "minimind":
         if out_dir.exists() and not out_dir.is_dir():
             fail(f"--out_dir {out_dir} exists and is not a directory")
+        refuse_run_dirs(out_dir, overwrite=False)  # only the .pth is replaced, never the folder
     else:
         check_out_dir(out_dir, Path(args.model_path), args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args)
@@ -140,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype)
     model.config.dtype = dtype
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    export_dir(model, tokenizer, out_dir, args.format, dtype)
+    export_dir(model, tokenizer, out_dir, args.format, dtype, args.overwrite)
     files = ", ".join(sorted(p.name for p in out_dir.iterdir()))
     print(f"exported {DTYPES[args.dtype]} {args.format} model to {out_dir}: {files}")
     return 0

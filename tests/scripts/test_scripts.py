@@ -275,6 +275,73 @@ def test_export_into_the_current_directory(trained, tmp_path):
     assert here.stat().st_ino == inode and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
 
 
+
+def test_export_never_writes_into_a_training_run(tmp_path):
+    """A run's --save_dir (checkpoints/, metrics.jsonl or .lock) and everything inside it are refused, with or
+    without --overwrite, naming the pid of a trainer that holds the run's lock (a real process here)."""
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               num_key_value_heads=2))
+    model.save_pretrained(source)
+    run = tmp_path / "area" / "run"
+    for folder in ("checkpoints", "best", "model"):
+        (run / folder).mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002.pt").write_bytes(b"resume state")
+    (run / "best" / "best.json").write_text("{}")
+    model.save_pretrained(run / "model")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+
+    def export(out_dir, *extra):
+        return script("export_hf.py", "--model_path", str(source), "--out_dir", str(out_dir), "--overwrite", *extra)
+
+    fresh = tmp_path / "fresh"  # a trainer that has just started: nothing but its lock yet
+    fresh.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from trainer.checkpoint.save_dir import SaveDirLock; "
+         f"locks = [SaveDirLock(path).acquire() for path in {[str(run), str(fresh)]!r}]; print('locked', flush=True); "
+         "sys.stdin.read()"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        refused = export(fresh)
+        assert refused.returncode == 2 and refused.stderr == (
+            f"error: --out_dir {fresh} is {fresh}, the --save_dir of a training run in progress (pid {holder.pid}); "
+            "export to a directory outside it\n")
+        assert os.listdir(fresh) == [".lock"]
+        refused = export(run)
+        assert refused.returncode == 2 and refused.stderr == (
+            f"error: --out_dir {run} is {run}, the --save_dir of a training run in progress (pid {holder.pid}); "
+            "export to a directory outside it\n")
+        refused = export(run / "checkpoints")
+        assert refused.returncode == 2 and refused.stderr.startswith(
+            f"error: --out_dir {run / 'checkpoints'} is inside {run}, the --save_dir of a training run in progress "
+            f"(pid {holder.pid})")
+    finally:
+        holder.communicate("", timeout=30)
+    cases = {  # the trainer has ended: still its files
+        run: f"error: --out_dir {run} is the training run directory {run} (it has checkpoints/ or "
+             "metrics.jsonl), whose files an export must not replace; choose a directory outside it\n",
+        run / "checkpoints": f"error: --out_dir {run / 'checkpoints'} is inside the training run directory {run} (",
+        run / "best": f"error: --out_dir {run / 'best'} is inside the training run's {run / 'best'}, which the run's ",
+        run / "new": f"error: --out_dir {run / 'new'} is inside the training run directory {run} (",
+        run.parent: f"error: --out_dir {run.parent} holds the training run directory {run}, which --overwrite would "
+                    "delete; choose another directory\n",
+    }
+    for out_dir, message in cases.items():
+        refused = export(out_dir)
+        assert refused.returncode == 2 and refused.stderr.startswith(message), refused.stderr
+        assert refused.stderr.count("\n") == 1
+    refused = export(run, "--format", "minimind")
+    assert refused.returncode == 2 and refused.stderr.startswith(f"error: --out_dir {run} is the training run directory")
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file() and path.name != ".lock"} == before
+    assert (run / ".lock").is_file() and not (run / "new").exists()
+    assert sorted(p.name for p in run.parent.iterdir()) == ["run"]  # no staging folder left
+    assert torch.equal(load_model_for_inference(run).state_dict()["model.norm.weight"],
+                       model.state_dict()["model.norm.weight"])  # the run's model/, nothing else
+
+
 # --------------------------------------------------------------------------- plot
 
 
