@@ -97,15 +97,14 @@ def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool
 
     ``out_dir`` itself is kept when it exists (it may be the current directory, ``--out_dir .``):
     its old entries are moved to a second sibling, the new ones moved in, the old ones deleted."""
-    from trainer.weights.write import write_qwen3_dir, write_remote_code_dir
+    from trainer.weights.write import write_model_dir
 
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
     old = out_dir.with_name(f".{out_dir.name}.export-old")
     for leftover in (staging, old):  # of an export that was killed
         shutil.rmtree(leftover, ignore_errors=True)
     try:
-        (write_qwen3_dir if fmt == "qwen3" else write_remote_code_dir)(model, str(staging), dtype)
-        tokenizer.save_pretrained(str(staging))
+        write_model_dir(model, tokenizer, str(staging), dtype, fmt)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError
 
 from model import MiniMindConfig
-from trainer.checkpoint.files import atomic_torch_save, fsync_dir
+from trainer.checkpoint.files import atomic_torch_save, fsync_dir, settle_files
 from trainer.checkpoint.save_dir import MODEL_DIR
 from trainer.errors import CheckpointError
 from trainer.weights.read import LM_HEAD, read_json
@@ -37,14 +37,7 @@ def publish_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtyp
         if entry.startswith(f".{name}.tmp"):
             shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
     try:
-        write_inference_dir(model, tmp, dtype)
-        tokenizer.save_pretrained(tmp)
-        for file_name, text in (extra_files or {}).items():
-            with open(os.path.join(tmp, file_name), "w", encoding="utf-8") as handle:
-                handle.write(text)
-        for file_name in os.listdir(tmp):
-            with open(os.path.join(tmp, file_name), "rb") as handle:
-                os.fsync(handle.fileno())
+        write_model_dir(model, tokenizer, tmp, dtype, extra_files=extra_files)
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(final):
             os.replace(final, old)
@@ -60,6 +53,23 @@ def publish_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtyp
     return final
 
 
+
+
+def write_model_dir(model, tokenizer, folder: str, dtype: torch.dtype, fmt: str = "auto",
+                    extra_files: dict[str, str] | None = None) -> str:
+    """`folder` as an HF model directory: the weights (`fmt` "qwen3", "remote-code", or "auto": the
+    Qwen3 form where the config has one), the tokenizer and `extra_files` (file name -> text); every
+    file with the mode a plainly created file gets (the umask's) and fsynced. Returns the format."""
+    if fmt == "auto":
+        fmt = write_inference_dir(model, folder, dtype)
+    else:
+        (write_qwen3_dir if fmt == "qwen3" else write_remote_code_dir)(model, folder, dtype)
+    tokenizer.save_pretrained(folder)
+    for file_name, text in (extra_files or {}).items():
+        with open(os.path.join(folder, file_name), "w", encoding="utf-8") as handle:
+            handle.write(text)
+    settle_files(folder)
+    return fmt
 
 
 def qwen3_unsupported(config: MiniMindConfig) -> str | None:

@@ -344,3 +344,46 @@ def test_export_refuses_a_format_that_cannot_express_the_model(qwen3_dirs, tmp_p
     assert done.value.code == 2
     assert capsys.readouterr().err == ("error: --format minimind cannot express this model: the LM head is not tied "
                                        "to the embedding (MiniMind always ties them) (use --format remote-code)\n")
+
+
+# --------------------------------------------------------------------------- model/ and best/ on disk
+
+# hidden 16: bf16 weights of ~210 kB, less than the tokenizer.json (405 kB) written after them
+SMALL = ["--hidden_size", "16", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--num_key_value_heads", "1",
+         "--max_seq_len", "128", "--dtype", "float32", "--log_interval", "1", "--learning_rate", "3e-3",
+         "--warmup_steps", "0", "--batch_size", "4", "--eval_interval", "1", "--keep_best", "eval_loss"]
+UMASK = 0o007  # neither the usual 022 nor 077: 0o660 is what a file created by open() gets
+
+
+def small_run(data, save_dir, *extra):
+    return [*SMALL, "--data_path", str(data / "train.jsonl"), "--eval_data_path", str(data / "eight.jsonl"),
+            "--save_dir", str(save_dir), *extra]
+
+
+@pytest.fixture(scope="module")
+def kept_best_run(data, tmp_path_factory):
+    """Two steps, each evaluated (best/ written at each), model/ saved at step 2; under UMASK."""
+    run = tmp_path_factory.mktemp("kept_best") / "run"
+    previous = os.umask(UMASK)
+    try:
+        run_trainer(small_run(data, run, "--max_steps", "2", "--save_interval", "2"))
+    finally:
+        os.umask(previous)
+    assert json.loads((run / "best" / "best.json").read_text())["step"] == 2
+    return run
+
+
+@pytest.mark.slow
+def test_model_best_and_exported_files_get_the_mode_of_the_umask(kept_best_run, tmp_path):
+    """safetensors creates its file 0600: another user could not read a model meant to be shared."""
+    export = tmp_path / "export"
+    previous = os.umask(UMASK)
+    try:
+        done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(kept_best_run), "--out_dir",
+                               str(export)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        os.umask(previous)
+    assert done.returncode == 0, done.stderr
+    for folder in (kept_best_run / "model", kept_best_run / "best", export):
+        modes = {path.name: oct(path.stat().st_mode & 0o777) for path in folder.iterdir()}
+        assert "model.safetensors" in modes and modes == {name: oct(0o666 & ~UMASK) for name in modes}, folder
