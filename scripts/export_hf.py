@@ -97,6 +97,7 @@ def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool
 
     ``out_dir`` itself is kept when it exists (it may be the current directory, ``--out_dir .``):
     its old entries are moved to a second sibling, the new ones moved in, the old ones deleted."""
+    from trainer.checkpoint.files import write_failure
     from trainer.weights.write import write_model_dir
 
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
@@ -105,9 +106,12 @@ def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool
         shutil.rmtree(leftover, ignore_errors=True)
     try:
         write_model_dir(model, tokenizer, str(staging), dtype, fmt)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        reason = write_failure(error)  # a full disk: OSError, SafetensorError or tokenizers' bare Exception
+        if reason is None:
+            raise
+        fail(f"could not write the export to {out_dir}: {reason} (nothing was changed there)")
     try:
         refuse_run_dirs(out_dir, overwrite)  # again: a trainer may have started there since the first check
     except SystemExit:
@@ -126,13 +130,17 @@ def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool
 
 
 def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
+    from trainer.errors import CheckpointError
     from trainer.weights.write import minimind_pth_name, minimind_settings, write_minimind_pth
 
     target = out_dir / minimind_pth_name(model.config, prefix)
     if target.exists() and not overwrite:
         fail(f"{target} exists (pass --overwrite to replace it)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_minimind_pth(model, str(target))
+    try:
+        write_minimind_pth(model, str(target))
+    except CheckpointError as error:  # a full disk (the .pth is written atomically: nothing is left)
+        fail(str(error))
     settings = minimind_settings(model.config)
     config = model.config
     print(f"MiniMind loads it with MiniMindConfig(hidden_size={config.hidden_size}, num_hidden_layers="

@@ -6,6 +6,7 @@ temporary files that a killed process left behind (`*.tmp.<pid>`) are removed by
 
 import os
 import pickle
+import re
 import zipfile
 
 import torch
@@ -70,6 +71,20 @@ class _WriteErrorRecorder:
 
     def flush(self) -> None:
         self.handle.flush()
+
+
+def write_failure(error: BaseException) -> str | None:
+    """The one-line reason when `error` is a failed write (disk full, file size limit, permissions),
+    else None. Besides OSError, the Rust writers report one as a bare Exception or SafetensorError
+    whose message ends in "(os error N)": tokenizers' `Tokenizer.save`, safetensors' `save_file`."""
+    if isinstance(error, OSError):
+        return error.strerror or first_line(error)
+    found = re.search(r"\(os error (\d+)\)", str(error)) if isinstance(error, Exception) else None
+    if found:
+        return os.strerror(int(found.group(1)))
+    if type(error).__name__ == "SafetensorError":
+        return first_line(error)
+    return None
 
 
 def remove_stale_temporaries(folder: str) -> None:

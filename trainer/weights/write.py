@@ -16,10 +16,9 @@ import os
 import shutil
 
 import torch
-from safetensors import SafetensorError
 
 from model import MiniMindConfig
-from trainer.checkpoint.files import atomic_torch_save, fsync_dir, settle_files
+from trainer.checkpoint.files import atomic_torch_save, fsync_dir, settle_files, write_failure
 from trainer.checkpoint.save_dir import MODEL_DIR
 from trainer.errors import CheckpointError
 from trainer.weights.read import LM_HEAD, read_json
@@ -44,11 +43,16 @@ def publish_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtyp
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         fsync_dir(save_dir)
-    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as SafetensorError
+    except BaseException as error:  # nothing left behind, whatever stopped the write
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.exists(final) and os.path.exists(old):
-            os.replace(old, final)
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+            try:
+                os.replace(old, final)
+            except OSError:
+                pass
+        reason = write_failure(error)  # a full disk: OSError, SafetensorError, or tokenizers' bare Exception
+        if reason is None:
+            raise
         raise CheckpointError(f"could not write inference weights to {final}: {reason}") from error
     return final
 

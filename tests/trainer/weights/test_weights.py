@@ -3,6 +3,7 @@ own classes, MiniMind `.pth` state dicts, the standard-format export, and the re
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from dataset import SFTCollator, SFTDataset, load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
-from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
+from tests.helpers.trainer_launch import REPO, SCRIPT, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
 from tests.helpers.trainer_launch import train_losses
 from trainer.args import parse_args
 from trainer.errors import CheckpointError
@@ -387,3 +388,50 @@ def test_model_best_and_exported_files_get_the_mode_of_the_umask(kept_best_run, 
     for folder in (kept_best_run / "model", kept_best_run / "best", export):
         modes = {path.name: oct(path.stat().st_mode & 0o777) for path in folder.iterdir()}
         assert "model.safetensors" in modes and modes == {name: oct(0o666 & ~UMASK) for name in modes}, folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit,failing", [(300_000, "tokenizer.json"), (100_000, "model.safetensors")])
+def test_a_full_disk_while_publishing_best_is_one_line_and_leaves_nothing_behind(kept_best_run, data, tmp_path,
+                                                                                 limit, failing):
+    """The resumed run's first evaluation is a new best; writing best/ hits the file size limit, in the
+    weights or (tokenizers raises a bare Exception) in the tokenizer."""
+    run = tmp_path / "run"
+    shutil.copytree(kept_best_run, run)
+    sizes = {name: os.path.getsize(run / "best" / name) for name in ("model.safetensors", "tokenizer.json")}
+    assert sizes[failing] > limit and (failing == "model.safetensors" or sizes["model.safetensors"] < limit)
+    published = {path: path.read_bytes() for name in ("model", "best") for path in (run / name).iterdir()}
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run([sys.executable, SCRIPT, *small_run(data, run, "--max_steps", "4", "--save_interval", "2",
+                                                                "--from_resume", "1")],
+                            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
+                            preexec_fn=limit_file_size)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: could not write inference weights to {run / 'best'}: File too large"]
+    assert [path for path in run.rglob("*") if ".tmp." in path.name] == []
+    assert {path: path.read_bytes() for name in ("model", "best") for path in (run / name).iterdir()} == published
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_an_export_is_one_line_and_leaves_nothing_behind(kept_best_run, tmp_path):
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))  # the weights fit, tokenizer.json does not
+
+    out_dir = tmp_path / "export"
+    out_dir.mkdir()
+    (out_dir / "previous.txt").write_text("an earlier export")
+    for fmt in ("qwen3", "minimind"):
+        done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(kept_best_run / "model"),
+                               "--out_dir", str(out_dir), "--overwrite", "--format", fmt, "--dtype", "bfloat16"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines()[-1] == {
+            "qwen3": f"error: could not write the export to {out_dir}: File too large (nothing was changed there)",
+            "minimind": f"error: could not write {out_dir / 'full_sft_16.pth'}: File too large"}[fmt]
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["export"]
+        assert sorted(path.name for path in out_dir.iterdir()) == ["previous.txt"]
