@@ -5,10 +5,11 @@ Accepted ``path`` kinds:
 (a) an HF directory: ``config.json`` + ``model.safetensors`` (single or sharded) of this model or
     of a standard Qwen3 / Qwen3-MoE (``<save_dir>/model/``, an export);
 (b) a ``.safetensors`` file with a ``config.json`` beside it;
-(c) a resume checkpoint ``.pt`` (``<save_dir>/checkpoints/step_*.pt``) or a MiniMind state dict
-    ``.pth``, read with ``torch.load(weights_only=True)`` so it never runs code stored in the file;
+(c) a resume checkpoint ``.pt`` (``<save_dir>/checkpoints/step_*.pt``), a sharded one (``step_*.dcp/`` of
+    an ``--fsdp 1`` run: its meta.pt and shards) or a MiniMind state dict ``.pth``, read with
+    ``torch.load(weights_only=True)`` so it never runs code stored in the file;
 (d) a run directory ``<save_dir>``: its ``model/`` subdirectory, or, when a run crashed before
-    writing one, its newest resume checkpoint.
+    writing one, its newest resume checkpoint (either kind).
 
 Every problem (missing path, corrupt or truncated file, a pickle the safe loader refuses, a file
 that is not a minisft model) raises ``ModelLoadError`` with a one-line message. The formats

@@ -144,7 +144,11 @@ def _read_torch_file(path: str) -> Weights:
 
 
 def saved_run_args(path: str) -> dict | None:
-    """The flags stored in a resume checkpoint (None for a plain state dict), read without loading its tensors."""
+    """The flags stored in a resume checkpoint (None for a plain state dict), read without loading its tensors:
+    a single file memory-mapped, a sharded `step_*.dcp/` from its meta.pt alone."""
+    if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):
+        loaded = load_resume_checkpoint(path, required=("args",))
+        return loaded["args"] if isinstance(loaded.get("args"), dict) else None
     loaded = safe_torch_load(path)
     if single_file.is_resume_state(loaded) and isinstance(loaded.get("args"), dict):
         return loaded["args"]
