@@ -27,7 +27,9 @@ from model import MiniMindForCausalLM
 from dataset import DataError, load_tokenizer
 from trainer.checkpoint.save_dir import list_checkpoints
 from trainer.errors import CheckpointError, ModelLoadError
-from trainer.weights.read import TOKENIZER_FILES, build_config, load_into, read_weights, saved_run_args
+from trainer.weights.read import (
+    TOKENIZER_FILES, build_config, check_torch_file, load_into, read_weights, saved_run_args,
+)
 
 
 # --------------------------------------------------------------------------- path kinds
@@ -53,9 +55,11 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
         )
     if path.suffix == ".safetensors":
         return "safetensors", path
-    if path.suffix in (".pt", ".pth", ".bin"):
-        return "checkpoint", path
-    raise ModelLoadError(f"{path}: unknown model file type (expected a directory, .safetensors or .pt)")
+    try:
+        check_torch_file(str(path))  # a config.json, a text file: named, with what is accepted
+    except CheckpointError as error:
+        raise ModelLoadError(str(error)) from None
+    return "checkpoint", path
 
 
 # --------------------------------------------------------------------------- loading

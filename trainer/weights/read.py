@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -129,7 +130,30 @@ def _load_safetensors(files: list[str]) -> dict:
     return state
 
 
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+ACCEPTED_WEIGHTS = ("a MiniMind .pth or a state dict .pt, a resume checkpoint (checkpoints/step_*.pt or a sharded "
+                    "step_*.dcp/), a .safetensors file, an HF model directory (config.json + model.safetensors) or a "
+                    "training run's directory")
+FILE_KINDS = {".json": "a JSON file", ".jsonl": "a JSON Lines file", ".txt": "a text file", ".md": "a text file",
+              ".yaml": "a YAML file", ".yml": "a YAML file", ".jinja": "a template", ".py": "Python source"}
+
+
+def check_torch_file(path: str) -> None:
+    """Refuse, naming what is accepted, a file that cannot be a torch weights file: one of another kind
+    (config.json, a text file) unless it really is a torch archive (then the safe load decides, and
+    calls it malicious only if it holds pickled code)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in TORCH_SUFFIXES or zipfile.is_zipfile(path):
+        return
+    kind = FILE_KINDS.get(suffix, f"a {suffix} file" if suffix else "a file without a weights suffix")
+    hint = ""
+    if os.path.basename(path) == "config.json":
+        hint = f"; for the model this config describes, give its folder {os.path.dirname(path) or '.'}"
+    raise CheckpointError(f"{path} is {kind}, not model weights; weights are {ACCEPTED_WEIGHTS}{hint}")
+
+
 def _read_torch_file(path: str) -> Weights:
+    check_torch_file(path)
     loaded = safe_torch_load(path, mmap=False)
     if single_file.is_resume_state(loaded):
         single_file.check_format(loaded, path)
@@ -149,6 +173,7 @@ def saved_run_args(path: str) -> dict | None:
     if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):
         loaded = load_resume_checkpoint(path, required=("args",))
         return loaded["args"] if isinstance(loaded.get("args"), dict) else None
+    check_torch_file(path)
     loaded = safe_torch_load(path)
     if single_file.is_resume_state(loaded) and isinstance(loaded.get("args"), dict):
         return loaded["args"]
