@@ -281,7 +281,7 @@ def test_a_rollback_keeps_the_new_line_and_sets_the_old_one_aside(data, tmp_path
 
 def test_a_save_dir_in_use_by_another_process_is_refused(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from trainer.checkpoint import SaveDirLock; "
+        [sys.executable, "-c", "import sys; from trainer.checkpoint.save_dir import SaveDirLock; "
          f"lock = SaveDirLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); sys.stdin.read()"],
         cwd=REPO, env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -348,7 +348,7 @@ def test_rank_zero_reads_the_resume_file_once_and_memory_maps_it(tmp_path, monke
 
 def test_the_save_dir_lock_dies_with_its_process_not_with_its_forked_workers(tmp_path):
     """A kill -9 of the trainer leaves its DataLoader workers alive for a moment: they must not keep the lock."""
-    script = ("import os, time; from trainer.checkpoint import SaveDirLock; "
+    script = ("import os, time; from trainer.checkpoint.save_dir import SaveDirLock; "
               f"lock = SaveDirLock({str(tmp_path)!r}).acquire(); child = os.fork()\n"
               "if child == 0:\n    time.sleep(120); os._exit(0)\n"
               "print(child, flush=True); os._exit(0)")
