@@ -18,6 +18,7 @@ from dataset import SFTCollator, encode_conversation, load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
 from trainer.errors import ModelLoadError
 from trainer.weights.inference import load_model_for_inference, load_tokenizer_for_model
+from trainer.weights.read import read_weights
 
 REPO = Path(__file__).resolve().parents[2]
 CONVERSATIONS = [
@@ -338,8 +339,12 @@ def test_export_never_writes_into_a_training_run(tmp_path):
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file() and path.name != ".lock"} == before
     assert (run / ".lock").is_file() and not (run / "new").exists()
     assert sorted(p.name for p in run.parent.iterdir()) == ["run"]  # no staging folder left
-    assert torch.equal(load_model_for_inference(run).state_dict()["model.norm.weight"],
-                       model.state_dict()["model.norm.weight"])  # the run's model/, nothing else
+    # what an export into the run once left at its top never hides the run's model/
+    torch.manual_seed(1)
+    MiniMindForCausalLM(model.config).save_pretrained(run)
+    for loaded in (load_model_for_inference(run).state_dict(), read_weights(str(run)).state):
+        assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"],
+                           model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
 
 
 # --------------------------------------------------------------------------- plot

@@ -28,7 +28,7 @@ from dataset import DataError, load_tokenizer
 from trainer.checkpoint.save_dir import list_checkpoints
 from trainer.errors import CheckpointError, ModelLoadError
 from trainer.weights.read import (
-    TOKENIZER_FILES, build_config, check_torch_file, load_into, read_weights, saved_run_args,
+    TOKENIZER_FILES, build_config, check_torch_file, load_into, model_dir_of, read_weights, saved_run_args,
 )
 
 
@@ -43,10 +43,9 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
     if path.is_dir():
         if path.suffix == ".dcp":  # a sharded resume checkpoint (--fsdp 1)
             return "checkpoint", path
-        if (path / "config.json").is_file():
-            return "hf_dir", path
-        if (path / "model" / "config.json").is_file():
-            return "hf_dir", path / "model"
+        folder = Path(model_dir_of(str(path)))  # a run directory: its model/, whatever else lies at its top
+        if (folder / "config.json").is_file():
+            return "hf_dir", folder
         checkpoints = list_checkpoints(str(path))
         if checkpoints:
             return "checkpoint", Path(checkpoints[0])

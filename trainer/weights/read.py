@@ -71,9 +71,7 @@ def read_weights(path: str) -> Weights:
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
                        f"resume checkpoint {path}")
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model", "config.json")):
-            path = os.path.join(path, "model")  # a run directory: its inference weights
-        return _read_directory(path)
+        return _read_directory(model_dir_of(path))
     if path.endswith(".safetensors"):
         config_file = os.path.join(os.path.dirname(path), "config.json")
         state = _load_safetensors([path])
@@ -81,6 +79,18 @@ def read_weights(path: str) -> Weights:
             return _from_config_json(read_json(config_file), state, path, _tokenizer_dir(os.path.dirname(path)))
         return Weights(state, config_from_shapes(state, path), f"safetensors file {path}")
     return _read_torch_file(path)
+
+
+def model_dir_of(folder: str) -> str:
+    """The HF model directory that the directory `folder` stands for: a training run's (checkpoints/ or
+    metrics.jsonl) inference weights `model/`, even beside model files at its top (which an export
+    into the run once left there); `folder/model` of a folder without config.json; else `folder`."""
+    run_model = os.path.join(folder, "model")
+    if os.path.isfile(os.path.join(run_model, "config.json")) and (
+            any(os.path.exists(os.path.join(folder, name)) for name in ("checkpoints", "metrics.jsonl"))
+            or not os.path.isfile(os.path.join(folder, "config.json"))):
+        return run_model
+    return folder
 
 
 def read_json(path: str) -> dict:
