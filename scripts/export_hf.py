@@ -18,11 +18,13 @@ naming and dtype (float16, lm_head.weight included), which MiniMind's ``eval_llm
 ``trust_remote_code=True``.
 
 A config a format cannot express is refused with the reason. A non-empty ``--out_dir`` (for
-minimind: an existing .pth) is only replaced with ``--overwrite``.
+minimind: an existing .pth) is only replaced with ``--overwrite``. A training run's directory
+(checkpoints/, metrics.jsonl or a held .lock) and everything inside it are never written.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -52,49 +54,93 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def refuse_run_dirs(out_dir: Path, overwrite: bool) -> None:
+    """A training run's folder (its --save_dir, or anything inside it) is never written, and with
+    --overwrite not one that holds a run either: the run's checkpoints, metrics and lock would go."""
+    from trainer.checkpoint.save_dir import inside_a_run_model_dir, lock_holder, run_dir_at_or_above, run_dir_below
+
+    run_model = inside_a_run_model_dir(str(out_dir))
+    if run_model:
+        fail(f"--out_dir {out_dir} is inside the training run's {run_model}, which the run's next save replaces; "
+             "choose a directory outside it")
+    run = run_dir_at_or_above(str(out_dir)) or run_dir_at_or_above(str(out_dir.resolve()))  # also through a link
+    if run:
+        where = "is" if Path(run) in (out_dir, out_dir.resolve()) else "is inside"
+        holder = lock_holder(run)
+        if holder:
+            fail(f"--out_dir {out_dir} {where} {run}, the --save_dir of a training run in progress (pid {holder}); "
+                 "export to a directory outside it")
+        fail(f"--out_dir {out_dir} {where} the training run directory {run} (it has checkpoints/ or "
+             "metrics.jsonl), whose files an export must not replace; choose a directory outside it")
+    if overwrite and out_dir.is_dir():
+        inner = run_dir_below(str(out_dir))
+        if inner:
+            fail(f"--out_dir {out_dir} holds the training run directory {inner}, which --overwrite would delete; "
+                 "choose another directory")
+
+
 def check_out_dir(out_dir: Path, model_path: Path, overwrite: bool) -> None:
-    """Refuse to clobber existing files (without --overwrite) or the model being exported."""
+    """Refuse to clobber existing files (without --overwrite), the model being exported, or a run's folders."""
     if out_dir.exists() and not out_dir.is_dir():
         fail(f"--out_dir {out_dir} exists and is not a directory")
     source = model_path.resolve()
     target = out_dir.resolve()
     if target == source or target in source.parents:
         fail(f"--out_dir {out_dir} contains the model being exported ({model_path}); choose another directory")
-    from trainer.checkpoint.save_dir import inside_a_run_model_dir
-
-    run_model = inside_a_run_model_dir(str(target))
-    if run_model:
-        fail(f"--out_dir {out_dir} is inside the training run's {run_model}, which the run's next save replaces; "
-             "choose a directory outside it")
+    refuse_run_dirs(out_dir, overwrite)
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         fail(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")
 
 
-def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype) -> None:
-    """Write model + tokenizer into a fresh sibling folder, then move it to ``out_dir``."""
-    from trainer.weights.write import write_qwen3_dir, write_remote_code_dir
+def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool) -> None:
+    """Write model + tokenizer into a fresh sibling folder, then put its files in ``out_dir``.
+
+    ``out_dir`` itself is kept when it exists (it may be the current directory, ``--out_dir .``):
+    its old entries are moved to a second sibling, the new ones moved in, the old ones deleted."""
+    from trainer.checkpoint.files import write_failure
+    from trainer.weights.write import write_model_dir
 
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
-    shutil.rmtree(staging, ignore_errors=True)
+    old = out_dir.with_name(f".{out_dir.name}.export-old")
+    for leftover in (staging, old):  # of an export that was killed
+        shutil.rmtree(leftover, ignore_errors=True)
     try:
-        (write_qwen3_dir if fmt == "qwen3" else write_remote_code_dir)(model, str(staging), dtype)
-        tokenizer.save_pretrained(str(staging))
-    except BaseException:
+        write_model_dir(model, tokenizer, str(staging), dtype, fmt)
+    except BaseException as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = write_failure(error)  # a full disk: OSError, SafetensorError or tokenizers' bare Exception
+        if reason is None:
+            raise
+        fail(f"could not write the export to {out_dir}: {reason} (nothing was changed there)")
+    try:
+        refuse_run_dirs(out_dir, overwrite)  # again: a trainer may have started there since the first check
+    except SystemExit:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    old.mkdir()
+    for entry in out_dir.iterdir():
+        entry.rename(old / entry.name)
+    for entry in staging.iterdir():
+        entry.rename(out_dir / entry.name)
+    staging.rmdir()
+    shutil.rmtree(old)
 
 
 def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
+    from trainer.errors import CheckpointError
     from trainer.weights.write import minimind_pth_name, minimind_settings, write_minimind_pth
 
     target = out_dir / minimind_pth_name(model.config, prefix)
     if target.exists() and not overwrite:
         fail(f"{target} exists (pass --overwrite to replace it)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_minimind_pth(model, str(target))
+    try:
+        write_minimind_pth(model, str(target))
+    except CheckpointError as error:  # a full disk (the .pth is written atomically: nothing is left)
+        fail(str(error))
     settings = minimind_settings(model.config)
     config = model.config
     print(f"MiniMind loads it with MiniMindConfig(hidden_size={config.hidden_size}, num_hidden_layers="
@@ -107,10 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.weights.write import minimind_unsupported, qwen3_unsupported
 
     args = build_parser().parse_args(argv)
-    out_dir = Path(args.out_dir)
+    out_dir = Path(os.path.abspath(args.out_dir))  # "." and "dir/.." have no name of their own
+    if not out_dir.name:
+        fail(f"--out_dir {args.out_dir} is the file system's root: choose a folder")
     if args.format == "minimind":
         if out_dir.exists() and not out_dir.is_dir():
             fail(f"--out_dir {out_dir} exists and is not a directory")
+        refuse_run_dirs(out_dir, overwrite=False)  # only the .pth is replaced, never the folder
     else:
         check_out_dir(out_dir, Path(args.model_path), args.overwrite)
     model, tokenizer = load_model_and_tokenizer(args)
@@ -125,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype)
     model.config.dtype = dtype
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    export_dir(model, tokenizer, out_dir, args.format, dtype)
+    export_dir(model, tokenizer, out_dir, args.format, dtype, args.overwrite)
     files = ", ".join(sorted(p.name for p in out_dir.iterdir()))
     print(f"exported {DTYPES[args.dtype]} {args.format} model to {out_dir}: {files}")
     return 0

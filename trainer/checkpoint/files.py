@@ -6,6 +6,7 @@ temporary files that a killed process left behind (`*.tmp.<pid>`) are removed by
 
 import os
 import pickle
+import re
 import zipfile
 
 import torch
@@ -26,6 +27,33 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def default_file_mode() -> int:
+    """The mode a plain `open(path, "w")` gives a new file: 0o666 less this process's umask."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:  # reads the umask without changing it
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc: the only other way to read it is to set it (and back at once)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def settle_files(folder: str) -> None:
+    """Give every file in `folder` the mode of a plainly created file and fsync it, before the folder
+    is renamed into place. Some writers (safetensors) create their files 0600, which would keep
+    every other user from reading a model meant to be shared."""
+    mode = default_file_mode()
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, mode)
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
 class _WriteErrorRecorder:
     """A write-only file wrapper for `torch.save`, which reports a failed write (disk full, file size
     limit) only as "unexpected pos ..."; this keeps the OSError so the message can name the cause."""
@@ -43,6 +71,20 @@ class _WriteErrorRecorder:
 
     def flush(self) -> None:
         self.handle.flush()
+
+
+def write_failure(error: BaseException) -> str | None:
+    """The one-line reason when `error` is a failed write (disk full, file size limit, permissions),
+    else None. Besides OSError, the Rust writers report one as a bare Exception or SafetensorError
+    whose message ends in "(os error N)": tokenizers' `Tokenizer.save`, safetensors' `save_file`."""
+    if isinstance(error, OSError):
+        return error.strerror or first_line(error)
+    found = re.search(r"\(os error (\d+)\)", str(error)) if isinstance(error, Exception) else None
+    if found:
+        return os.strerror(int(found.group(1)))
+    if type(error).__name__ == "SafetensorError":
+        return first_line(error)
+    return None
 
 
 def remove_stale_temporaries(folder: str) -> None:

@@ -20,6 +20,8 @@ import os
 import re
 import secrets
 import shutil
+import struct
+import sys
 import time
 
 from trainer.checkpoint.files import fsync_dir
@@ -163,6 +165,62 @@ class SaveDirLock:
         if self.handle is not None:
             self.handle.close()  # closing the file drops the lock
             self.handle = None
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether a training run wrote or writes in the folder `path`: it has checkpoints/ or
+    metrics.jsonl, or its .lock is held by a live process (a `.lock` alone is a common name)."""
+    if not os.path.isdir(path):
+        return False
+    return (any(os.path.lexists(os.path.join(path, name)) for name in ("checkpoints", "metrics.jsonl"))
+            or lock_holder(path) is not None)
+
+
+def run_dir_at_or_above(path: str) -> str | None:
+    """The training run directory (`is_run_dir`) that `path` is or lies in, else None."""
+    current = os.path.abspath(path)
+    while True:
+        if is_run_dir(current):
+            return current
+        parent = os.path.dirname(current)
+        if parent == current:
+            return None
+        current = parent
+
+
+def run_dir_below(path: str) -> str | None:
+    """A training run directory inside the folder `path` (not `path` itself), else None."""
+    for folder, subfolders, _ in os.walk(path):
+        for name in subfolders:
+            if is_run_dir(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+    return None
+
+
+def lock_holder(save_dir: str) -> int | None:
+    """The pid of the process that holds `<save_dir>/.lock` (`SaveDirLock`), else None. Only asks
+    the kernel (F_GETLK): takes no lock and never disturbs one, not even this process's own."""
+    path = os.path.join(save_dir, ".lock")
+    if not os.path.isfile(path):
+        return None
+    try:
+        handle = open(path, "rb")
+    except OSError:
+        return None
+    with handle:
+        if sys.platform.startswith("linux"):  # struct flock: short type, whence; off_t start, len; pid_t pid
+            query = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+            try:
+                answer = fcntl.fcntl(handle.fileno(), fcntl.F_GETLK, query)
+            except OSError:
+                return None
+            kind, _, _, _, pid = struct.unpack("hhqqi4x", answer)
+            return pid if kind != fcntl.F_UNLCK else None
+        try:  # elsewhere: try to take it (a POSIX lock of this process is then dropped by the close)
+            fcntl.lockf(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return int(handle.read().strip() or 0) or -1
+    return None
 
 
 def inside_a_run_model_dir(path: str) -> str | None:

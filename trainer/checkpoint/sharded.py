@@ -18,6 +18,7 @@ Loading reshards: a checkpoint written by N processes loads on M processes, shar
 
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,9 @@ def read_full(path: str, entry: str) -> dict:
             for key, item in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
         }
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is meant here
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(state, storage_reader=reader, no_dist=True)
     except (CheckpointException, OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"sharded checkpoint {path} is unreadable ({first_line(error, 200)})") from None
     return {key[len(prefix):]: value for key, value in state.items()}

@@ -5,10 +5,11 @@ Accepted ``path`` kinds:
 (a) an HF directory: ``config.json`` + ``model.safetensors`` (single or sharded) of this model or
     of a standard Qwen3 / Qwen3-MoE (``<save_dir>/model/``, an export);
 (b) a ``.safetensors`` file with a ``config.json`` beside it;
-(c) a resume checkpoint ``.pt`` (``<save_dir>/checkpoints/step_*.pt``) or a MiniMind state dict
-    ``.pth``, read with ``torch.load(weights_only=True)`` so it never runs code stored in the file;
+(c) a resume checkpoint ``.pt`` (``<save_dir>/checkpoints/step_*.pt``), a sharded one (``step_*.dcp/`` of
+    an ``--fsdp 1`` run: its meta.pt and shards) or a MiniMind state dict ``.pth``, read with
+    ``torch.load(weights_only=True)`` so it never runs code stored in the file;
 (d) a run directory ``<save_dir>``: its ``model/`` subdirectory, or, when a run crashed before
-    writing one, its newest resume checkpoint.
+    writing one, its newest resume checkpoint (either kind).
 
 Every problem (missing path, corrupt or truncated file, a pickle the safe loader refuses, a file
 that is not a minisft model) raises ``ModelLoadError`` with a one-line message. The formats
@@ -26,7 +27,9 @@ from model import MiniMindForCausalLM
 from dataset import DataError, load_tokenizer
 from trainer.checkpoint.save_dir import list_checkpoints
 from trainer.errors import CheckpointError, ModelLoadError
-from trainer.weights.read import TOKENIZER_FILES, build_config, load_into, read_weights, saved_run_args
+from trainer.weights.read import (
+    TOKENIZER_FILES, build_config, check_torch_file, load_into, model_dir_of, read_weights, saved_run_args,
+)
 
 
 # --------------------------------------------------------------------------- path kinds
@@ -40,10 +43,9 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
     if path.is_dir():
         if path.suffix == ".dcp":  # a sharded resume checkpoint (--fsdp 1)
             return "checkpoint", path
-        if (path / "config.json").is_file():
-            return "hf_dir", path
-        if (path / "model" / "config.json").is_file():
-            return "hf_dir", path / "model"
+        folder = Path(model_dir_of(str(path)))  # a run directory: its model/, whatever else lies at its top
+        if (folder / "config.json").is_file():
+            return "hf_dir", folder
         checkpoints = list_checkpoints(str(path))
         if checkpoints:
             return "checkpoint", Path(checkpoints[0])
@@ -52,9 +54,11 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
         )
     if path.suffix == ".safetensors":
         return "safetensors", path
-    if path.suffix in (".pt", ".pth", ".bin"):
-        return "checkpoint", path
-    raise ModelLoadError(f"{path}: unknown model file type (expected a directory, .safetensors or .pt)")
+    try:
+        check_torch_file(str(path))  # a config.json, a text file: named, with what is accepted
+    except CheckpointError as error:
+        raise ModelLoadError(str(error)) from None
+    return "checkpoint", path
 
 
 # --------------------------------------------------------------------------- loading

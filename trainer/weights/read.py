@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zipfile
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +72,7 @@ def read_weights(path: str) -> Weights:
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
                        f"resume checkpoint {path}", run_args=loaded.get("args"))
     if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model", "config.json")):
-            path = os.path.join(path, "model")  # a run directory: its inference weights
-        return _read_directory(path)
+        return _read_directory(model_dir_of(path))
     if path.endswith(".safetensors"):
         config_file = os.path.join(os.path.dirname(path), "config.json")
         state = _load_safetensors([path])
@@ -81,6 +80,18 @@ def read_weights(path: str) -> Weights:
             return _from_config_json(read_json(config_file), state, path, _tokenizer_dir(os.path.dirname(path)))
         return Weights(state, config_from_shapes(state, path), f"safetensors file {path}")
     return _read_torch_file(path)
+
+
+def model_dir_of(folder: str) -> str:
+    """The HF model directory that the directory `folder` stands for: a training run's (checkpoints/ or
+    metrics.jsonl) inference weights `model/`, even beside model files at its top (which an export
+    into the run once left there); `folder/model` of a folder without config.json; else `folder`."""
+    run_model = os.path.join(folder, "model")
+    if os.path.isfile(os.path.join(run_model, "config.json")) and (
+            any(os.path.exists(os.path.join(folder, name)) for name in ("checkpoints", "metrics.jsonl"))
+            or not os.path.isfile(os.path.join(folder, "config.json"))):
+        return run_model
+    return folder
 
 
 def read_json(path: str) -> dict:
@@ -130,7 +141,30 @@ def _load_safetensors(files: list[str]) -> dict:
     return state
 
 
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+ACCEPTED_WEIGHTS = ("a MiniMind .pth or a state dict .pt, a resume checkpoint (checkpoints/step_*.pt or a sharded "
+                    "step_*.dcp/), a .safetensors file, an HF model directory (config.json + model.safetensors) or a "
+                    "training run's directory")
+FILE_KINDS = {".json": "a JSON file", ".jsonl": "a JSON Lines file", ".txt": "a text file", ".md": "a text file",
+              ".yaml": "a YAML file", ".yml": "a YAML file", ".jinja": "a template", ".py": "Python source"}
+
+
+def check_torch_file(path: str) -> None:
+    """Refuse, naming what is accepted, a file that cannot be a torch weights file: one of another kind
+    (config.json, a text file) unless it really is a torch archive (then the safe load decides, and
+    calls it malicious only if it holds pickled code)."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in TORCH_SUFFIXES or zipfile.is_zipfile(path):
+        return
+    kind = FILE_KINDS.get(suffix, f"a {suffix} file" if suffix else "a file without a weights suffix")
+    hint = ""
+    if os.path.basename(path) == "config.json":
+        hint = f"; for the model this config describes, give its folder {os.path.dirname(path) or '.'}"
+    raise CheckpointError(f"{path} is {kind}, not model weights; weights are {ACCEPTED_WEIGHTS}{hint}")
+
+
 def _read_torch_file(path: str) -> Weights:
+    check_torch_file(path)
     loaded = safe_torch_load(path, mmap=False)
     if single_file.is_resume_state(loaded):
         single_file.check_format(loaded, path)
@@ -145,7 +179,12 @@ def _read_torch_file(path: str) -> Weights:
 
 
 def saved_run_args(path: str) -> dict | None:
-    """The flags stored in a resume checkpoint (None for a plain state dict), read without loading its tensors."""
+    """The flags stored in a resume checkpoint (None for a plain state dict), read without loading its tensors:
+    a single file memory-mapped, a sharded `step_*.dcp/` from its meta.pt alone."""
+    if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):
+        loaded = load_resume_checkpoint(path, required=("args",))
+        return loaded["args"] if isinstance(loaded.get("args"), dict) else None
+    check_torch_file(path)
     loaded = safe_torch_load(path)
     if single_file.is_resume_state(loaded) and isinstance(loaded.get("args"), dict):
         return loaded["args"]

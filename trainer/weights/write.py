@@ -16,10 +16,9 @@ import os
 import shutil
 
 import torch
-from safetensors import SafetensorError
 
 from model import MiniMindConfig
-from trainer.checkpoint.files import atomic_torch_save, fsync_dir
+from trainer.checkpoint.files import atomic_torch_save, fsync_dir, settle_files, write_failure
 from trainer.checkpoint.save_dir import MODEL_DIR
 from trainer.errors import CheckpointError
 from trainer.weights.read import LM_HEAD, read_json
@@ -37,29 +36,62 @@ def publish_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtyp
         if entry.startswith(f".{name}.tmp"):
             shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
     try:
-        write_inference_dir(model, tmp, dtype)
-        tokenizer.save_pretrained(tmp)
-        for file_name, text in (extra_files or {}).items():
-            with open(os.path.join(tmp, file_name), "w", encoding="utf-8") as handle:
-                handle.write(text)
-        for file_name in os.listdir(tmp):
-            with open(os.path.join(tmp, file_name), "rb") as handle:
-                os.fsync(handle.fileno())
+        write_model_dir(model, tokenizer, tmp, dtype, extra_files=extra_files)
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(final):
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         fsync_dir(save_dir)
-    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as SafetensorError
+    except BaseException as error:  # nothing left behind, whatever stopped the write
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.exists(final) and os.path.exists(old):
-            os.replace(old, final)
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip().splitlines()[0]
+            try:
+                os.replace(old, final)
+            except OSError:
+                pass
+        reason = write_failure(error)  # a full disk: OSError, SafetensorError, or tokenizers' bare Exception
+        if reason is None:
+            raise
         raise CheckpointError(f"could not write inference weights to {final}: {reason}") from error
     return final
 
 
+
+
+def write_model_dir(model, tokenizer, folder: str, dtype: torch.dtype, fmt: str = "auto",
+                    extra_files: dict[str, str] | None = None) -> str:
+    """`folder` as an HF model directory: the weights (`fmt` "qwen3", "remote-code", or "auto": the
+    Qwen3 form where the config has one), the tokenizer and `extra_files` (file name -> text); every
+    file with the mode a plainly created file gets (the umask's) and fsynced. Returns the format."""
+    if fmt == "auto":
+        fmt = write_inference_dir(model, folder, dtype)
+    else:
+        (write_qwen3_dir if fmt == "qwen3" else write_remote_code_dir)(model, folder, dtype)
+    write_tokenizer(tokenizer, folder)
+    for file_name, text in (extra_files or {}).items():
+        with open(os.path.join(folder, file_name), "w", encoding="utf-8") as handle:
+            handle.write(text)
+    settle_files(folder)
+    return fmt
+
+
+def write_tokenizer(tokenizer, folder: str) -> None:
+    """The tokenizer files, read the same by transformers 4.4x-4.5x and 5.x: transformers 5 names
+    its class "TokenizersBackend", which 4.x does not have ("Tokenizer class TokenizersBackend does
+    not exist"); both load "PreTrainedTokenizerFast" from tokenizer.json alike. The chat template is
+    also kept in tokenizer_config.json, where transformers before chat_template.jinja looks for it."""
+    tokenizer.save_pretrained(folder)
+    config_file = os.path.join(folder, "tokenizer_config.json")
+    config = read_json(config_file)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # where transformers 5 loaded it from, not a setting
+        config.pop(key, None)
+    if isinstance(tokenizer.chat_template, str):
+        config["chat_template"] = tokenizer.chat_template
+    with open(config_file, "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2, ensure_ascii=False)
+        handle.write("\n")
 
 
 def qwen3_unsupported(config: MiniMindConfig) -> str | None:
@@ -126,9 +158,29 @@ def write_qwen3_dir(model, folder: str, dtype: torch.dtype) -> None:
         raise CheckpointError(f"this model has no standard Qwen3 form: {reason}")
     os.makedirs(folder, exist_ok=True)
     qwen3_config(model.config, dtype).save_pretrained(folder)
+    _add_transformers4_fields(os.path.join(folder, "config.json"))
     GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
                      pad_token_id=model.config.pad_token_id).save_pretrained(folder)
     save_file(_inference_state(model, dtype), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _add_transformers4_fields(config_file: str) -> None:
+    """transformers 5 writes RoPE as `rope_parameters` only; 4.x reads top-level `rope_theta` and
+    `rope_scaling` and, finding neither, silently uses theta 10,000 (ours: 1,000,000 by default).
+    Both are added with the same values. transformers 5 reads `rope_scaling` first when it is set, so
+    it holds exactly `rope_parameters` less `rope_theta` (which 4.x's YaRN check would call unknown),
+    and is null without YaRN, as 4.x writes it. `torch_dtype` is 4.x's name for `dtype`, and
+    `num_experts` its name for `num_local_experts`."""
+    config = read_json(config_file)
+    rope = dict(config["rope_parameters"])
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    config["torch_dtype"] = config.get("dtype")
+    if "num_local_experts" in config:  # transformers 5's name; Qwen3MoeConfig of 4.x reads num_experts (else 128)
+        config["num_experts"] = config["num_local_experts"]
+    with open(config_file, "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+        handle.write("\n")
 
 
 def write_remote_code_dir(model, folder: str, dtype: torch.dtype) -> None:

@@ -3,7 +3,10 @@ and as DDP, sharded checkpoints that survive kill -9, resume on other process co
 DDP <-> FSDP, and the gathered inference weights."""
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -156,6 +159,35 @@ def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(data, tmp_path
     assert f"resuming from {newest}" in finished.stdout
     assert not any(n.endswith(".tmp") for n in os.listdir(folder))  # the killed save's leftover is gone
     assert load_resume_checkpoint(dcp_at(save_dir, step + 1))["step"] == step + 1
+
+
+def test_chat_eval_and_export_read_a_sharded_checkpoint(data, fsdp_run, tmp_path):
+    """docs/fsdp.md: a step_*.dcp directory, and a run directory whose newest checkpoint is one, serve as
+    --model_path: the weights are the shards' (equal to the model/ the run saved from them), the tokenizer
+    the one the run recorded."""
+    from trainer.weights.inference import load_model_for_inference, load_tokenizer_for_model
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    sharded = dcp_at(fsdp_run, 4)
+    no_model = tmp_path / "crashed_before_model"  # a run directory with nothing but sharded checkpoints
+    shutil.copytree(fsdp_run / "checkpoints", no_model / "checkpoints")
+    saved = load_file(fsdp_run / "model" / "model.safetensors")  # --save_dtype float32, at step 4
+    for path in (sharded, no_model):
+        state = load_model_for_inference(path).state_dict()
+        assert_weights_equal({k: v for k, v in state.items() if k in saved}, saved)
+        assert load_tokenizer_for_model(path).chat_template == load_tokenizer_for_model(fsdp_run).chat_template
+
+    def script(name, *args):
+        return subprocess.run([sys.executable, os.path.join(repo, "scripts", name), *args, "--device", "cpu"],
+                              cwd=repo, capture_output=True, text=True, timeout=300)
+
+    chat = script("chat.py", "--model_path", sharded, "--prompt", "Hi", "--temperature", "0", "--max_new_tokens", "4")
+    assert chat.returncode == 0 and chat.stderr == "", chat.stderr
+    evaluated = script("eval_sft.py", "--model_path", str(no_model), "--data_path", str(data / "eval.jsonl"))
+    assert evaluated.returncode == 0 and '"num_conversations": 16' in evaluated.stdout, evaluated.stderr
+    exported = script("export_hf.py", "--model_path", sharded, "--out_dir", str(tmp_path / "export"))
+    assert exported.returncode == 0, exported.stderr
+    assert_weights_equal(load_file(tmp_path / "export" / "model.safetensors"), saved)
 
 
 def test_fsdp_refuses_what_it_cannot_do_with_one_line_errors():

@@ -1,8 +1,10 @@
 """Weights in and out (trainer/weights/read.py and write.py): Qwen3 / Qwen3-MoE directories built with transformers'
 own classes, MiniMind `.pth` state dicts, the standard-format export, and the refusals."""
 
+import fcntl
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from dataset import SFTCollator, SFTDataset, load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
-from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
+from tests.helpers.trainer_launch import REPO, SCRIPT, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
 from tests.helpers.trainer_launch import train_losses
 from trainer.args import parse_args
 from trainer.errors import CheckpointError
@@ -210,6 +212,55 @@ def test_explicit_flags_and_bare_use_wandb():
     assert messages == ["weights: none, training from scratch"]
 
 
+
+class RunsCode:
+    """Unpickling this creates a marker file (a real malicious pickle, as in tests/e2e/test_fault_tolerance.py)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_only_a_pickle_is_called_malicious_and_other_files_are_told_what_weights_are(tmp_path, qwen3_dirs):
+    from trainer.errors import ModelLoadError
+
+    accepted = ("weights are a MiniMind .pth or a state dict .pt, a resume checkpoint (checkpoints/step_*.pt or a "
+                "sharded step_*.dcp/), a .safetensors file, an HF model directory (config.json + model.safetensors) "
+                "or a training run's directory")
+    config = qwen3_dirs["dense"] / "config.json"
+    (tmp_path / "notes.txt").write_text("not weights\n" * 50)
+    (tmp_path / "empty.json").write_bytes(b"")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    marker = tmp_path / "PWNED"
+    torch.save({"format": "minisft-resume", "format_version": 1, "payload": RunsCode(marker)}, tmp_path / "evil.pt")
+    shutil.copy(tmp_path / "evil.pt", tmp_path / "evil.json")  # the content decides, not the name
+    malicious = "it contains Python objects that a safe (weights_only) load does not allow; it is not a minisft " \
+                "checkpoint and may be malicious"
+    expected = {
+        config: f"{config} is a JSON file, not model weights; {accepted}; for the model this config describes, give "
+                f"its folder {qwen3_dirs['dense']}",
+        tmp_path / "notes.txt": f"{tmp_path / 'notes.txt'} is a text file, not model weights; {accepted}",
+        tmp_path / "empty.json": f"{tmp_path / 'empty.json'} is a JSON file, not model weights; {accepted}",
+        tmp_path / "empty.pt": f"{tmp_path / 'empty.pt'} is empty",
+        tmp_path / "evil.pt": f"refused to load {tmp_path / 'evil.pt'}: {malicious}",
+        tmp_path / "evil.json": f"refused to load {tmp_path / 'evil.json'}: {malicious}",
+    }
+    for path, message in expected.items():
+        with pytest.raises(CheckpointError) as caught:  # --from_weight
+            setup(["--from_weight", str(path)])
+        assert str(caught.value) == message
+        with pytest.raises(ModelLoadError) as caught:  # --model_path of chat, eval, export
+            load_model_for_inference(path)
+        assert str(caught.value) == message
+    assert not marker.exists()
+    done = subprocess.run([sys.executable, "train_full_sft.py", "--from_weight", str(config), "--save_dir",
+                           str(tmp_path / "run")], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and done.stderr == f"error: {expected[config]}\n"
+
+
 # --------------------------------------------------------------------------- end to end
 
 
@@ -344,3 +395,193 @@ def test_export_refuses_a_format_that_cannot_express_the_model(qwen3_dirs, tmp_p
     assert done.value.code == 2
     assert capsys.readouterr().err == ("error: --format minimind cannot express this model: the LM head is not tied "
                                        "to the embedding (MiniMind always ties them) (use --format remote-code)\n")
+
+
+# --------------------------------------------------------------------------- model/ and best/ on disk
+
+# hidden 16: bf16 weights of ~210 kB, less than the tokenizer.json (405 kB) written after them
+SMALL = ["--hidden_size", "16", "--num_hidden_layers", "1", "--num_attention_heads", "2", "--num_key_value_heads", "1",
+         "--max_seq_len", "128", "--dtype", "float32", "--log_interval", "1", "--learning_rate", "3e-3",
+         "--warmup_steps", "0", "--batch_size", "4", "--eval_interval", "1", "--keep_best", "eval_loss"]
+UMASK = 0o007  # neither the usual 022 nor 077: 0o660 is what a file created by open() gets
+
+
+def small_run(data, save_dir, *extra):
+    return [*SMALL, "--data_path", str(data / "train.jsonl"), "--eval_data_path", str(data / "eight.jsonl"),
+            "--save_dir", str(save_dir), *extra]
+
+
+@pytest.fixture(scope="module")
+def kept_best_run(data, tmp_path_factory):
+    """Two steps, each evaluated (best/ written at each), model/ saved at step 2; under UMASK."""
+    run = tmp_path_factory.mktemp("kept_best") / "run"
+    previous = os.umask(UMASK)
+    try:
+        run_trainer(small_run(data, run, "--max_steps", "2", "--save_interval", "2"))
+    finally:
+        os.umask(previous)
+    assert json.loads((run / "best" / "best.json").read_text())["step"] == 2
+    return run
+
+
+@pytest.mark.slow
+def test_model_best_and_exported_files_get_the_mode_of_the_umask(kept_best_run, tmp_path):
+    """safetensors creates its file 0600: another user could not read a model meant to be shared."""
+    export = tmp_path / "export"
+    previous = os.umask(UMASK)
+    try:
+        done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(kept_best_run), "--out_dir",
+                               str(export)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        os.umask(previous)
+    assert done.returncode == 0, done.stderr
+    for folder in (kept_best_run / "model", kept_best_run / "best", export):
+        modes = {path.name: oct(path.stat().st_mode & 0o777) for path in folder.iterdir()}
+        assert "model.safetensors" in modes and modes == {name: oct(0o666 & ~UMASK) for name in modes}, folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limit,failing", [(300_000, "tokenizer.json"), (100_000, "model.safetensors")])
+def test_a_full_disk_while_publishing_best_is_one_line_and_leaves_nothing_behind(kept_best_run, data, tmp_path,
+                                                                                 limit, failing):
+    """The resumed run's first evaluation is a new best; writing best/ hits the file size limit, in the
+    weights or (tokenizers raises a bare Exception) in the tokenizer."""
+    run = tmp_path / "run"
+    shutil.copytree(kept_best_run, run)
+    sizes = {name: os.path.getsize(run / "best" / name) for name in ("model.safetensors", "tokenizer.json")}
+    assert sizes[failing] > limit and (failing == "model.safetensors" or sizes["model.safetensors"] < limit)
+    published = {path: path.read_bytes() for name in ("model", "best") for path in (run / name).iterdir()}
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run([sys.executable, SCRIPT, *small_run(data, run, "--max_steps", "4", "--save_interval", "2",
+                                                                "--from_resume", "1")],
+                            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
+                            preexec_fn=limit_file_size)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: could not write inference weights to {run / 'best'}: File too large"]
+    assert [path for path in run.rglob("*") if ".tmp." in path.name] == []
+    assert {path: path.read_bytes() for name in ("model", "best") for path in (run / name).iterdir()} == published
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_an_export_is_one_line_and_leaves_nothing_behind(kept_best_run, tmp_path):
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))  # the weights fit, tokenizer.json does not
+
+    out_dir = tmp_path / "export"
+    out_dir.mkdir()
+    (out_dir / "previous.txt").write_text("an earlier export")
+    for fmt in ("qwen3", "minimind"):
+        done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(kept_best_run / "model"),
+                               "--out_dir", str(out_dir), "--overwrite", "--format", fmt, "--dtype", "bfloat16"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert done.stderr.splitlines()[-1] == {
+            "qwen3": f"error: could not write the export to {out_dir}: File too large (nothing was changed there)",
+            "minimind": f"error: could not write {out_dir / 'full_sft_16.pth'}: File too large"}[fmt]
+        assert sorted(path.name for path in tmp_path.iterdir()) == ["export"]
+        assert sorted(path.name for path in out_dir.iterdir()) == ["previous.txt"]
+
+
+# --------------------------------------------------------------------------- transformers 4.x reads the same
+
+
+TF4_VENV = os.path.join(os.path.expanduser("~"), ".cache", "minisft-tf4-venv")  # built once, then reused
+TF4_PACKAGES = ["transformers==4.57.*", "torch==2.13.0", "safetensors"]
+
+TF4_RUN = textwrap.dedent("""
+    import json, sys, torch, transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    assert "trainer" not in sys.modules
+    texts, ids, result = json.loads(sys.argv[2]), json.loads(sys.argv[3]), {"version": transformers.__version__}
+    for folder in sys.argv[1].split(","):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits
+        result[folder] = {"logits": logits, "rope_theta": AutoConfig.from_pretrained(folder).rope_theta,
+                          "tokenizer": type(tokenizer).__name__, "template": tokenizer.chat_template,
+                          "ids": [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]}
+    torch.save(result, "tf4.pt")
+""")
+
+
+def transformers4_python() -> str:
+    """The python of a venv with transformers 4.57 (and torch, safetensors); skips the test when it cannot be built."""
+    python = os.path.join(TF4_VENV, "bin", "python")
+    ready = os.path.join(TF4_VENV, ".ready")
+    os.makedirs(os.path.dirname(TF4_VENV), exist_ok=True)
+    with open(TF4_VENV + ".lock", "w") as lock:  # another test process may be building it
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isfile(ready) and os.path.isfile(python):
+            return python
+        shutil.rmtree(TF4_VENV, ignore_errors=True)
+        steps = ([sys.executable, "-m", "venv", TF4_VENV],
+                 [python, "-m", "pip", "install", "--disable-pip-version-check", "-q", *TF4_PACKAGES])
+        for step in steps:
+            try:
+                done = subprocess.run(step, capture_output=True, text=True, timeout=1200)
+            except subprocess.TimeoutExpired:
+                done = subprocess.CompletedProcess(step, 1, "", "timed out")
+            if done.returncode != 0:
+                shutil.rmtree(TF4_VENV, ignore_errors=True)
+                reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                pytest.skip(f"cannot build a venv with {' '.join(TF4_PACKAGES)} in {TF4_VENV} (no network or "
+                            f"package index?): {reason}")
+        open(ready, "w").close()
+    return python
+
+
+@pytest.mark.slow
+def test_transformers_4_reads_the_exported_model_and_tokenizer_as_transformers_5_does(tmp_path, tokenizer):
+    """transformers 4.57 (in its own venv) and 5 (here) give the same logits and token ids for model/ and the
+    export: RoPE theta 1e6 (4.x fell back to 1e4 without a top-level rope_theta), YaRN, MoE; the tokenizer class
+    (4.x has no TokenizersBackend)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trainer.weights.write import write_model_dir
+
+    python = transformers4_python()
+    torch.manual_seed(4)
+    layout = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    models = {
+        "dense": MiniMindConfig(**layout),
+        "yarn": MiniMindConfig(**layout, rope_scaling={"type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 16}),
+        "moe": MiniMindConfig(**layout, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                              tie_word_embeddings=False),
+    }
+    for name, config in models.items():
+        model = MiniMindForCausalLM(config)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.normal_(0, 0.5)  # large enough that a wrong RoPE shows
+        assert write_model_dir(model.eval(), tokenizer, str(tmp_path / name), torch.float32) == "qwen3"
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "Hello <|im_end|> world, 你好 123"}],
+                                           tokenize=False, add_generation_prompt=True),
+             "plain text with <|im_start|> and <tool_call> inside\n\n  spaces"]
+    ids = list(range(100, 140))  # 40 positions: past YaRN's original 16
+    (tmp_path / "tf4.py").write_text(TF4_RUN)
+    env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
+    done = subprocess.run([python, "tf4.py", ",".join(models), json.dumps(texts), json.dumps(ids)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    old = torch.load(tmp_path / "tf4.pt", weights_only=True)
+    assert old["version"].startswith("4.57.")
+    for name in models:
+        folder = tmp_path / name
+        assert old[name]["tokenizer"] == "PreTrainedTokenizerFast" and old[name]["rope_theta"] == 1e6
+        new_tokenizer = AutoTokenizer.from_pretrained(folder)
+        assert old[name]["ids"] == [new_tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        assert old[name]["ids"] == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        assert old[name]["template"] == new_tokenizer.chat_template == tokenizer.chat_template
+        with torch.no_grad():
+            new = AutoModelForCausalLM.from_pretrained(folder).eval()(torch.tensor([ids])).logits
+            ours = load_model_for_inference(folder)(torch.tensor([ids])).logits
+        assert torch.allclose(old[name]["logits"], new, atol=1e-5, rtol=0), name
+        assert torch.allclose(new, ours, atol=1e-5, rtol=0), name
