@@ -81,11 +81,11 @@ def load_model_and_tokenizer(args):
 
 
 def is_user_error(error: BaseException) -> bool:
-    """Errors that describe bad input (model path, data, tokenizer) rather than a bug."""
-    from dataset import DataError
-    from trainer.errors import ModelLoadError
+    """Errors that describe bad input (model path, data, tokenizer, a checkpoint or folder that cannot be
+    used) rather than a bug: the trainer's user errors and the inference loader's."""
+    from trainer.errors import USER_ERRORS, ModelLoadError
 
-    return isinstance(error, (ModelLoadError, DataError))
+    return isinstance(error, (ModelLoadError, *USER_ERRORS))
 
 
 def run_main(main: Callable[[], int | None]) -> None:
