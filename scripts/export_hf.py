@@ -36,7 +36,7 @@ from scripts._common import (  # noqa: E402
 )
 
 
-FORMATS = ("qwen3", "minimind", "remote-code")
+FORMATS = ("qwen3", "minimind", "remote-code", "gguf")
 
 
 def build_parser() -> ArgumentParser:
@@ -46,9 +46,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--out_dir", required=True, help="directory to write")
     parser.add_argument("--format", choices=FORMATS, default="qwen3",
                         help="qwen3: standard Qwen3/Qwen3-MoE dir (no remote code); minimind: MiniMind .pth; "
-                             "remote-code: model_type minimind with the model code")
+                             "remote-code: model_type minimind with the model code; gguf: llama.cpp / Ollama file")
     parser.add_argument("--save_weight", default="full_sft",
                         help="--format minimind: file name prefix, as MiniMind's --save_weight")
+    parser.add_argument("--gguf_type", choices=("f32", "f16", "bf16", "q8_0"), default="f16",
+                        help="--format gguf: tensor type of {out_dir}/model-{type}.gguf (docs/weights.md, GGUF)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out_dir (or an existing .pth)")
     # --dtype (from add_model_args) is the dtype of the exported weights (minimind: always float16).
     return parser
@@ -167,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     reason = unsupported(model.config)
     if reason:
         fail(f"--format {args.format} cannot express this model: {reason} (use --format remote-code)")
+    if args.format == "gguf":  # llama.cpp / Ollama: trainer/weights/gguf.py
+        from trainer.weights.gguf import export_gguf
+
+        export_gguf(model, tokenizer, out_dir, args.gguf_type)
+        return 0
     if args.format == "minimind":
         target = export_minimind(model, out_dir, args.save_weight, args.overwrite)
         print(f"exported float16 MiniMind weights to {target}")
