@@ -4,25 +4,16 @@
     torchrun --nproc_per_node 8 scripts/verify_equivalence.py --batch_size 2 ...         # the 8 processes
     torchrun --nnodes 2 --node_rank R ... scripts/verify_equivalence.py --work_dir /shared/tmp ...
 
-Every flag this script does not know is a trainer flag. It trains the model those flags describe
-for --max_steps optimizer steps (default 8) in separate runs of the real train_full_sft.py, all with
-the same global batch G = M x B x A (B = --batch_size, A = --accumulation_steps, M = N processes,
-or 2 when N = 1), and the same seed:
-
-  reference                     1 process x batch M*B (x accumulation A)
-  N processes x batch B         N > 1: torchrun --standalone, or the world this script runs in
-  1 process x batch B x accum   accumulation M*A
-  resumed at step K             a fresh run continues the N-process run (N = 1: the reference)
-                                from its step-K resume checkpoint (K = --resume_step, default S/2)
-
-It compares each run's final resume checkpoint (read by trainer/checkpoint/resume.py, weights_only)
-with the reference's (a resumed run: with its own uninterrupted run): `max |diff|` is the largest
-elementwise difference; `rel diff` is ||w - w_ref|| / ||w_ref(step S) - w_ref(step K)|| over all
-weights, the difference measured against how far the reference's own last S-K steps moved them.
-Tolerance on it: float32 1e-3 (TF32 switched off), bfloat16/float16 0.25 (rounding alone makes
-low-precision runs differ by several % after a few Adam steps: gross errors only); --tolerance
-overrides. Exit 0: every variant within tolerance; 1: a variant is not, or a run failed; 2: a user error.
-docs/verify_equivalence.md has what a FAIL tells you.
+Every flag this script does not know is a trainer flag. The real train_full_sft.py trains --max_steps
+(S, default 8) optimizer steps four ways with the same global batch (B = --batch_size, A =
+--accumulation_steps, M = N processes, or 2 when N = 1): 1 process x M*B (the reference); N processes
+x B (torchrun --standalone, or the world this script was started in); 1 process x B x accumulation
+M*A; and a fresh run resumed from the N-process run's (N = 1: the reference's) step-K checkpoint.
+Each run's final resume checkpoint (read by trainer/checkpoint/resume.py) is compared with the
+reference's (a resumed run's: with its own uninterrupted run's): `max |diff|`, the largest elementwise
+difference; `rel diff`, ||w - w_ref|| / ||w_ref(step S) - w_ref(step K)|| over all weights. Tolerance
+on rel diff: float32 1e-3 (TF32 off), bfloat16 and float16 0.25 (gross errors only). Exit 0: all
+within tolerance; 1: one is not, or a run failed; 2: a user error. docs/verify_equivalence.md.
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -85,23 +77,25 @@ def build_parser() -> ArgumentParser:
 @dataclasses.dataclass
 class Variant:
     name: str
-    kind: str  # reference | procs | accum | resume
+    kind: str  # reference | procs | accum | resume: also its directory's name
     nproc: int
     batch: int
     accum: int
-    slug: str
     resumes: "Variant | None" = None
 
 
 @dataclasses.dataclass
 class Plan:
     trainer_argv: list[str]
-    nproc: int
     max_steps: int
     resume_step: int
     variants: list[Variant]
     world: "World | None"
     work: Path | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.world is None or self.world.rank == 0
 
 
 # --------------------------------------------------------------------------- flags
@@ -164,7 +158,7 @@ def make_plan(argv: list[str]):
         fail(f"--tolerance must be a positive number (got {tool.tolerance})")
     nproc = world.size if world else process_count(tool.nproc_per_node)
     rest, _ = drop_flags(rest, ("batch_size", "accumulation_steps"))
-    plan = Plan(rest, nproc, tool.max_steps, resume_step, [], world)
+    plan = Plan(rest, tool.max_steps, resume_step, [], world)
     plan.variants = variants(nproc, args.batch_size, args.accumulation_steps, resume_step)
     return plan, tool, args
 
@@ -187,15 +181,14 @@ def variants(nproc: int, batch: int, accum: int, resume_step: int) -> list[Varia
         text = f"{processes} process{'es' if processes > 1 else ''} x batch {rows}"
         return text + (f" x accumulation {accumulation}" if accumulation > 1 else "")
 
-    reference = Variant(label(1, multiple * batch, accum) + " (reference)", "reference", 1, multiple * batch, accum,
-                        "reference")
-    found = [reference, Variant(label(1, batch, multiple * accum), "accum", 1, batch, multiple * accum, "accum")]
+    reference = Variant(label(1, multiple * batch, accum) + " (reference)", "reference", 1, multiple * batch, accum)
+    found = [reference, Variant(label(1, batch, multiple * accum), "accum", 1, batch, multiple * accum)]
     base = reference
     if nproc > 1:
-        base = Variant(label(nproc, batch, accum), "procs", nproc, batch, accum, "procs")
+        base = Variant(label(nproc, batch, accum), "procs", nproc, batch, accum)
         found.append(base)
     found.append(Variant(f"{base.name.removesuffix(' (reference)')}, resumed at step {resume_step}", "resume",
-                         base.nproc, base.batch, base.accum, "resume", resumes=base))
+                         base.nproc, base.batch, base.accum, resumes=base))
     return found
 
 
@@ -254,12 +247,12 @@ def local_env(plan: Plan, args) -> dict:
 
 def run_variant(plan: Plan, variant: Variant, args, timeout: float) -> tuple[int, str, float]:
     """Run the trainer for `variant`; (exit code, its output, seconds)."""
-    save_dir = plan.work / variant.slug
+    save_dir = plan.work / variant.kind
     flags = [*plan.trainer_argv, "--batch_size", str(variant.batch), "--accumulation_steps", str(variant.accum),
              "--max_steps", str(plan.max_steps), "--save_interval", str(plan.resume_step),
              "--keep_last", str(plan.max_steps // plan.resume_step + 1), "--save_dir", str(save_dir)]
     if variant.resumes:
-        flags += ["--resume_from", checkpoint_at(plan.work / variant.resumes.slug, plan.resume_step)]
+        flags += ["--resume_from", checkpoint_at(plan.work / variant.resumes.kind, plan.resume_step)]
     if variant.nproc == 1:
         command, env = [sys.executable, TRAINER, *flags], local_env(plan, args)
     elif plan.world:
@@ -270,18 +263,34 @@ def run_variant(plan: Plan, variant: Variant, args, timeout: float) -> tuple[int
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(variant.nproc), TRAINER, *flags]
         env = local_env(plan, args)
-    log = plan.work / f"{variant.slug}.log" if plan.world is None or plan.world.rank == 0 else \
-        plan.work / f"{variant.slug}.rank{plan.world.rank}.log"
+    log = plan.work / (f"{variant.kind}.log" if plan.is_main else f"{variant.kind}.rank{plan.world.rank}.log")
     start = time.time()
+    # Its own process group, so that a timeout or Ctrl-C here stops torchrun's workers too.
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        done = subprocess.run(command, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout)
-        code, output = done.returncode, done.stdout
-    except subprocess.TimeoutExpired as expired:
-        code, output = 124, (expired.stdout or b"").decode(errors="replace") + f"\n(timed out after {timeout:g} s)"
+        output, code = proc.communicate(timeout=timeout)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        stop_group(proc)
+        output, code = proc.communicate()[0] + f"\n(stopped after --timeout {timeout:g} s)", 124
+    except BaseException:
+        stop_group(proc)
+        raise
     with contextlib.suppress(OSError):
         log.write_text(output, encoding="utf-8")
     return code, output, time.time() - start
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM (the trainer then stops at the next step), SIGKILL after 30 s."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def checkpoint_at(save_dir: Path, step: int) -> str:
@@ -351,12 +360,12 @@ def report(plan: Plan, facts: tuple[str, str], tolerance: float | None) -> int:
     dtype, device = facts
     tolerance = tolerance if tolerance is not None else TOLERANCES.get(dtype, TOLERANCES["bfloat16"])
     reference = plan.variants[0]
-    finals = {v.slug: final_weights(plan.work / v.slug) for v in plan.variants}
+    finals = {v.kind: final_weights(plan.work / v.kind) for v in plan.variants}
     rows, failed = [[reference.name, "-", "-", "-", "-", "-", "-"]], []
     for variant in plan.variants[1:]:
         against = variant.resumes or reference  # a resumed run against its own uninterrupted run
-        (step, weights), (against_step, against_weights) = finals[variant.slug], finals[against.slug]
-        earlier = load_resume_checkpoint(checkpoint_at(plan.work / against.slug, plan.resume_step),
+        (step, weights), (against_step, against_weights) = finals[variant.kind], finals[against.kind]
+        earlier = load_resume_checkpoint(checkpoint_at(plan.work / against.kind, plan.resume_step),
                                          required=("model",))["model"]
         max_abs, rel, worst = compare(against_weights, earlier, weights)
         if step != against_step:
@@ -366,7 +375,7 @@ def report(plan: Plan, facts: tuple[str, str], tolerance: float | None) -> int:
                      f"{rel:.3g}", f"{tolerance:.0e}", "OK" if ok else "FAIL", worst])
         if not ok:
             failed.append(f"{variant.name} differs by {rel:.3g} > {tolerance:.0e} ({WHAT_FAILED[variant.kind]})")
-    print(f"\nverify_equivalence: {finals[reference.slug][0]} optimizer steps of train_full_sft.py, global batch "
+    print(f"\nverify_equivalence: {finals[reference.kind][0]} optimizer steps of train_full_sft.py, global batch "
           f"{reference.batch * reference.accum}, dtype {dtype}, device {device}, resume at step {plan.resume_step}")
     header = ["variant", "against", "max |diff|", "rel diff", "tolerance", "result", "worst tensor (its rel diff)"]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -388,40 +397,38 @@ def report(plan: Plan, facts: tuple[str, str], tolerance: float | None) -> int:
 def execute(plan: Plan, runs: list[Variant], args, tool, outputs: dict) -> int:
     """Run `runs` in order; 0, or the exit code to end with (the error is printed)."""
     for variant in runs:
-        if variant.resumes and not os.path.exists(checkpoint_at(plan.work / variant.resumes.slug, plan.resume_step)):
+        if variant.resumes and not os.path.exists(checkpoint_at(plan.work / variant.resumes.kind, plan.resume_step)):
             print(f"error: {variant.resumes.name} ended before step {plan.resume_step} (too little data for "
                   "this global batch): lower --resume_step, --max_steps or --batch_size", file=sys.stderr)
             return 2
-        if plan.world is None or plan.world.rank == 0:
+        if plan.is_main:
             print(f"running {variant.name} ...", flush=True)
         code, output, seconds = run_variant(plan, variant, args, tool.timeout)
-        outputs[variant.slug] = output
+        outputs[variant.kind] = output
         if code == 0:
-            if plan.world is None or plan.world.rank == 0:
+            if plan.is_main:
                 print(f"  done in {seconds:.1f} s", flush=True)
             continue
         if code == 2 and (variant.nproc == 1 or plan.world):
             print(error_line(output), file=sys.stderr)  # the trainer's one-line user error
             return 2
         print(f"error: {variant.name}: the trainer failed (exit {code}): {error_line(output)}; its output: "
-              f"{plan.work / (variant.slug + '.log')}", file=sys.stderr)
+              f"{plan.work / (variant.kind + '.log')}", file=sys.stderr)
         return 1
     return 0
 
 
 def main(argv=None) -> int:
     plan, tool, args = make_plan(sys.argv[1:] if argv is None else argv)
-    world, main_rank = plan.world, plan.world is None or plan.world.rank == 0
+    world, main_rank = plan.world, plan.is_main
     if main_rank:
         if tool.work_dir:
             os.makedirs(tool.work_dir, exist_ok=True)
-        plan.work = Path(tempfile.mkdtemp(prefix="minisft-verify-", dir=tool.work_dir))
+        plan.work = Path(tempfile.mkdtemp(prefix="minisft-verify-", dir=tool.work_dir)).resolve()
     if world:
         plan.work = Path(world.share("work_dir", str(plan.work)))
-    single = [v for v in plan.variants if v.nproc == 1]
-    multi = [v for v in plan.variants if v.nproc > 1]
-    outputs: dict[str, str] = {}
-    code = 0
+    single, multi = [v for v in plan.variants if v.nproc == 1], [v for v in plan.variants if v.nproc > 1]
+    outputs, code = {}, 0
     if main_rank:
         code = execute(plan, single if world else plan.variants, args, tool, outputs)
     if world:
