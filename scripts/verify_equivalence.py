@@ -12,7 +12,7 @@ M*A; and a fresh run resumed from the N-process run's (N = 1: the reference's) s
 Each run's final resume checkpoint (read by trainer/checkpoint/resume.py) is compared with the
 reference's (a resumed run's: with its own uninterrupted run's): `max |diff|`, the largest elementwise
 difference; `rel diff`, ||w - w_ref|| / ||w_ref(step S) - w_ref(step K)|| over all weights. Tolerance
-on rel diff: float32 1e-3 (TF32 off), bfloat16 and float16 0.25 (gross errors only). Exit 0: all
+on rel diff: float32 1e-3 (TF32 off), bfloat16 and float16 0.2 (gross errors only). Exit 0: all
 within tolerance; 1: one is not, or a run failed; 2: a user error. docs/verify_equivalence.md.
 """
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts._common import REPO_DIR, ArgumentParser, fail, run_main  # noqa: E402
 
 TRAINER = str(REPO_DIR / "train_full_sft.py")
-TOLERANCES = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.25}
+TOLERANCES = {"float32": 1e-3, "bfloat16": 0.2, "float16": 0.2}
 # Trainer flags the check sets itself: given ones are dropped (named in a note).
 OWNED = ("save_dir", "save_interval", "keep_last", "overwrite", "from_resume", "max_steps", "use_wandb",
          "wandb_project", "wandb_run_name", "eval_data_path", "eval_interval", "eval_generate_samples",
@@ -64,7 +64,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max_steps", type=int, default=8, help="optimizer steps of every run (S)")
     parser.add_argument("--resume_step", type=int, default=None, help="K: where the resumed run starts (default S/2)")
     parser.add_argument("--tolerance", type=float, default=None,
-                        help="largest rel diff allowed (default by dtype: float32 1e-3, bfloat16 and float16 0.25)")
+                        help="largest rel diff allowed (default by dtype: float32 1e-3, bfloat16 and float16 0.2)")
     parser.add_argument("--work_dir", default=None,
                         help="where the runs' directories go (default: the system temp dir); on several nodes "
                              "a directory every node sees")
@@ -210,8 +210,8 @@ class World:
         if int(env.get("WORLD_SIZE", "1")) <= 1 and int(env.get("SLURM_NTASKS", "1")) <= 1:
             return None
         if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-            fail("started as several processes without torchrun: start this script with torchrun (one per node), "
-                 "or with plain python and --nproc_per_node N")
+            fail("several processes need torchrun's store: start this script with torchrun (one per node; not with "
+                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), or with plain python and --nproc_per_node N")
         if int(env["WORLD_SIZE"]) > int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])) and not tool.work_dir:
             fail("on several nodes give --work_dir on a filesystem every node sees: the resumed run reads its "
                  "checkpoint on every node")

@@ -140,6 +140,14 @@ def test_a_bad_flag_is_one_line_and_exit_2(tmp_path, args, message):
     assert os.listdir(tmp_path) == []  # refused before anything ran
 
 
+def test_several_processes_without_torchrun_are_refused(tmp_path):
+    done = run_tool("--work_dir", str(tmp_path), *TINY, env=clean_env(SLURM_PROCID="0", SLURM_NTASKS="2"))
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("error: several processes need torchrun's store: start this script with torchrun "
+                                   "(one per node; not with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), or with plain "
+                                   "python and --nproc_per_node N")
+
+
 def test_missing_data_is_the_trainers_one_line_error_and_exit_2(tmp_path):
     done = run_tool("--work_dir", str(tmp_path), *TINY, "--data_path", str(tmp_path / "nope.jsonl"))
     assert done.returncode == 2, done.stdout + done.stderr
