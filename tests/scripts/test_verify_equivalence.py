@@ -75,8 +75,13 @@ def test_two_processes_one_process_accumulation_and_resume_agree(data, tmp_path)
 
 @pytest.mark.slow
 def test_one_process_compares_accumulation_2_with_batch_2b(data, tmp_path):
-    done = run_tool("--nproc_per_node", "1", *tool_flags(data, tmp_path))
+    # a copied training command: the flags the check sets itself are named and not used
+    done = run_tool("--nproc_per_node", "1", *tool_flags(data, tmp_path / "work"), "--save_dir", str(tmp_path / "out"),
+                    "--save_interval", "100", "--eval_data_path", str(data / "eval.jsonl"))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == "note: the check sets --eval_data_path, --save_dir, --save_interval itself: " \
+                                          "your value is not used"
+    assert not (tmp_path / "out").exists()
     rows = table(done.stdout)
     assert_all_within_tolerance(rows, ONE)
     assert rows[ONE[2]]["against"] == "reference" and rows[ONE[2]]["max |diff|"] == "0"
