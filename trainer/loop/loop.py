@@ -40,6 +40,11 @@ from trainer.weights.write import publish_inference_weights, save_minimind_copy
 # a comma-separated list of optimizer steps (numbered from 1, as in the logs) whose loss is made
 # NaN, e.g. MINISFT_FAULT_NAN_STEPS="3,4,5". Leave it unset for real training.
 FAULT_NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
+# A planted bug for tests/scripts/test_verify_equivalence.py, read in `agree_on_step` and nowhere else:
+# MINISFT_FAULT_LOCAL_MEAN=1 makes every rank divide its token loss by its OWN loss-token count instead of
+# the step's global count, so DDP averages per-rank means (the classic normalisation bug) and N ranks x B
+# no longer equal 1 rank x N*B; scripts/verify_equivalence.py must report it. Leave it unset for real training.
+FAULT_LOCAL_MEAN_ENV = "MINISFT_FAULT_LOCAL_MEAN"
 
 
 def raise_on_every_rank(error: str | None) -> None:
@@ -114,9 +119,12 @@ def agree_on_step(run: Run, micro_batches: list[dict]) -> StepTotals:
     real_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
     sequences = sum(int(mb["attention_mask"].any(dim=1).sum()) for mb in micro_batches)
     stop = int(run.preemption.requested)
+    local_loss_tokens = loss_tokens
     if run.ctx.distributed:
         figures = torch.tensor([loss_tokens, real_tokens, sequences, stop], dtype=torch.int64, device=run.ctx.device)
         loss_tokens, real_tokens, sequences, stop = all_reduce_sum(figures).tolist()
+    if os.environ.get(FAULT_LOCAL_MEAN_ENV) == "1":  # planted bug (test-only): x world_size then gives sum / local count
+        loss_tokens = local_loss_tokens * run.ctx.world_size
     return StepTotals(loss_tokens, real_tokens, sequences, bool(stop))
 
 
