@@ -249,8 +249,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     counted and the first one is recorded in ``meta.json``. SIGTERM or SIGINT raise
     ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run.
     """
-    with writing(target.parent):
-        target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)  # its OSError names the folder (e.g. a file in the way)
     digest = data_digest(path, target.parent)
     partial = PartialBuild(target, token_dtype(len(tokenizer)))
     pool = None
