@@ -29,7 +29,7 @@ line bad (``loads``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ROLE_ALIASES = {
     "system": "system",

@@ -42,7 +42,7 @@ import numpy as np
 
 from .digests import data_digest
 from .formats import DataError, LineError, parse_line
-from .partial_build import PartialBuild, Progress, remove_stale_partials, writing
+from .partial_build import PartialBuild, Progress, remove_stale_partials
 from .sources import check_data_file, open_lines
 from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
 

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader
 from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
 from dataset.data_report import training_summary
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, parse_data_path
-from trainer.evaluation.evaluate import EvalSet, eval_set_names, generation_examples
+from trainer.evaluation.evaluate import EvalSet, generation_examples
+from trainer.evaluation.selection import eval_set_names
 from trainer.run_identity import RunIdentity, epoch_grouping, identify_run
 
 

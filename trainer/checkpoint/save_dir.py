@@ -257,11 +257,17 @@ def remove_directory_checkpoint(path: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def best_step_on_disk(save_dir: str) -> int | None:
-    """The step recorded in `<save_dir>/best/best.json`, or None (no best/ or an unreadable record)."""
+def best_record_on_disk(save_dir: str) -> dict:
+    """`<save_dir>/best/best.json` ({metric, mode, value, step}), or {} (no best/ or an unreadable record)."""
     try:
         with open(os.path.join(save_dir, BEST_DIR, BEST_FILE), encoding="utf-8") as handle:
-            step = json.load(handle).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
+            record = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def best_step_on_disk(save_dir: str) -> int | None:
+    """The step recorded in `<save_dir>/best/best.json`, or None."""
+    step = best_record_on_disk(save_dir).get("step")
     return step if isinstance(step, int) else None

@@ -28,7 +28,7 @@ import torch
 
 from dataset import IGNORE_INDEX, model_inputs
 from dataset.tool_calls import calls_match, parse_reply
-from trainer.evaluation.selection import METRICS, eval_set_names  # noqa: F401 - eval_set_names re-exported
+from trainer.evaluation.selection import METRICS
 from trainer.runtime.distributed import all_reduce_sum
 from trainer.runtime.precision import autocast
 

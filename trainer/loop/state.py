@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -13,7 +12,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trainer import run_identity
-from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE, new_run_id, set_aside, set_aside_later_checkpoints
+from trainer.checkpoint.save_dir import (
+    BEST_DIR, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
+)
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
@@ -153,12 +154,8 @@ def saved_best_metric(saved: dict) -> str | None:
 
 
 def best_metric_on_disk(save_dir: str) -> str | None:
-    """The metric recorded in `<save_dir>/best/best.json`, or None (no best/ or an unreadable record)."""
-    try:
-        with open(os.path.join(save_dir, BEST_DIR, BEST_FILE), encoding="utf-8") as handle:
-            metric = json.load(handle).get("metric")
-    except (OSError, ValueError, AttributeError):
-        return None
+    """The metric recorded in `<save_dir>/best/best.json`, or None."""
+    metric = best_record_on_disk(save_dir).get("metric")
     return metric if isinstance(metric, str) else None
 
 
