@@ -12,7 +12,6 @@ from torch.utils.data import Dataset
 from model.loss import IGNORE_INDEX
 
 from .rendering import check_tokenizer, load_tokenizer
-from .digests import data_digest
 from .node_build import prepare_cache
 from .token_cache import default_cache_root, read_meta
 
@@ -73,7 +72,7 @@ class SFTDataset(Dataset):
         meta = read_meta(self.cache_path)
         # The content this dataset holds (sha256 of the file when its cache was built): the run's
         # identity (trainer/run_identity.py) takes it from here, never from the file again.
-        self.data_digest: str = meta.get("data_digest") or data_digest(self.data_path, cache_root)
+        self.data_digest: str = meta["data_digest"]  # every cache of this key records it
         self.num_skipped: int = meta["num_skipped"]
         self.num_dropped: int = meta["num_dropped"]
         self.num_tokens: int = meta["num_tokens"]
