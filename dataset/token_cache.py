@@ -44,7 +44,8 @@ from .digests import data_digest
 from .formats import DataError, LineError, parse_line
 from .partial_build import PartialBuild, Progress, remove_stale_partials, writing
 from .sources import check_data_file, open_lines
-from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
+from .fast_path import ChunkEncoder
+from .rendering import token_dtype, tokenizer_fingerprint
 
 CACHE_VERSION = 1  # the layout of the files
 # The version of everything besides the tokenizer (whose fingerprint is in the key already) that
@@ -64,6 +65,7 @@ PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")
 
 _worker_tokenizer = None  # set in each pool worker by _init_worker
+_worker_encoders: dict = {}  # max_seq_len -> ChunkEncoder of _worker_tokenizer
 
 
 def default_num_proc() -> int:
@@ -148,6 +150,13 @@ def _stop_signals_held() -> Iterator[None]:
 def _init_worker(tokenizer) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
+    _worker_encoders.clear()
+
+
+def _worker_encoder(max_seq_len: int) -> ChunkEncoder:
+    if max_seq_len not in _worker_encoders:
+        _worker_encoders[max_seq_len] = ChunkEncoder(_worker_tokenizer, max_seq_len)
+    return _worker_encoders[max_seq_len]
 
 
 def _init_pool_worker(tokenizer) -> None:
@@ -163,9 +172,8 @@ def _init_pool_worker(tokenizer) -> None:
 def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
     """Parse and encode one chunk of lines (``first_line`` is the 1-based number of ``lines[0]``)."""
     first_line, lines, max_seq_len = task
-    tokenizer = _worker_tokenizer
-    ids_parts, mask_parts, lengths, bad = [], [], [], []
-    dropped = 0
+    encoder = _worker_encoder(max_seq_len)
+    numbers, conversations, bad = [], [], []
     for line_number, raw_line in enumerate(lines, start=first_line):
         if not raw_line.strip():
             continue
@@ -174,16 +182,24 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise LineError(f"invalid UTF-8 at byte {exc.start}") from None
-            ids, mask = encode_conversation(tokenizer, parse_line(line), max_seq_len)
+            conversations.append(parse_line(line))
+            numbers.append(line_number)
         except LineError as exc:
             bad.append((line_number, str(exc)))
+    ids_parts, mask_parts, lengths = [], [], []
+    dropped = 0
+    for line_number, result in zip(numbers, encoder.encode(conversations)):
+        if isinstance(result, LineError):
+            bad.append((line_number, str(result)))
             continue
+        ids, mask = result
         if not mask.any():
             dropped += 1
             continue
         ids_parts.append(ids)
         mask_parts.append(mask)
         lengths.append(len(ids))
+    bad.sort()
     return {
         "ids": np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64),
         "mask": np.concatenate(mask_parts) if mask_parts else np.zeros(0, dtype=bool),
