@@ -3,6 +3,7 @@
     python scripts/bench.py --hidden_size 256 --num_hidden_layers 4 --max_seq_len 512 --batch_size 8
     python scripts/bench.py --scaling        # cache build, restart time and RSS for 10k and 100k chats
     python scripts/bench.py --scaling --scaling_sizes 100000,1000000 --restarts 1
+    python scripts/bench.py --prep --max_seq_len 1024   # data preparation per core against MiniMind's
 
 Modes, all measured in this one process (compare ratios within one run, never figures of
 different runs). Every (mode, dtype) gets its own model built from the same seed, the same data
@@ -188,6 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--scaling_sizes", default="10000,100000", help="numbers of synthetic conversations")
     scaling.add_argument("--restarts", type=int, default=3, help="restart measurements per size")
     scaling.add_argument("--keep_tmp", action="store_true", help="keep the synthetic files and caches")
+    prep = parser.add_argument_group("data preparation (--prep)")
+    prep.add_argument("--prep", action="store_true",
+                      help="instead of the modes: rows/s per core of our data preparation (parse, template, loss spans, "
+                      "tokenize) against MiniMind's per-sample preprocessing, on plain and on tool/reasoning rows "
+                      "(scripts/bench_prep.py)")
+    prep.add_argument("--prep_rows", type=int, default=0,
+                      help="rows of each data set (plain, tool), each row once; 0 = all of the file's")
     # Internal: the fresh-process measurements of --scaling.
     parser.add_argument("--probe", choices=("build", "restart"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe_start", type=float, default=None, help=argparse.SUPPRESS)
@@ -854,7 +862,12 @@ def main(argv=None) -> int:
     if options.probe:
         probe_main(options)
         return 0
-    report = run_scaling(options) if options.scaling else run_modes(options)
+    if options.prep:
+        from scripts.bench_prep import run_prep
+
+        report = run_prep(options, load_tokenizer(None), machine_description(torch.device("cpu")))
+    else:
+        report = run_scaling(options) if options.scaling else run_modes(options)
     if options.json_out:
         Path(options.json_out).write_text(json.dumps(report, indent=1), encoding="utf-8")
     return 0

@@ -123,3 +123,20 @@ def test_scaling_reports_the_cache_build_and_the_restart(tmp_path):
     assert row["cache_build_workers_peak_rss_mib"] >= 0
     assert len(row["restart_s"]) == 1 and 0 < row["restart_dataset_s"] < row["restart_s"][0]
     assert row["restart_peak_rss_mib"] > 0
+
+
+def test_prep_compares_our_preparation_with_minimind_s_on_plain_and_tool_rows(tmp_path):
+    """--prep: both data sets, every way timed, the same token ids and masks as MiniMind's way (but
+    for its newline after each end of turn), no speed target asserted here."""
+    json_out = tmp_path / "prep.json"
+    completed = run_bench("--prep", "--prep_rows", "60", "--max_seq_len", "1024", "--json_out", str(json_out))
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    assert lines[-1].startswith("summary: ours / minimind rows per core: plain ") and " tool " in lines[-1]
+    rows = {row["data"]: row for row in json.loads(json_out.read_text(encoding="utf-8"))["prep"]}
+    assert set(rows) == {"plain", "tool"}
+    for row in rows.values():
+        assert row["rows"] == row["same_ids"] == row["same_masks"] == 60
+        assert row["x_minimind"] == pytest.approx(row["ours_rows_per_core_s"] / row["minimind_rows_per_core_s"])
+        assert all(row[f"{way}_rows_per_core_s"] > 0 for way in ("ours", "ours_whole", "minimind", "minimind_nopad"))
+    assert rows["tool"]["tokens_per_row"] > 4 * rows["plain"]["tokens_per_row"]
