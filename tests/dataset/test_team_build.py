@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as torch_mp
 
-from dataset import SFTDataset, load_tokenizer
+from dataset import DataError, SFTDataset, load_tokenizer
 from tests.helpers.trainer_launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +46,11 @@ def _team_worker(rank: int, world: int, port: int, data: str, cache_dir: str, ou
     token_cache._encode_chunk = node_build._encode_chunk = recording  # num_proc 1 per rank: tokenized in this process
     record = Path(out_dir, f"rank{rank}.json")
     with open(Path(out_dir, f"stderr{rank}.txt"), "w") as err, contextlib.redirect_stderr(err):
-        ds = SFTDataset(data, load_tokenizer(None), 1024, cache_dir=cache_dir, num_proc=world)
-        record.write_text(json.dumps({"chunks": encoded, "cache": str(ds.cache_path), "samples": len(ds)}))
+        try:
+            ds = SFTDataset(data, load_tokenizer(None), 1024, cache_dir=cache_dir, num_proc=world)
+            record.write_text(json.dumps({"chunks": encoded, "cache": str(ds.cache_path), "samples": len(ds)}))
+        except DataError as exc:
+            record.write_text(json.dumps({"chunks": encoded, "error": str(exc)}))
     dist.destroy_process_group()
 
 
@@ -125,3 +128,19 @@ def test_a_team_killed_mid_build_resumes_to_the_same_bytes(tmp_path):
     cache = Path(records[0]["cache"])
     assert {name: (cache / name).read_bytes() for name in CACHE_FILES} == one_process_cache(tmp_path, data)
     assert not list(cache_root.glob(".team-*")) and not list(cache_root.glob(".partial-*"))
+
+
+def test_a_bad_row_in_a_helper_s_chunk_stops_the_team_with_the_file_s_first_bad_row(tmp_path):
+    data = demo_rows(tmp_path, 600)
+    lines = data.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[250] = '{"conversations": [{"role": "robot", "content": "x"}]}\n'  # chunk 2 (rank 0's: 201-300)
+    lines[130] = '{"broken\n'  # chunk 1: rank 1's; the first bad row of the file
+    data.write_text("".join(lines), encoding="utf-8")
+    out_dir, context = start_team(tmp_path, data, world=2, out="bad", chunk_lines=100)
+    finish(context)
+    records = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for record in records:
+        assert record["error"].startswith(f"{data}:131: invalid JSON"), record
+    progress = json.loads(next((tmp_path / "cache").glob(".partial-*/progress.json")).read_text())
+    assert progress["rows"] == 100  # the rows before the bad chunk stay committed, as a lone build keeps them
+    assert not list((tmp_path / "cache").glob(".team-*"))
