@@ -194,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="instead of the modes: rows/s per core of our data preparation (parse, template, loss spans, "
                       "tokenize) against MiniMind's per-sample preprocessing, on plain and on tool/reasoning rows "
                       "(scripts/bench_prep.py)")
+    prep.add_argument("--step_compare", action="store_true",
+                      help="instead of the modes: the trainer's CPU optimizer step as before this wave, as this wave "
+                      "started and as now, one step of each in turn (scripts/bench_step.py)")
     prep.add_argument("--prep_rows", type=int, default=0,
                       help="rows of each data set (plain, tool), each row once; 0 = all of the file's")
     # Internal: the fresh-process measurements of --scaling.
@@ -866,6 +869,11 @@ def main(argv=None) -> int:
         from scripts.bench_prep import run_prep
 
         report = run_prep(options, load_tokenizer(None), machine_description(torch.device("cpu")))
+    elif options.step_compare:
+        from scripts.bench_step import run_step_compare
+
+        helpers = (trainer_args, build_data, build_run, endless_batches, optimizer_step_once, single_process_context)
+        report = run_step_compare(options, load_tokenizer(None), machine_description(torch.device("cpu")), helpers)
     else:
         report = run_scaling(options) if options.scaling else run_modes(options)
     if options.json_out:

@@ -140,3 +140,21 @@ def test_prep_compares_our_preparation_with_minimind_s_on_plain_and_tool_rows(tm
         assert row["x_minimind"] == pytest.approx(row["ours_rows_per_core_s"] / row["minimind_rows_per_core_s"])
         assert all(row[f"{way}_rows_per_core_s"] > 0 for way in ("ours", "ours_whole", "minimind", "minimind_nopad"))
     assert rows["tool"]["tokens_per_row"] > 4 * rows["plain"]["tokens_per_row"]
+
+
+def test_step_compare_times_the_three_steps_alternately_and_they_train_alike(tmp_path):
+    data = tmp_path / "small.jsonl"
+    with open(DEMO, encoding="utf-8") as source:
+        data.write_text("".join(line for _, line in zip(range(60), source)), encoding="utf-8")
+    json_out = tmp_path / "step.json"
+    completed = run_bench("--step_compare", "--hidden_size", "32", "--num_hidden_layers", "1", "--max_seq_len", "256",
+                          "--batch_size", "2", "--steps", "3", "--warmup_steps", "1", "--dtypes", "float32",
+                          "--device", "cpu", "--data_path", str(data), "--cache_dir", str(tmp_path / "cache"),
+                          "--json_out", str(json_out))
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(json_out.read_text(encoding="utf-8"))
+    rows = {row["variant"]: row for row in report["step_compare"]}
+    assert set(rows) == {"before", "now", "new"}
+    assert all(row["same_weights"] and len(row["seconds"]) == 3 for row in rows.values())
+    assert rows["before"]["ratio_median"] == 1.0 and report["checks"]["now_ms"] > 0 and report["checks"]["new_ms"] > 0
+    assert completed.stdout.splitlines()[-1].startswith("summary: 6 conversations: before ")
