@@ -112,13 +112,15 @@ def test_scaling_reports_the_cache_build_and_the_restart(tmp_path):
     assert len(lines[header + 1].split()) == len(SCALING_COLUMNS) and lines[header + 1].split()[0] == "150"
     summary = lines[-1]
     assert summary.startswith("summary: restart to first step with 150 conversations: median ")
-    for part in (" rows/s; build peak RSS ", "its tokenizer workers ", "restart peak RSS "):
+    for part in (" rows/s (", " rows/s per core) in ", "; build peak RSS ", "its tokenizer workers ", "restart peak RSS "):
         assert part in summary
 
     [row] = json.loads(json_out.read_text(encoding="utf-8"))["scaling"]
     assert row["conversations"] == row["samples"] == 150  # every demo conversation fits 512 tokens
     assert row["tokens"] > row["samples"] and row["data_mib"] > 0 and row["cache_mib"] > 0
     assert row["cache_build_rows_per_s"] == pytest.approx(row["conversations"] / row["cache_build_s"])
+    assert row["cache_build_rows_per_core_s"] == pytest.approx(row["conversations"] / row["cache_build_cpu_s"])
+    assert row["cache_build_processes"] >= 1 and row["cache_build_cpu_s"] > 0
     assert row["cache_build_peak_rss_mib"] >= row["cache_build_rss_before_mib"] > 0
     assert row["cache_build_workers_peak_rss_mib"] >= 0
     assert len(row["restart_s"]) == 1 and 0 < row["restart_dataset_s"] < row["restart_s"][0]
