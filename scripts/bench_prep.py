@@ -16,6 +16,10 @@ threads off (``TOKENIZERS_PARALLELISM=false``): one core each.
   random system prompt, dropping empty think blocks) are left out, as ours are off by default.
 * minimind (no pads): the same, with the label scan over the unpadded ids (what it would cost
   without padding; MiniMind pads in ``__getitem__``).
+* ours whole: ours with every text tokenized whole (no piece of text remembered: what data
+  without any repeated system prompt, tools block, call or reply would cost); general: ours
+  through the general path for every row (``rendering.encode_conversation``: the build before
+  the ChatML fast path). Both give the same ids and masks as ours (checked).
 
 The rows are timed in rounds (a chunk of ours, the same chunk the MiniMind ways, in turn), so a
 change of the machine's load hits both alike. rows/s per core = rows / CPU seconds of the process
@@ -135,8 +139,9 @@ def compare(ours: dict, minimind_rows: list, newline: int | None) -> tuple[int, 
     return ids_equal, masks_equal
 
 
-WAYS = ("ours", "ours_whole", "minimind", "minimind_nopad")
-COLUMNS = [("ours", "ours"), ("ours_whole", "ours whole"), ("minimind", "minimind"), ("minimind_nopad", "mm no pads")]
+WAYS = ("ours", "ours_whole", "ours_general", "minimind", "minimind_nopad")
+COLUMNS = [("ours", "ours"), ("ours_whole", "ours whole"), ("ours_general", "general"), ("minimind", "minimind"),
+           ("minimind_nopad", "mm no pads")]
 
 
 def run_prep(options, tokenizer, machine: str = "") -> dict:
@@ -156,7 +161,8 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
           f"{options.max_seq_len}; {options.prep_rows or 'all'} rows per set, each once, in chunks of "
           f"{token_cache.CHUNK_LINES}, every way on a chunk in turn; data {options.data_path}")
     print("  ours = the build's chunk encoder; ours whole = the same with every text tokenized whole (no piece "
-          "remembered); minimind = its __getitem__; mm no pads = its label scan without the pads")
+          "remembered); general = the general path for every row (the build before the fast path); minimind = its "
+          "__getitem__; mm no pads = its label scan without the pads")
     print(f"{'data':<6} {'rows':>6} {'tok/row':>7} " + " ".join(f"{title:>10}" for _, title in COLUMNS)
           + f" {'x minimind':>10} {'x no pads':>9} {'whole x mm':>10}  same ids, same masks")
     results = []
@@ -167,6 +173,8 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
         token_cache._init_worker(tokenizer)  # fresh encoders: nothing remembered from another set
         whole = ChunkEncoder(tokenizer, options.max_seq_len)
         whole.split_pattern = None
+        general = ChunkEncoder(tokenizer, options.max_seq_len)
+        general.fast = False
         cpu = {way: 0.0 for way in WAYS}
         wall = dict(cpu)
         equal_ids = equal_masks = kept = tokens = 0
@@ -177,9 +185,9 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
             for way in WAYS:
                 if way == "ours":
                     outputs[way], seconds, elapsed = _timed(token_cache._encode_chunk, task)
-                elif way == "ours_whole":
+                elif way in ("ours_whole", "ours_general"):
                     pieces = token_cache._worker_encoder(options.max_seq_len)
-                    token_cache._worker_encoders[options.max_seq_len] = whole
+                    token_cache._worker_encoders[options.max_seq_len] = whole if way == "ours_whole" else general
                     outputs[way], seconds, elapsed = _timed(token_cache._encode_chunk, task)
                     token_cache._worker_encoders[options.max_seq_len] = pieces
                 else:
@@ -188,7 +196,8 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
                 wall[way] += elapsed
             ours = outputs["ours"]
             assert not ours["bad"], ours["bad"][:1]
-            assert all((ours[key] == outputs["ours_whole"][key]).all() for key in ("ids", "mask", "lengths"))
+            assert all((ours[key] == outputs[way][key]).all() for key in ("ids", "mask", "lengths")
+                       for way in ("ours_whole", "ours_general"))
             same = compare({**ours, "end_id": end_id}, outputs["minimind"], newline)
             equal_ids, equal_masks = equal_ids + same[0], equal_masks + same[1]
             kept += len(ours["lengths"])
@@ -199,6 +208,7 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
                   **{f"{way}_wall_rows_per_s": len(rows) / max(seconds, 1e-9) for way, seconds in wall.items()},
                   "x_minimind": rate["ours"] / rate["minimind"], "x_minimind_nopad": rate["ours"] / rate["minimind_nopad"],
                   "whole_x_minimind": rate["ours_whole"] / rate["minimind"],
+                  "general_x_minimind": rate["ours_general"] / rate["minimind"],
                   "same_ids": equal_ids, "same_masks": equal_masks, "cpu_s": cpu}
         results.append(result)
         print(f"{name:<6} {len(rows):>6} {result['tokens_per_row']:>7.0f} "

@@ -11,7 +11,8 @@ A variant is the trainer's `optimizer_step` with these pieces:
   now       the code this wave started from: after every applied update the weights' finite
             check (`torch._foreach_norm(weights, inf)` over every parameter, read with the next
             step's flag), the chunked LM loss filling a per-token buffer on every call
-  new       this code (`trainer/loop/loop.py`, `model/loss.py`)
+  new       this code (`trainer/loop/loop.py`, `model/loss.py`): the weights' finite check after an
+            update from one `aminmax` per parameter, the per-token buffer only when asked for
 
 The figures: seconds per step of each variant (the median and the mean of its timed steps, the
 sum) and, step by step, its time over `before`'s on the same batch (the median and quartiles of
