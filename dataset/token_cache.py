@@ -46,6 +46,7 @@ from .formats import DataError, LineError, parse_line
 from .partial_build import PartialBuild, Progress, remove_stale_partials, writing
 from .sources import check_data_file, open_lines
 from .team_build import Team, deferred, ordered_results
+from .chatml import matches_template
 from .fast_path import ChunkEncoder
 from .rendering import token_dtype, tokenizer_fingerprint
 
@@ -269,6 +270,7 @@ def start_pool(tokenizer, num_workers: int):
     if num_workers <= 1:
         _init_worker(tokenizer)
         return None
+    matches_template(tokenizer)  # decided once here: the forked workers inherit it
     with _stop_signals_held():
         return _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
 
