@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -107,6 +108,8 @@ def _help_and_wait(status_file: Path, rank: int, team: Team | None, path: Path, 
     finally:
         if team is not None:
             team.leave()
+            if status_file.is_file():  # the lead is done: nothing of the team is needed (no build: no plan either)
+                shutil.rmtree(team.dir, ignore_errors=True)
     return tuple(json.loads(status_file.read_text(encoding="utf-8")))
 
 

@@ -96,6 +96,10 @@ def test_three_ranks_tokenize_disjoint_chunks_into_the_one_process_cache(tmp_pat
     cache = Path(records[0]["cache"])
     assert {name: (cache / name).read_bytes() for name in CACHE_FILES} == one_process_cache(tmp_path, data)
     assert sorted(path.name for path in (tmp_path / "cache").iterdir()) == [".digests", cache.name]  # no team files left
+    out_dir, context = start_team(tmp_path, data, world=3, out="again", chunk_lines=100)  # the cache is there now
+    finish(context)
+    assert all(json.loads((out_dir / f"rank{rank}.json").read_text())["chunks"] == [] for rank in range(3))
+    assert sorted(path.name for path in (tmp_path / "cache").iterdir()) == [".digests", cache.name]
 
 
 def test_a_team_killed_mid_build_resumes_to_the_same_bytes(tmp_path):
