@@ -90,15 +90,22 @@ def _help_and_wait(status_file: Path, rank: int, team: Team | None, path: Path, 
     """A helper: tokenize this rank's chunks once the lead publishes its plan, and wait for the
     lead's outcome."""
     start = last_report = time.monotonic()
-    helped = False
     if team is not None:
         team.join()
+    helped = team is None or not team.joined  # a rank that could not join only waits
     try:
         while not status_file.is_file():
-            plan = team.plan() if team is not None and not helped else None
+            plan = team.plan() if not helped else None
             if plan is not None:
                 helped = True
-                _help(team, plan, path, tokenizer, workers)
+                try:
+                    _help(team, plan, path, tokenizer, workers)
+                except BuildInterrupted:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the lead tokenizes what this rank does not
+                    print(f"rank {rank}: helping to build the token cache failed ({type(exc).__name__}: {exc}); "
+                          "local rank 0 tokenizes this rank's chunks", file=sys.stderr, flush=True)
+                    team.leave()
                 continue
             time.sleep(WAIT_POLL_S)
             now = time.monotonic()

@@ -16,9 +16,10 @@ continues there; the files of chunks not yet appended are thrown away with the t
 The team directory holds ``plan.json`` (what the lead builds: the data file, the first row, the
 number of members, rows per chunk; written when the build starts), ``lead.lock`` and one
 ``member-<i>.lock`` per helper, each ``flock``-ed by its process while it takes part (the kernel
-drops it when the process dies). The lead waits for a helper's chunk only while that helper's lock
-is held (a helper that has not joined within ``JOIN_GRACE_S`` of the plan counts as gone); a chunk
-of a helper that is gone, it tokenizes itself. A helper stops when the plan is gone (the lead
+drops it when the process dies), and ``member-<i>.left`` once a helper stopped (finished, or
+failed: its error is printed and the lead does its part). The lead waits for a helper's chunk
+until that helper has left, or holds no lock ``JOIN_GRACE_S`` after the plan (died, or never
+came); a chunk of a helper that is gone, it tokenizes itself (the same bytes either way). A helper stops when the plan is gone (the lead
 finished or failed) or the lead's lock is free, and never has more than ``AHEAD_CHUNKS`` chunk
 files waiting, so memory and disk stay bounded.
 """
@@ -26,6 +27,7 @@ files waiting, so memory and disk stay bounded.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import fcntl
 import json
@@ -80,22 +82,39 @@ class Team:
         return self.dir / ("lead.lock" if member == 0 else f"member-{member}.lock")
 
     def join(self) -> None:
-        """Take this member's lock (held until ``leave``)."""
-        for _ in range(100):  # another node's lead may remove the directory while it has no lock in it
-            self.dir.mkdir(parents=True, exist_ok=True)
+        """Take this member's lock (held until ``leave``). Others test it by taking it for an
+        instant, so a busy lock is tried again (for up to ``JOIN_GRACE_S``)."""
+        deadline = time.monotonic() + JOIN_GRACE_S
+        while self._lock is None and time.monotonic() < deadline:
+            self.dir.mkdir(parents=True, exist_ok=True)  # a stale-team cleanup may remove it while it holds no lock
             try:
                 self._lock = _lock(self._member_lock(self.member))
-                return
             except FileNotFoundError:
                 continue
+            if self._lock is None:
+                time.sleep(POLL_S)
 
     def leave(self) -> None:
+        """Stop taking part; a helper says so (``member-<i>.left``), so the lead takes its chunks at once."""
         if self._lock is not None:
+            if self.member:
+                with contextlib.suppress(OSError):
+                    (self.dir / f"member-{self.member}.left").touch()
             self._lock.close()
             self._lock = None
 
+    @property
+    def joined(self) -> bool:
+        return self._lock is not None
+
     def alive(self, member: int) -> bool:
         return _held(self._member_lock(member))
+
+    def gone(self, member: int, since_plan: float) -> bool:
+        """A helper that left, or that holds no lock ``JOIN_GRACE_S`` after the plan (died, never came)."""
+        if (self.dir / f"member-{member}.left").exists():
+            return True
+        return since_plan > JOIN_GRACE_S and not self.alive(member)
 
     # ------------------------------------------------------------------ the plan
 
@@ -182,8 +201,7 @@ def ordered_results(team: Team, tasks: Iterator, submit: Callable, window: int) 
             taken = team.take(number)
             if taken is not None:
                 return taken
-            if not team.alive(owner) and (time.monotonic() - published > JOIN_GRACE_S or team.dir.joinpath(
-                    f"member-{owner}.lock").exists()):
+            if team.gone(owner, time.monotonic() - published):
                 return submit(task).get()  # its helper is gone (or never came): tokenized here
             time.sleep(POLL_S)
 

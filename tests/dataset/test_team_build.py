@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def _team_worker(rank: int, world: int, port: int, data: str, cache_dir: str, out_dir: str, chunk_lines: int,
-                 delay: float) -> None:
+                 delay: float, failing_rank: int) -> None:
     """One rank: build (or continue) the cache with the node's other ranks; record the chunks this
     process tokenized (its first line numbers) and what it printed."""
     import torch.distributed as dist
@@ -39,6 +39,8 @@ def _team_worker(rank: int, world: int, port: int, data: str, cache_dir: str, ou
     real, encoded = token_cache._encode_chunk, []
 
     def recording(task):
+        if rank == failing_rank and encoded:
+            raise RuntimeError("a bug in a helper")
         encoded.append(task[0])
         time.sleep(delay)
         return real(task)
@@ -54,10 +56,11 @@ def _team_worker(rank: int, world: int, port: int, data: str, cache_dir: str, ou
     dist.destroy_process_group()
 
 
-def start_team(tmp_path: Path, data: Path, world: int, out: str, chunk_lines: int, delay: float = 0.0):
+def start_team(tmp_path: Path, data: Path, world: int, out: str, chunk_lines: int, delay: float = 0.0,
+               failing_rank: int = -1):
     out_dir = tmp_path / out
     out_dir.mkdir()
-    args = (world, free_port(), str(data), str(tmp_path / "cache"), str(out_dir), chunk_lines, delay)
+    args = (world, free_port(), str(data), str(tmp_path / "cache"), str(out_dir), chunk_lines, delay, failing_rank)
     return out_dir, torch_mp.start_processes(_team_worker, args=args, nprocs=world, join=False, start_method="spawn")
 
 
@@ -148,3 +151,16 @@ def test_a_bad_row_in_a_helper_s_chunk_stops_the_team_with_the_file_s_first_bad_
     progress = json.loads(next((tmp_path / "cache").glob(".partial-*/progress.json")).read_text())
     assert progress["rows"] == 100  # the rows before the bad chunk stay committed, as a lone build keeps them
     assert not list((tmp_path / "cache").glob(".team-*"))
+
+
+def test_a_helper_that_fails_leaves_its_chunks_to_local_rank_0(tmp_path):
+    data = demo_rows(tmp_path, 800)
+    out_dir, context = start_team(tmp_path, data, world=2, out="failing", chunk_lines=100, failing_rank=1)
+    finish(context)
+    records = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert records[1]["chunks"] == [101]  # its second chunk raised
+    assert sorted(records[0]["chunks"]) == [1, 201, 301, 401, 501, 601, 701]  # rank 0 took over 301, 501, 701
+    assert "rank 1: helping to build the token cache failed (RuntimeError: a bug in a helper)" in (
+        out_dir / "stderr1.txt").read_text()
+    cache = Path(records[0]["cache"])
+    assert {name: (cache / name).read_bytes() for name in CACHE_FILES} == one_process_cache(tmp_path, data)
