@@ -7,8 +7,10 @@
    locates every assistant turn's loss span in that one rendering and maps it to tokens by
    offsets (works for any HF template, prefix-stable or not); ``tool_calls`` reads tool calls
    back out of generated text; ``augment`` holds MiniMind's opt-in augmentations.
-3. ``token_cache`` tokenizes the file once, in parallel, into a memory-mapped cache keyed by the
-   data, tokenizer, template and ``max_seq_len`` (built by local rank 0 under torch.distributed).
+3. ``token_cache`` tokenizes the file once, in parallel on every core, into a memory-mapped
+   cache keyed by the data, tokenizer, template and ``max_seq_len`` (``fast_path``: ChatML
+   templates rendered in Python by ``chatml``, a chunk tokenized at once; ``team_build``: the
+   local ranks of a node build it together under torch.distributed).
 4. ``SFTDataset`` / ``PackedSFTDataset`` serve ``input_ids`` / ``labels`` (and ``position_ids``
    for packed rows) from the cache; ``ResumableDistributedSampler`` shards a world-size
    independent global order that can resume at any global sample offset; ``SFTCollator``

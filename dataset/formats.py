@@ -85,9 +85,17 @@ def _finite_float(text: str) -> float:
     return value
 
 
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def loads(text: str):
     """``json.loads`` that accepts only JSON: ``NaN``, ``Infinity`` and numbers beyond the float
-    range raise ``ValueError`` (``_NotJSON``) instead of becoming floats that are not JSON."""
+    range raise ``ValueError`` (``_NotJSON``) instead of becoming floats that are not JSON.
+
+    One decoder for every call (``json.loads`` with hooks builds a new one each time); what
+    ``json.loads`` checks before decoding a ``str`` (a leading byte order mark) still goes through it."""
+    if isinstance(text, str) and not text.startswith("\ufeff"):
+        return _DECODER.decode(text)
     return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
 
 

@@ -113,11 +113,19 @@ def _render(tokenizer, messages: list[dict], tools, add_generation_prompt: bool 
 
 
 def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix (slice comparisons, halving the range: no Python loop
+    over characters)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    same, differ = 0, n  # a[:same] == b[:same]; a[:differ] != b[:differ]
+    while differ - same > 1:
+        middle = (same + differ) // 2
+        if a[same:middle] == b[same:middle]:
+            same = middle
+        else:
+            differ = middle
+    return same
 
 
 PROBE = "\ue000"  # a private-use character no template emits: marks where a reply's text begins

@@ -38,7 +38,8 @@ class SFTDataset(Dataset):
         bad_data: ``"error"`` raises ``DataError`` at the first bad line (``file:line: problem``);
             ``"skip"`` skips bad lines, counts them in ``num_skipped`` and prints one line.
         cache_dir: where the cache lives (default ``<data_file_dir>/.cache``).
-        num_proc: tokenizer processes when building (default ``min(8, cpu_count)``).
+        num_proc: tokenizer processes of the node when building (default: every core it may use; under
+            torchrun the node's local ranks share them and build together, ``team_build``).
         augmenter: optional ``ChatAugmenter`` (``dataset.augment``) applied to each item, drawn from
             (its seed, the epoch set with ``set_epoch``, the index plus ``index_base``: the file's
             first sample among all files of a mixture); the cache does not depend on it.

@@ -14,9 +14,10 @@ that records another one is built again. Lines are tokenized by a process pool
 over chunks of lines and appended to a partial build (``partial_build``): a killed build keeps
 the rows it committed and the next build of the same key continues after them; the finished
 cache is renamed into place, so a reader never sees a half-written cache. Under
-``torch.distributed`` only local rank 0 builds, holding no collective: the other ranks wait on a
-status file (see ``node_build.prepare_cache``), so a build longer than the process group's timeout is
-fine, and an error raises the same ``DataError`` on all ranks instead of hanging them.
+``torch.distributed`` the local ranks of a node build together, holding no collective: each
+tokenizes its share of the chunks and local rank 0 appends them in order (``team_build``,
+``node_build.prepare_cache``), so a build longer than the process group's timeout is fine, and an
+error raises the same ``DataError`` on all ranks instead of hanging them.
 
 SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (pool ended, finished rows kept for
 the next run).
@@ -44,7 +45,10 @@ from .digests import data_digest
 from .formats import DataError, LineError, parse_line
 from .partial_build import PartialBuild, Progress, remove_stale_partials
 from .sources import check_data_file, open_lines
-from .rendering import encode_conversation, token_dtype, tokenizer_fingerprint
+from .team_build import Team, deferred, ordered_results
+from .chatml import matches_template
+from .fast_path import ChunkEncoder
+from .rendering import token_dtype, tokenizer_fingerprint
 
 CACHE_VERSION = 1  # the layout of the files
 # The version of everything besides the tokenizer (whose fingerprint is in the key already) that
@@ -64,10 +68,15 @@ PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")
 
 _worker_tokenizer = None  # set in each pool worker by _init_worker
+_worker_encoders: dict = {}  # max_seq_len -> ChunkEncoder of _worker_tokenizer
 
 
 def default_num_proc() -> int:
-    return min(8, os.cpu_count() or 1)
+    """Every core this process may run on (its CPU affinity: a job's share of the machine)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def default_cache_root(data_path: Path, cache_dir) -> Path:
@@ -148,6 +157,13 @@ def _stop_signals_held() -> Iterator[None]:
 def _init_worker(tokenizer) -> None:
     global _worker_tokenizer
     _worker_tokenizer = tokenizer
+    _worker_encoders.clear()
+
+
+def _worker_encoder(max_seq_len: int) -> ChunkEncoder:
+    if max_seq_len not in _worker_encoders:
+        _worker_encoders[max_seq_len] = ChunkEncoder(_worker_tokenizer, max_seq_len)
+    return _worker_encoders[max_seq_len]
 
 
 def _init_pool_worker(tokenizer) -> None:
@@ -155,6 +171,7 @@ def _init_pool_worker(tokenizer) -> None:
     # into a "stop at the next step" flag); Pool.terminate() needs SIGTERM to end the worker.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no tokenizer threads on top
     if _CAN_HOLD_SIGNALS:  # forked with them held back (_stop_signals_held)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _init_worker(tokenizer)
@@ -163,9 +180,8 @@ def _init_pool_worker(tokenizer) -> None:
 def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
     """Parse and encode one chunk of lines (``first_line`` is the 1-based number of ``lines[0]``)."""
     first_line, lines, max_seq_len = task
-    tokenizer = _worker_tokenizer
-    ids_parts, mask_parts, lengths, bad = [], [], [], []
-    dropped = 0
+    encoder = _worker_encoder(max_seq_len)
+    numbers, conversations, bad = [], [], []
     for line_number, raw_line in enumerate(lines, start=first_line):
         if not raw_line.strip():
             continue
@@ -174,16 +190,24 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as exc:
                 raise LineError(f"invalid UTF-8 at byte {exc.start}") from None
-            ids, mask = encode_conversation(tokenizer, parse_line(line), max_seq_len)
+            conversations.append(parse_line(line))
+            numbers.append(line_number)
         except LineError as exc:
             bad.append((line_number, str(exc)))
+    ids_parts, mask_parts, lengths = [], [], []
+    dropped = 0
+    for line_number, result in zip(numbers, encoder.encode(conversations)):
+        if isinstance(result, LineError):
+            bad.append((line_number, str(result)))
             continue
+        ids, mask = result
         if not mask.any():
             dropped += 1
             continue
         ids_parts.append(ids)
         mask_parts.append(mask)
         lengths.append(len(ids))
+    bad.sort()
     return {
         "ids": np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64),
         "mask": np.concatenate(mask_parts) if mask_parts else np.zeros(0, dtype=bool),
@@ -194,15 +218,17 @@ def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
     }
 
 
-def _iter_chunks(path: Path, max_seq_len: int, start_row: int = 0) -> Iterator[tuple[int, list[bytes], int]]:
+def _iter_chunks(path: Path, max_seq_len: int, start_row: int = 0,
+                 chunk_lines: int | None = None) -> Iterator[tuple[int, list[bytes], int]]:
     """Chunks of ``CHUNK_LINES`` lines, from the line after the first ``start_row`` ones (read past, not parsed)."""
+    chunk_lines = chunk_lines or CHUNK_LINES
     lines: list[bytes] = []
     first_line = 1
     for number, line in enumerate(itertools.islice(open_lines(path), start_row, None), start=start_row + 1):
         if not lines:
             first_line = number
         lines.append(line)
-        if len(lines) == CHUNK_LINES:
+        if len(lines) == chunk_lines:
             yield first_line, lines, max_seq_len
             lines = []
     if lines:
@@ -239,7 +265,18 @@ def _pool_context():
     return mp.get_context("fork" if "fork" in methods else "spawn")
 
 
-def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data: str, num_proc: int) -> None:
+def start_pool(tokenizer, num_workers: int):
+    """A pool of ``num_workers`` tokenizer processes (None for one: this process tokenizes)."""
+    if num_workers <= 1:
+        _init_worker(tokenizer)
+        return None
+    matches_template(tokenizer)  # decided once here: the forked workers inherit it
+    with _stop_signals_held():
+        return _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
+
+
+def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data: str, num_proc: int,
+                team: Team | None = None) -> None:
     """Tokenize ``path`` into the cache directory ``target``, continuing a killed build of it.
 
     The rows go through ``partial_build.PartialBuild`` (``<cache_root>/.partial-<key>/``): what
@@ -247,7 +284,9 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     continues at its next row; the finished cache is moved into place at the end. With
     ``bad_data="error"`` the first bad line raises ``DataError``; with ``"skip"`` bad lines are
     counted and the first one is recorded in ``meta.json``. SIGTERM or SIGINT raise
-    ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run.
+    ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run. With a
+    ``team`` (``team_build``: the other ranks of the node), this process is its lead: the
+    helpers tokenize their share of the chunks, this one appends all of them in order.
     """
     target.parent.mkdir(parents=True, exist_ok=True)  # its OSError names the folder (e.g. a file in the way)
     digest = data_digest(path, target.parent)
@@ -265,20 +304,24 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
             if start_row:
                 print(restart_line(path, data_file, partial.earlier), file=sys.stderr, flush=True)
             chunks = _iter_chunks(path, max_seq_len, start_row)
-            num_workers = min(num_proc, -(-(total_rows - start_row) // CHUNK_LINES))
-            if num_workers > 1:
-                with _stop_signals_held():
-                    pool = _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
-                results = pool.imap(_encode_chunk, chunks)
+            remaining = -(-(total_rows - start_row) // CHUNK_LINES)
+            shared = team is not None and team.size > 1 and remaining > 1
+            pool = start_pool(tokenizer, min(num_proc, -(-remaining // team.size) if shared else remaining))
+            if shared:
+                team.publish({"data_file": str(path), "start_row": start_row, "chunk_lines": CHUNK_LINES,
+                              "max_seq_len": max_seq_len})
+                submit = (lambda task: pool.apply_async(_encode_chunk, (task,))) if pool else deferred(_encode_chunk)
+                results = ordered_results(team, chunks, submit, window=team.size * (num_proc + 1))
             else:
-                _init_worker(tokenizer)
-                results = map(_encode_chunk, chunks)
+                results = pool.imap(_encode_chunk, chunks) if pool else map(_encode_chunk, chunks)
             _write_cache(results, path, tokenizer, max_seq_len, partial, bad_data, BuildProgress(path, total_rows, start_row))
     except BaseException as exc:
         stopped = stop_reason(exc)
         raise
     finally:
         _init_worker(None)
+        if team is not None:
+            team.close()
         if pool is not None:
             pool.terminate()
             pool.join()
@@ -357,7 +400,8 @@ def check_bad_data(meta: dict, bad_data: str) -> None:
         raise DataError(meta["first_bad_line"])
 
 
-def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str, num_proc: int) -> Path:
+def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str, num_proc: int,
+                   team: Team | None = None) -> Path:
     """Return the cache directory for this data/tokenizer/max_seq_len, building it if needed."""
     if bad_data not in BAD_DATA_MODES:
         raise ValueError(f"bad_data must be one of {BAD_DATA_MODES}, got {bad_data!r}")
@@ -372,7 +416,7 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
             _remove_cache(target)
     if not (target / "meta.json").is_file():
         _report_older_caches(path, digest, tokenizer, max_seq_len, cache_root)
-        build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc)
+        build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc, **({"team": team} if team else {}))
     check_bad_data(read_meta(target), bad_data)
     return target
 

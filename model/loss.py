@@ -31,8 +31,9 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     elif hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     with torch.autocast(device_type, enabled=False):
-        total, per_token = _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
-    return (total, per_token) if token_losses else total
+        if token_losses:
+            return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, True)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, False)[0]
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -40,16 +41,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     logits: softmax - one_hot(target) is the gradient of the logits, never stored whole."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens):
+    def forward(ctx, hidden, weight, targets, chunk_tokens, keep_per_token):
+        """(sum, per-token values or an empty tensor): the per-token buffer only when asked for
+        (the trainer's per-source losses); the sum is the same either way, bit for bit."""
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         log_norms = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        per_token = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        per_token = torch.empty(hidden.shape[0] if keep_per_token else 0, dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
             end = start + chunk_tokens
             logits = (hidden[start:end] @ weight.t()).float()
             log_norms[start:end] = logits.logsumexp(dim=-1)
-            per_token[start:end] = log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)
-            total += per_token[start:end].sum()
+            losses = log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)
+            if keep_per_token:
+                per_token[start:end] = losses
+            total += losses.sum()
         ctx.save_for_backward(hidden, weight, targets, log_norms)
         ctx.chunk_tokens = chunk_tokens
         ctx.mark_non_differentiable(per_token)
@@ -68,4 +73,4 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_logits = (grad_logits * grad_total).to(hidden.dtype)
             grad_hidden[start:end] = grad_logits @ weight
             grad_weight += (grad_logits.t() @ chunk).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None

@@ -369,8 +369,10 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
                 # Without gradients (evaluation) nothing is kept for a backward: one call of the
                 # head, so that hooks on it see the loss positions' logits (trainer/evaluation/evaluate.py).
                 if self.chunk_lm_loss and torch.is_grad_enabled():
-                    total, token_losses = chunked_lm_loss(chosen, self.lm_head.weight, targets,
-                                                          self.loss_chunk_tokens(), token_losses=True)
+                    total = chunked_lm_loss(chosen, self.lm_head.weight, targets, self.loss_chunk_tokens(),
+                                            token_losses=return_token_losses)
+                    if return_token_losses:
+                        total, token_losses = total
                     loss = total / count
                 else:
                     logits_at_loss = self.lm_head(chosen)

@@ -3,6 +3,7 @@
     python scripts/bench.py --hidden_size 256 --num_hidden_layers 4 --max_seq_len 512 --batch_size 8
     python scripts/bench.py --scaling        # cache build, restart time and RSS for 10k and 100k chats
     python scripts/bench.py --scaling --scaling_sizes 100000,1000000 --restarts 1
+    python scripts/bench.py --prep --max_seq_len 1024   # data preparation per core against MiniMind's
 
 Modes, all measured in this one process (compare ratios within one run, never figures of
 different runs). Every (mode, dtype) gets its own model built from the same seed, the same data
@@ -74,9 +75,11 @@ Startup (in this process, `import torch` excluded): tokenizer load, SFTDataset f
 cache directory (tokenizes the file) and from the existing cache, model + optimizer build, and
 the first optimizer step of the dynamic mode. `--scaling` measures the cache build and real
 restarts in fresh processes: for synthetic files of --scaling_sizes conversations (demo lines
-resampled with a fixed seed, so lengths follow the demo data; e.g. `--scaling_sizes
-100000,1000000`) it reports the cache build (sha256 of the file, row count, tokenizing with the
-default number of processes) in seconds and rows/s, the peak RSS of the building process
+resampled with a fixed seed, so lengths follow the demo data, each user and assistant message
+given the row's number so that no text repeats; e.g. `--scaling_sizes 100000,1000000`) it
+reports the cache build (sha256 of the file, row count, tokenizing with the default number of
+processes: every core) in seconds, rows/s and rows/s per core (rows / CPU seconds of the building
+process and its workers), the peak RSS of the building process
 (VmHWM; torch and the tokenizer included) and of its largest tokenizer worker (ru_maxrss of the
 children), both meant to stay flat in the file size; then the time from process start to the
 end of the first optimizer step with the cache present (tokenizer, dataset, model, first step;
@@ -188,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--scaling_sizes", default="10000,100000", help="numbers of synthetic conversations")
     scaling.add_argument("--restarts", type=int, default=3, help="restart measurements per size")
     scaling.add_argument("--keep_tmp", action="store_true", help="keep the synthetic files and caches")
+    prep = parser.add_argument_group("data preparation (--prep)")
+    prep.add_argument("--prep", action="store_true",
+                      help="instead of the modes: rows/s per core of our data preparation (parse, template, loss spans, "
+                      "tokenize) against MiniMind's per-sample preprocessing, on plain and on tool/reasoning rows "
+                      "(scripts/bench_prep.py)")
+    prep.add_argument("--step_compare", action="store_true",
+                      help="instead of the modes: the trainer's CPU optimizer step as before this wave, as this wave "
+                      "started and as now, one step of each in turn (scripts/bench_step.py)")
+    prep.add_argument("--prep_rows", type=int, default=0,
+                      help="rows of each data set (plain, tool), each row once; 0 = all of the file's")
     # Internal: the fresh-process measurements of --scaling.
     parser.add_argument("--probe", choices=("build", "restart"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe_start", type=float, default=None, help=argparse.SUPPRESS)
@@ -691,13 +704,20 @@ def summarize(rows: list[dict]) -> str:
 
 
 def write_synthetic_data(source: str, count: int, path: Path, seed: int) -> None:
-    """`count` conversations drawn (with replacement, fixed seed) from the lines of `source`."""
+    """`count` conversations drawn (with replacement, fixed seed) from the lines of `source`, each
+    varied: every user and assistant message's content gets the row's number (" [row 123]"), so no
+    two conversations, questions or replies are the same (the build remembers repeated pieces of
+    text: repeated rows would flatter it); tool definitions, calls and results stay as drawn."""
     with open(source, encoding="utf-8") as handle:
-        lines = [line.rstrip("\n") for line in handle if line.strip()]
+        rows = [json.loads(line) for line in handle if line.strip()]
     rng = random.Random(seed + count)
     with open(path, "w", encoding="utf-8") as handle:
-        for _ in range(count):
-            handle.write(rng.choice(lines) + "\n")
+        for number in range(count):
+            row = rng.choice(rows)
+            key = "conversations" if "conversations" in row else "messages"
+            messages = [dict(message, content=f"{message.get('content') or ''} [row {number}]")
+                        if message.get("role") in ("user", "assistant") else message for message in row[key]]
+            handle.write(json.dumps({**row, key: messages}, ensure_ascii=False) + "\n")
 
 
 def probe_command(options, probe: str, data_path: Path, cache_dir: Path) -> list[str]:
@@ -724,6 +744,13 @@ def run_probe(options, probe: str, data_path: Path, cache_dir: Path) -> dict:
     return figures
 
 
+def token_cache_processes() -> int:
+    """Tokenizer processes a build of this process uses (dataset.token_cache.default_num_proc)."""
+    from dataset.token_cache import default_num_proc
+
+    return default_num_proc()
+
+
 def probe_main(options) -> None:
     """In a fresh process: build the cache (`build`) or restart the trainer up to its first step (`restart`)."""
     figures = {"python_and_imports_s": time.time() - options.probe_start}
@@ -734,9 +761,14 @@ def probe_main(options) -> None:
     options.device = str(device)
     if options.probe == "build":
         figures["rss_before_build_mib"] = (proc_status_kib("VmRSS") or 0) / 1024
+        used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        figures["cpu_before_s"] = sum(usage.ru_utime + usage.ru_stime for usage in used)
         start = time.time()
         dataset = SFTDataset(options.data_path, tokenizer, options.max_seq_len, cache_dir=options.cache_dir)
         figures["cache_build_s"] = time.time() - start
+        used = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        figures["cache_build_cpu_s"] = sum(usage.ru_utime + usage.ru_stime for usage in used) - figures.pop("cpu_before_s")
+        figures["cache_build_processes"] = token_cache_processes()
         figures["samples"] = len(dataset)
         figures["tokens"] = dataset.num_tokens
     else:
@@ -767,6 +799,7 @@ SCALING_COLUMNS = [  # (JSON key, header, format)
     ("tokens", "tokens", "d"),
     ("cache_build_s", "build s", ".1f"),
     ("cache_build_rows_per_s", "build rows/s", ".0f"),
+    ("cache_build_rows_per_core_s", "per core", ".0f"),
     ("cache_build_peak_rss_mib", "build RSS MiB", ".0f"),
     ("cache_build_workers_peak_rss_mib", "workers RSS MiB", ".0f"),
     ("restart_s", "restart s (each)", ""),
@@ -816,6 +849,9 @@ def run_scaling(options) -> dict:
                 "tokens": build["tokens"],
                 "cache_build_s": build["cache_build_s"],
                 "cache_build_rows_per_s": count / build["cache_build_s"],
+                "cache_build_processes": build["cache_build_processes"],
+                "cache_build_cpu_s": build["cache_build_cpu_s"],
+                "cache_build_rows_per_core_s": count / build["cache_build_cpu_s"],
                 "cache_build_rss_before_mib": build["rss_before_build_mib"],
                 "cache_build_peak_rss_mib": build["peak_rss_mib"],
                 "cache_build_workers_peak_rss_mib": build["workers_peak_rss_mib"],
@@ -841,7 +877,9 @@ def run_scaling(options) -> dict:
 
     summary = (f"summary: restart to first step with {largest['conversations']} conversations: median "
                f"{median_restart:.2f} s (target < 5 s: {'met' if median_restart < 5 else 'NOT met'}); cache build "
-               f"{largest['cache_build_rows_per_s']:.0f} rows/s; build peak RSS {growth('cache_build_peak_rss_mib')}, "
+               f"{largest['cache_build_rows_per_s']:.0f} rows/s ({largest['cache_build_processes']} processes, "
+               f"{largest['cache_build_rows_per_core_s']:.0f} rows/s per core) in {largest['cache_build_s']:.0f} s; "
+               f"build peak RSS {growth('cache_build_peak_rss_mib')}, "
                f"its tokenizer workers {growth('cache_build_workers_peak_rss_mib')}; restart peak RSS "
                f"{growth('restart_peak_rss_mib')}")
     print(summary)
@@ -854,7 +892,17 @@ def main(argv=None) -> int:
     if options.probe:
         probe_main(options)
         return 0
-    report = run_scaling(options) if options.scaling else run_modes(options)
+    if options.prep:
+        from scripts.bench_prep import run_prep
+
+        report = run_prep(options, load_tokenizer(None), machine_description(torch.device("cpu")))
+    elif options.step_compare:
+        from scripts.bench_step import run_step_compare
+
+        helpers = (trainer_args, build_data, build_run, endless_batches, optimizer_step_once, single_process_context)
+        report = run_step_compare(options, load_tokenizer(None), machine_description(torch.device("cpu")), helpers)
+    else:
+        report = run_scaling(options) if options.scaling else run_modes(options)
     if options.json_out:
         Path(options.json_out).write_text(json.dumps(report, indent=1), encoding="utf-8")
     return 0

@@ -112,14 +112,51 @@ def test_scaling_reports_the_cache_build_and_the_restart(tmp_path):
     assert len(lines[header + 1].split()) == len(SCALING_COLUMNS) and lines[header + 1].split()[0] == "150"
     summary = lines[-1]
     assert summary.startswith("summary: restart to first step with 150 conversations: median ")
-    for part in (" rows/s; build peak RSS ", "its tokenizer workers ", "restart peak RSS "):
+    for part in (" rows/s (", " rows/s per core) in ", "; build peak RSS ", "its tokenizer workers ", "restart peak RSS "):
         assert part in summary
 
     [row] = json.loads(json_out.read_text(encoding="utf-8"))["scaling"]
     assert row["conversations"] == row["samples"] == 150  # every demo conversation fits 512 tokens
     assert row["tokens"] > row["samples"] and row["data_mib"] > 0 and row["cache_mib"] > 0
     assert row["cache_build_rows_per_s"] == pytest.approx(row["conversations"] / row["cache_build_s"])
+    assert row["cache_build_rows_per_core_s"] == pytest.approx(row["conversations"] / row["cache_build_cpu_s"])
+    assert row["cache_build_processes"] >= 1 and row["cache_build_cpu_s"] > 0
     assert row["cache_build_peak_rss_mib"] >= row["cache_build_rss_before_mib"] > 0
     assert row["cache_build_workers_peak_rss_mib"] >= 0
     assert len(row["restart_s"]) == 1 and 0 < row["restart_dataset_s"] < row["restart_s"][0]
     assert row["restart_peak_rss_mib"] > 0
+
+
+def test_prep_compares_our_preparation_with_minimind_s_on_plain_and_tool_rows(tmp_path):
+    """--prep: both data sets, every way timed, the same token ids and masks as MiniMind's way (but
+    for its newline after each end of turn), no speed target asserted here."""
+    json_out = tmp_path / "prep.json"
+    completed = run_bench("--prep", "--prep_rows", "60", "--max_seq_len", "1024", "--json_out", str(json_out))
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    assert lines[-1].startswith("summary: ours / minimind rows per core: plain ") and " tool " in lines[-1]
+    rows = {row["data"]: row for row in json.loads(json_out.read_text(encoding="utf-8"))["prep"]}
+    assert set(rows) == {"plain", "tool"}
+    for row in rows.values():
+        assert row["rows"] == row["same_ids"] == row["same_masks"] == 60
+        assert row["x_minimind"] == pytest.approx(row["ours_rows_per_core_s"] / row["minimind_rows_per_core_s"])
+        assert all(row[f"{way}_rows_per_core_s"] > 0 for way in ("ours", "ours_whole", "minimind", "minimind_nopad"))
+    assert rows["tool"]["tokens_per_row"] > 4 * rows["plain"]["tokens_per_row"]
+
+
+def test_step_compare_times_the_three_steps_alternately_and_they_train_alike(tmp_path):
+    data = tmp_path / "small.jsonl"
+    with open(DEMO, encoding="utf-8") as source:
+        data.write_text("".join(line for _, line in zip(range(60), source)), encoding="utf-8")
+    json_out = tmp_path / "step.json"
+    completed = run_bench("--step_compare", "--hidden_size", "32", "--num_hidden_layers", "1", "--max_seq_len", "256",
+                          "--batch_size", "2", "--steps", "3", "--warmup_steps", "1", "--dtypes", "float32",
+                          "--device", "cpu", "--data_path", str(data), "--cache_dir", str(tmp_path / "cache"),
+                          "--json_out", str(json_out))
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(json_out.read_text(encoding="utf-8"))
+    rows = {row["variant"]: row for row in report["step_compare"]}
+    assert set(rows) == {"before", "now", "new"}
+    assert all(row["same_weights"] and len(row["seconds"]) == 3 for row in rows.values())
+    assert rows["before"]["ratio_median"] == 1.0 and report["checks"]["now_ms"] > 0 and report["checks"]["new_ms"] > 0
+    assert completed.stdout.splitlines()[-1].startswith("summary: 6 conversations: before ")
