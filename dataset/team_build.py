@@ -144,11 +144,11 @@ class Team:
 
     def waiting(self) -> int:
         """This helper's chunk files the lead has not taken yet."""
-        return sum(1 for path in self.dir.glob("*.npz") if int(path.stem) % self.size == self.member)
+        return sum(1 for path in self.dir.glob("*.npz") if path.stem.isdigit() and int(path.stem) % self.size == self.member)
 
     def put(self, number: int, result: dict) -> None:
         """Write chunk ``number``'s result (``token_cache._encode_chunk``'s dict) for the lead."""
-        tmp = self.dir / f"{number}.tmp{os.getpid()}.npz"
+        tmp = self.dir / f".{number}.npz.tmp{os.getpid()}"  # never matches *.npz while it is written
         info = json.dumps({"bad": result["bad"], "dropped": result["dropped"], "rows": result["rows"]}).encode("utf-8")
         with open(tmp, "wb") as handle:
             np.savez(handle, ids=result["ids"], mask=result["mask"], lengths=result["lengths"],

@@ -164,3 +164,17 @@ def test_a_helper_that_fails_leaves_its_chunks_to_local_rank_0(tmp_path):
         out_dir / "stderr1.txt").read_text()
     cache = Path(records[0]["cache"])
     assert {name: (cache / name).read_bytes() for name in CACHE_FILES} == one_process_cache(tmp_path, data)
+
+
+def test_a_chunk_being_written_is_not_counted_as_waiting(tmp_path):
+    """A helper's chunk file is written under a temporary name and renamed: `waiting()` (called by
+    another process at any moment) counts only finished chunk files (it raised ValueError on the
+    temporary '2.tmpPID.npz' name, seen in the loaded suite)."""
+    from dataset.team_build import Team
+
+    team = Team(tmp_path, "n", 0, 2, 0)
+    team.dir.mkdir(parents=True)
+    (team.dir / "2.npz").write_bytes(b"done")
+    (team.dir / "4.tmp123.npz").write_bytes(b"half")  # the name the writer used before
+    (team.dir / ".6.npz.tmp123").write_bytes(b"half")  # the name it uses now
+    assert team.waiting() == 1
