@@ -29,6 +29,7 @@ from .rendering import encode_conversation, load_tokenizer
 from .sampler import ResumableDistributedSampler
 from .token_cache import BuildInterrupted
 from .sft_dataset import IGNORE_INDEX, PackedSFTDataset, SFTDataset, pack_lengths
+from .worker_pool import WorkerDied
 
 __all__ = [
     "ChatAugmenter",
@@ -41,6 +42,7 @@ __all__ = [
     "ResumableDistributedSampler",
     "SFTCollator",
     "SFTDataset",
+    "WorkerDied",
     "encode_conversation",
     "load_tokenizer",
     "model_inputs",

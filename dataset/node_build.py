@@ -129,7 +129,7 @@ def _help(team: Team, plan: dict, path: Path, tokenizer, workers: int) -> None:
     mine = (task for number, task in enumerate(chunks) if number % size == member)
     pool = start_pool(tokenizer, workers)
     try:
-        results = pool.imap(_encode_chunk, _throttled(mine, team)) if pool else map(_encode_chunk, mine)
+        results = pool.imap(_throttled(mine, team)) if pool else map(_encode_chunk, mine)
         for number, result in zip(range(member, sys.maxsize, size), results):
             while team.waiting() >= AHEAD_CHUNKS and _lead_working(team):
                 time.sleep(POLL_S)
@@ -141,8 +141,7 @@ def _help(team: Team, plan: dict, path: Path, tokenizer, workers: int) -> None:
     finally:
         _init_worker(None)
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.close()
 
 
 def _lead_working(team: Team) -> bool:

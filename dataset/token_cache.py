@@ -19,8 +19,8 @@ tokenizes its share of the chunks and local rank 0 appends them in order (``team
 ``node_build.prepare_cache``), so a build longer than the process group's timeout is fine, and an
 error raises the same ``DataError`` on all ranks instead of hanging them.
 
-SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (pool ended, finished rows kept for
-the next run).
+SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (the workers, ``worker_pool``, are
+killed; the finished rows are kept for the next run).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from .team_build import Team, deferred, ordered_results
 from .chatml import matches_template
 from .fast_path import ChunkEncoder
 from .rendering import token_dtype, tokenizer_fingerprint
+from .worker_pool import STOP_SIGNALS, WorkerPool
 
 CACHE_VERSION = 1  # the layout of the files
 # The version of everything besides the tokenizer (whose fingerprint is in the key already) that
@@ -94,8 +95,6 @@ def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what stops a build (BuildInterrupted)
-_CAN_HOLD_SIGNALS = hasattr(signal, "pthread_sigmask")  # not on Windows
 
 
 class BuildInterrupted(Exception):
@@ -131,26 +130,6 @@ def interrupts_raise() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-@contextlib.contextmanager
-def _stop_signals_held() -> Iterator[None]:
-    """SIGTERM/SIGINT stay pending (not lost) while the pool forks its workers and starts its threads.
-
-    A signal that lands during ``fork()`` runs its Python handler in the first Python code after it:
-    an at-fork callback (``logging``'s ``_releaseLock``), whose exceptions CPython prints as
-    "Exception ignored" and drops, so ``BuildInterrupted`` was lost and the build went on. Held back,
-    the signal is handled here, when the mask is restored. The pool's threads keep the mask (such
-    signals then reach the main thread only); the workers lift it in ``_init_pool_worker``.
-    """
-    if not _CAN_HOLD_SIGNALS:
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 # ----------------------------------------------------------------------------- building
 
 
@@ -167,13 +146,7 @@ def _worker_encoder(max_seq_len: int) -> ChunkEncoder:
 
 
 def _init_pool_worker(tokenizer) -> None:
-    # A forked worker inherits the parent's Python signal handlers (the trainer turns SIGTERM
-    # into a "stop at the next step" flag); Pool.terminate() needs SIGTERM to end the worker.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no tokenizer threads on top
-    if _CAN_HOLD_SIGNALS:  # forked with them held back (_stop_signals_held)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _init_worker(tokenizer)
 
 
@@ -271,8 +244,8 @@ def start_pool(tokenizer, num_workers: int):
         _init_worker(tokenizer)
         return None
     matches_template(tokenizer)  # decided once here: the forked workers inherit it
-    with _stop_signals_held():
-        return _pool_context().Pool(num_workers, _init_pool_worker, (tokenizer,))
+    return WorkerPool(_encode_chunk, num_workers, _init_pool_worker, (tokenizer,), _pool_context(),
+                      what="the token cache build")
 
 
 def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data: str, num_proc: int,
@@ -310,10 +283,10 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
             if shared:
                 team.publish({"data_file": str(path), "start_row": start_row, "chunk_lines": CHUNK_LINES,
                               "max_seq_len": max_seq_len})
-                submit = (lambda task: pool.apply_async(_encode_chunk, (task,))) if pool else deferred(_encode_chunk)
+                submit = pool.submit if pool else deferred(_encode_chunk)
                 results = ordered_results(team, chunks, submit, window=team.size * (num_proc + 1))
             else:
-                results = pool.imap(_encode_chunk, chunks) if pool else map(_encode_chunk, chunks)
+                results = pool.imap(chunks) if pool else map(_encode_chunk, chunks)
             _write_cache(results, path, tokenizer, max_seq_len, partial, bad_data, BuildProgress(path, total_rows, start_row))
     except BaseException as exc:
         stopped = stop_reason(exc)
@@ -323,8 +296,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
         if team is not None:
             team.close()
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.close()
         partial.release(stopped)
 
 

@@ -6,7 +6,7 @@ path), one class each, and the one helper that turns a library's exception into 
 is a single line that names the file, flag or setting at fault and, where there is one, what to do.
 """
 
-from dataset import BuildInterrupted, DataError  # noqa: F401 - re-exported: the data's own errors
+from dataset import BuildInterrupted, DataError, WorkerDied  # noqa: F401 - re-exported: the data's own errors
 
 
 class CheckpointError(ValueError):
@@ -37,7 +37,7 @@ class TrainingError(RuntimeError):
     """The run had to stop (e.g. too many non-finite steps); the message says why. Exit code 1."""
 
 
-USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, LoggingError)
+USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, LoggingError, WorkerDied)
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:

@@ -92,9 +92,8 @@ def wait_for_build_start(cache_root: Path, process: subprocess.Popen, timeout: f
     return partials(cache_root)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path, signum):
+def start_building(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A trainer in its own process group, tokenizing BIG_ROWS rows with its pool running."""
     data = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(BIG_ROWS)])
     cache_root = tmp_path / "cache"
     process = subprocess.Popen(
@@ -104,6 +103,17 @@ def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path
     )
     try:
         wait_for_build_start(cache_root, process)
+    except BaseException:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return process, cache_root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path, signum):
+    process, cache_root = start_building(tmp_path)
+    try:
         os.killpg(process.pid, signum)
         sent = time.monotonic()
         _, stderr = process.communicate(timeout=60)  # the old code waited forever for lost chunks
@@ -119,6 +129,28 @@ def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path
     # What was tokenized is committed for the next run; no cache is in place yet.
     [partial] = partials(cache_root)
     assert sorted(p.name for p in cache_root.iterdir()) == [".digests", partial]
+    progress = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
+    assert progress["total_rows"] == BIG_ROWS and progress["rows"] < BIG_ROWS
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_the_build_is_a_one_line_error_and_the_rows_stay(tmp_path):
+    """The kernel's out-of-memory killer takes one tokenizer worker: multiprocessing.Pool replaced
+    it and waited forever for its lost chunk; now the run stops with one line, its rows kept."""
+    process, cache_root = start_building(tmp_path)
+    try:
+        workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        assert workers, "no worker processes"
+        os.kill(int(workers[0]), signal.SIGKILL)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 2, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        f"error: a worker process of the token cache build (pid {workers[0]}) was killed by SIGKILL (out of memory?); "
+        "run the same command again")
+    [partial] = partials(cache_root)
     progress = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
     assert progress["total_rows"] == BIG_ROWS and progress["rows"] < BIG_ROWS
 
