@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import itertools
 import json
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -93,8 +92,6 @@ def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int
     if tokens_version > 1:
         parts.append(f"tokens{tokens_version}")
     return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
-
-
 
 
 class BuildInterrupted(Exception):
@@ -232,20 +229,13 @@ class BuildProgress:
                   f"{rate:,.0f} rows/s, elapsed {elapsed:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
 
 
-def _pool_context():
-    """Fork where available (fast, no re-import of the caller's main module), else spawn."""
-    methods = mp.get_all_start_methods()
-    return mp.get_context("fork" if "fork" in methods else "spawn")
-
-
 def start_pool(tokenizer, num_workers: int):
     """A pool of ``num_workers`` tokenizer processes (None for one: this process tokenizes)."""
     if num_workers <= 1:
         _init_worker(tokenizer)
         return None
     matches_template(tokenizer)  # decided once here: the forked workers inherit it
-    return WorkerPool(_encode_chunk, num_workers, _init_pool_worker, (tokenizer,), _pool_context(),
-                      what="the token cache build")
+    return WorkerPool(_encode_chunk, num_workers, _init_pool_worker, (tokenizer,), what="the token cache build")
 
 
 def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data: str, num_proc: int,

@@ -118,6 +118,12 @@ def _serve(function: Callable, initializer: Callable | None, initargs: tuple, ta
             return
 
 
+def _default_context():
+    """Fork where available (fast, no re-import of the caller's main module; the workers inherit
+    what the parent decided before), else spawn."""
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+
+
 class _Pending:
     def __init__(self, pool: WorkerPool, ticket: int):
         self.pool, self.ticket = pool, ticket
@@ -130,12 +136,13 @@ class WorkerPool:
     """``size`` worker processes running ``function``; ``initializer(*initargs)`` runs in each first.
 
     ``submit(task).get()`` and ``imap(tasks)`` as with ``multiprocessing.Pool`` (one function);
+    ``context``: a multiprocessing context (default: fork where available, else spawn);
     ``close()`` ends the workers (always call it: the workers are killed, nothing waits on them).
     """
 
     def __init__(self, function: Callable, size: int, initializer: Callable | None = None, initargs: tuple = (),
                  context=None, what: str = "the pool"):
-        context = context or mp.get_context()
+        context = context or _default_context()
         self.size, self.what = size, what
         self._processes, self._task_pipes, self._result_pipes, self._threads = [], [], [], []
         self._owed: list[collections.deque] = [collections.deque() for _ in range(size)]
