@@ -10,7 +10,9 @@
 * exact match (conversations whose final turn is a reply): the reply must equal the reference
   after stripping whitespace, and the model must not call a tool;
 * tool-call accuracy (conversations whose final turn calls tools): the calls must be the
-  reference calls: same names, JSON-equal arguments, any order.
+  reference calls: same names, JSON-equal arguments, any order;
+* by task: rows that carry a ``task`` key (the demo's held-out file does: ``fact_capital``,
+  ``tool_call``, ...) are also counted per task, right / total.
 
 Prints a table; the JSON result goes to ``--json_out`` (then the table is on stdout) or to stdout
 (then the table is on stderr).
@@ -43,6 +45,7 @@ class Example:
     prompt_ids: list[int]
     reference: str
     reference_calls: list[dict]
+    task: str | None = None
 
 
 def build_parser() -> ArgumentParser:
@@ -73,7 +76,8 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
             if not raw.strip():
                 continue
             try:
-                conversation = parse_line(raw.decode("utf-8"))
+                text = raw.decode("utf-8")
+                conversation = parse_line(text)
                 messages = conversation.messages
                 last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
                 if last == 0:
@@ -85,8 +89,9 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
                 raise DataError(f"{path}:{number}: invalid UTF-8 at byte {error.start}") from None
             except LineError as error:
                 raise DataError(f"{path}:{number}: {error}") from None
+            task = json.loads(text).get("task")
             examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
-                                    reference_calls(messages[last])))
+                                    reference_calls(messages[last]), task if isinstance(task, str) else None))
     if not examples:
         raise DataError(f"{path}: no conversations to evaluate")
     return examples
@@ -132,8 +137,13 @@ def score(answers: list[str], examples: list[Example]) -> dict:
     from trainer.evaluation.evaluate import answer_is_right  # the same judgement as the trainer's evaluation
 
     correct = calls_correct = num_calls = 0
+    by_task: dict[str, list[int]] = {}
     for answer, example in zip(answers, examples):
         right = answer_is_right(answer, example.reference, example.reference_calls)
+        if example.task is not None:
+            counts = by_task.setdefault(example.task, [0, 0])
+            counts[0] += right
+            counts[1] += 1
         if example.reference_calls:
             num_calls += 1
             calls_correct += right
@@ -147,6 +157,7 @@ def score(answers: list[str], examples: list[Example]) -> dict:
         "tool_call_accuracy": calls_correct / num_calls if num_calls else float("nan"),
         "num_tool_calls_correct": calls_correct,
         "num_tool_call_turns": num_calls,
+        "by_task": {task: {"right": right, "total": total} for task, (right, total) in sorted(by_task.items())},
     }
 
 
@@ -177,7 +188,11 @@ def format_table(result: dict) -> str:
     if result["num_tool_call_turns"]:
         rows.append(("tool calls", f"{result['tool_call_accuracy']:.4f} "
                                    f"({result['num_tool_calls_correct']}/{result['num_tool_call_turns']})"))
-    return "\n".join(f"{name:<14} {value}" for name, value in rows)
+    if result["by_task"]:
+        rows.append(("by task", "right/total"))
+        rows += [(f"  {task}", f"{counts['right']}/{counts['total']}") for task, counts in result["by_task"].items()]
+    width = max(14, *(len(name) for name, _ in rows))
+    return "\n".join(f"{name:<{width}} {value}" for name, value in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

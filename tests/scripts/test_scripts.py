@@ -189,6 +189,23 @@ def test_eval_reports_exact_match_and_hand_computed_loss(trained, tmp_path):
     assert report["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
 
 
+def test_eval_counts_right_answers_per_task_where_rows_name_one(trained, tmp_path):
+    wrong = [*CONVERSATIONS[1][:-1], {"role": "assistant", "content": "6"}]  # the model answers 5
+    rows = [(CONVERSATIONS[0], "fact"), (CONVERSATIONS[1], "fact"), (wrong, "fact"), (CONVERSATIONS[2], "chat"),
+            (CONVERSATIONS[0], None)]
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps({"conversations": c, **({"task": t} if t else {})}) + "\n" for c, t in rows),
+                    encoding="utf-8")
+    out = tmp_path / "result.json"
+    result = script("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(data),
+                    "--json_out", str(out), "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert (report["num_correct"], report["num_replies"]) == (4, 5)
+    assert report["by_task"] == {"chat": {"right": 1, "total": 1}, "fact": {"right": 2, "total": 3}}
+    assert result.stdout.splitlines()[-3:] == ["by task        right/total", "  chat         1/1", "  fact         2/3"]
+
+
 def test_batched_left_padded_greedy_equals_one_by_one(trained):
     from scripts.eval_sft import greedy_answers, read_examples
 
