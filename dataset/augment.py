@@ -9,9 +9,11 @@
 Both act on the token ids of the cache, at ``__getitem__`` time, drawn from a generator seeded by
 ``(seed, epoch, sample index)``: the cache does not depend on them, an epoch sees other draws
 than the one before, and a resumed run (or one with another world size) draws exactly what the
-uninterrupted run drew. They equal the tokenization of the augmented text because the shipped
-tokenizer pre-tokenizes every newline on its own: the prefix ends in a newline and the think
-block starts after and ends with one (checked against the template when the augmenter is built).
+uninterrupted run drew. They equal the tokenization of the augmented text where the tokenizer
+cuts the text at the edges of the prefix and of the think block (the special tokens bound the
+system prefix; with the shipped tokenizer, Qwen2's pre-tokenizer, the block's tokens end with its
+newlines and the reply starts a token of its own), which is checked on a probe conversation
+when the augmenter is built.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ in parallel followed by a calculation, each call followed by its tool result and
 answer; a later lookup may be a follow-up that does not name its country again ("And its
 capital?"), and greetings in such conversations are answered without a call. Several questions
 share one tools block, so most of the tokens of a tool conversation carry a call or an answer to
-learn (the block alone is ~260 tokens); every tool conversation fits 1024 tokens. Numbers are
+learn (the block alone is 248 tokens); every tool conversation fits 1024 tokens. Numbers are
 JSON numbers in calls and results and the answer after a calculation is a sentence ("The result
 is 444."), so a number is the same tokens, leading space included, wherever the model has to
 copy it. A third of the tool calls and a tenth of the plain answers carry a short reasoning

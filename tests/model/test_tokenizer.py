@@ -79,11 +79,21 @@ def test_roundtrip_and_special_tokens_are_single_ids(tokenizer):
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert ids[0] == 1 and ids.count(2) == 1
     assert tokenizer.decode(ids) == text
-    # Every CJK character is its own pre-token, so a name tokenizes the same in any sentence.
+    # Qwen2's pre-tokenizer (llama.cpp's "qwen2"): every digit is its own token, so a number keeps its
+    # tokens wherever it is copied (question, tool call arguments, answer).
+    number = tokenizer.encode("37", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(number) == ["3", "7"]
+    for text in ("What is 37 times 12?", '{"a": 37, "op": "*", "b": 12}', "The result is 37.", "结果是 37。"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert any(ids[i : i + 2] == number for i in range(len(ids))), text
+    # No merge joins two CJK characters (scripts/train_tokenizer.py's cjk_apart): a Chinese name is
+    # one token per character, the same in a question, a tool call and an answer.
     name = tokenizer.encode("佐利亚", add_special_tokens=False)
     assert len(name) == 3
-    sentence = tokenizer.encode("你知道佐利亚的首都吗？", add_special_tokens=False)
-    assert any(sentence[i : i + 3] == name for i in range(len(sentence)))
+    for text in ("你知道佐利亚的首都吗？", '{"country": "佐利亚"}', "佐利亚的首都是维斯堡。"):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert any(ids[i : i + 3] == name for i in range(len(ids))), text
+    assert all(len(tokenizer.encode(ch, add_special_tokens=False)) == 1 for ch in "的首都是什么")
 
 
 def test_build_small_tokenizer_with_another_vocab(tmp_path):

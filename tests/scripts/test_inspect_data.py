@@ -39,19 +39,19 @@ def mixture(tmp_path_factory):
 
 def test_the_report_of_a_mixture_names_the_dropped_rows_and_what_looks_wrong(mixture, tmp_path):
     tools, plain = mixture
-    result = inspect("--data_path", f"{tools}:2,{plain}", "--max_seq_len", "256", "--json_out", str(tmp_path / "r.json"))
+    result = inspect("--data_path", f"{tools}:2,{plain}", "--max_seq_len", "240", "--json_out", str(tmp_path / "r.json"))
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "source tools (" in out and "source plain (" in out and "all sources" in out
     tool_rows = len(tools.read_text().splitlines())
     assert f"dropped {tool_rows}: the tools block alone is longer than --max_seq_len (e.g. {tools}:1: " in out
-    assert f"warning: tools: no supervised token in all {tool_rows} rows (--max_seq_len 256): this source trains nothing" in out
+    assert f"warning: tools: no supervised token in all {tool_rows} rows (--max_seq_len 240): this source trains nothing" in out
     assert "warning: plain: 1 bad rows" in out and "learn an empty think block" in out
     assert "(pictures of 3 rows: --html FILE or --terminal)" in out and "\x1b[" not in out  # stdout is not a terminal
     figures = json.loads((tmp_path / "r.json").read_text())
     tokenizer = load_tokenizer(None)
     for source, expected in zip(figures["sources"], parse_data_path(f"{tools}:2,{plain}")):
-        report = inspect_source(expected, tokenizer, 256, 1000)
+        report = inspect_source(expected, tokenizer, 240, 1000)
         assert source["name"] == expected.name and source["kept"] == report.kept and source["bad"] == report.bad
         assert [source["segments"][name]["supervised"] for name in SEGMENTS] == report.supervised.tolist()
         assert [source["segments"][name]["tokens"] for name in SEGMENTS] == report.tokens.tolist()

@@ -41,16 +41,16 @@ LLAMA_CPP_PRE_TOKENIZERS = {
     (("ByteLevel", False, True),): "gpt-2",  # GPT-2's own regex inside the byte-level step (MiniMind's tokenizer)
     (("Split", "Regex", QWEN2_REGEX, "Isolated", False), ("ByteLevel", False, False)): "qwen2",  # Qwen2 .. Qwen3
 }
-# The shipped model/tokenizer (scripts/train_tokenizer.py): newline and CJK splits before GPT-2's byte-level step.
-SHIPPED_PRE_TOKENIZER = (("Split", "Regex", "\n", "Isolated", False),
-                         ("Split", "Regex", "[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]", "Isolated", False),
-                         ("ByteLevel", False, True))
-SHIPPED_REFUSAL = (
-    "its tokenizer is the shipped model/tokenizer's kind, which splits off every newline and each CJK character "
-    "before GPT-2's byte-level step; llama.cpp implements no such pre-tokenizer, so in llama.cpp prompts would "
-    "become other tokens than in training. Train with a tokenizer whose pre-tokenizer llama.cpp implements "
-    "(--tokenizer_path of a GPT-2 byte-level one like MiniMind's, or a Qwen2/Qwen3 one), or run the "
-    "--format qwen3 export (transformers, vLLM)")
+# The tokenizer shipped in model/tokenizer until 2026-11-24: newline and CJK splits before GPT-2's byte-level step.
+EARLIER_SHIPPED_PRE_TOKENIZER = (("Split", "Regex", "\n", "Isolated", False),
+                                 ("Split", "Regex", "[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]", "Isolated", False),
+                                 ("ByteLevel", False, True))
+EARLIER_SHIPPED_REFUSAL = (
+    "its tokenizer is the kind model/tokenizer shipped until 2026-11-24, which splits off every newline and each "
+    "CJK character before GPT-2's byte-level step; llama.cpp implements no such pre-tokenizer, so in llama.cpp "
+    "prompts would become other tokens than in training. Train with a tokenizer whose pre-tokenizer llama.cpp "
+    "implements (today's model/tokenizer: Qwen2's; MiniMind's; a Qwen2/Qwen3 one), or run the --format qwen3 "
+    "export (transformers, vLLM)")
 
 
 class GGUFError(ModelLoadError):
@@ -174,8 +174,8 @@ def llama_cpp_pre_tokenizer(definition: dict | None) -> str:
     steps = pre_tokenizer_steps(definition)
     if steps in LLAMA_CPP_PRE_TOKENIZERS:
         return LLAMA_CPP_PRE_TOKENIZERS[steps]
-    if steps == SHIPPED_PRE_TOKENIZER:
-        raise GGUFError(SHIPPED_REFUSAL)
+    if steps == EARLIER_SHIPPED_PRE_TOKENIZER:
+        raise GGUFError(EARLIER_SHIPPED_REFUSAL)
     raise GGUFError(f"its tokenizer's pre-tokenizer {describe_pre_tokenizer(steps)} is none that llama.cpp "
                     "implements (it knows GPT-2's byte-level split, as MiniMind's tokenizer has, and Qwen2's regex "
                     "split, as Qwen2 to Qwen3 have); use --format qwen3 (transformers, vLLM)")

@@ -39,8 +39,9 @@ TEXTS = ["Hello world, I've been to Velm 1314151 times!\n\nNew   paragraph\twith
 
 def fixture_tokenizer(folder, kind: str):
     """A byte-level BPE tokenizer trained here with the `tokenizers` library: `qwen2` (NFC + Qwen2's regex split, as
-    Qwen3's tokenizer.json), `gpt2` (one ByteLevel step with GPT-2's regex, as MiniMind's), or `digits` (a
-    pre-tokenizer llama.cpp has no name for); ChatML special tokens, <think> tags as added non-special tokens."""
+    Qwen3's tokenizer.json), `gpt2` (one ByteLevel step with GPT-2's regex, as MiniMind's), or `digits` and
+    `earlier` (pre-tokenizers llama.cpp has no name for; `earlier` is model/tokenizer's until 2026-11-24); ChatML
+    special tokens, <think> tags as added non-special tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -53,6 +54,10 @@ def fixture_tokenizer(folder, kind: str):
             [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False), byte_level])
     elif kind == "digits":
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif kind == "earlier":  # model/tokenizer's kind until 2026-11-24
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+             pre_tokenizers.Split(Regex("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"), behavior="isolated"), byte_level])
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
@@ -82,13 +87,13 @@ def model_dir(folder, tokenizer, extra_rows: int, **config):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """dense: tied, Qwen2-style tokenizer, 3 embedding rows past the tokenizer; moe: untied, GPT-2 byte-level
-    tokenizer (MiniMind's kind), top-2 of 4 experts."""
+    tokenizer (MiniMind's kind), top-2 of 4 experts; shipped: dense with the shipped model/tokenizer."""
     root = tmp_path_factory.mktemp("gguf")
     found = {}
-    for name, kind, extra, config in (("dense", "qwen2", 3, {}), ("moe", "gpt2", 0, MOE)):
-        tokenizer = fixture_tokenizer(root / f"tok_{kind}", kind)
+    for name, kind, extra, config in (("dense", "qwen2", 3, {}), ("moe", "gpt2", 0, MOE), ("shipped", None, 0, {})):
+        tokenizer = fixture_tokenizer(root / f"tok_{kind}", kind) if kind else load_tokenizer(None)
         model = model_dir(root / name, tokenizer, extra, **config)
-        pre = "qwen2" if kind == "qwen2" else "gpt-2"
+        pre = "gpt-2" if kind == "gpt2" else "qwen2"
         found[name] = dict(path=root / name, model=model, tokenizer=tokenizer, pre=pre)
     return found
 
@@ -181,7 +186,7 @@ def test_every_tensor_is_the_models_under_llama_cpp_names_and_shapes(models, tmp
     assert field(reader, "general.file_type") == getattr(gguf.LlamaFileType, file_type)
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "shipped"])
 def test_metadata_and_tokenizer_are_what_llama_cpp_reads(models, tmp_path, kind):
     model, tokenizer = models[kind]["model"], models[kind]["tokenizer"]
     config = model.config
@@ -228,7 +233,7 @@ def test_metadata_and_tokenizer_are_what_llama_cpp_reads(models, tmp_path, kind)
 
 def test_pre_tokenizers_map_to_llama_cpp_names(models, tmp_path):
     """The two fixture kinds, and the structure of MiniMind's tokenizer.json (jingyaogong/minimind, model/)."""
-    for kind in ("dense", "moe"):
+    for kind in ("dense", "moe", "shipped"):
         definition = json.loads(models[kind]["tokenizer"].backend_tokenizer.to_str())["pre_tokenizer"]
         assert llama_cpp_pre_tokenizer(definition) == models[kind]["pre"]
     minimind = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
@@ -245,25 +250,19 @@ def refusal(argv, capsys) -> str:
     return err.strip()
 
 
-SHIPPED = ("error: --format gguf cannot express this model: its tokenizer is the shipped model/tokenizer's kind, "
-           "which splits off every newline and each CJK character before GPT-2's byte-level step; llama.cpp "
-           "implements no such pre-tokenizer, so in llama.cpp prompts would become other tokens than in training. "
-           "Train with a tokenizer whose pre-tokenizer llama.cpp implements (--tokenizer_path of a GPT-2 byte-level "
-           "one like MiniMind's, or a Qwen2/Qwen3 one), or run the --format qwen3 export (transformers, vLLM)")
+EARLIER = ("error: --format gguf cannot express this model: its tokenizer is the kind model/tokenizer shipped until "
+           "2026-11-24, which splits off every newline and each CJK character before GPT-2's byte-level step; "
+           "llama.cpp implements no such pre-tokenizer, so in llama.cpp prompts would become other tokens than in "
+           "training. Train with a tokenizer whose pre-tokenizer llama.cpp implements (today's model/tokenizer: "
+           "Qwen2's; MiniMind's; a Qwen2/Qwen3 one), or run the --format qwen3 export (transformers, vLLM)")
 
 
-@pytest.fixture(scope="module")
-def shipped_model(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("shipped") / "model"
-    model_dir(folder, load_tokenizer(None), 0)
-    return folder
-
-
-def test_the_shipped_tokenizer_is_refused_in_one_line_exit_2(shipped_model, tmp_path):
-    done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(shipped_model), "--out_dir",
+def test_the_earlier_shipped_tokenizer_is_refused_in_one_line_exit_2(tmp_path):
+    model_dir(tmp_path / "model", fixture_tokenizer(tmp_path / "tok", "earlier"), 0)
+    done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(tmp_path / "model"), "--out_dir",
                            str(tmp_path / "out"), "--format", "gguf"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
-    assert (done.returncode, done.stderr) == (2, SHIPPED + "\n")
+    assert (done.returncode, done.stderr) == (2, EARLIER + "\n")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
@@ -290,7 +289,7 @@ def test_what_llama_cpp_computes_otherwise_is_refused():
 # --------------------------------------------------------------------------- llama.cpp itself
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("kind", ["dense", "moe", "shipped"])
 def test_llama_cpp_tokenizes_and_continues_like_transformers(models, tmp_path, kind):
     """The f32 file in llama.cpp itself (through its Python binding) against the Qwen3 directory in transformers:
     the same token ids for text and a chat prompt (special tokens parsed), logits within 2e-3, and the same
