@@ -101,6 +101,11 @@ def loads(text: str):
 
 def parse_line(line: str) -> Conversation:
     """Parse one jsonl line, or raise ``LineError`` describing what is wrong."""
+    return parse_row(load_row(line))
+
+
+def load_row(line: str) -> dict:
+    """The JSON object of one jsonl line (a leading byte order mark ignored), or ``LineError``."""
     if line.startswith(ROW_PROBLEM):
         raise LineError(line[len(ROW_PROBLEM):].strip())
     if line.startswith("\ufeff"):  # a UTF-8 byte order mark (first line of some exported files)
@@ -116,7 +121,7 @@ def parse_line(line: str) -> Conversation:
     if not isinstance(row, dict):
         hint = " (a JSON array file must be converted to JSON Lines: one conversation object per line)" if isinstance(row, list) else ""
         raise LineError(f"expected a JSON object, got {type(row).__name__}{hint}")
-    return parse_row(row)
+    return row
 
 
 def parse_row(row: dict) -> Conversation:

@@ -63,7 +63,7 @@ def build_parser() -> ArgumentParser:
 def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> list[Example]:
     """Parse and encode the jsonl file; a bad line raises ``DataError("file:line: problem")``."""
     from dataset import DataError, encode_conversation
-    from dataset.formats import Conversation, LineError, parse_line
+    from dataset.formats import Conversation, LineError, load_row, parse_row
     from dataset.sources import check_data_file
     from dataset.tool_calls import reference_calls
 
@@ -76,8 +76,8 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
             if not raw.strip():
                 continue
             try:
-                text = raw.decode("utf-8")
-                conversation = parse_line(text)
+                row = load_row(raw.decode("utf-8"))
+                conversation = parse_row(row)
                 messages = conversation.messages
                 last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
                 if last == 0:
@@ -89,7 +89,7 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
                 raise DataError(f"{path}:{number}: invalid UTF-8 at byte {error.start}") from None
             except LineError as error:
                 raise DataError(f"{path}:{number}: {error}") from None
-            task = json.loads(text).get("task")
+            task = row.get("task")
             examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
                                     reference_calls(messages[last]), task if isinstance(task, str) else None))
     if not examples:

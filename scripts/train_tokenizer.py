@@ -83,14 +83,15 @@ def iter_extra_texts() -> Iterator[str]:
     yield "\n".join(chr(0x4E00 + i) for i in range(3000))  # one character per pre-token
 
 
-CJK_RUN = re.compile("([\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])(?=[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])")
+CJK_CHAR = "[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"
+CJK_PAIR = re.compile(f"({CJK_CHAR})(?={CJK_CHAR})")  # a CJK character followed by another
 
 
 def cjk_apart(texts: Iterator[str]) -> Iterator[str]:
     """The texts with a newline between adjacent CJK characters: the BPE then learns no merge
     that joins two of them, so a Chinese word is one token per character in any sentence."""
     for text in texts:
-        yield CJK_RUN.sub("\\1\n", text)
+        yield CJK_PAIR.sub("\\1\n", text)
 
 
 def build_tokenizer(texts: Iterator[str], vocab_size: int) -> Tokenizer:

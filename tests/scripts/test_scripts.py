@@ -194,8 +194,9 @@ def test_eval_counts_right_answers_per_task_where_rows_name_one(trained, tmp_pat
     rows = [(CONVERSATIONS[0], "fact"), (CONVERSATIONS[1], "fact"), (wrong, "fact"), (CONVERSATIONS[2], "chat"),
             (CONVERSATIONS[0], None)]
     data = tmp_path / "tasks.jsonl"
-    data.write_text("".join(json.dumps({"conversations": c, **({"task": t} if t else {})}) + "\n" for c, t in rows),
-                    encoding="utf-8")
+    # the first line with a byte order mark, as some exported files have: read like the others
+    data.write_text("\ufeff" + "".join(json.dumps({"conversations": c, **({"task": t} if t else {})}) + "\n"
+                                       for c, t in rows), encoding="utf-8")
     out = tmp_path / "result.json"
     result = script("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(data),
                     "--json_out", str(out), "--device", "cpu")
