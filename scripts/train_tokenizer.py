@@ -80,7 +80,7 @@ def iter_extra_texts() -> Iterator[str]:
     for a in letters:
         for b in letters:
             yield f"{a}{b} {a.upper()}{b.upper()} {a}{b}{a} {a.upper()}{b}"
-    yield "\n".join(chr(0x4E00 + i) for i in range(3000))  # one character per pre-token
+    yield "".join(chr(0x4E00 + i) for i in range(3000))  # cjk_apart puts each in a pre-token of its own
 
 
 CJK_CHAR = "[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"
