@@ -16,8 +16,9 @@ convert_hf_to_gguf.py writes them for Qwen3 / Qwen3-MoE):
 
 Nothing is approximated: a tokenizer or model llama.cpp would run differently from training is
 refused with a one-line `GGUFError` that says why, above all a pre-tokenizer llama.cpp does not
-implement, such as the shipped model/tokenizer's (it isolates every newline and each CJK character
-before GPT-2's byte-level split).
+implement, such as that of minisft's tokenizer version 1 (it isolates every newline and each CJK
+character before GPT-2's byte-level split; model/tokenizer is version 2, Qwen2's split, which maps
+to llama.cpp's `qwen2`). CHANGELOG.md lists the tokenizer versions.
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ LLAMA_CPP_PRE_TOKENIZERS = {
     (("ByteLevel", False, True),): "gpt-2",  # GPT-2's own regex inside the byte-level step (MiniMind's tokenizer)
     (("Split", "Regex", QWEN2_REGEX, "Isolated", False), ("ByteLevel", False, False)): "qwen2",  # Qwen2 .. Qwen3
 }
-# The tokenizer shipped in model/tokenizer until 2026-11-24: newline and CJK splits before GPT-2's byte-level step.
-EARLIER_SHIPPED_PRE_TOKENIZER = (("Split", "Regex", "\n", "Isolated", False),
-                                 ("Split", "Regex", "[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]", "Isolated", False),
-                                 ("ByteLevel", False, True))
-EARLIER_SHIPPED_REFUSAL = (
-    "its tokenizer is the kind model/tokenizer shipped until 2026-11-24, which splits off every newline and each "
-    "CJK character before GPT-2's byte-level step; llama.cpp implements no such pre-tokenizer, so in llama.cpp "
-    "prompts would become other tokens than in training. Train with a tokenizer whose pre-tokenizer llama.cpp "
-    "implements (today's model/tokenizer: Qwen2's; MiniMind's; a Qwen2/Qwen3 one), or run the --format qwen3 "
-    "export (transformers, vLLM)")
+# minisft's tokenizer version 1 (fingerprint fd9a7e13...; CHANGELOG.md): newline and CJK splits before GPT-2's
+# byte-level step. Models trained with it stay readable everywhere but in GGUF, which is refused by name.
+TOKENIZER_V1_PRE_TOKENIZER = (("Split", "Regex", "\n", "Isolated", False),
+                              ("Split", "Regex", "[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]", "Isolated", False),
+                              ("ByteLevel", False, True))
+TOKENIZER_V1_REFUSAL = (
+    "its tokenizer is minisft's tokenizer version 1, which splits off every newline and each CJK character "
+    "before GPT-2's byte-level step; llama.cpp implements no such pre-tokenizer, so in llama.cpp prompts would "
+    "become other tokens than in training. Train with a tokenizer whose pre-tokenizer llama.cpp implements "
+    "(model/tokenizer, version 2: Qwen2's; MiniMind's; a Qwen2/Qwen3 one), or run the --format qwen3 export "
+    "(transformers, vLLM)")
 
 
 class GGUFError(ModelLoadError):
@@ -174,8 +176,8 @@ def llama_cpp_pre_tokenizer(definition: dict | None) -> str:
     steps = pre_tokenizer_steps(definition)
     if steps in LLAMA_CPP_PRE_TOKENIZERS:
         return LLAMA_CPP_PRE_TOKENIZERS[steps]
-    if steps == EARLIER_SHIPPED_PRE_TOKENIZER:
-        raise GGUFError(EARLIER_SHIPPED_REFUSAL)
+    if steps == TOKENIZER_V1_PRE_TOKENIZER:
+        raise GGUFError(TOKENIZER_V1_REFUSAL)
     raise GGUFError(f"its tokenizer's pre-tokenizer {describe_pre_tokenizer(steps)} is none that llama.cpp "
                     "implements (it knows GPT-2's byte-level split, as MiniMind's tokenizer has, and Qwen2's regex "
                     "split, as Qwen2 to Qwen3 have); use --format qwen3 (transformers, vLLM)")

@@ -40,7 +40,7 @@ TEXTS = ["Hello world, I've been to Velm 1314151 times!\n\nNew   paragraph\twith
 def fixture_tokenizer(folder, kind: str):
     """A byte-level BPE tokenizer trained here with the `tokenizers` library: `qwen2` (NFC + Qwen2's regex split, as
     Qwen3's tokenizer.json), `gpt2` (one ByteLevel step with GPT-2's regex, as MiniMind's), or `digits` and
-    `earlier` (pre-tokenizers llama.cpp has no name for; `earlier` is model/tokenizer's until 2026-11-24); ChatML
+    `v1` (pre-tokenizers llama.cpp has no name for; `v1` is minisft's tokenizer version 1's); ChatML
     special tokens, <think> tags as added non-special tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -54,7 +54,7 @@ def fixture_tokenizer(folder, kind: str):
             [pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False), byte_level])
     elif kind == "digits":
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif kind == "earlier":  # model/tokenizer's kind until 2026-11-24
+    elif kind == "v1":  # minisft's tokenizer version 1: newline and CJK splits before GPT-2's byte-level step
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
              pre_tokenizers.Split(Regex("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff]"), behavior="isolated"), byte_level])
@@ -250,19 +250,20 @@ def refusal(argv, capsys) -> str:
     return err.strip()
 
 
-EARLIER = ("error: --format gguf cannot express this model: its tokenizer is the kind model/tokenizer shipped until "
-           "2026-11-24, which splits off every newline and each CJK character before GPT-2's byte-level step; "
-           "llama.cpp implements no such pre-tokenizer, so in llama.cpp prompts would become other tokens than in "
-           "training. Train with a tokenizer whose pre-tokenizer llama.cpp implements (today's model/tokenizer: "
-           "Qwen2's; MiniMind's; a Qwen2/Qwen3 one), or run the --format qwen3 export (transformers, vLLM)")
+TOKENIZER_V1 = (
+    "error: --format gguf cannot express this model: its tokenizer is minisft's tokenizer version 1, which splits off "
+    "every newline and each CJK character before GPT-2's byte-level step; llama.cpp implements no such "
+    "pre-tokenizer, so in llama.cpp prompts would become other tokens than in training. Train with a tokenizer whose "
+    "pre-tokenizer llama.cpp implements (model/tokenizer, version 2: Qwen2's; MiniMind's; a Qwen2/Qwen3 one), or run "
+    "the --format qwen3 export (transformers, vLLM)")
 
 
-def test_the_earlier_shipped_tokenizer_is_refused_in_one_line_exit_2(tmp_path):
-    model_dir(tmp_path / "model", fixture_tokenizer(tmp_path / "tok", "earlier"), 0)
+def test_tokenizer_version_1_is_refused_by_name_in_one_line_exit_2(tmp_path):
+    model_dir(tmp_path / "model", fixture_tokenizer(tmp_path / "tok", "v1"), 0)
     done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(tmp_path / "model"), "--out_dir",
                            str(tmp_path / "out"), "--format", "gguf"], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
-    assert (done.returncode, done.stderr) == (2, EARLIER + "\n")
+    assert (done.returncode, done.stderr) == (2, TOKENIZER_V1 + "\n")
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
