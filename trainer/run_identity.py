@@ -16,8 +16,9 @@ The epoch's length grouping (`epoch_grouping`: `--group_by_length` and the globa
 on resume: the interrupted epoch is finished in the order the checkpoint's run used (the sampler pins
 it), later epochs use the new settings. No sample of the epoch is seen twice or never.
 
-Checkpoints written before this record existed hold `sample_stream["fixed"]`, a dict of the same facts
-in an older form; `legacy_fixed` gives this run's facts in that form, so they still resume.
+This record is version 2 (`RECORD_VERSION`). A version 1 record, `sample_stream["fixed"]` (no version
+key), holds the same facts in another form; `legacy_fixed` gives this run's facts in that form, so such
+checkpoints resume. A checkpoint without a `sample_stream` is compared by its flags.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class RunIdentity:
                    saved["tokens_version"])
 
     def legacy_fixed(self) -> dict:
-        """These facts as checkpoints from before this record stored them (`sample_stream["fixed"]`)."""
+        """These facts in the form of a version 1 record (`sample_stream["fixed"]`)."""
         many = len(self.sources) > 1
         digests = [[file.digest for file in source.files] for source in self.sources]
         if len(digests) == 1 and len(digests[0]) == 1:
@@ -109,7 +110,7 @@ def recorded(identity: RunIdentity, grouping: int | None) -> dict:
 
 
 def saved_epoch_grouping(saved: dict) -> int | None:
-    """The group size that ordered the checkpoint's epoch (derived from its flags for old checkpoints)."""
+    """The group size that ordered the checkpoint's epoch (derived from its flags where it records none)."""
     if "sample_stream" in saved:
         return saved["sample_stream"]["epoch_grouping"]
     flags = saved["args"]
@@ -186,8 +187,8 @@ def data_difference(before: tuple[SourceRecord, ...], now: tuple[SourceRecord, .
 
 
 def legacy_difference(before: dict | None, now: RunIdentity, flags: dict) -> tuple | None:
-    """`difference` for a checkpoint that stored the older `fixed` dict (or, older still, only its flags)."""
-    if before is None:  # a checkpoint from before sample streams were recorded: compare its flags
+    """`difference` for a checkpoint with a version 1 record (the `fixed` dict) or none (only its flags)."""
+    if before is None:  # a checkpoint without a sample-stream record: compare its flags
         before = {"--seed": flags.get("seed"), "--max_seq_len": flags.get("max_seq_len"),
                   "--packing": flags.get("packing", 0)}
     current = now.legacy_fixed()

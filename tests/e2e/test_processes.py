@@ -1,4 +1,4 @@
-"""Processes, devices, signals, flags and error handling (issues 11 and 12)."""
+"""Processes, devices, signals, flags and error handling."""
 
 import os
 import signal

@@ -1,5 +1,5 @@
 """The run's identity (trainer/run_identity.py): computed once from the data the run opened, kept in
-every checkpoint, compared on resume; a checkpoint written by an earlier main still resumes exactly."""
+every checkpoint, compared on resume; a checkpoint with a version 1 sample-stream record resumes exactly."""
 
 import dataclasses
 import os
@@ -144,16 +144,17 @@ def test_a_data_file_moved_after_start_still_gets_its_sigterm_checkpoint(tmp_pat
     assert os.listdir(save_dir / "checkpoints")
 
 
-# The losses main at af11f2e logged for steps 3 and 4 when it went on from that checkpoint itself.
+# The losses the code that wrote the checkpoint (commit af11f2e) logged for steps 3 and 4, going on from it.
 MAIN_LOSSES = {3: 8.742417335510254, 4: 8.689839363098145}
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_by_the_previous_main_resumes_bit_exactly(tmp_path):
-    """tests/trainer/checkpoint/data/main_af11f2e_step_00000002.pt was written by main at af11f2e (before
-    the run identity existed; OMP_NUM_THREADS=1) with the flags below on main_af11f2e_train.jsonl.
-    Resumed by today's code it logs the losses main logged, and where this CPU computes the first two
-    steps exactly as the one that wrote it, it ends on exactly the weights of an uninterrupted run.
+def test_a_checkpoint_with_a_version_1_stream_record_resumes_bit_exactly(tmp_path):
+    """tests/trainer/checkpoint/data/main_af11f2e_step_00000002.pt holds a version 1 sample-stream record
+    (the `fixed` dict); commit af11f2e wrote it (OMP_NUM_THREADS=1) with the flags below on
+    main_af11f2e_train.jsonl. Resumed by this code it logs the losses the writing code logged, and where
+    this CPU computes the first two steps exactly as the one that wrote it, it ends on exactly the
+    weights of an uninterrupted run.
     (Regenerate both files with those flags if the shipped tokenizer or the demo's first 40 rows change.)"""
     data = tmp_path / "train.jsonl"
     shutil.copy(DATA / "main_af11f2e_train.jsonl", data)

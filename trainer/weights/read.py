@@ -84,8 +84,8 @@ def read_weights(path: str) -> Weights:
 
 def model_dir_of(folder: str) -> str:
     """The HF model directory that the directory `folder` stands for: a training run's (checkpoints/ or
-    metrics.jsonl) inference weights `model/`, even beside model files at its top (which an export
-    into the run once left there); `folder/model` of a folder without config.json; else `folder`."""
+    metrics.jsonl) inference weights `model/`, even where model files lie at its top; `folder/model` of
+    a folder without config.json; else `folder`."""
     run_model = os.path.join(folder, "model")
     if os.path.isfile(os.path.join(run_model, "config.json")) and (
             any(os.path.exists(os.path.join(folder, name)) for name in ("checkpoints", "metrics.jsonl"))

@@ -80,7 +80,7 @@ def write_tokenizer(tokenizer, folder: str) -> None:
     """The tokenizer files, read the same by transformers 4.4x-4.5x and 5.x: transformers 5 names
     its class "TokenizersBackend", which 4.x does not have ("Tokenizer class TokenizersBackend does
     not exist"); both load "PreTrainedTokenizerFast" from tokenizer.json alike. The chat template is
-    also kept in tokenizer_config.json, where transformers before chat_template.jinja looks for it."""
+    also kept in tokenizer_config.json, where transformers versions without chat_template.jinja look for it."""
     tokenizer.save_pretrained(folder)
     config_file = os.path.join(folder, "tokenizer_config.json")
     config = read_json(config_file)
