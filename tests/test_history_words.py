@@ -3,9 +3,9 @@
 Scanned: the comments and docstrings of the code (`train_full_sft.py`, `trainer/`, `dataset/`,
 `model/`, `scripts/`) and the docs (`README.md`, `docs/*.md`). `CHANGELOG.md` is history by design
 and is not scanned; `docs/results.md`, the one table of dated measurements (date, machine, command,
-figure), may hold dates and commit references and nothing else of the history below. The code's other string literals (the
-messages a user reads) are checked for dates and issue numbers only: a message may say "no longer"
-or "used to" of the user's own files.
+figure), may hold dates and commit references and nothing else of the history below. The code's
+other string literals (the messages a user reads) are checked for dates and issue and commit
+references only: a message may say "no longer" or "used to" of the user's own files.
 
 What counts as history (HISTORY below), chosen so that a hit is almost always history and a
 sentence about the present almost never hits:
@@ -16,8 +16,8 @@ sentence about the present almost never hits:
   year, a day or "that day", "shipped until", "it / this / which replaced", "no longer",
   "previously", "formerly", "originally", "as of" a version or day, "today('s)", "is / are now",
   "now has / uses / renders / trains ..." (a change, unlike "stop now"), "2 now)", "an earlier /
-  the old version / code / tokenizer / data ...", "earlier shipped", "this wave / fix", "before / after this change",
-  "changes since", "one run in ten" (how often a bug struck before its fix).
+  the old version / code / tokenizer / data ...", "earlier shipped", "this wave / fix", "before /
+  after this change", "changes since", "one run in ten" (how often a bug struck before its fix).
 Words left out because they are mostly about the present: "now" alone, "earlier" alone (an earlier
 step, an earlier run of the build), "the old" alone (the old line of training), "before", "since".
 """
