@@ -196,8 +196,9 @@ def machine_description(device: torch.device) -> str:
 
 
 def follow_precision_policy(device: torch.device, dtype: torch.dtype) -> None:
-    """The trainer's matmul precision for a run in `dtype`: float32 is IEEE float32 (no TF32 on a
-    GPU); TF32 only beside bf16/fp16 autocast. The one place the benchmarks set it."""
+    """The trainer's matmul precision for a run in `dtype` (its policy: `--dtype float32` is IEEE
+    float32, no TF32 on a GPU; TF32 only beside bf16/fp16 autocast). The one place the benchmarks
+    set it: where trainer/runtime/precision.py offers the policy as a function, call that here."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = dtype != torch.float32
         torch.backends.cudnn.allow_tf32 = dtype != torch.float32
