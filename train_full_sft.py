@@ -30,13 +30,14 @@ EARLY_PREEMPTION = PreemptionFlag().install() if __name__ == "__main__" else Non
 
 import torch
 
-from trainer.args import names_a_user_path, parse_args
+from dataset.mixture import absolute_data_path
+from trainer.args import parse_args
 from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint, load_resume_checkpoint
 from trainer.checkpoint.save_dir import SaveDirLock, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir
 from trainer.data_setup import build_eval_sets, build_train_data
-from trainer.errors import USER_ERRORS, BuildInterrupted, CheckpointError, TrainingError
+from trainer.errors import USER_ERRORS, BuildInterrupted, CheckpointError, TrainingError, names_a_user_path
 from trainer.evaluation.evaluate import metric_names
-from trainer.evaluation.selection import check_selection
+from trainer.evaluation.selection import check_selection, flag_problems as selection_flag_problems
 from trainer.loop.loop import train
 from trainer.loop.state import Run, restore
 from trainer.model_setup import (
@@ -166,7 +167,8 @@ def run_training(args, preemption: PreemptionFlag) -> int:
 def main(argv=None) -> int:
     # First of all: SIGTERM / Ctrl-C from now until the process ends stop the run cleanly (exit 0).
     preemption = EARLY_PREEMPTION or PreemptionFlag().install()
-    args = parse_args(argv)
+    args = parse_args(argv, checks=(selection_flag_problems,))  # before the data is read: fails in a second
+    args.data_path = absolute_data_path(args.data_path)  # every source's path, weights kept
     if args.world_size > 1 and spawned_by_us():
         return spawn_local_workers(main, argv if argv is not None else sys.argv[1:], args.world_size)
     try:

@@ -1,8 +1,10 @@
-"""`python scripts/bench.py --prep`: data preparation per core, ours against MiniMind's per-sample way.
+"""Data preparation per core, ours against MiniMind's per-sample way.
+
+    python scripts/bench_prep.py --max_seq_len 1024
 
 Both sides start from the same jsonl lines (demo rows) and use the same tokenizer (the shipped
-``model/tokenizer`` unless ``--tokenizer_path``), in this one process, with the tokenizer's own
-threads off (``TOKENIZERS_PARALLELISM=false``): one core each.
+``model/tokenizer``), in this one process, with the tokenizer's own threads off
+(``TOKENIZERS_PARALLELISM=false``): one core each. Figures: docs/benchmarks.md.
 
 * ours: what a build worker does with a chunk of lines (``token_cache._encode_chunk``): parse,
   render through the chat template, every assistant turn's loss span, tokenize, loss mask, cut to
@@ -31,11 +33,17 @@ compared without those newlines.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts._common import REPO_DIR, ArgumentParser, fail  # noqa: E402
 
 PREP_SETS = ("plain", "tool")
 
@@ -225,3 +233,36 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
         for result in results)
     print(summary)
     return {"machine": machine, "prep": results, "summary": summary}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description="Rows per core of our data preparation (parse, template, loss spans, "
+                                        "tokenize) against MiniMind's per-sample preprocessing, on plain and on "
+                                        "tool/reasoning rows.", epilog="Figures: docs/benchmarks.md.")
+    parser.add_argument("--data_path", default=str(REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"),
+                        help="SFT jsonl file")
+    parser.add_argument("--max_seq_len", type=int, default=512)
+    parser.add_argument("--rows", dest="prep_rows", type=int, default=0,
+                        help="rows of each data set (plain, tool), each row once; 0 = all of the file's")
+    parser.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    options = parser.parse_args(argv)
+    if options.max_seq_len < 2 or options.prep_rows < 0:
+        parser.error("--max_seq_len must be >= 2 and --rows >= 0")
+    if not Path(options.data_path).is_file():
+        fail(f"{options.data_path}: data file not found")
+    import torch
+
+    from dataset import load_tokenizer
+    from scripts._bench_common import machine_description, write_report
+
+    write_report(options, run_prep(options, load_tokenizer(None), machine_description(torch.device("cpu"))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

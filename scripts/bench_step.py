@@ -1,44 +1,72 @@
-"""`python scripts/bench.py --step_compare`: the trainer's CPU optimizer step, variant against
-variant, in one process.
+"""The cost of the trainer's finite checks in its CPU optimizer step, variant against variant.
+
+    python scripts/bench_step.py --hidden_size 256 --num_hidden_layers 4 --max_seq_len 1024 --batch_size 16 --steps 20
 
 Every variant gets its own model and AdamW from the same seed and the same batches of the
-trainer's loader (the mode of --modes' first entry, default the trainer's length-grouped one); the
-timed steps alternate one step of each variant in turn, so that the machine's load hits all alike.
-A variant is the trainer's `optimizer_step` with these pieces:
+trainer's loader; one step of each variant runs in turn, so the machine's load hits all alike.
+The variants are the trainer's `optimizer_step` with these pieces:
 
-  before    the previous wave: the gradient norm's finite check only (one `bool()`), no check of
-            the weights after an update, the LM loss without a per-token buffer
-  now       the code this wave started from: after every applied update the weights' finite
-            check (`torch._foreach_norm(weights, inf)` over every parameter, read with the next
-            step's flag), the chunked LM loss filling a per-token buffer on every call
-  new       this code (`trainer/loop/loop.py`, `model/loss.py`): the weights' finite check after an
-            update from one `aminmax` per parameter, the per-token buffer only when asked for
+  before  the gradient norm's finite check only (one `bool()`), no check of the weights after an
+          update, the LM loss without a per-token buffer
+  now     after every applied update the weights' finite check as an inf-norm of every parameter
+          (`torch._foreach_norm(weights, inf)`, read with the next step's flag), and the chunked
+          LM loss filling a per-token buffer on every call
+  new     the trainer's code: the weights' check from one `aminmax` per parameter, the per-token
+          buffer only when asked for
 
-The figures: seconds per step of each variant (the median and the mean of its timed steps, the
-sum) and, step by step, its time over `before`'s on the same batch (the median and quartiles of
-those ratios: the batches differ in length, so only same-batch ratios compare); with --steps 20
-and --batch_size 16, 320 conversations per variant (the issue's figure). Then the finite-weights
-check alone, as it was and as it is, timed alternately. The final weights of the three must be
-equal (the checks and the buffer change no arithmetic of the update): printed.
+Figures (seconds per step, same-batch ratios to before's, the check alone) and how to read
+them: docs/benchmarks.md. The final weights of the three must be equal (the checks and the
+buffer change no arithmetic of the update): printed.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import model.modeling_minimind as modeling
-import trainer.loop.loop as loop
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import model.modeling_minimind as modeling  # noqa: E402
+import trainer.loop.loop as loop  # noqa: E402
+from dataset import load_tokenizer  # noqa: E402
+from scripts._bench_common import (  # noqa: E402
+    add_model_flags, add_run_flags, build_run, check_options, endless_batches, machine_description,
+    optimizer_step_once, single_process_context, trainer_args, write_report,
+)
+from scripts._common import ArgumentParser  # noqa: E402
+from trainer.data_setup import build_train_data  # noqa: E402
 
 VARIANTS = ("before", "now", "new")
+CHECK_CALLS = 50
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(description="Seconds per CPU optimizer step of the trainer with and without its "
+                                        "finite checks, one step of each variant in turn.",
+                            epilog="Variants: the module docstring; figures: docs/benchmarks.md.")
+    add_model_flags(parser)
+    add_run_flags(parser, dtypes="float32", device=False)
+    parser.add_argument("--mode", choices=("dynamic", "grouped", "packed"), default="grouped",
+                        help="the trainer's batching: dynamic padding, length-grouped (its default) or packed")
+    return parser
+
+
+def parse_options(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    options = check_options(parser, parser.parse_args(argv), positive=("steps",))
+    options.device = "cpu"  # the question is the CPU step's
+    return options
 
 
 def _chunked_with_buffer(real):
-    """The chunked LM loss as the wave started: the per-token values computed on every call."""
+    """The chunked LM loss filling its per-token values on every call."""
     def chunked(hidden, weight, targets, chunk_tokens, token_losses=False):
         total, per_token = real(hidden, weight, targets, chunk_tokens, token_losses=True)
         return (total, per_token) if token_losses else total
@@ -46,8 +74,8 @@ def _chunked_with_buffer(real):
 
 
 @torch.no_grad()
-def _weights_check_now(run) -> torch.Tensor:
-    """`non_finite_weights` as the wave started: an inf-norm of every parameter, on the device."""
+def _weights_check_inf_norm(run) -> torch.Tensor:
+    """`non_finite_weights` as an inf-norm of every parameter, on the device."""
     params = list(run.raw_model.parameters())
     return (~torch.isfinite(torch.stack(torch._foreach_norm(params, float("inf"))).max())).float()
 
@@ -75,7 +103,7 @@ def variant(name: str):
             loop.non_finite_weights = lambda run: None
             loop.read_step_flags = _read_step_flags_before
         elif name == "now":
-            loop.non_finite_weights = _weights_check_now
+            loop.non_finite_weights = _weights_check_inf_norm
             loop.read_step_flags = _read_step_flags_now
             modeling.chunked_lm_loss = _chunked_with_buffer(saved[2])
         yield
@@ -83,19 +111,17 @@ def variant(name: str):
         loop.non_finite_weights, loop.read_step_flags, modeling.chunked_lm_loss = saved
 
 
-def run_step_compare(options, tokenizer, machine: str, helpers) -> dict:
-    """Time the variants' steps alternately; print the table. `helpers`: scripts/bench.py's
-    (trainer_args, build_data, build_run, endless_batches, optimizer_step_once, single_process_context)."""
-    trainer_args, build_data, build_run, endless_batches, optimizer_step_once, context = helpers
-    ctx = context(torch.device("cpu"))
-    mode = options.modes[0] if options.modes[0] != "minimind" else "grouped"
-    dtype_name = options.dtypes[0]
+def run_step_compare(options, tokenizer, machine: str) -> dict:
+    """Time the variants' steps alternately; print the table."""
+    ctx = single_process_context(torch.device("cpu"))
+    mode, dtype_name = options.mode, options.dtypes[0]
     runs = {}
     for name in VARIANTS:
-        args = trainer_args(options, mode, dtype_name)
+        args = trainer_args(options, dtype_name, packing=mode == "packed", group_by_length=mode == "grouped")
         with contextlib.redirect_stdout(io.StringIO()):
-            data = build_data(args, tokenizer, ctx, mode)
-        runs[name] = (args, build_run(args, tokenizer, ctx, data, getattr(torch, dtype_name), mode), endless_batches(data))
+            data = build_train_data(args, tokenizer, ctx)
+        runs[name] = (args, build_run(args, tokenizer, ctx, data, getattr(torch, dtype_name), options.vocab_size),
+                      endless_batches(data))
     seconds = {name: [] for name in VARIANTS}
     for step in range(options.warmup_steps + options.steps):
         for name in VARIANTS:
@@ -119,15 +145,15 @@ def run_step_compare(options, tokenizer, machine: str, helpers) -> dict:
           "weights equal to before's")
     results = []
     for name in VARIANTS:
-        ratios = sorted(a / b for a, b in zip(seconds[name], seconds["before"]))  # the same batch, one after the other
+        ratios = sorted(a / b for a, b in zip(seconds[name], seconds["before"]))  # the same batch, in turn
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         result = {"variant": name, "median_s": statistics.median(seconds[name]), "mean_s": statistics.fmean(seconds[name]),
                   "total_s": sum(seconds[name]), "ratio_median": statistics.median(ratios),
                   "ratio_quartiles": [quartiles[0], quartiles[2]], "same_weights": same[name], "seconds": seconds[name]}
         results.append(result)
         spread = f"{result['ratio_median']:.3f} ({quartiles[0]:.3f}-{quartiles[2]:.3f})"
-        print(f"{name:<8} {result['median_s']:>13.3f} {result['mean_s']:>11.3f} {result['total_s']:>8.1f} {spread:>24}  "
-              f"{same[name]}")
+        print(f"{name:<8} {result['median_s']:>13.3f} {result['mean_s']:>11.3f} {result['total_s']:>8.1f} "
+              f"{spread:>24}  {same[name]}")
     print(f"finite-weights check alone, per call (alternately, {CHECK_CALLS} calls each): now "
           f"{checks['now_ms']:.2f} ms, new {checks['new_ms']:.2f} ms; a median step {results[0]['median_s'] * 1000:.0f} ms")
     summary = (f"summary: {conversations} conversations: before {results[0]['total_s']:.1f} s, now "
@@ -138,15 +164,23 @@ def run_step_compare(options, tokenizer, machine: str, helpers) -> dict:
     return {"machine": machine, "step_compare": results, "checks": checks, "summary": summary}
 
 
-CHECK_CALLS = 50
-
-
 def _time_checks(run) -> dict:
-    """Milliseconds per call of the finite-weights check as the wave started and as now, alternately."""
+    """Milliseconds per call of the finite-weights check, as an inf-norm (now) and the trainer's (new), alternately."""
     totals = {"now": 0.0, "new": 0.0}
     for _ in range(CHECK_CALLS):
-        for name, check in (("now", _weights_check_now), ("new", loop.non_finite_weights)):
+        for name, check in (("now", _weights_check_inf_norm), ("new", loop.non_finite_weights)):
             start = time.perf_counter()
             float(check(run))
             totals[name] += time.perf_counter() - start
     return {f"{name}_ms": 1000 * seconds / CHECK_CALLS for name, seconds in totals.items()}
+
+
+def main(argv=None) -> int:
+    options = parse_options(argv)
+    report = run_step_compare(options, load_tokenizer(None), machine_description(torch.device("cpu")))
+    write_report(options, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

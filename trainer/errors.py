@@ -1,12 +1,17 @@
 """Every problem a user can fix (flags, data, paths, checkpoints, the launch, a full disk named by
-path), one class each, and the one helper that turns a library's exception into one line.
+path), one class each, the one helper that turns a library's exception into one line, and which
+OSErrors name a path the user gave.
 
 `train_full_sft.py` reports a `USER_ERRORS` exception as `error: <message>` and exits with 2 (a
 `TrainingError` with 1); anything else is a bug in our code and keeps its traceback. Each message
 is a single line that names the file, flag or setting at fault and, where there is one, what to do.
 """
 
+import argparse
+import os
+
 from dataset import BuildInterrupted, DataError, WorkerDied  # noqa: F401 - re-exported: the data's own errors
+from dataset.mixture import split_weight
 
 
 class CheckpointError(ValueError):
@@ -44,3 +49,25 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     """The first non-empty line of `error`'s message (at most `limit` characters), else its type."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return lines[0][:limit] if lines else type(error).__name__
+
+
+PATH_FLAGS = ("data_path", "eval_data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir", "from_weight")
+
+
+def names_a_user_path(error: OSError, args: argparse.Namespace) -> bool:
+    """Whether `error` is about a path the user named (or one inside a folder the user named):
+    then it is the user's to fix (permissions, a full disk, a file where a folder belongs).
+    Other OSErrors are bugs of ours and keep their traceback."""
+    if not error.filename or not isinstance(error.filename, (str, bytes, os.PathLike)):
+        return False
+    path = os.path.abspath(os.fsdecode(error.filename))
+    for name in PATH_FLAGS:
+        for given in str(getattr(args, name, None) or "").split(","):
+            given = split_weight(given)[0] if name == "data_path" else given
+            if given and given != "none":
+                given = os.path.abspath(given)
+                if name in ("data_path", "eval_data_path") and not args.cache_dir:
+                    given = os.path.dirname(given)  # the token cache is written next to the data by default
+                if path == given or path.startswith(given.rstrip(os.sep) + os.sep) or given.startswith(path + os.sep):
+                    return True
+    return False

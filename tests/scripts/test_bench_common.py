@@ -1,0 +1,62 @@
+"""scripts/_bench_common.py: the device timer (CUDA events on a GPU) and the precision policy."""
+
+import pytest
+import torch
+
+from scripts._bench_common import DeviceTimer, follow_precision_policy
+
+
+class FakeEvent:
+    """torch.cuda.Event's timing surface, recording what the timer does with it."""
+
+    log = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.name = f"event{len([entry for entry in self.log if entry[0] == 'new'])}"
+        self.log.append(("new", self.name))
+
+    def record(self, stream=None):
+        self.log.append(("record", self.name))
+
+    def synchronize(self):
+        self.log.append(("synchronize", self.name))
+
+    def elapsed_time(self, end):
+        self.log.append(("elapsed_time", self.name, end.name))
+        return 1250.0  # milliseconds
+
+
+def test_on_cuda_the_timer_reads_two_cuda_events_not_the_host_clock(monkeypatch):
+    FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr("time.perf_counter", lambda: pytest.fail("host clock read on CUDA"))
+    timer = DeviceTimer(torch.device("cuda", 0))
+    timer.start()
+    assert timer.stop() == 1.25
+    assert FakeEvent.log == [("new", "event0"), ("record", "event0"), ("new", "event1"), ("record", "event1"),
+                             ("synchronize", "event1"), ("elapsed_time", "event0", "event1")]
+
+
+def test_on_cpu_the_timer_reads_the_host_clock(monkeypatch):
+    clock = iter([10.0, 12.5])
+    monkeypatch.setattr("time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kwargs: pytest.fail("CUDA event on CPU"))
+    timer = DeviceTimer(torch.device("cpu"))
+    timer.start()
+    assert timer.stop() == 2.5
+
+
+def test_float32_runs_without_tf32_and_autocast_runs_may_use_it():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        follow_precision_policy(torch.device("cuda", 0), torch.float32)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, False)
+        follow_precision_policy(torch.device("cuda", 0), torch.bfloat16)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        follow_precision_policy(torch.device("cpu"), torch.bfloat16)  # a CPU run leaves the GPU settings alone
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -1,0 +1,85 @@
+"""trainer/args.py: every numeric flag declares its range beside it, a bad flag stops the start with
+one line (not the usage first), and the flags module depends on no data or evaluation code."""
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.args import FlagParser, add_flag, build_parser, parse_args, range_problems
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_flag_out_of_its_range_is_one_line_without_the_usage(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--learning_rate", "0", "--batch_size", "0"])
+    assert stopped.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err == "error: --batch_size must be >= 1 (got 0); --learning_rate must be > 0 (got 0.0)\n"
+    assert captured.out == ""
+
+
+def test_a_flag_argparse_refuses_is_one_line_too(capsys):
+    for argv, message in ((["--fsdp", "2"], "error: argument --fsdp: invalid choice: 2 (choose from 0, 1)\n"),
+                          (["--batch_size", "x"], "error: argument --batch_size: invalid int value: 'x'\n"),
+                          (["--no_such_flag"], "error: unrecognized arguments: --no_such_flag\n")):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(argv)
+        assert stopped.value.code == 2 and capsys.readouterr().err == message
+
+
+def test_the_range_is_declared_with_the_flag():
+    parser = FlagParser()
+    add_flag(parser, "--ratio", type=float, default=0.5, at_least=0, at_most=1)
+    add_flag(parser, "--eps", type=float, default=1e-6, above=0)
+    add_flag(parser, "--steps", type=int, default=None, at_least=0)
+    parser.add_argument("--name", default="x")
+
+    def problems(*argv):
+        return range_problems(parser, parser.parse_args(list(argv)))
+
+    assert problems() == []  # --steps unset: not checked
+    assert problems("--ratio", "1", "--eps", "1e-9", "--steps", "0") == []
+    assert problems("--ratio", "1.5") == ["--ratio must be <= 1 (got 1.5)"]
+    assert problems("--ratio", "-0.5", "--eps", "0", "--steps", "-1") == [
+        "--ratio must be >= 0 (got -0.5)", "--eps must be > 0 (got 0.0)", "--steps must be >= 0 (got -1)"]
+    assert problems("--ratio", "nan", "--eps=-inf") == [
+        "--ratio must be a finite number (got nan)", "--eps must be a finite number (got -inf)"]
+
+
+def test_other_modules_checks_join_the_same_line(capsys):
+    def owned(args):
+        return [f"--keep_best {args.keep_best}: refused by its owner"] if args.keep_best else []
+
+    assert parse_args(["--keep_best", "x"], checks=()).keep_best == "x"
+    with pytest.raises(SystemExit):
+        parse_args(["--keep_best", "x", "--epochs", "0"], checks=(owned,))
+    assert capsys.readouterr().err == "error: --epochs must be >= 1 (got 0); --keep_best x: refused by its owner\n"
+
+
+def test_every_numeric_flag_of_the_trainer_declares_a_range():
+    numeric = [action for action in build_parser()._actions if action.type in (int, float) and not action.choices]
+    assert len(numeric) == 34
+    assert [action.dest for action in numeric if getattr(action, "bounds", None) is None] == []
+    assert build_parser()._option_string_actions["--seed"].bounds.at_most == 2**32 - 1
+
+
+def test_the_flags_import_no_data_evaluation_or_torch_code():
+    loaded = subprocess.run([sys.executable, "-c", "import sys, trainer.args; print(sorted(sys.modules))"],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout
+    modules = eval(loaded)  # noqa: S307 - our own subprocess's printed list
+    assert [name for name in modules if name.split(".")[0] in ("dataset", "model", "torch")
+            or name.startswith("trainer.evaluation")] == []
+    assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+def test_the_flags_doc_shows_each_range():
+    from trainer.args import flags_markdown
+
+    text = flags_markdown()
+    assert "| `--seed` | `42` | base seed; each rank uses seed + rank (range: 0 to 4294967295) |" in text
+    assert "| `--learning_rate` | `0.0005` | peak LR of the cosine schedule (range: > 0) |" in text
+    assert "| `--batch_size` | `16` | samples per process per micro-step (range: >= 1) |" in text
