@@ -50,6 +50,7 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
     import shutil
 
     import pytest
+    import torch
 
     from dataset import load_tokenizer
     from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
@@ -75,7 +76,11 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
                                           "saved with the weights"):
         tokenizer_of(["--from_weight", str(run / "model"), "--tokenizer_path", str(DEFAULT_TOKENIZER_DIR)])
 
-    # The recorded tokenizer is gone: one line, exit 2, before any data is read; --tokenizer_path stands in for it.
+    # A checkpoint without a copy of its tokenizer whose recorded one is gone: one line, exit 2, before any
+    # data is read; --tokenizer_path stands in for it, checked by the fingerprint the checkpoint recorded.
+    state = torch.load(step_1, weights_only=True)
+    del state["tokenizer"]
+    torch.save(state, step_1)
     shutil.move(str(tok), str(tmp_path / "moved"))
     gone = run_trainer(flags(data, tmp_path / "next", "--max_steps", "1", "--cache_dir", str(tmp_path / "cache"),
                              *base), check=False)
@@ -84,5 +89,6 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
         "DIR (that tokenizer or a copy of it)"]
     assert not os.path.exists(tmp_path / "cache")
     tokenizer, path, messages = tokenizer_of([*base, "--tokenizer_path", str(tmp_path / "moved")])
-    assert path == str(tmp_path / "moved") and messages[-2].startswith(f"warning: the tokenizer recorded by resume "
-                                                                        f"checkpoint {step_1} ({tok}) is gone")
+    assert path == str(tmp_path / "moved") and messages[-2] == (
+        f"note: the tokenizer recorded by the resume checkpoint's run ({tok}) is not at hand: --tokenizer_path "
+        f"{tmp_path / 'moved'} has the fingerprint it recorded")
