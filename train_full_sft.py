@@ -97,7 +97,7 @@ def choose_resume_checkpoint(args, log) -> tuple[str | None, dict | None]:
     found = find_resume_checkpoint(args.save_dir, log=log) if args.from_resume else None
     if found:
         return found
-    claim_for_fresh_run(args.save_dir, args.overwrite, log)
+    claim_for_fresh_run(args.save_dir, args.overwrite, log, resuming=bool(args.from_resume))
     if args.from_resume:
         log(f"--from_resume 1: no resume checkpoint in {args.save_dir}, starting from scratch")
     return None, None
