@@ -69,7 +69,7 @@ def choose_tokenizer(args) -> tuple[object, str, list[str]]:
     else:
         tokenizer = load_own(own, args.from_weight)
     origin = "--tokenizer_path" if args.tokenizer_path else (own.how if own else "the shipped one")
-    path = args.tokenizer_path or (own.name() if own else "model/tokenizer")
+    path = args.tokenizer_path or (own.where() if own else "model/tokenizer")
     name = f"{path} ({origin}, {len(tokenizer)} tokens)"
     notes = []
     whose = ("saved with --from_weight's weights" if own and own.how == "saved with the weights"

@@ -41,6 +41,9 @@ class OwnTokenizer:
     def name(self) -> str:
         return self.directory or SHIPPED
 
+    def where(self) -> str:
+        return f"the checkpoint's copy of {self.name()}" if self.files else self.name()
+
 
 def checkpoint_record(tokenizer) -> dict:
     """The `tokenizer` entry of a resume checkpoint: the run's tokenizer files and their fingerprint."""

@@ -16,6 +16,7 @@ from trainer.weights.inference import load_tokenizer_for_model
 def test_a_checkpoint_keeps_its_runs_tokenizer_and_every_entry_point_loads_it(data, tmp_path):
     gguf = pytest.importorskip("gguf")
     from scripts.export_hf import main as export_main
+    from scripts.inspect_data import build_parser, choose_tokenizer
 
     tok = custom_tokenizer(tmp_path / "tok")  # the shipped vocabulary with another chat template
     run = tmp_path / "run"
@@ -32,6 +33,9 @@ def test_a_checkpoint_keeps_its_runs_tokenizer_and_every_entry_point_loads_it(da
     assert tokenizer_fingerprint(load_tokenizer_for_model(default)) == theirs  # chat, eval, export
     tokenizer, path, _ = tokenizer_of(["--from_weight", str(default), "--save_dir", str(tmp_path / "next")])
     assert tokenizer_fingerprint(tokenizer) == theirs and path is None
+    inspected, name, _ = choose_tokenizer(build_parser().parse_args(["--from_weight", str(default)]))
+    assert tokenizer_fingerprint(inspected) == theirs  # inspect_data.py --from_weight: what training takes
+    assert name == f"the checkpoint's copy of the shipped model/tokenizer (recorded by the resume checkpoint's run, {len(inspected)} tokens)"
     assert export_main(["--model_path", str(default), "--out_dir", str(tmp_path / "gguf"), "--format", "gguf"]) == 0
     reader = gguf.GGUFReader(str(tmp_path / "gguf" / "model-f16.gguf"))
     assert reader.fields["tokenizer.chat_template"].contents() == load_tokenizer(tok).chat_template
