@@ -2,6 +2,8 @@
 model config (from the weights, else from the flags), the model, its optimizer, torch.compile.
 (The DDP / FSDP wrapper is trainer/parallel/, the dtype and loss scaling trainer/runtime/precision.py.)"""
 
+import os
+
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
@@ -64,7 +66,25 @@ def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniM
     reason = minimind_unsupported(config) if getattr(args, "save_weight", None) else None
     if reason:
         raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")
+    check_position_tables(args, config)
     return config
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_position_tables(args, config: MiniMindConfig) -> None:
+    """The model's RoPE tables cover max_position_embeddings (at least --max_seq_len) positions in fp32
+    and are computed in host memory, at about four tables' size at the peak (and once per process of a
+    node): a --max_seq_len that needs more than a quarter of it is refused in one line, before the data
+    is tokenized and before a config that would make chat and export allocate them again is written."""
+    peak = 4 * config.max_position_embeddings * config.head_dim * 4
+    memory = host_memory_bytes()
+    if peak > memory // 4:
+        raise ConfigError(f"--max_seq_len {args.max_seq_len}: the RoPE tables for {config.max_position_embeddings} "
+                          f"positions need {peak / 2**30:.1f} GiB, more than a quarter of this machine's "
+                          f"{memory / 2**30:.1f} GiB; --max_seq_len is the longest sample in tokens (default 512)")
 
 
 def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:

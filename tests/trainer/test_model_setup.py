@@ -92,3 +92,27 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
     assert path == str(tmp_path / "moved") and messages[-2] == (
         f"note: the tokenizer recorded by the resume checkpoint's run ({tok}) is not at hand: --tokenizer_path "
         f"{tmp_path / 'moved'} has the fingerprint it recorded")
+
+
+def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_one_line_before_tokenizing(data, tmp_path, monkeypatch):
+    import pytest
+
+    import trainer.model_setup as model_setup
+    from dataset import load_tokenizer
+    from trainer.args import parse_args
+    from trainer.errors import ConfigError
+
+    monkeypatch.setattr(model_setup, "host_memory_bytes", lambda: 16 << 30)
+    tokenizer = load_tokenizer(None)
+    config = model_setup.build_model_config(parse_args(["--max_seq_len", "1000000"]), tokenizer)
+    assert config.max_position_embeddings == 1000000 and config.head_dim == 96  # 1.4 GiB: accepted
+    with pytest.raises(ConfigError) as refused:
+        model_setup.build_model_config(parse_args(["--max_seq_len", "10000000"]), tokenizer)
+    assert str(refused.value) == ("--max_seq_len 10000000: the RoPE tables for 10000000 positions need 14.3 GiB, more "
+                                  "than a quarter of this machine's 16.0 GiB; --max_seq_len is the longest sample in "
+                                  "tokens (default 512)")
+    far = run_trainer(flags(data, tmp_path / "run", "--max_seq_len", str(10**12), "--cache_dir", str(tmp_path / "cache")),
+                      check=False)
+    assert far.returncode == 2 and far.stderr.strip().splitlines()[-1].startswith(f"error: --max_seq_len {10**12}: ")
+    assert "Traceback" not in far.stderr and not os.path.exists(tmp_path / "cache")
+    assert not os.path.exists(tmp_path / "run" / "model")
