@@ -63,7 +63,11 @@ def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
 def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniMindConfig:
     """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them."""
     config = _model_config(args, tokenizer, weights)
-    reason = minimind_unsupported(config) if getattr(args, "save_weight", None) else None
+    prefix = getattr(args, "save_weight", None)
+    if prefix and (os.path.basename(prefix) != prefix or prefix in (".", "..")):
+        raise ConfigError(f"--save_weight {prefix}: a name for the .pth file inside --save_dir (e.g. full_sft), "
+                          "not a path")
+    reason = minimind_unsupported(config) if prefix else None
     if reason:
         raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")
     check_position_tables(args, config)

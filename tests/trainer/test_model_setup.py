@@ -116,3 +116,28 @@ def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_one_line_before_tokenizin
     assert far.returncode == 2 and far.stderr.strip().splitlines()[-1].startswith(f"error: --max_seq_len {10**12}: ")
     assert "Traceback" not in far.stderr and not os.path.exists(tmp_path / "cache")
     assert not os.path.exists(tmp_path / "run" / "model")
+
+
+def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(data, tmp_path):
+    """--warmup_steps beyond the run, --fsdp 1 and --backend in one process are warned; a resume with nothing
+    left says so; the last line names model/ and the next command; --dtype float16 on a CPU and a
+    --save_weight path are refused before the data is read."""
+    run = tmp_path / "run"
+    first = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--fsdp", "1", "--backend", "gloo"))
+    lines = first.stdout.splitlines()
+    assert "warning: --fsdp 1 in one process: there is nothing to shard over, the model trains unsharded (start " \
+           "several processes with torchrun or --world_size N to shard it)" in lines
+    assert "warning: --backend gloo in one process: no process group is created, so it is not used" in lines
+    assert ("warning: --warmup_steps 10 is longer than the run's 2 optimizer steps: the learning rate ends at 0.0006, "
+            "below --learning_rate 0.003") in lines
+    assert lines[-1] == f"done: the model is in {run / 'model'}; talk to it with: python scripts/chat.py --model_path {run}"
+    again = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--from_resume", "1"))
+    assert ("nothing left to train: the checkpoint is at step 2 and the run ends at step 2 (--epochs 1, --max_steps 2); "
+            "raise --epochs or --max_steps to train further") in again.stdout.splitlines()
+    for extra, message in ((["--dtype", "float16"], "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"),
+                           (["--save_weight", "../x"], "error: --save_weight ../x: a name for the .pth file inside "
+                                                       "--save_dir (e.g. full_sft), not a path")):
+        refused = run_trainer([*flags(data, tmp_path / "other", "--cache_dir", str(tmp_path / "cache")), *extra],
+                              check=False)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [message]
+        assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "x_32.pth")

@@ -50,6 +50,13 @@ def test_a_checkpoint_keeps_its_runs_tokenizer_and_every_entry_point_loads_it(da
         "tokenizer recorded by the resume checkpoint's run (the shipped model/tokenizer); leave --tokenizer_path "
         "out to use that one")
 
+    # chat / eval / export of the run's model/ with a tokenizer of another chat template: refused as the trainer does
+    with pytest.raises(ModelLoadError) as refused:
+        load_tokenizer_for_model(run / "model", DEFAULT_TOKENIZER_DIR)
+    assert str(refused.value) == (
+        f"--tokenizer_path {DEFAULT_TOKENIZER_DIR} has another chat template or other special tokens than the "
+        f"tokenizer saved with the weights ({run / 'model'}); leave --tokenizer_path out to use that one")
+
     # A checkpoint without the copy: the directory it recorded is checked against the fingerprint it recorded.
     del state["tokenizer"]
     older = tmp_path / "older.pt"
