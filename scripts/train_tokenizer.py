@@ -17,7 +17,7 @@ about 0.2). One token per Chinese character keeps question, call and answer in t
 
 Usage: python scripts/train_tokenizer.py --out-dir NEW_DIR [--data dataset/demo/sft_train.jsonl ...]
        [--vocab-size 6400]
-(``--out-dir`` must be new or empty: a tokenizer is never replaced in place, the shipped one included.)
+(``--out-dir`` must be new or empty: a tokenizer is never overwritten in place, the shipped one included.)
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out_dir = Path(args.out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        fail(f"--out-dir {out_dir} exists and is not empty (a tokenizer there would be replaced): choose a new "
+        fail(f"--out-dir {out_dir} exists and is not empty (a tokenizer there would be overwritten): choose a new "
              "directory, or delete that one first to replace it")
     tokenizer = train_and_save([Path(p) for p in args.data], out_dir, args.vocab_size)
     print(f"saved tokenizer with {len(tokenizer)} tokens to {args.out_dir}")

@@ -128,7 +128,7 @@ def test_train_tokenizer_needs_a_new_out_dir_and_names_a_bad_row_in_one_line(tmp
     before = (shipped / "tokenizer.json").read_bytes()
     cases = (([], "error: the following arguments are required: --out-dir (see train_tokenizer.py --help)"),
              (["--out-dir", str(shipped)], f"error: --out-dir {shipped} exists and is not empty (a tokenizer there "
-                                           "would be replaced): choose a new directory, or delete that one first to "
+                                           "would be overwritten): choose a new directory, or delete that one first to "
                                            "replace it"),
              (["--data", str(data), "--out-dir", str(tmp_path / "new")],
               f"error: {data}:2: 'conversations' must be a list, got int"))

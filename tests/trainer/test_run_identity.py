@@ -146,7 +146,7 @@ def test_a_data_file_moved_after_start_still_gets_its_sigterm_checkpoint(tmp_pat
 def test_a_checkpoint_written_before_the_run_identity_is_refused_naming_the_tokenizing_code(tmp_path):
     """tests/trainer/checkpoint/data/main_af11f2e_step_00000002.pt was written by main at af11f2e, before the run
     identity and the tokenizing code's version were recorded: its tokenizing code is version 1, and a resume by
-    code of another version (whose sample stream may differ: think blocks, rows now bad) is refused in one line."""
+    code of another version (whose sample stream may differ: think blocks, rows that are bad by its rules) is refused in one line."""
     data = tmp_path / "train.jsonl"
     shutil.copy(DATA / "main_af11f2e_train.jsonl", data)
     saved = torch.load(DATA / "main_af11f2e_step_00000002.pt", weights_only=True)

@@ -26,7 +26,7 @@ def test_a_checkpoint_keeps_its_runs_tokenizer_and_every_entry_point_loads_it(da
     state = torch.load(checkpoint_at(run, 1), weights_only=True)
     assert state["tokenizer"]["fingerprint"] == theirs
     # As a run on the default path sees it after model/tokenizer has changed: the recorded directory (None,
-    # the shipped one) now holds another tokenizer than the run trained with.
+    # the shipped one) holds another tokenizer than the run trained with.
     state["args"]["tokenizer_path"] = None
     default = tmp_path / "default.pt"
     torch.save(state, default)
