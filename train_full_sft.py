@@ -98,7 +98,7 @@ def choose_resume_checkpoint(args, log) -> tuple[str | None, dict | None]:
     found = find_resume_checkpoint(args.save_dir, log=log) if args.from_resume else None
     if found:
         return found
-    claim_for_fresh_run(args.save_dir, args.overwrite, log)
+    claim_for_fresh_run(args.save_dir, args.overwrite, log, resuming=bool(args.from_resume))
     if args.from_resume:
         log(f"--from_resume 1: no resume checkpoint in {args.save_dir}, starting from scratch")
     return None, None
@@ -114,6 +114,8 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
     # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
     log = print if ctx.is_main else (lambda message: None)
+    warn_single_process_flags(args, ctx, log)
+    dtype = resolve_dtype(args.dtype, ctx.device, log)  # --dtype float16 on a CPU: refused before any data is read
     weights = read_initial_weights(args, log)
     tokenizer, tokenizer_path = load_tokenizer_for_weights(args, weights, log)
     config = build_model_config(args, tokenizer, weights)
@@ -130,7 +132,6 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     # 5. Model, its DDP (or --fsdp 1: FSDP2) wrapper, optimizer and mixed precision, resume state.
     model = build_model(args, config, ctx.device, weights if saved is None else None)  # a resume loads its own
     del weights
-    dtype = resolve_dtype(args.dtype, ctx.device, log)
     parallel = build_parallelism(args, ctx, dtype)
     wrapped = parallel.wrap(model)  # DDP around the model, or the model itself sharded in place
     optimizer = build_optimizer(model, args, ctx.device)
@@ -159,9 +160,24 @@ def run_training(args, preemption: PreemptionFlag) -> int:
         save_dir_lock.release()
     if status == "preempted":
         log(f"stopped after {preemption.reason or 'a stop signal on another rank'}; continue with --from_resume 1")
-    elif status == "early_stopped":
-        log(f"stopped early: no improvement of {args.keep_best} in {args.early_stop_patience} evaluations")
+    else:
+        if status == "early_stopped":
+            log(f"stopped early: no improvement of {args.keep_best} in {args.early_stop_patience} evaluations")
+        best = f" (the best evaluation's in {os.path.join(args.save_dir, 'best')})" if args.keep_best else ""
+        log(f"done: the model is in {os.path.join(args.save_dir, 'model')}{best}; talk to it with: python "
+            f"scripts/chat.py --model_path {args.save_dir}")
     return 0
+
+
+def warn_single_process_flags(args, ctx, log) -> None:
+    """Flags that only mean something with several processes, given to one: said, not ignored silently."""
+    if ctx.world_size > 1:
+        return
+    if args.fsdp:
+        log("warning: --fsdp 1 in one process: there is nothing to shard over, the model trains unsharded "
+            "(start several processes with torchrun or --world_size N to shard it)")
+    if args.backend != "auto":
+        log(f"warning: --backend {args.backend} in one process: no process group is created, so it is not used")
 
 
 def main(argv=None) -> int:

@@ -84,7 +84,8 @@ def lookup_country(country: str, field: str) -> dict:
 
 
 def calculate(a, op: str, b) -> dict:
-    """The tool: ``{"result": number}`` for ``a op b`` (op one of + - * /), or an error.
+    """The tool: ``{"result": number}`` for ``a op b`` (op one of + - * /), or an error (also for a
+    result too large for JSON).
 
     Numbers travel as JSON numbers everywhere (arguments, lookup values, results), so a number
     keeps its tokens, with its leading space, from the question to the call, from a result to
@@ -92,11 +93,20 @@ def calculate(a, op: str, b) -> dict:
     for name, value in (("a", a), ("b", b)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return {"error": f"{name} must be a number, got {value!r}"}
+        if isinstance(value, float) and (value != value or abs(value) == float("inf")):
+            return {"error": f"{name} must be a finite number, got {value!r}"}
     if op not in OPERATORS:
         return {"error": f"unknown op {op!r}; use one of {' '.join(OPERATORS)}"}
     if op == "/" and b == 0:
         return {"error": "division by zero"}
-    result = OPERATORS[op](a, b)
+    try:
+        result = OPERATORS[op](a, b)
+    except OverflowError:  # an int too large for a float, mixed with one or divided
+        return {"error": "the result is too large"}
+    # JSON has no infinity, and Python writes no integer of more than 4300 digits
+    too_large = abs(result) == float("inf") if isinstance(result, float) else result.bit_length() > 13_000
+    if too_large:
+        return {"error": "the result is too large"}
     if isinstance(result, float):
         result = int(result) if result.is_integer() else round(result, 6)
     return {"result": result}

@@ -5,7 +5,8 @@ the rows dropped by truncation and why, what looks wrong, and pictures of a few 
 
 ``--data_path``, ``--tokenizer_path``, ``--max_seq_len`` and ``--from_weight`` mean what they mean
 to the trainer (a mixture ``a.jsonl:3,shards/`` too; the tokenizer is ``--tokenizer_path``, else the
-one saved with the ``--from_weight`` weights, else the shipped one). Each conversation is rendered,
+``--from_weight`` weights' own, a resume checkpoint's copy of its run's tokenizer included, else the
+shipped one). Each conversation is rendered,
 tokenized and masked exactly as the token cache does it, and every token is attributed to the
 segment that produced it (system, tools block, user, tool result, think block, reply, tool call,
 end-of-turn, template: ``dataset/segments.py``). Prints a report per source (``dataset/data_report.py``);
@@ -49,51 +50,42 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def weights_tokenizer_dir(path: str) -> str | None:
-    """The tokenizer directory the trainer takes from ``--from_weight path`` (``Weights.tokenizer_dir``
-    of ``trainer.weights.read.read_weights``), found without reading the tensors."""
-    from trainer.weights.read import TOKENIZER_FILES
-
-    weights = Path(path)
-    if not weights.exists():
-        fail(f"--from_weight {path}: not found (give the weights' path)")
-    if weights.is_dir() and weights.suffix == ".dcp":
-        return None  # a sharded resume checkpoint: no tokenizer with it
-    if weights.is_dir():
-        if not (weights / "config.json").is_file() and (weights / "model" / "config.json").is_file():
-            weights = weights / "model"  # a run directory: its inference weights
-        folder = weights
-    elif weights.suffix == ".safetensors" and (weights.parent / "config.json").is_file():
-        folder = weights.parent
-    else:
-        return None  # a .pth / .pt state dict or resume checkpoint
-    return str(folder) if any((folder / name).is_file() for name in TOKENIZER_FILES) else None
-
-
 def choose_tokenizer(args) -> tuple[object, str, list[str]]:
-    """(tokenizer, where it came from, lines about --from_weight's tokenizer)."""
+    """(tokenizer, where it came from, lines about --from_weight's tokenizer): the trainer's choice
+    (trainer/weights/tokenizer.py), except that a --tokenizer_path other than the weights' own is shown
+    with what differs instead of refused."""
     from dataset.data_report import tokenizer_differences
     from dataset.rendering import load_tokenizer
+    from trainer.weights.inference import own_tokenizer_at
+    from trainer.weights.tokenizer import load_own
 
-    own = weights_tokenizer_dir(args.from_weight) if args.from_weight else None
-    path = args.tokenizer_path or own
-    tokenizer = load_tokenizer(path)
-    origin = "--tokenizer_path" if args.tokenizer_path else ("saved with the weights" if own else "the shipped one")
-    name = f"{path or 'model/tokenizer'} ({origin}, {len(tokenizer)} tokens)"
+    own = None
+    if args.from_weight:
+        if not Path(args.from_weight).exists():
+            fail(f"--from_weight {args.from_weight}: not found (give the weights' path)")
+        own = own_tokenizer_at(args.from_weight)
+    if args.tokenizer_path or own is None:
+        tokenizer = load_tokenizer(args.tokenizer_path)
+    else:
+        tokenizer = load_own(own, args.from_weight)
+    origin = "--tokenizer_path" if args.tokenizer_path else (own.how if own else "the shipped one")
+    path = args.tokenizer_path or (own.where() if own else "model/tokenizer")
+    name = f"{path} ({origin}, {len(tokenizer)} tokens)"
     notes = []
+    whose = ("saved with --from_weight's weights" if own and own.how == "saved with the weights"
+             else "--from_weight's run recorded")
     if args.from_weight and own is None:
         notes.append(f"note: --from_weight {args.from_weight} has no tokenizer saved with it; training uses "
                      f"{'--tokenizer_path' if args.tokenizer_path else 'the shipped one'}: make sure the weights "
                      "were trained with it")
     elif own and args.tokenizer_path:
-        differences = tokenizer_differences(tokenizer, load_tokenizer(own))
+        differences = tokenizer_differences(tokenizer, load_own(own, args.from_weight))
         if differences:
-            notes.append(f"warning: --tokenizer_path {args.tokenizer_path} differs from the tokenizer saved with "
-                         f"--from_weight's weights ({own}): {'; '.join(differences)}; the weights learned another "
+            notes.append(f"warning: --tokenizer_path {args.tokenizer_path} differs from the tokenizer {whose} "
+                         f"({own.name()}): {'; '.join(differences)}; the weights learned another "
                          "text than this data would train (leave --tokenizer_path out to use theirs)")
         else:
-            notes.append(f"--tokenizer_path {args.tokenizer_path} is the tokenizer saved with --from_weight's weights "
-                         "(same fingerprint)")
+            notes.append(f"--tokenizer_path {args.tokenizer_path} is the tokenizer {whose} (same fingerprint)")
     return tokenizer, name, notes
 
 

@@ -4,7 +4,8 @@
 
 ``--metrics`` is a metrics.jsonl or a run directory holding one. A resumed run appends to the same
 file, so steps after the crashed run's last checkpoint appear twice: for every (kind, step) the
-last line wins, which gives one continuous curve.
+last line wins, which gives one continuous curve. Every line names its run (``run_id``): one run is
+plotted, the one of the file's last line, unless ``--runs all`` (lines without a run id count as one run).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--metrics", required=True, help="metrics.jsonl, or a run directory (--save_dir) with one")
     parser.add_argument("--out", default=None, help="PNG to write (default: loss.png next to the metrics file)")
     parser.add_argument("--title", default=None, help="figure title (default: the metrics path)")
+    parser.add_argument("--runs", choices=("latest", "all"), default="latest",
+                        help="latest: only the lines of the run (run_id) of the file's last line; all: every line")
     return parser
 
 
@@ -58,6 +61,17 @@ def read_metrics(path: Path) -> list[dict]:
     if not records:
         fail(f"{path}: no metrics lines (empty file?)")
     return records
+
+
+def latest_run(records: list[dict]) -> tuple[list[dict], str | None]:
+    """The records of the run of the last record (by `run_id`) and a note naming what was left out, or None."""
+    run_id = records[-1].get("run_id")
+    kept = [record for record in records if record.get("run_id") == run_id]
+    others = {record.get("run_id") for record in records} - {run_id}
+    if not others:
+        return records, None
+    return kept, (f"note: plotted run {run_id} ({len(kept)} of {len(records)} lines); {len(others)} other run(s) "
+                  "in this file are left out (--runs all plots every line)")
 
 
 def dedupe_metrics(records: list[dict]) -> dict[str, list[dict]]:
@@ -137,7 +151,12 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     path = metrics_file(Path(args.metrics))
-    curves = dedupe_metrics(read_metrics(path))
+    records, note = read_metrics(path), None
+    if args.runs == "latest":
+        records, note = latest_run(records)
+    if note:
+        print(note)
+    curves = dedupe_metrics(records)
     if not curves.get("train"):
         fail(f"{path}: no train lines (kind 'train') to plot")
     out = Path(args.out) if args.out else path.parent / "loss.png"

@@ -15,13 +15,13 @@ spends itself on whole phrases of its questions ("的首都是什么"), which he
 into pieces the model rarely saw (with such merges the demo model's tool-call accuracy is about
 0.2, without them about 0.5). One token per Chinese character keeps question, call and answer in the same pieces.
 
-Usage: python scripts/train_tokenizer.py [--data dataset/demo/sft_train.jsonl ...]
-       [--out-dir model/tokenizer] [--vocab-size 6400]
+Usage: python scripts/train_tokenizer.py --out-dir NEW_DIR [--data dataset/demo/sft_train.jsonl ...]
+       [--vocab-size 6400]
+(``--out-dir`` must be new or empty: a tokenizer is never overwritten in place, the shipped one included.)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from scripts._common import ArgumentParser, fail, run_main  # noqa: E402
 from trainer.weights.gguf import QWEN2_REGEX
 
 PAD_TOKEN = "<|endoftext|>"
@@ -53,16 +54,21 @@ def iter_jsonl_texts(paths: list[Path], chat_template: str = CHATML_TEMPLATE) ->
     """
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from dataset.formats import parse_line
+    from dataset.formats import DataError, LineError, parse_line
 
     template = _compile_jinja_template(chat_template)
     for path in paths:
         with path.open(encoding="utf-8") as f:
-            for line in f:
+            for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                conversation = parse_line(line)
-                text = template.render(messages=conversation.messages, tools=conversation.tools)
+                try:
+                    conversation = parse_line(line)
+                    text = template.render(messages=conversation.messages, tools=conversation.tools)
+                except LineError as error:
+                    raise DataError(f"{path}:{number}: {error}") from None
+                except Exception as error:  # noqa: BLE001 - the template's raise_exception, a bad role order
+                    raise DataError(f"{path}:{number}: chat template rejected the conversation ({error})") from None
                 for special in SPECIAL_TOKENS:
                     text = text.replace(special, "\n")
                 yield text
@@ -155,16 +161,21 @@ def make_config_portable(config_path: Path, chat_template: str) -> None:
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(description=__doc__.splitlines()[0], prog="train_tokenizer.py")
     parser.add_argument("--data", nargs="+", default=["dataset/demo/sft_train.jsonl"])
-    parser.add_argument("--out-dir", default="model/tokenizer")
+    parser.add_argument("--out-dir", required=True,
+                        help="a new or empty directory (the shipped one is model/tokenizer: delete it first to replace it)")
     parser.add_argument("--vocab-size", type=int, default=6400)
-    args = parser.parse_args()
-
-    tokenizer = train_and_save([Path(p) for p in args.data], Path(args.out_dir), args.vocab_size)
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        fail(f"--out-dir {out_dir} exists and is not empty (a tokenizer there would be overwritten): choose a new "
+             "directory, or delete that one first to replace it")
+    tokenizer = train_and_save([Path(p) for p in args.data], out_dir, args.vocab_size)
     print(f"saved tokenizer with {len(tokenizer)} tokens to {args.out_dir}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -6,12 +6,11 @@ import os
 
 import torch
 
-from dataset import load_tokenizer
-from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
 from model import MiniMindConfig, MiniMindForCausalLM
 from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
+from trainer.weights.tokenizer import resolve_tokenizer
 from trainer.weights.write import minimind_unsupported
 
 # Architecture flags and the config field each sets. With --from_weight the field comes from the
@@ -50,43 +49,13 @@ def log_start_weights(args, weights: Weights | None, saved: dict | None, log=pri
         log("weights: none, training from scratch")
 
 
-def weights_tokenizer(weights: Weights | None) -> tuple[bool, str | None, str]:
-    """(whether the weights name their tokenizer, its directory (None: the shipped one), how they name it):
-    the tokenizer saved with an HF directory, or the one a resume checkpoint's run recorded (its
-    args["tokenizer_path"]), as inference (scripts/chat.py, eval_sft.py, export_hf.py) finds it."""
-    if weights is None:
-        return False, None, ""
-    if weights.tokenizer_dir:
-        return True, weights.tokenizer_dir, "saved with the weights"
-    if weights.run_args is not None:
-        return True, weights.run_args.get("tokenizer_path"), "recorded by the resume checkpoint's run"
-    return False, None, ""
-
-
 def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
-    """(tokenizer, where it came from): `--tokenizer_path`, else the weights' own (`weights_tokenizer`),
-    else the shipped one (path None). The path is recorded in the resume checkpoints, where inference
-    looks for it. An explicit tokenizer that is not the weights' own is refused: they are compared by
-    fingerprint (vocabulary, special tokens, chat template), not by size. A recorded tokenizer that
-    is gone is refused unless --tokenizer_path names one."""
-    known, own, how = weights_tokenizer(weights)
-    if known and own and not os.path.isdir(own):
-        if not args.tokenizer_path:
-            raise ConfigError(f"{weights.source}: the tokenizer its run recorded, {own}, is gone; give "
-                              "--tokenizer_path DIR (that tokenizer or a copy of it)")
-        log(f"warning: the tokenizer recorded by {weights.source} ({own}) is gone: --tokenizer_path "
-            f"{args.tokenizer_path} is used unchecked")
-        known = False
-    path = args.tokenizer_path or own
-    tokenizer = load_tokenizer(path)
-    if known and args.tokenizer_path and os.path.realpath(own or DEFAULT_TOKENIZER_DIR) != os.path.realpath(path):
-        theirs = load_tokenizer(own)
-        if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(theirs):
-            what = ("another vocabulary" if tokenizer.get_vocab() != theirs.get_vocab()
-                    else "another chat template or other special tokens")
-            raise ConfigError(f"--tokenizer_path {args.tokenizer_path} has {what} than the tokenizer {how} "
-                              f"({own or 'the shipped model/tokenizer'}); leave --tokenizer_path out to use that one")
-    origin = "--tokenizer_path" if args.tokenizer_path else (how if known else "the shipped default")
+    """(tokenizer, its directory): `--tokenizer_path`, else the weights' own, else the shipped one (None),
+    by the resolver every entry point uses (trainer/weights/tokenizer.py): an explicit tokenizer that is
+    not the weights' own (by fingerprint) is refused, and so is a recorded one that has changed since.
+    The directory goes into the resume checkpoints with a copy of the tokenizer itself."""
+    own = weights.tokenizer if weights is not None else None
+    tokenizer, path, origin = resolve_tokenizer(own, args.tokenizer_path, weights.source if weights else "", log)
     log(f"tokenizer: {path or 'model/tokenizer'} ({origin}, {len(tokenizer)} tokens)")
     return tokenizer, path
 
@@ -94,10 +63,32 @@ def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
 def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniMindConfig:
     """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them."""
     config = _model_config(args, tokenizer, weights)
-    reason = minimind_unsupported(config) if getattr(args, "save_weight", None) else None
+    prefix = getattr(args, "save_weight", None)
+    if prefix and (os.path.basename(prefix) != prefix or prefix in (".", "..")):
+        raise ConfigError(f"--save_weight {prefix}: a name for the .pth file inside --save_dir (e.g. full_sft), "
+                          "not a path")
+    reason = minimind_unsupported(config) if prefix else None
     if reason:
         raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")
+    check_position_tables(args, config)
     return config
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_position_tables(args, config: MiniMindConfig) -> None:
+    """The model's RoPE tables cover max_position_embeddings (at least --max_seq_len) positions in fp32
+    and are computed in host memory, at about four tables' size at the peak (and once per process of a
+    node): a --max_seq_len that needs more than a quarter of it is refused in one line, before the data
+    is tokenized and before a config that would make chat and export allocate them again is written."""
+    peak = 4 * config.max_position_embeddings * config.head_dim * 4
+    memory = host_memory_bytes()
+    if peak > memory // 4:
+        raise ConfigError(f"--max_seq_len {args.max_seq_len}: the RoPE tables for {config.max_position_embeddings} "
+                          f"positions need {peak / 2**30:.1f} GiB, more than a quarter of this machine's "
+                          f"{memory / 2**30:.1f} GiB; --max_seq_len is the longest sample in tokens (default 512)")
 
 
 def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
@@ -132,8 +123,7 @@ def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
         setattr(config, name, value)
     check_flags_against_weights(args, config, weights.source)
     # The weights' own tokenizer (or one with its very fingerprint) may be smaller than a padded vocab_size.
-    own_tokenizer = weights_tokenizer(weights)[0]
-    if len(tokenizer) > config.vocab_size or (len(tokenizer) != config.vocab_size and not own_tokenizer):
+    if len(tokenizer) > config.vocab_size or (len(tokenizer) != config.vocab_size and weights.tokenizer is None):
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the weights' vocab_size is "
                           f"{config.vocab_size} ({weights.source}): use the tokenizer the weights were trained with")
     return config

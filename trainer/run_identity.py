@@ -16,9 +16,16 @@ The epoch's length grouping (`epoch_grouping`: `--group_by_length` and the globa
 on resume: the interrupted epoch is finished in the order the checkpoint's run used (the sampler pins
 it), later epochs use the new settings. No sample of the epoch is seen twice or never.
 
-This record is version 2 (`RECORD_VERSION`). A version 1 record, `sample_stream["fixed"]` (no version
-key), holds the same facts in another form; `legacy_fixed` gives this run's facts in that form, so such
-checkpoints resume. A checkpoint without a `sample_stream` is compared by its flags.
+A version 1 record, `sample_stream["fixed"]` (no version key), holds the same facts in another form
+(a checkpoint without a `sample_stream` holds only its flags); `legacy_fixed` gives this run's facts in
+that form to compare them with. Their tokenizing code recorded no version: it is version 1
+(`TOKENS_CHANGES[1]`), and a resume by code of another version is refused like any other difference.
+
+Every change of the record's shape has its own `RECORD_VERSION`, and every shape is read:
+- 2: `identity` without `tokens_version` (the tokenizing code of version 1) or without the sources'
+  `left_out`;
+- 3: every field of `RunIdentity`.
+A record that cannot be read (a newer version, a missing or mistyped field) is a one-line refusal.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from pathlib import Path
 from dataset.rendering import tokenizer_fingerprint
 from dataset.token_cache import TOKENS_VERSION
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3
+UNRECORDED_TOKENS_VERSION = 1  # the tokenizing code of the checkpoints that recorded none
 
 
 @dataclass(frozen=True)
@@ -63,12 +71,17 @@ class RunIdentity:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, saved: dict) -> RunIdentity:
-        sources = tuple(SourceRecord(source["spec"], source["weight"], source["share"],
-                                     tuple(SourceFile(**file) for file in source["files"]), tuple(source["left_out"]))
+    def from_dict(cls, saved: dict, version: int = RECORD_VERSION) -> RunIdentity:
+        """The record as `recorded` wrote it in `version` (KeyError, TypeError or ValueError if it is not)."""
+        def later(record: dict, key: str, default):  # a field that version 2 records may lack
+            return record.get(key, default) if version < 3 else record[key]
+
+        sources = tuple(SourceRecord(source["spec"], float(source["weight"]), str(source["share"]),
+                                     tuple(SourceFile(**file) for file in source["files"]),
+                                     tuple(later(source, "left_out", ())))
                         for source in saved["sources"])
-        return cls(saved["seed"], saved["max_seq_len"], saved["packing"], saved["tokenizer"], sources,
-                   saved["tokens_version"])
+        return cls(int(saved["seed"]), int(saved["max_seq_len"]), int(saved["packing"]), str(saved["tokenizer"]),
+                   sources, int(later(saved, "tokens_version", UNRECORDED_TOKENS_VERSION)))
 
     def legacy_fixed(self) -> dict:
         """These facts in the form of a version 1 record (`sample_stream["fixed"]`)."""
@@ -128,17 +141,26 @@ def refusal(saved: dict, now: RunIdentity, save_dir: str) -> str | None:
     """One line naming the first fact of the sample stream the resume changes and what to do, or None."""
     stream = saved.get("sample_stream", {})
     flags = saved["args"]
+    model_dir = Path(flags.get("save_dir", save_dir)) / "model"
+    new_run = f"start a new run from its weights with --from_weight {model_dir} --save_dir NEW_DIR"
     if "identity" in stream:
-        found = difference(RunIdentity.from_dict(stream["identity"]), now, flags)
+        version = stream.get("version", 2)
+        try:
+            if not isinstance(version, int) or version > RECORD_VERSION:
+                raise ValueError(f"version {version}; this minisft reads up to {RECORD_VERSION}")
+            before = RunIdentity.from_dict(stream["identity"], version)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            reason = f"no {error}" if isinstance(error, KeyError) else str(error).splitlines()[0]
+            return (f"cannot resume: the checkpoint's record of its sample stream (version {version}) cannot be "
+                    f"read ({reason}); resume with the minisft version that wrote the checkpoint, or {new_run}")
+        found = difference(before, now, flags)
     else:
         found = legacy_difference(stream.get("fixed"), now, flags)
     if found is None:
         return None
     what, before, after, keep = found
-    model_dir = Path(flags.get("save_dir", save_dir)) / "model"
     return (f"cannot resume: {what} differs from the checkpoint's run (checkpoint {before}, now {after}), so its "
-            f"position in the epoch would mean other samples; {keep}, or start a new run from its weights with "
-            f"--from_weight {model_dir} --save_dir NEW_DIR")
+            f"position in the epoch would mean other samples; {keep}, or {new_run}")
 
 
 def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | None:
@@ -150,8 +172,7 @@ def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | No
         return ("--tokenizer_path (tokenizer and chat template)", before.tokenizer, now.tokenizer,
                 "resume with the tokenizer it was trained with")
     if before.tokens_version != now.tokens_version:
-        return ("the tokenizing code (dataset.token_cache.TOKENS_VERSION)", before.tokens_version,
-                now.tokens_version, "resume with the minisft version that wrote the checkpoint")
+        return tokens_difference(before.tokens_version, now)
     if [source.share for source in before.sources] != [source.share for source in now.sources]:
         return ("--data_path weights", ",".join(exact(source.weight) for source in before.sources),
                 ",".join(exact(source.weight) for source in now.sources),
@@ -161,6 +182,11 @@ def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | No
         return ("--data_path content", *content,
                 f"resume with the data it was trained on ({flags.get('data_path')}, unchanged)")
     return None
+
+
+def tokens_difference(before: int, now: RunIdentity) -> tuple:
+    return ("the tokenizing code (dataset.token_cache.TOKENS_VERSION)", before, now.tokens_version,
+            "resume with the minisft version that wrote the checkpoint")
 
 
 def exact(weight: float) -> str:
@@ -194,6 +220,8 @@ def legacy_difference(before: dict | None, now: RunIdentity, flags: dict) -> tup
     current = now.legacy_fixed()
     changed = [name for name, value in before.items() if name in current and current[name] != value]
     if not changed:
+        if now.tokens_version != UNRECORDED_TOKENS_VERSION:
+            return tokens_difference(UNRECORDED_TOKENS_VERSION, now)
         return None
     name = changed[0]
     if name == "--data_path content":

@@ -115,3 +115,25 @@ def test_load_tokenizer_default_and_errors(tmp_path):
     with pytest.raises(DataError, match="no chat_template") as info:
         load_tokenizer(tmp_path / "plain")
     assert "\n" not in str(info.value)
+
+
+def test_train_tokenizer_needs_a_new_out_dir_and_names_a_bad_row_in_one_line(tmp_path, capsys):
+    from scripts._common import run_main
+    from scripts.train_tokenizer import main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                    '{"conversations": 5}\n', encoding="utf-8")
+    shipped = SHIPPED
+    before = (shipped / "tokenizer.json").read_bytes()
+    cases = (([], "error: the following arguments are required: --out-dir (see train_tokenizer.py --help)"),
+             (["--out-dir", str(shipped)], f"error: --out-dir {shipped} exists and is not empty (a tokenizer there "
+                                           "would be overwritten): choose a new directory, or delete that one first to "
+                                           "replace it"),
+             (["--data", str(data), "--out-dir", str(tmp_path / "new")],
+              f"error: {data}:2: 'conversations' must be a list, got int"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as done:
+            run_main(lambda: main(argv))  # as the script runs it
+        assert done.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
+    assert (shipped / "tokenizer.json").read_bytes() == before and not (tmp_path / "new").exists()

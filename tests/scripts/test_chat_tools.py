@@ -190,3 +190,17 @@ def test_interactive_chat_with_demo_tools_keeps_calls_and_results_in_the_history
         {"role": "assistant", "content": "Sable"},
         {"role": "user", "content": "What is 2 times 3?"},
     ]
+
+
+def test_the_calculator_answers_an_overflow_or_infinity_with_an_error_in_json():
+    import json
+
+    for arguments, error in (({"a": 10**400, "op": "*", "b": 1.5}, "the result is too large"),  # OverflowError
+                             ({"a": 10**400, "op": "/", "b": 3}, "the result is too large"),
+                             ({"a": 1e308, "op": "*", "b": 10}, "the result is too large"),  # inf
+                             ({"a": 10**4000, "op": "*", "b": 10**4000}, "the result is too large"),  # > 4300 digits
+                             ({"a": float("inf"), "op": "+", "b": 1}, "a must be a finite number, got inf"),
+                             ({"a": 1, "op": "-", "b": float("nan")}, "b must be a finite number, got nan")):
+        text = run_tool("calculator", arguments)
+        assert json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}")) == {"error": error}
+    assert run_tool("calculator", {"a": 48, "op": "+", "b": 17}) == '{"result": 65}'

@@ -105,7 +105,9 @@ def test_a_tokenizer_differing_from_the_weights_one_is_flagged(tmp_path):
     result = inspect("--from_weight", str(weights), "--rows", "5", "--samples", "0")  # as training: the weights' own
     assert f"tokenizer: {weights} (saved with the weights, " in result.stdout and "warning: --tokenizer_path" not in result.stdout
     state_dict = tmp_path / "full_sft_512.pth"
-    state_dict.write_bytes(b"")
+    import torch
+
+    torch.save({"x": torch.ones(1)}, state_dict)
     result = inspect("--from_weight", str(state_dict), "--rows", "5", "--samples", "0")
     assert "has no tokenizer saved with it; training uses the shipped one" in result.stdout
 
@@ -114,7 +116,7 @@ def test_the_weights_tokenizer_is_the_one_training_takes(tmp_path):
     import torch
 
     from model import MiniMindConfig, MiniMindForCausalLM
-    from scripts.inspect_data import weights_tokenizer_dir
+    from trainer.weights.inference import own_tokenizer_at
     from trainer.weights.read import read_weights
 
     tokenizer = load_tokenizer(None)
@@ -126,7 +128,7 @@ def test_the_weights_tokenizer_is_the_one_training_takes(tmp_path):
     torch.save(model.state_dict(), tmp_path / "weights.pth")
     for path in (tmp_path / "run", tmp_path / "run" / "model", tmp_path / "bare", tmp_path / "weights.pth",
                  tmp_path / "run" / "model" / "model.safetensors"):
-        assert weights_tokenizer_dir(str(path)) == read_weights(str(path)).tokenizer_dir, path
+        assert own_tokenizer_at(str(path)) == read_weights(str(path)).tokenizer, path
 
 
 def highlighted_pixels(png: Path) -> int:

@@ -390,6 +390,22 @@ def test_dedupe_keeps_the_last_line_of_each_step():
     assert curves["eval"][0]["eval_loss"] == pytest.approx(4.9)
 
 
+def test_plot_draws_the_latest_run_of_a_file_two_runs_wrote_unless_asked(tmp_path, capsys, monkeypatch):
+    import scripts.plot_loss as plot_loss
+
+    first = [{**row, "run_id": "a"} for row in metric_lines(range(1, 11))]
+    second = [{**row, "run_id": "b"} for row in metric_lines(range(1, 6), loss_offset=2.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + second))
+    drawn = {}
+    monkeypatch.setattr(plot_loss, "plot", lambda curves, out, title: drawn.update(curves) or [])
+    assert plot_loss.main(["--metrics", str(tmp_path)]) == 0
+    assert [(r["step"], r["run_id"]) for r in drawn["train"]] == [(step, "b") for step in range(1, 6)]
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "note: plotted run b (5 of 15 lines); 1 other run(s) in this file are left out (--runs all plots every line)")
+    assert plot_loss.main(["--metrics", str(tmp_path), "--runs", "all"]) == 0
+    assert [r["step"] for r in drawn["train"]] == list(range(1, 11))
+
+
 def test_plot_writes_a_png_and_rejects_empty_metrics(tmp_path, capsys):
     from scripts.plot_loss import main
 

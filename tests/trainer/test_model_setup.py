@@ -50,6 +50,7 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
     import shutil
 
     import pytest
+    import torch
 
     from dataset import load_tokenizer
     from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
@@ -75,7 +76,11 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
                                           "saved with the weights"):
         tokenizer_of(["--from_weight", str(run / "model"), "--tokenizer_path", str(DEFAULT_TOKENIZER_DIR)])
 
-    # The recorded tokenizer is gone: one line, exit 2, before any data is read; --tokenizer_path stands in for it.
+    # A checkpoint without a copy of its tokenizer whose recorded one is gone: one line, exit 2, before any
+    # data is read; --tokenizer_path stands in for it, checked by the fingerprint the checkpoint recorded.
+    state = torch.load(step_1, weights_only=True)
+    del state["tokenizer"]
+    torch.save(state, step_1)
     shutil.move(str(tok), str(tmp_path / "moved"))
     gone = run_trainer(flags(data, tmp_path / "next", "--max_steps", "1", "--cache_dir", str(tmp_path / "cache"),
                              *base), check=False)
@@ -84,5 +89,55 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
         "DIR (that tokenizer or a copy of it)"]
     assert not os.path.exists(tmp_path / "cache")
     tokenizer, path, messages = tokenizer_of([*base, "--tokenizer_path", str(tmp_path / "moved")])
-    assert path == str(tmp_path / "moved") and messages[-2].startswith(f"warning: the tokenizer recorded by resume "
-                                                                        f"checkpoint {step_1} ({tok}) is gone")
+    assert path == str(tmp_path / "moved") and messages[-2] == (
+        f"note: the tokenizer recorded by the resume checkpoint's run ({tok}) is not at hand: --tokenizer_path "
+        f"{tmp_path / 'moved'} has the fingerprint it recorded")
+
+
+def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_one_line_before_tokenizing(data, tmp_path, monkeypatch):
+    import pytest
+
+    import trainer.model_setup as model_setup
+    from dataset import load_tokenizer
+    from trainer.args import parse_args
+    from trainer.errors import ConfigError
+
+    monkeypatch.setattr(model_setup, "host_memory_bytes", lambda: 16 << 30)
+    tokenizer = load_tokenizer(None)
+    config = model_setup.build_model_config(parse_args(["--max_seq_len", "1000000"]), tokenizer)
+    assert config.max_position_embeddings == 1000000 and config.head_dim == 96  # 1.4 GiB: accepted
+    with pytest.raises(ConfigError) as refused:
+        model_setup.build_model_config(parse_args(["--max_seq_len", "10000000"]), tokenizer)
+    assert str(refused.value) == ("--max_seq_len 10000000: the RoPE tables for 10000000 positions need 14.3 GiB, more "
+                                  "than a quarter of this machine's 16.0 GiB; --max_seq_len is the longest sample in "
+                                  "tokens (default 512)")
+    far = run_trainer(flags(data, tmp_path / "run", "--max_seq_len", str(10**12), "--cache_dir", str(tmp_path / "cache")),
+                      check=False)
+    assert far.returncode == 2 and far.stderr.strip().splitlines()[-1].startswith(f"error: --max_seq_len {10**12}: ")
+    assert "Traceback" not in far.stderr and not os.path.exists(tmp_path / "cache")
+    assert not os.path.exists(tmp_path / "run" / "model")
+
+
+def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(data, tmp_path):
+    """--warmup_steps beyond the run, --fsdp 1 and --backend in one process are warned; a resume with nothing
+    left says so; the last line names model/ and the next command; --dtype float16 on a CPU and a
+    --save_weight path are refused before the data is read."""
+    run = tmp_path / "run"
+    first = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--fsdp", "1", "--backend", "gloo"))
+    lines = first.stdout.splitlines()
+    assert "warning: --fsdp 1 in one process: there is nothing to shard over, the model trains unsharded (start " \
+           "several processes with torchrun or --world_size N to shard it)" in lines
+    assert "warning: --backend gloo in one process: no process group is created, so it is not used" in lines
+    assert ("warning: --warmup_steps 10 is longer than the run's 2 optimizer steps: the learning rate ends at 0.0006, "
+            "below --learning_rate 0.003") in lines
+    assert lines[-1] == f"done: the model is in {run / 'model'}; talk to it with: python scripts/chat.py --model_path {run}"
+    again = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--from_resume", "1"))
+    assert ("nothing left to train: the checkpoint is at step 2 and the run ends at step 2 (--epochs 1, --max_steps 2); "
+            "raise --epochs or --max_steps to train further") in again.stdout.splitlines()
+    for extra, message in ((["--dtype", "float16"], "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"),
+                           (["--save_weight", "../x"], "error: --save_weight ../x: a name for the .pth file inside "
+                                                       "--save_dir (e.g. full_sft), not a path")):
+        refused = run_trainer([*flags(data, tmp_path / "other", "--cache_dir", str(tmp_path / "cache")), *extra],
+                              check=False)
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [message]
+        assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "x_32.pth")

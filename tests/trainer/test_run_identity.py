@@ -1,5 +1,5 @@
 """The run's identity (trainer/run_identity.py): computed once from the data the run opened, kept in
-every checkpoint, compared on resume; a checkpoint with a version 1 sample-stream record resumes exactly."""
+every checkpoint, compared on resume; every shape of the record is read, an unreadable one is one line."""
 
 import dataclasses
 import os
@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from dataset import load_tokenizer
-from tests.helpers.trainer_launch import (
-    REPO, SCRIPT, TINY, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer, train_losses,
-)
+from dataset.token_cache import TOKENS_VERSION
+from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env, run_trainer
 from trainer import run_identity
 from trainer.args import parse_args
 from trainer.checkpoint.resume import load_resume_checkpoint
@@ -144,33 +143,45 @@ def test_a_data_file_moved_after_start_still_gets_its_sigterm_checkpoint(tmp_pat
     assert os.listdir(save_dir / "checkpoints")
 
 
-# The losses the code that wrote the checkpoint (commit af11f2e) logged for steps 3 and 4, going on from it.
-MAIN_LOSSES = {3: 8.742417335510254, 4: 8.689839363098145}
-
-
-@pytest.mark.slow
-def test_a_checkpoint_with_a_version_1_stream_record_resumes_bit_exactly(tmp_path):
-    """tests/trainer/checkpoint/data/main_af11f2e_step_00000002.pt holds a version 1 sample-stream record
-    (the `fixed` dict); commit af11f2e wrote it (OMP_NUM_THREADS=1) with the flags below on
-    main_af11f2e_train.jsonl. Resumed by this code it logs the losses the writing code logged, and where
-    this CPU computes the first two steps exactly as the one that wrote it, it ends on exactly the
-    weights of an uninterrupted run.
-    (Regenerate both files with those flags if the shipped tokenizer or the demo's first 40 rows change.)"""
+def test_a_version_1_stream_record_is_refused_naming_the_tokenizing_code(tmp_path):
+    """tests/trainer/checkpoint/data/main_af11f2e_step_00000002.pt holds a version 1 sample-stream record, without
+    the tokenizing code's version: its tokenizing code is version 1, and a resume by
+    code of another version (whose sample stream may differ: think blocks, rows that are bad by its rules) is refused in one line."""
     data = tmp_path / "train.jsonl"
     shutil.copy(DATA / "main_af11f2e_train.jsonl", data)
-    argv = [*TINY, "--data_path", str(data), "--batch_size", "4", "--max_steps", "4", "--save_interval", "2",
-            "--keep_last", "5", "--cache_dir", str(tmp_path / "cache")]
-    resumed = run_trainer([*argv, "--save_dir", str(tmp_path / "resumed"),
-                           "--resume_from", str(DATA / "main_af11f2e_step_00000002.pt")])
-    assert "(step 2, epoch 1, sample 8)" in resumed.stdout, resumed.stdout
-    losses = train_losses(tmp_path / "resumed")
-    assert losses.keys() == MAIN_LOSSES.keys() and all(abs(losses[k] - MAIN_LOSSES[k]) < 1e-5 for k in losses), losses
-    run_trainer([*argv, "--save_dir", str(tmp_path / "straight")])
-    old = torch.load(DATA / "main_af11f2e_step_00000002.pt", weights_only=True)["model"]
-    here = torch.load(checkpoint_at(tmp_path / "straight", 2), weights_only=True)["model"]
-    if all(torch.equal(old[key], here[key]) for key in old):  # this CPU's arithmetic is the writer's
-        assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "straight"))
-        straight = train_losses(tmp_path / "straight")
-        assert losses == {step: straight[step] for step in losses}
-    else:
-        assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "straight"), atol=1e-5)
+    saved = torch.load(DATA / "main_af11f2e_step_00000002.pt", weights_only=True)
+    now = identity(tmp_path, str(data), "--batch_size", "4")
+    assert run_identity.refusal(saved, now, str(tmp_path / "resumed")) == (
+        "cannot resume: the tokenizing code (dataset.token_cache.TOKENS_VERSION) differs from the checkpoint's run "
+        f"(checkpoint 1, now {TOKENS_VERSION}), so its position in the epoch would mean other samples; resume with "
+        "the minisft version that wrote the checkpoint, or start a new run from its weights with --from_weight "
+        "/tmp/af11run/out/model --save_dir NEW_DIR")
+
+
+def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text(demo_rows(0, 8), encoding="utf-8")
+    now = identity(tmp_path, str(path))
+    current = run_identity.recorded(now, None)
+    assert current["version"] == 3 and run_identity.refusal({"sample_stream": current, "args": {}}, now, "/r") is None
+    # version 2 as written before tokens_version was recorded (and before left_out): tokenizing code 1
+    old = {**current["identity"], "sources": [{k: v for k, v in source.items() if k != "left_out"}
+                                              for source in current["identity"]["sources"]]}
+    del old["tokens_version"]
+    stream = {"version": 2, "identity": old, "epoch_grouping": None}
+    assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r").startswith(
+        "cannot resume: the tokenizing code (dataset.token_cache.TOKENS_VERSION) differs from the checkpoint's run "
+        f"(checkpoint 1, now {TOKENS_VERSION})")
+    # version 2 with tokens_version and left_out: read as such
+    stream = {**current, "version": 2}
+    assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") is None
+    # version 3 lacking a field, and a newer version: one line each, no KeyError
+    broken = {**current, "identity": {k: v for k, v in current["identity"].items() if k != "tokens_version"}}
+    for stream, reason in ((broken, "no 'tokens_version'"), ({**current, "version": 4},
+                                                             "version 4; this minisft reads up to 3")):
+        assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") == (
+            f"cannot resume: the checkpoint's record of its sample stream (version {stream['version']}) cannot be "
+            f"read ({reason}); resume with the minisft version that wrote the checkpoint, or start a new run from its "
+            "weights with --from_weight /r/model --save_dir NEW_DIR")
+
+

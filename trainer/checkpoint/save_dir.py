@@ -108,21 +108,27 @@ def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
     return bool(later)
 
 
-def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print) -> None:
-    """Refuse to start a new run in a directory holding another run's checkpoints or model/,
-    unless `overwrite`; then those (and its metrics.jsonl) are moved aside, not deleted."""
+def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: bool = False) -> None:
+    """Refuse to start a new run in a directory holding another run's files (checkpoints, model/, best/
+    or only its metrics.jsonl, of a run stopped before its first save) unless `overwrite`; then they are
+    moved aside, not deleted. `resuming` (--from_resume 1 finding no checkpoint): a run without a
+    checkpoint has nothing to continue, so its best/ and metrics.jsonl are moved aside as well, with a
+    line (a restarted job starts afresh instead of appending to them)."""
     previous = [os.path.join(save_dir, name) for name in ("checkpoints", MODEL_DIR, BEST_DIR, "metrics.jsonl")
-                if os.path.exists(os.path.join(save_dir, name))]
-    if not (list_checkpoints(save_dir) or os.path.isdir(os.path.join(save_dir, MODEL_DIR))):
-        return
-    if not overwrite:
+                if os.path.lexists(os.path.join(save_dir, name))]
+    has_run = list_checkpoints(save_dir) or os.path.isdir(os.path.join(save_dir, MODEL_DIR))
+    if not previous or (os.path.isdir(checkpoints_dir(save_dir)) and not has_run and len(previous) == 1):
+        return  # nothing, or only an empty checkpoints/
+    if not (overwrite or (resuming and not has_run)):
+        what = "checkpoints/ or model/" if has_run else " and ".join(os.path.basename(path) for path in previous)
+        keep_on = "continue it with --from_resume 1, " if has_run else ""
         raise CheckpointError(
-            f"--save_dir {save_dir} holds another run (checkpoints/ or model/): continue it with --from_resume 1, "
-            "choose another --save_dir, or pass --overwrite 1 to start over there (its files are moved to "
-            f"{os.path.join(save_dir, 'set_aside')}/)"
+            f"--save_dir {save_dir} holds another run ({what}): {keep_on}choose another --save_dir, or pass "
+            f"--overwrite 1 to start over there (its files are moved to {os.path.join(save_dir, 'set_aside')}/)"
         )
-    folder = set_aside(save_dir, previous, "overwritten")
-    log(f"--overwrite 1: moved the previous run's {', '.join(os.path.basename(p) for p in previous)} to {folder}")
+    folder = set_aside(save_dir, previous, "overwritten" if overwrite else "no-checkpoint")
+    why = "--overwrite 1" if overwrite else "--from_resume 1 found no checkpoint to continue"
+    log(f"{why}: moved the previous run's {', '.join(os.path.basename(p) for p in previous)} to {folder}")
 
 
 class SaveDirLock:
@@ -225,8 +231,8 @@ def lock_holder(save_dir: str) -> int | None:
 
 def inside_a_run_model_dir(path: str) -> str | None:
     """The `<run>/model` (or `<run>/best`) directory that `path` is or lies in (a later save replaces
-    it), else None."""
-    current = os.path.abspath(path)
+    it), else None; through symlinks (real paths), whose target a save would replace all the same."""
+    current = os.path.realpath(path)
     while True:
         parent = os.path.dirname(current)
         if os.path.basename(current) in (MODEL_DIR, BEST_DIR) and (

@@ -295,6 +295,14 @@ def train(run: Run) -> str:
     logger.run_id = state.run_id
     total_steps = count_total_steps(run)
     warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup_steps(total_steps)
+    if warmup > total_steps > 0:
+        logger.print(f"warning: --warmup_steps {warmup} is longer than the run's {total_steps} optimizer steps: the "
+                     f"learning rate ends at {cosine_lr(total_steps - 1, total_steps, args.learning_rate, warmup, 0):.3g}"
+                     f", below --learning_rate {args.learning_rate:g}")
+    if 0 < total_steps <= state.step:
+        logger.print(f"nothing left to train: the checkpoint is at step {state.step} and the run ends at step "
+                     f"{total_steps} (--epochs {args.epochs}, --max_steps {args.max_steps}); raise --epochs or "
+                     "--max_steps to train further")
     run.model.train()
     logger.print(
         f"training {total_steps} optimizer steps from step {state.step}: {run.ctx.world_size} process(es) x "

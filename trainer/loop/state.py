@@ -25,6 +25,7 @@ from trainer.runtime.distributed import DistContext, all_gather_objects
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
+from trainer.weights.tokenizer import checkpoint_record
 
 
 class WeightsCheck(NamedTuple):
@@ -67,7 +68,7 @@ class Run:
     logger: RunLogger
     preemption: PreemptionFlag
     parallel: Parallelism  # how the processes share the model (DDP or FSDP)
-    tokenizer_path: str | None = None  # where the tokenizer came from (None: the shipped one), for inference
+    tokenizer_path: str | None = None  # where the tokenizer came from (None: the shipped one)
     state: TrainState = field(default_factory=TrainState)
     weights_check: WeightsCheck | None = None  # the last update's check, read at the next host sync
 
@@ -98,7 +99,8 @@ def resume_state(run: Run) -> dict:
         "evals_without_improvement": state.evals_without_improvement,
         "rng": rng_states,
         "world_size": run.ctx.world_size,
-        "args": {**vars(run.args), "tokenizer_path": run.tokenizer_path},  # where inference finds the tokenizer
+        "args": {**vars(run.args), "tokenizer_path": run.tokenizer_path},  # the directory it was loaded from
+        "tokenizer": checkpoint_record(run.tokenizer),  # the run's own copy, what every reader of it loads
         "sample_stream": run_identity.recorded(run.data.identity, run.data.sampler.epoch_group_size()),
         "run_id": state.run_id,
         "wandb_run_id": run.logger.wandb_run_id,

@@ -24,12 +24,11 @@ import torch
 
 from model import MiniMindForCausalLM
 
-from dataset import DataError, load_tokenizer
+from dataset import DataError
 from trainer.checkpoint.save_dir import list_checkpoints
-from trainer.errors import CheckpointError, ModelLoadError
-from trainer.weights.read import (
-    TOKENIZER_FILES, build_config, check_torch_file, load_into, model_dir_of, read_weights, saved_run_args,
-)
+from trainer.errors import CheckpointError, ConfigError, ModelLoadError
+from trainer.weights.read import build_config, check_torch_file, load_into, model_dir_of, read_weights, saved_tokenizer
+from trainer.weights.tokenizer import of_folder, resolve_tokenizer
 
 
 # --------------------------------------------------------------------------- path kinds
@@ -80,25 +79,26 @@ def load_model_for_inference(path: str | Path, device: str | torch.device = "cpu
 # --------------------------------------------------------------------------- tokenizer
 
 
-def load_tokenizer_for_model(path: str | Path, tokenizer_path: str | Path | None = None):
-    """The tokenizer that goes with the model at ``path``.
-
-    Order: an explicit ``tokenizer_path``; tokenizer files inside the HF directory (or beside the
-    safetensors file); the checkpoint's ``args["tokenizer_path"]``; the shipped default.
-    """
-    if tokenizer_path is None:
-        kind, concrete = resolve_model_path(path)
-        folder = concrete if kind == "hf_dir" else concrete.parent
-        if kind != "checkpoint" and any((folder / name).is_file() for name in TOKENIZER_FILES):
-            tokenizer_path = folder
-        elif kind == "checkpoint":
-            try:
-                args = saved_run_args(str(concrete))
-            except CheckpointError as error:
-                raise ModelLoadError(str(error)) from None
-            if args and args.get("tokenizer_path"):
-                tokenizer_path = args["tokenizer_path"]
+def own_tokenizer_at(path: str | Path):
+    """The tokenizer the model at ``path`` names (trainer/weights/tokenizer.py), found without reading
+    its tensors: the files of an HF directory (or beside a safetensors file), a resume checkpoint's copy
+    of its run's tokenizer (or, in a checkpoint without one, the directory and fingerprint it
+    recorded); None for weights that name none."""
+    kind, concrete = resolve_model_path(path)
+    if kind != "checkpoint":
+        return of_folder(str(concrete if kind == "hf_dir" else concrete.parent))
     try:
-        return load_tokenizer(tokenizer_path)
-    except DataError as error:
+        return saved_tokenizer(str(concrete))
+    except CheckpointError as error:
         raise ModelLoadError(str(error)) from None
+
+
+def load_tokenizer_for_model(path: str | Path, tokenizer_path: str | Path | None = None, log=print):
+    """The tokenizer that goes with the model at ``path``: ``tokenizer_path`` if it is the model's own (by
+    fingerprint), else the model's own (``own_tokenizer_at``), else the shipped one; one line if none fits."""
+    try:
+        tokenizer, _, _ = resolve_tokenizer(own_tokenizer_at(path), str(tokenizer_path) if tokenizer_path else None,
+                                            str(path), log)
+    except (DataError, ConfigError, CheckpointError) as error:
+        raise ModelLoadError(str(error)) from None
+    return tokenizer

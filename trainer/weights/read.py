@@ -32,8 +32,8 @@ from trainer.checkpoint import single_file
 from trainer.checkpoint.files import safe_torch_load
 from trainer.checkpoint.resume import load_resume_checkpoint
 from trainer.errors import CheckpointError, first_line
+from trainer.weights.tokenizer import OwnTokenizer, of_checkpoint, of_folder
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP
 QWEN3_TYPES = ("qwen3", "qwen3_moe")
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -46,8 +46,7 @@ class Weights:
     state: dict
     config: dict  # MiniMindConfig keyword arguments
     source: str  # for the log: what was read
-    tokenizer_dir: str | None = None  # a tokenizer saved with the weights
-    run_args: dict | None = None  # a resume checkpoint's recorded flags (its tokenizer_path: None = the shipped one)
+    tokenizer: OwnTokenizer | None = None  # the tokenizer they name (trainer/weights/tokenizer.py)
 
 
 # --------------------------------------------------------------------------- reading
@@ -70,14 +69,14 @@ def read_weights(path: str) -> Weights:
     if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):  # a sharded resume checkpoint (--fsdp 1)
         loaded = load_resume_checkpoint(path, required=("model_config", "model"))
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
-                       f"resume checkpoint {path}", run_args=loaded.get("args"))
+                       f"resume checkpoint {path}", of_checkpoint(loaded))
     if os.path.isdir(path):
         return _read_directory(model_dir_of(path))
     if path.endswith(".safetensors"):
         config_file = os.path.join(os.path.dirname(path), "config.json")
         state = _load_safetensors([path])
         if os.path.isfile(config_file):
-            return _from_config_json(read_json(config_file), state, path, _tokenizer_dir(os.path.dirname(path)))
+            return _from_config_json(read_json(config_file), state, path, of_folder(os.path.dirname(path)))
         return Weights(state, config_from_shapes(state, path), f"safetensors file {path}")
     return _read_torch_file(path)
 
@@ -102,10 +101,6 @@ def read_json(path: str) -> dict:
         raise CheckpointError(f"cannot read {path}: {error}") from error
 
 
-def _tokenizer_dir(folder: str) -> str | None:
-    return folder if any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES) else None
-
-
 def _read_directory(folder: str) -> Weights:
     config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
@@ -123,7 +118,7 @@ def _read_directory(folder: str) -> Weights:
         files = [single]
     else:
         raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    return _from_config_json(saved, _load_safetensors(files), folder, _tokenizer_dir(folder))
+    return _from_config_json(saved, _load_safetensors(files), folder, of_folder(folder))
 
 
 def _load_safetensors(files: list[str]) -> dict:
@@ -171,24 +166,21 @@ def _read_torch_file(path: str) -> Weights:
         if not isinstance(loaded.get("model"), dict) or not isinstance(loaded.get("model_config"), dict):
             raise CheckpointError(f"resume checkpoint {path} is incomplete (missing model or model_config)")
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
-                       f"resume checkpoint {path}", run_args=loaded.get("args"))
+                       f"resume checkpoint {path}", of_checkpoint(loaded))
     if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise CheckpointError(f"{path} is not a minisft resume checkpoint or a state dict (names to tensors)")
     state = clean_state_dict(loaded)
     return Weights(state, config_from_shapes(state, path), f"MiniMind state dict {path}")
 
 
-def saved_run_args(path: str) -> dict | None:
-    """The flags stored in a resume checkpoint (None for a plain state dict), read without loading its tensors:
-    a single file memory-mapped, a sharded `step_*.dcp/` from its meta.pt alone."""
+def saved_tokenizer(path: str) -> OwnTokenizer | None:
+    """The tokenizer a resume checkpoint names (None for a plain state dict), read without loading its
+    tensors: a single file memory-mapped, a sharded `step_*.dcp/` from its meta.pt alone."""
     if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):
-        loaded = load_resume_checkpoint(path, required=("args",))
-        return loaded["args"] if isinstance(loaded.get("args"), dict) else None
+        return of_checkpoint(load_resume_checkpoint(path, required=("args",)))
     check_torch_file(path)
     loaded = safe_torch_load(path)
-    if single_file.is_resume_state(loaded) and isinstance(loaded.get("args"), dict):
-        return loaded["args"]
-    return None
+    return of_checkpoint(loaded) if single_file.is_resume_state(loaded) else None
 
 
 def clean_state_dict(state: dict) -> dict:
@@ -246,13 +238,13 @@ def _check_model_type(saved: dict, source: str) -> None:
         raise CheckpointError(f"{source}: model_type {model_type!r} is not supported (minimind, qwen3, qwen3_moe)")
 
 
-def _from_config_json(saved: dict, state: dict, source: str, tokenizer_dir: str | None) -> Weights:
+def _from_config_json(saved: dict, state: dict, source: str, tokenizer: OwnTokenizer | None) -> Weights:
     _check_model_type(saved, source)
     model_type = saved.get("model_type", "minimind")
     state = clean_state_dict(state)
     if model_type == "minimind":
-        return Weights(state, _minimind_fields(saved), f"minisft model {source}", tokenizer_dir)
-    return Weights(state, config_from_qwen3(saved, source), f"{model_type} model {source}", tokenizer_dir)
+        return Weights(state, _minimind_fields(saved), f"minisft model {source}", tokenizer)
+    return Weights(state, config_from_qwen3(saved, source), f"{model_type} model {source}", tokenizer)
 
 
 def _minimind_fields(saved: dict) -> dict:

@@ -149,7 +149,9 @@ def test_refusal_names_each_fixed_setting(tmp_path):
     identity = identity_of(tmp_path, data_path=tmp_path / "a.jsonl")
     for saved_stream in (run_identity.recorded(identity, None), {"fixed": identity.legacy_fixed()}):  # new and old records
         saved = {"sample_stream": saved_stream, "args": {"save_dir": "/runs/a", "data_path": str(tmp_path / "a.jsonl")}}
-        assert run_identity.refusal(saved, identity, "/runs/b") is None
+        unchanged = run_identity.refusal(saved, identity, "/runs/b")  # the old record's tokenizing code is version 1
+        assert unchanged is None if "identity" in saved_stream else unchanged.startswith(
+            "cannot resume: the tokenizing code (dataset.token_cache.TOKENS_VERSION) differs")
         for name, change in (("--max_seq_len", {"max_seq_len": 128}), ("--packing", {"packing": 1}),
                              ("--data_path content", {"data_path": tmp_path / "b.jsonl"}),
                              ("--data_path weights", {"data_path": f"{tmp_path / 'a.jsonl'}:2,{tmp_path / 'b.jsonl'}"})):
@@ -248,6 +250,39 @@ def test_overwrite_moves_the_previous_run_aside(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["set_aside"]
     assert messages == [f"--overwrite 1: moved the previous run's checkpoints, model, metrics.jsonl to {moved}"]
     claim_for_fresh_run(str(tmp_path), overwrite=False)  # now empty: accepted
+
+
+def test_a_dir_holding_only_another_runs_best_or_metrics_is_claimed_like_one_with_checkpoints(tmp_path):
+    for files in (("best", "metrics.jsonl"), ("metrics.jsonl",)):
+        save_dir = tmp_path / "-".join(files)
+        save_dir.mkdir()
+        for name in files:
+            (save_dir / name).mkdir() if name == "best" else (save_dir / name).write_text('{"step": 1}\n')
+        with pytest.raises(CheckpointError) as refused:
+            claim_for_fresh_run(str(save_dir), overwrite=False)
+        assert str(refused.value) == (
+            f"--save_dir {save_dir} holds another run ({' and '.join(files)}): choose another --save_dir, or pass "
+            f"--overwrite 1 to start over there (its files are moved to {save_dir / 'set_aside'}/)")
+        # --from_resume 1 finds nothing to continue: the files are moved aside, named, and the run starts afresh
+        messages = []
+        claim_for_fresh_run(str(save_dir), overwrite=False, log=messages.append, resuming=True)
+        [folder] = os.listdir(save_dir / "set_aside")
+        moved = save_dir / "set_aside" / folder
+        assert folder.endswith("-no-checkpoint") and sorted(os.listdir(moved)) == sorted(files)
+        assert messages == [f"--from_resume 1 found no checkpoint to continue: moved the previous run's "
+                            f"{', '.join(files)} to {moved}"]
+        assert sorted(os.listdir(save_dir)) == ["set_aside"]
+
+
+def test_a_save_dir_reached_through_a_symlink_into_a_runs_model_dir_is_seen(tmp_path):
+    from trainer.checkpoint.save_dir import inside_a_run_model_dir
+
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    (tmp_path / "link").symlink_to(run / "model")
+    assert inside_a_run_model_dir(str(tmp_path / "link" / "nested")) == str(run / "model")
+    assert inside_a_run_model_dir(str(tmp_path / "elsewhere")) is None
 
 
 # --------------------------------------------------------------------------- rollback

@@ -176,6 +176,11 @@ def test_chat_eval_and_export_read_a_sharded_checkpoint(data, fsdp_run, tmp_path
         state = load_model_for_inference(path).state_dict()
         assert_weights_equal({k: v for k, v in state.items() if k in saved}, saved)
         assert load_tokenizer_for_model(path).chat_template == load_tokenizer_for_model(fsdp_run).chat_template
+    from dataset.rendering import tokenizer_fingerprint
+    from trainer.weights.read import saved_tokenizer
+
+    own = saved_tokenizer(str(sharded))  # the meta.pt holds a copy of the run's tokenizer, as a .pt does
+    assert own.files and own.fingerprint == tokenizer_fingerprint(load_tokenizer_for_model(sharded))
 
     def script(name, *args):
         return subprocess.run([sys.executable, os.path.join(repo, "scripts", name), *args, "--device", "cpu"],
