@@ -11,8 +11,9 @@ A variant is the trainer's `optimizer_step` with these pieces:
   now       the code this wave started from: after every applied update the weights' finite
             check (`torch._foreach_norm(weights, inf)` over every parameter, read with the next
             step's flag), the chunked LM loss filling a per-token buffer on every call
-  new       this code (`trainer/loop/loop.py`, `model/loss.py`): the weights' finite check after an
-            update from one `aminmax` per parameter, the per-token buffer only when asked for
+  new       this code (`trainer/loop/loop.py`, `model/loss.py`): no host read in the step, no weights
+            check per step (one `aminmax` per parameter at log lines, saves and evaluations:
+            trainer/loop/health.py), the per-token buffer only when asked for
 
 The figures: seconds per step of each variant (the median and the mean of its timed steps, the
 sum) and, step by step, its time over `before`'s on the same batch (the median and quartiles of
@@ -32,7 +33,7 @@ import time
 import torch
 
 import model.modeling_minimind as modeling
-import trainer.loop.loop as loop
+import trainer.loop.health as health
 
 VARIANTS = ("before", "now", "new")
 
@@ -52,35 +53,25 @@ def _weights_check_now(run) -> torch.Tensor:
     return (~torch.isfinite(torch.stack(torch._foreach_norm(params, float("inf"))).max())).float()
 
 
-def _read_step_flags_now(run, grad_norm) -> bool:
-    check, run.weights_check = run.weights_check, None
-    bad = check.bad if check is not None else torch.zeros((), device=grad_norm.device)
-    finite, weights_bad = torch.stack([torch.isfinite(grad_norm).float(), bad.float()]).tolist()
-    if weights_bad:
-        loop.raise_non_finite_weights(run, check.step)
-    return bool(finite)
+def _check_now(run) -> None:
+    """The host read of the wave's start after every step: the weights check (inf-norms)."""
+    float(_weights_check_now(run))
 
 
-def _read_step_flags_before(run, grad_norm) -> bool:
-    run.weights_check = None
-    return bool(torch.isfinite(grad_norm))
+# What each variant adds to the trainer's step, inside the timed region.
+AFTER_STEP = {"before": lambda run: None, "now": _check_now, "new": lambda run: None}
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """The trainer's step as in variant `name` (module docstring) while inside."""
-    saved = loop.non_finite_weights, loop.read_step_flags, modeling.chunked_lm_loss
+    """The trainer's LM loss as in variant `name` (module docstring) while inside."""
+    saved = modeling.chunked_lm_loss
     try:
-        if name == "before":
-            loop.non_finite_weights = lambda run: None
-            loop.read_step_flags = _read_step_flags_before
-        elif name == "now":
-            loop.non_finite_weights = _weights_check_now
-            loop.read_step_flags = _read_step_flags_now
-            modeling.chunked_lm_loss = _chunked_with_buffer(saved[2])
+        if name == "now":
+            modeling.chunked_lm_loss = _chunked_with_buffer(saved)
         yield
     finally:
-        loop.non_finite_weights, loop.read_step_flags, modeling.chunked_lm_loss = saved
+        modeling.chunked_lm_loss = saved
 
 
 def run_step_compare(options, tokenizer, machine: str, helpers) -> dict:
@@ -103,6 +94,7 @@ def run_step_compare(options, tokenizer, machine: str, helpers) -> dict:
             with variant(name):
                 start = time.perf_counter()
                 optimizer_step_once(run, batches, args)
+                AFTER_STEP[name](run)
                 elapsed = time.perf_counter() - start
             if step >= options.warmup_steps:
                 seconds[name].append(elapsed)
@@ -145,7 +137,7 @@ def _time_checks(run) -> dict:
     """Milliseconds per call of the finite-weights check as the wave started and as now, alternately."""
     totals = {"now": 0.0, "new": 0.0}
     for _ in range(CHECK_CALLS):
-        for name, check in (("now", _weights_check_now), ("new", loop.non_finite_weights)):
+        for name, check in (("now", _weights_check_now), ("new", health.non_finite_weights)):
             start = time.perf_counter()
             float(check(run))
             totals[name] += time.perf_counter() - start

@@ -181,8 +181,22 @@ def compile_model(model, device: torch.device):
 
 
 def build_optimizer(model: MiniMindForCausalLM, args, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms), fused kernels on CUDA."""
+    """AdamW; weight decay on matrices only (not on norms). Fused kernels on every device: they take
+    `found_inf`, which skips a non-finite step on the device without the host reading anything
+    (trainer/loop/loop.py: step_unless)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=True)
+
+
+def keep_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """After a resume: loading an optimizer state takes each group's settings from the checkpoint
+    (`fused`, `foreach` of the run that wrote it); back to fused AdamW, whose step counters live on
+    the parameters' device in float32."""
+    for group in optimizer.param_groups:
+        group.update(fused=True, foreach=None)
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if "step" in state:
+                state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
