@@ -10,6 +10,7 @@ from dataset import load_tokenizer
 from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
 from model import MiniMindConfig, MiniMindForCausalLM
 from trainer.errors import ConfigError
+from trainer.parallel.ddp import unwrap
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
 from trainer.weights.write import minimind_unsupported
@@ -164,8 +165,21 @@ def build_model(args, config: MiniMindConfig, device: torch.device, weights: Wei
     return model.to(device)
 
 
-def compile_model(model, device: torch.device):
-    """torch.compile(model) for --use_compile 1.
+# --use_compile 1 pads every batch to a multiple of this many tokens (trainer/data_setup.py): few
+# distinct lengths over an epoch of length-grouped batches, and GPU-friendly matrix sizes.
+COMPILE_PAD_MULTIPLE = 64
+
+
+def compile_model(model, device: torch.device, backend="inductor"):
+    """--use_compile 1: each transformer block compiled on its own (`module.compile()`), as torchtitan
+    does; `model` (and what wraps it: DDP, FSDP2) stays the object it was.
+
+    One compiled block serves every layer (the same code; the weights are graph inputs). The
+    embeddings, the RoPE rows, the mask and the chunked loss run eagerly between the blocks, and
+    FSDP2's per-block hooks run outside the compiled code, so none of them breaks a graph. The
+    batch length varies: dynamo compiles the first length as a constant and the second as a
+    symbol (automatic dynamic shapes), after which the compiled code serves every length
+    (tests/trainer/test_model_setup.py counts the recompiles over an epoch).
 
     On CPU inductor's C++ code is generated without SIMD vectorization: in torch 2.13 its
     vectorized kernels for int64-indexed gathers under dynamic shapes (the loss positions' targets,
@@ -173,11 +187,13 @@ def compile_model(model, device: torch.device):
     and corrupted the heap ("free(): invalid pointer") with AVX-512 (tests/e2e/test_trainer.py::
     test_torch_compile_trains_like_eager, test_compiled_cpu_gathers_equal_eager). The compiled
     graph still fuses; CUDA (Triton) is not affected."""
-    if device.type == "cpu":
+    if device.type == "cpu" and backend == "inductor":
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.simdlen = 1
-    return torch.compile(model)
+    for block in unwrap(model).model.layers:
+        block.compile(backend=backend)
+    return model
 
 
 def build_optimizer(model: MiniMindForCausalLM, args, device: torch.device) -> torch.optim.AdamW:
