@@ -9,8 +9,8 @@ import torch
 from dataset import load_tokenizer
 from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
 from model import MiniMindConfig, MiniMindForCausalLM
+from model.modeling_minimind import MiniMindBlock
 from trainer.errors import ConfigError
-from trainer.parallel.ddp import unwrap
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
 from trainer.weights.write import minimind_unsupported
@@ -191,8 +191,9 @@ def compile_model(model, device: torch.device, backend="inductor"):
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.simdlen = 1
-    for block in unwrap(model).model.layers:
-        block.compile(backend=backend)
+    for module in model.modules():  # through any wrapper: DDP, FSDP2, a benchmark's objective
+        if isinstance(module, MiniMindBlock):
+            module.compile(backend=backend)
     return model
 
 
