@@ -115,32 +115,33 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
     assert torch.isfinite(out.loss).item()
 
 
-def test_an_optimizer_step_makes_one_host_sync():
-    """trainer/loop.optimizer_step on the GPU (two micro-batches, clipping, fused AdamW, the queued
-    finite-weights check): exactly one synchronizing call, the read of the gradient-norm flag and
-    the previous update's weights check together (tests/test_loop_syncs.py is the CPU version)."""
-    import warnings
-
-    from tests.trainer.loop.test_loop_syncs import micro_batches, tiny_run
-    from trainer.loop.loop import agree_on_step, optimizer_step
+def test_steps_between_log_lines_make_no_host_sync():
+    """trainer/loop.take_step on the GPU (two micro-batches, the counts agreed from the CPU batches,
+    clipping, fused AdamW skipping a NaN step on the device, the flags queued): no synchronizing call
+    in a step between log lines; the log line then reads them (tests/trainer/loop/test_loop_syncs.py
+    is the CPU version)."""
+    from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, poisoned, snapshot, tiny_run
+    from trainer.loop.loop import log_interval, take_step
 
     run = tiny_run(torch.device("cuda:0"))
-    batches = micro_batches()
-    totals = agree_on_step(run, batches)
-    optimizer_step(run, batches, totals, 1e-3)  # CUDA/cuBLAS initialisation, AdamW's state
-    run.state.step = 1
-    assert run.weights_check is not None  # step 2 reads it
+    interval = new_interval(run)
+    take_step(run, micro_batches(0), interval, 1e-3)  # CUDA/cuBLAS initialisation, AdamW's state
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            optimizer_step(run, batches, totals, 1e-3)
+        take_step(run, micro_batches(1), interval, 1e-3)
+        with poisoned(run):
+            take_step(run, micro_batches(2), interval, 1e-3)
+        take_step(run, micro_batches(3), interval, 1e-3)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchronizing CUDA operation" in str(w.message)]
-    assert len(syncs) == 1, syncs
-    assert run.weights_check.step == 2 and not bool(run.weights_check.bad)
+    before = snapshot(run)
+    with poisoned(run):
+        take_step(run, micro_batches(4), interval, 1e-3)
+    after = snapshot(run)
+    assert all(torch.equal(before[key], after[key]) for key in before)  # a skipped step changes nothing
+    log_interval(run, interval, torch.zeros((), device="cuda:0"), 1e-3, 10)
+    assert run.state.skipped_steps == 2 and run.logger.rows[-1][1]["skipped_steps"] == 2
 
 
 def test_bench_memory_measures_on_the_gpu():

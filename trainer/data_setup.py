@@ -15,6 +15,7 @@ from dataset.data_report import training_summary
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, parse_data_path
 from trainer.evaluation.evaluate import EvalSet, generation_examples
 from trainer.evaluation.selection import eval_set_names
+from trainer.model_setup import COMPILE_PAD_MULTIPLE
 from trainer.run_identity import RunIdentity, epoch_grouping, identify_run
 
 
@@ -106,7 +107,8 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
         MarkFillers(dataset),  # the sampler's epoch-padding repeats count for nothing (dataset/epoch_padding.py)
         batch_size=args.batch_size,
         sampler=sampler,
-        collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
+        collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id,
+                               pad_to_multiple_of=COMPILE_PAD_MULTIPLE if args.use_compile else None),
         num_workers=workers,
         pin_memory=ctx.device.type == "cuda",
         # Worker seeds come from this generator, not the global RNG: resuming mid-epoch then

@@ -7,6 +7,7 @@ import os
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
+from model.modeling_minimind import MiniMindBlock
 from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
@@ -154,8 +155,21 @@ def build_model(args, config: MiniMindConfig, device: torch.device, weights: Wei
     return model.to(device)
 
 
-def compile_model(model, device: torch.device):
-    """torch.compile(model) for --use_compile 1.
+# --use_compile 1 pads every batch to a multiple of this many tokens (trainer/data_setup.py): few
+# distinct lengths over an epoch of length-grouped batches, and GPU-friendly matrix sizes.
+COMPILE_PAD_MULTIPLE = 64
+
+
+def compile_model(model, device: torch.device, backend="inductor"):
+    """--use_compile 1: each transformer block compiled on its own (`module.compile()`), as torchtitan
+    does; `model` (and what wraps it: DDP, FSDP2) stays the object it was.
+
+    One compiled block serves every layer (the same code; the weights are graph inputs). The
+    embeddings, the RoPE rows, the mask and the chunked loss run eagerly between the blocks, and
+    FSDP2's per-block hooks run outside the compiled code, so none of them breaks a graph. The
+    batch length varies: dynamo compiles the first length as a constant and the second as a
+    symbol (automatic dynamic shapes), after which the compiled code serves every length
+    (tests/trainer/test_model_setup.py counts the recompiles over an epoch).
 
     On CPU inductor's C++ code is generated without SIMD vectorization: in torch 2.13 its
     vectorized kernels for int64-indexed gathers under dynamic shapes (the loss positions' targets,
@@ -163,16 +177,33 @@ def compile_model(model, device: torch.device):
     and corrupted the heap ("free(): invalid pointer") with AVX-512 (tests/e2e/test_trainer.py::
     test_torch_compile_trains_like_eager, test_compiled_cpu_gathers_equal_eager). The compiled
     graph still fuses; CUDA (Triton) is not affected."""
-    if device.type == "cpu":
+    if device.type == "cpu" and backend == "inductor":
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.simdlen = 1
-    return torch.compile(model)
+    for module in model.modules():  # through any wrapper: DDP, FSDP2, a benchmark's objective
+        if isinstance(module, MiniMindBlock):
+            module.compile(backend=backend)
+    return model
 
 
 def build_optimizer(model: MiniMindForCausalLM, args, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (not on norms), fused kernels on CUDA."""
+    """AdamW; weight decay on matrices only (not on norms). Fused kernels on every device: they take
+    `found_inf`, which skips a non-finite step on the device without the host reading anything
+    (trainer/loop/loop.py: step_unless)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=True)
+
+
+def keep_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
+    """After a resume: loading an optimizer state takes each group's settings from the checkpoint
+    (`fused`, `foreach` of the run that wrote it); back to fused AdamW, whose step counters live on
+    the parameters' device in float32."""
+    for group in optimizer.param_groups:
+        group.update(fused=True, foreach=None)
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            if "step" in state:
+                state["step"] = state["step"].to(device=param.device, dtype=torch.float32)

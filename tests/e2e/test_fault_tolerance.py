@@ -26,6 +26,8 @@ from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
 
+FAULTY_TRAINER = os.path.join(REPO, "tests", "helpers", "faults.py")  # the trainer with MINISFT_FAULT_* planted
+
 # One process x batch 4, and two processes x batch 2: 10 optimizer steps, a checkpoint every 2.
 ONE_PROCESS = ["--batch_size", "4", "--max_steps", "10", "--save_interval", "2", "--keep_last", "10"]
 TWO_PROCESSES = ["--batch_size", "2", "--max_steps", "10", "--save_interval", "2", "--keep_last", "10"]
@@ -423,7 +425,8 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, t
     save_dir = tmp_path / "run"
     env = clean_env(MINISFT_FAULT_NAN_STEPS="2,4,5,6")
     result = run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "10", "--save_interval", "1",
-                               "--keep_last", "20", "--max_bad_steps", "3"), env=env, check=False)
+                               "--keep_last", "20", "--max_bad_steps", "3"), script=FAULTY_TRAINER, env=env,
+                         check=False)
     assert result.returncode == 1, result.stderr[-3000:]
     assert last_line(result.stderr) == (
         f"error: 3 optimizer steps in a row had a non-finite loss or gradient norm (last at step 6); stopped. "
@@ -445,7 +448,7 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, t
     # the count survives a resume: two bad steps saved at step 5, one more after it stops the run
     resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "4", "--max_steps", "10",
                                 "--max_bad_steps", "3", "--resume_from", checkpoint_at(save_dir, 5)),
-                          env=clean_env(MINISFT_FAULT_NAN_STEPS="6"), check=False)
+                          script=FAULTY_TRAINER, env=clean_env(MINISFT_FAULT_NAN_STEPS="6"), check=False)
     assert resumed.returncode == 1 and "(last at step 6)" in last_line(resumed.stderr), resumed.stderr[-2000:]
     assert not os.path.exists(checkpoint_at(save_dir, 7))
     rows = {row["step"]: row for row in map(json.loads, open(save_dir / "metrics.jsonl", encoding="utf-8"))}

@@ -14,6 +14,7 @@ from scripts.verify_equivalence import compare, drop_flags, variants
 from tests.helpers.trainer_launch import REPO, TINY, clean_env, free_port
 
 TOOL = os.path.join(REPO, "scripts", "verify_equivalence.py")
+FAULTY_TOOL = [os.path.join(REPO, "tests", "helpers", "faults.py"), "--verify_equivalence"]  # faults planted
 HEADER = ["variant", "against", "max |diff|", "rel diff", "tolerance", "result", "worst tensor (its rel diff)"]
 TWO = ["1 process x batch 4 (reference)", "1 process x batch 2 x accumulation 2", "2 processes x batch 2",
        "2 processes x batch 2, resumed at step 4"]
@@ -21,8 +22,8 @@ ONE = ["1 process x batch 4 (reference)", "1 process x batch 2 x accumulation 2"
        "1 process x batch 4, resumed at step 4"]
 
 
-def run_tool(*args: str, env=None, launcher=None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*(launcher or [sys.executable]), TOOL, *args], cwd=REPO, env=env or clean_env(),
+def run_tool(*args: str, env=None, launcher=None, timeout: float = 600, tool=(TOOL,)) -> subprocess.CompletedProcess:
+    return subprocess.run([*(launcher or [sys.executable]), *tool, *args], cwd=REPO, env=env or clean_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -91,9 +92,10 @@ def test_one_process_compares_accumulation_2_with_batch_2b(data, tmp_path):
 
 @pytest.mark.slow
 def test_a_planted_per_rank_mean_fails_the_two_process_variant(data, tmp_path):
-    """MINISFT_FAULT_LOCAL_MEAN=1 (trainer/loop/loop.py): every rank divides by its own loss-token
+    """MINISFT_FAULT_LOCAL_MEAN=1 (tests/helpers/faults.py): every rank divides by its own loss-token
     count, the classic bug. One process is unaffected, so only the 2-process row fails."""
-    done = run_tool("--nproc_per_node", "2", *tool_flags(data, tmp_path), env=clean_env(MINISFT_FAULT_LOCAL_MEAN="1"))
+    done = run_tool("--nproc_per_node", "2", *tool_flags(data, tmp_path), env=clean_env(MINISFT_FAULT_LOCAL_MEAN="1"),
+                    tool=FAULTY_TOOL)
     assert done.returncode == 1, done.stdout + done.stderr
     rows = table(done.stdout)
     assert list(rows) == TWO

@@ -3,6 +3,8 @@ resume checkpoint) and which tokenizer goes with them."""
 
 import os
 
+import pytest
+
 from tests.helpers.trainer_launch import flags, run_trainer
 
 
@@ -141,3 +143,47 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
                               check=False)
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [message]
         assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "x_32.pth")
+
+
+@pytest.mark.slow
+def test_compiled_blocks_run_an_epoch_of_lengths_without_graph_breaks_and_two_recompiles():
+    """--use_compile 1 compiles each block on its own; over an epoch of length-grouped batches
+    (lengths 5-127 padded to a multiple of 64, the last batch smaller) the compiled code has no
+    graph break and is compiled again at most twice after the first step (the length, then the
+    batch size, become symbols). dynamo's "eager" backend counts what inductor would compile."""
+    import random
+
+    import torch
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    from dataset import SFTCollator
+    from tests.trainer.loop.test_loop_syncs import tiny_run
+    from trainer.loop.loop import agree_on_step, optimizer_step
+    from trainer.model_setup import COMPILE_PAD_MULTIPLE, compile_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    run = tiny_run(torch.device("cpu"))
+    compiled = CompileCounter()
+    assert compile_model(run.model, torch.device("cpu"), backend=compiled) is run.model
+    collate = SFTCollator(pad_token_id=0, pad_to_multiple_of=COMPILE_PAD_MULTIPLE)
+    generator = torch.Generator().manual_seed(0)
+    lengths = sorted(torch.randint(5, 128, (30,), generator=generator).tolist())
+    batches = [lengths[start:start + 4] for start in range(0, len(lengths), 4)]
+    random.Random(0).shuffle(batches)
+    frames, shapes = [], set()
+    for rows in batches:
+        items = []
+        for length in rows:
+            ids = torch.randint(1, 97, (length,), generator=generator)
+            labels = ids.clone()
+            labels[: length // 3] = -100
+            items.append({"input_ids": ids.numpy(), "labels": labels.numpy()})
+        micro_batches = [collate(items)]
+        shapes.add(tuple(micro_batches[0]["input_ids"].shape))
+        optimizer_step(run, micro_batches, agree_on_step(run, micro_batches), 1e-3)
+        frames.append(compiled.frame_count)
+    assert shapes == {(4, 64), (4, 128), (2, 128)}
+    assert dict(counters["graph_break"]) == {}
+    assert frames[0] == 1 and frames[-1] - frames[0] <= 2, frames

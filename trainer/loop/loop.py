@@ -2,23 +2,24 @@
 
 One optimizer step = `accumulation_steps` micro-batches on every rank. Its loss is the mean
 over ALL loss tokens of all those micro-batches on all ranks: the ranks first agree on that
-token count (one small all-reduce, which also carries the "stop now" flag for preemption), each
-micro-batch contributes `sum of its token losses / global count`, and DDP's gradient averaging
-(FSDP2's reduce-scatter averages the same way) is undone by a factor of world_size. So N ranks x
-B samples is the same step as 1 rank x N*B, and accumulation is the same as a bigger batch. Gradients are all-reduced once per optimizer
-step (`run.parallel.micro_step`: no_sync, or no reduce-scatter, on the other micro-steps).
+token count (one small all-reduce of host values, which also carries the "stop now" flag for
+preemption), each micro-batch contributes `sum of its token losses / global count`, and DDP's
+gradient averaging (FSDP2's reduce-scatter averages the same way) is undone by a factor of
+world_size. So N ranks x B samples is the same step as 1 rank x N*B, and accumulation is the same
+as a bigger batch. Gradients are all-reduced once per optimizer step (`run.parallel.micro_step`:
+no_sync, or no reduce-scatter, on the other micro-steps).
 
-Host synchronisation: none per micro-step; per optimizer step one on one process (whether the
-gradient norm is finite, read together with the previous update's finite-weights check, see
-`read_step_flags`) and one more with several processes (the token count / stop flag); one per log
-interval (the loss; with several training sources a second one for the per-source losses,
-`trainer/loop/source_losses.py`).
+Host synchronisation: none in a step between log lines. The counts come from the CPU batches
+and are summed over the ranks on a gloo group of host memory (`all_reduce_sum_on_host`); a
+non-finite step is skipped on the device and its flags are read later (trainer/loop/health.py:
+at log lines, saves, evaluations, and every min(--log_interval, --max_bad_steps) steps); the log
+line reads the loss (with several training sources, the per-source losses too,
+trainer/loop/source_losses.py).
 The run and its resume state are trainer/loop/state.py.
 """
 
 import itertools
 import math
-import os
 import time
 from typing import NamedTuple
 
@@ -26,26 +27,16 @@ import torch
 
 from dataset import IGNORE_INDEX, model_inputs
 from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE
-from trainer.errors import CheckpointError, TrainingError
+from trainer.errors import CheckpointError
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, update_selection
+from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
 from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, set_lr
 from trainer.loop.source_losses import SourceLosses
-from trainer.loop.state import Run, WeightsCheck, resume_state
-from trainer.runtime.distributed import all_reduce_sum, barrier, broadcast_object
+from trainer.loop.state import Run, resume_state
+from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, barrier, broadcast_object
 from trainer.runtime.precision import autocast
 from trainer.weights.write import publish_inference_weights, save_minimind_copy
-
-# Fault injection for tests/e2e/test_fault_tolerance.py, read in `injected_nan_steps` and nowhere else:
-# a comma-separated list of optimizer steps (numbered from 1, as in the logs) whose loss is made
-# NaN, e.g. MINISFT_FAULT_NAN_STEPS="3,4,5". Leave it unset for real training.
-FAULT_NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
-# A planted bug for tests/scripts/test_verify_equivalence.py, read in `agree_on_step` and nowhere else:
-# MINISFT_FAULT_LOCAL_MEAN=1 makes every rank divide its token loss by its OWN loss-token count instead of
-# the step's global count, so DDP averages per-rank means (the classic normalisation bug) and N ranks x B
-# no longer equal 1 rank x N*B; scripts/verify_equivalence.py must report it. Leave it unset for real training.
-FAULT_LOCAL_MEAN_ENV = "MINISFT_FAULT_LOCAL_MEAN"
-
 
 def raise_on_every_rank(error: str | None) -> None:
     """A write that failed on rank 0 (its one-line reason, or None) is raised on every rank, so no
@@ -61,7 +52,7 @@ def save(run: Run) -> None:
 
     A failed write on rank 0 (disk full, permissions) is re-raised on every rank, so nobody hangs.
     """
-    settle_weights_check(run)  # never a non-finite weight in a file
+    settle(run)  # never a non-finite weight in a file; --max_bad_steps counted up to this step
     content = resume_state(run)
     error = path = None
     try:
@@ -114,37 +105,32 @@ class StepTotals(NamedTuple):
 
 
 def agree_on_step(run: Run, micro_batches: list[dict]) -> StepTotals:
-    """Global loss-token, real-token and row counts, and whether any rank must stop now."""
+    """Global loss-token, real-token and row counts, and whether any rank must stop now: counted on
+    the CPU batches (before they move to the device) and summed over the ranks in host memory."""
     loss_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
     real_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
     sequences = sum(int(mb["attention_mask"].any(dim=1).sum()) for mb in micro_batches)
     stop = int(run.preemption.requested)
-    local_loss_tokens = loss_tokens
     if run.ctx.distributed:
-        figures = torch.tensor([loss_tokens, real_tokens, sequences, stop], dtype=torch.int64, device=run.ctx.device)
-        loss_tokens, real_tokens, sequences, stop = all_reduce_sum(figures).tolist()
-    if os.environ.get(FAULT_LOCAL_MEAN_ENV) == "1":  # planted bug (test-only): x world_size then gives sum / local count
-        loss_tokens = local_loss_tokens * run.ctx.world_size
+        figures = torch.tensor([loss_tokens, real_tokens, sequences, stop], dtype=torch.int64)
+        loss_tokens, real_tokens, sequences, stop = all_reduce_sum_on_host(figures).tolist()
     return StepTotals(loss_tokens, real_tokens, sequences, bool(stop))
 
 
-def injected_nan_steps() -> frozenset[int]:
-    text = os.environ.get(FAULT_NAN_STEPS_ENV, "")
-    try:
-        return frozenset(int(part) for part in text.split(",") if part.strip())
-    except ValueError as error:
-        raise TrainingError(f"{FAULT_NAN_STEPS_ENV}={text!r}: expected step numbers like 3,4,5") from error
+class StepResult(NamedTuple):
+    loss: torch.Tensor  # this rank's contribution to the step's loss (on the device)
+    grad_norm: torch.Tensor
+    finite: torch.Tensor  # whether the update was applied (bool, on the device)
 
 
-def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: float, inject_nan: bool = False,
-                   source_losses: SourceLosses | None = None):
-    """Forward/backward over the micro-batches, clip, step. Returns (loss contribution, grad norm, applied).
+def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: float,
+                   source_losses: SourceLosses | None = None) -> StepResult:
+    """Forward/backward over the micro-batches, clip, step; nothing here waits for the device.
 
     Every micro-batch's token loss is divided by the step's global loss-token count and its MoE
     balance loss by the step's global row count, so the step's objective does not depend on how
-    the rows are split over ranks and micro-batches. An applied update leaves its finite-weights
-    check in `run.weights_check` (read by the next step's one host sync, or by the next save/eval).
-    `inject_nan` (fault injection, see FAULT_NAN_STEPS_ENV) makes this step's loss NaN.
+    the rows are split over ranks and micro-batches. A non-finite gradient norm skips the update
+    on the device (`found_inf` of fused AdamW; under float16 the GradScaler's own).
     `source_losses` (several training sources) gets every micro-batch's per-token losses."""
     model, ctx, scaler = run.model, run.ctx, run.scaler
     set_lr(run.optimizer, lr)
@@ -156,99 +142,43 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
                 out = model(**model_inputs(batch, ctx.device), num_items_in_batch=max(totals.loss_tokens, 1),
                             num_sequences_in_batch=max(totals.sequences, 1), skip_logits=True,
                             **({"return_token_losses": True} if source_losses else {}))
-            loss = out.loss * float("nan") if inject_nan else out.loss
             if source_losses:
                 source_losses.add_micro_batch(out.token_losses, batch)
             # x world_size undoes DDP's averaging: the gradient is the mean over all loss tokens (rows).
-            objective = (loss + out.aux_loss) * ctx.world_size
+            objective = (out.loss + out.aux_loss) * ctx.world_size
             scaler.scale(objective).backward()
-        local_loss += loss.detach().float()
+        local_loss += out.loss.detach().float()
     scaler.unscale_(run.optimizer)
     max_norm = run.args.grad_clip if run.args.grad_clip > 0 else float("inf")
     grad_norm = run.parallel.clip_grad_norm(max_norm)
-    finite = read_step_flags(run, grad_norm)
+    finite = torch.isfinite(grad_norm)
     if scaler.is_enabled():
-        scaler.step(run.optimizer)  # skips the update itself when it found inf/NaN
+        scaler.step(run.optimizer)  # hands its found_inf to fused AdamW, which skips on the device
         scaler.update()
-    elif finite:
-        run.optimizer.step()
+    else:
+        step_unless(run.optimizer, ~finite)
     run.optimizer.zero_grad(set_to_none=True)
-    if finite:
-        run.weights_check = WeightsCheck(run.state.step + 1, non_finite_weights(run))  # this step's number
-    return local_loss, grad_norm.detach(), finite
+    return StepResult(local_loss, grad_norm.detach(), finite)
 
 
-def read_step_flags(run: Run, grad_norm: torch.Tensor) -> bool:
-    """The optimizer step's one host sync: whether the gradient norm is finite and, in the same
-    transfer, the previous update's finite-weights check (raises TrainingError if that update
-    broke the weights, before this step can update them again)."""
-    check, run.weights_check = run.weights_check, None
-    bad = check.bad if check is not None else torch.zeros((), device=grad_norm.device)
-    finite, weights_bad = torch.stack([torch.isfinite(grad_norm).float(), bad.float()]).tolist()
-    if weights_bad:
-        raise_non_finite_weights(run, check.step)
-    return bool(finite)
+def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step(), a no-op on the device where `skip` is true: fused AdamW then leaves the
+    weights, the moments and the step counter as they were (the GradScaler's protocol)."""
+    optimizer.found_inf = skip.float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
-def track_bad_steps(run: Run, finite: bool) -> None:
-    """Count non-finite steps; too many in a row stops the run with the last good weights saved."""
-    state = run.state
-    if finite:
-        state.bad_steps_in_a_row = 0
-        return
-    state.skipped_steps += 1
-    # With float16 the GradScaler skips overflowing steps while it calibrates its scale; only
-    # count those once the scale is tiny (the loss itself is non-finite, not just large).
-    if run.scaler.is_enabled() and run.scaler.get_scale() >= 1.0:
-        return
-    state.bad_steps_in_a_row += 1
-    run.logger.print(
-        f"warning: step {state.step} had a non-finite loss or gradient norm: optimizer step skipped "
-        f"({state.bad_steps_in_a_row} in a row, {state.skipped_steps} in total)"
-    )
-    if state.bad_steps_in_a_row >= run.args.max_bad_steps:
+def settle(run: Run, check_weights: bool = True) -> None:
+    """Read the steps' pending flags (and, with `check_weights`, whether the weights are finite):
+    raises TrainingError for non-finite weights, and for --max_bad_steps bad steps in a row after
+    saving the last good weights."""
+    stopped_at = read_steps(run, check_weights)
+    if stopped_at is not None:
         save(run)
-        raise TrainingError(
-            f"{state.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm "
-            f"(last at step {state.step}); stopped. The last good weights are saved in {run.args.save_dir}"
-        )
-
-
-@torch.no_grad()
-def non_finite_weights(run: Run) -> torch.Tensor:
-    """After an applied update, on the device (no host sync): 1.0 if some weight is inf/NaN, else 0.0.
-    A finite gradient norm alone does not prove the weights finite: a huge learning rate turns
-    finite gradients into inf/NaN weights.
-
-    The smallest and the largest value of each parameter (one `aminmax` pass): a NaN anywhere makes
-    them NaN, an inf makes one of them inf, finite values keep them finite, so they are all finite
-    exactly when every weight is. It replaced the inf-norm of each parameter, which cost about
-    three times as much on CPU (`scripts/bench.py --step_compare` times both)."""
-    params = list(run.raw_model.parameters())
-    sharded = any(hasattr(p, "to_local") for p in params)  # --fsdp 1: each rank checks its shards
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    extremes = [value for p in local if p.numel() for value in torch.aminmax(p)]  # a rank's shard may be empty
-    device = local[0].device if local else run.ctx.device
-    bad = (~torch.isfinite(torch.stack(extremes))).any().float() if extremes else torch.zeros((), device=device)
-    if sharded:
-        all_reduce_sum(bad)  # every rank takes the same decision
-    return bad
-
-
-def settle_weights_check(run: Run) -> None:
-    """Read the last update's finite-weights check now (before a save or an evaluation): the run
-    stops before a non-finite weight can reach any file."""
-    check, run.weights_check = run.weights_check, None
-    if check is not None and bool(check.bad):
-        raise_non_finite_weights(run, check.step)
-
-
-def raise_non_finite_weights(run: Run, step: int):
-    """The checkpoints already on disk stay the last good ones."""
-    raise TrainingError(
-        f"step {step} made the weights non-finite (--learning_rate {run.args.learning_rate:g} or --weight_decay {run.args.weight_decay:g} too large?); "
-        f"stopped without saving them. The checkpoints in {run.args.save_dir} are the last good weights"
-    )
+        raise bad_steps_error(run, stopped_at)
 
 
 def save_best(run: Run) -> None:
@@ -270,7 +200,7 @@ def save_best(run: Run) -> None:
 def evaluate_and_select(run: Run) -> bool:
     """Evaluate, log, keep the best model; True when early stopping says the run should end."""
     state, args = run.state, run.args
-    settle_weights_check(run)
+    settle(run)
     # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
     figures = broadcast_object(evaluate(run))
     new_best = stop = False
@@ -309,13 +239,12 @@ def train(run: Run) -> str:
         f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
         f"device {run.ctx.device}"
     )
-    interval = {"loss": torch.zeros((), device=run.ctx.device), "steps": 0, "tokens": 0, "start": time.time(),
+    interval = {"loss": torch.zeros((), device=run.ctx.device), "tokens": 0, "start": time.time(),
                 "run_start": time.time(), "run_first_step": state.step,
                 # a resume off the log grid: the first window averages only the steps since then
                 "resumed_at": state.step if state.step % args.log_interval else None,
                 # several training sources: their losses per log window
                 "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
-    nan_steps = injected_nan_steps()
     last_saved = last_eval = state.step
     status = "finished"
     while state.step < total_steps and state.epoch < args.epochs:
@@ -329,28 +258,13 @@ def train(run: Run) -> str:
             if not micro_batches:  # defensive: the sampler always covers the epoch
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
                 break
-            totals = agree_on_step(run, micro_batches)
-            if totals.stop:
+            lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
+            result = take_step(run, micro_batches, interval, lr)
+            if result is None:
                 status = "preempted"
                 break
-            lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
-            loss, grad_norm, finite = optimizer_step(run, micro_batches, totals, lr,
-                                                     inject_nan=state.step + 1 in nan_steps,
-                                                     source_losses=interval["sources"])
-            if interval["sources"]:
-                interval["sources"].end_step(totals.loss_tokens, finite)
-            state.step += 1
-            consumed = sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
-            state.samples_in_epoch += consumed
-            if state.samples_in_epoch >= len(run.data.dataset):
-                state.epoch, state.samples_in_epoch = state.epoch + 1, 0
-            track_bad_steps(run, finite)
-            if finite:
-                interval["loss"] += loss
-                interval["steps"] += 1
-            interval["tokens"] += totals.real_tokens
             if state.step % args.log_interval == 0 or state.step == total_steps:
-                log_interval(run, interval, grad_norm, lr, total_steps)
+                log_interval(run, interval, result.grad_norm, lr, total_steps)
             if run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0:
                 last_eval = state.step
                 if evaluate_and_select(run):
@@ -372,26 +286,51 @@ def train(run: Run) -> str:
     return status
 
 
-def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:
-    """Reduce the interval's loss over ranks (the one host sync per log interval) and report it."""
+def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) -> StepResult | None:
+    """One optimizer step as the loop takes it between log lines: the ranks agree on the counts,
+    the step runs, its flags and loss join the log window on the device. None: stop now (preemption)."""
     state = run.state
+    totals = agree_on_step(run, micro_batches)
+    if totals.stop:
+        return None
+    result = optimizer_step(run, micro_batches, totals, lr, source_losses=interval["sources"])
+    if interval["sources"]:
+        interval["sources"].end_step(totals.loss_tokens, result.finite)
+    state.step += 1
+    run.health.pending.append(StepFlags(state.step, step_flags(result.finite, run.scaler)))
+    state.samples_in_epoch += sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
+    if state.samples_in_epoch >= len(run.data.dataset):
+        state.epoch, state.samples_in_epoch = state.epoch + 1, 0
+    interval["loss"] += torch.where(result.finite, result.loss, 0.0)  # a skipped step's loss is left out
+    interval["tokens"] += totals.real_tokens
+    if reads_due(run):
+        settle(run, check_weights=False)
+    return result
+
+
+def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:
+    """Read the window's flags and reduce its loss over ranks (the log line's host reads), then report."""
+    state = run.state
+    settle(run)
+    finite = run.health.take_window()
+    steps = sum(finite)
     loss_sum = all_reduce_sum(interval["loss"].clone()).item()
     elapsed = max(time.time() - interval["start"], 1e-9)
     steps_this_run = max(state.step - interval["run_first_step"], 1)
     seconds_per_step = (time.time() - interval["run_start"]) / steps_this_run  # ETA from the run's average
     norm = float(grad_norm)
     figures = {  # None (JSON null) rather than NaN: every step was skipped / the last norm was not finite
-        "loss": loss_sum / interval["steps"] if interval["steps"] else None,
+        "loss": loss_sum / steps if steps else None,
         "lr": lr,
         "grad_norm": norm if math.isfinite(norm) else None,
         "tokens_per_s": interval["tokens"] / elapsed,
         "skipped_steps": state.skipped_steps,
-        **(interval["sources"].figures() if interval["sources"] else {}),  # loss/<source>, loss_tokens/<source>, ...
+        **(interval["sources"].figures(finite) if interval["sources"] else {}),  # loss/<source>, loss_tokens/<source>, ...
     }
     if interval["resumed_at"] is not None:  # a shorter window than --log_interval: said on the line and the row
-        figures.update(resumed_at_step=interval["resumed_at"], loss_steps=interval["steps"])
+        figures.update(resumed_at_step=interval["resumed_at"], loss_steps=steps)
         interval["resumed_at"] = None
     shown_epoch = min(state.epoch, run.args.epochs - 1)  # the step that ends the last epoch belongs to it
     run.logger.log_train(state.step, total_steps, shown_epoch, run.args.epochs, figures,
                          eta_s=seconds_per_step * (total_steps - state.step))
-    interval.update(loss=torch.zeros((), device=run.ctx.device), steps=0, tokens=0, start=time.time())
+    interval.update(loss=torch.zeros((), device=run.ctx.device), tokens=0, start=time.time())

@@ -4,8 +4,9 @@ The model returns each loss position's cross-entropy (`return_token_losses`, in 
 collator's `loss_positions`) and the collator says each position's source (`loss_sources`). Per
 micro-batch the sums per source are added on the device (no host sync, deterministic); the loss tokens per
 source are counted from the CPU batch. A step's sums are divided by the step's global loss-token
-count, as the step's loss is, and kept only for a finite step, as the loss is. At the log step
-one all-reduce (the window's only extra sync) gives, per source `s`:
+count, as the step's loss is, and kept only for a finite step, as the loss is (on the device; the
+host counts of a step are kept until the log line, which knows which steps were finite). At the
+log step one all-reduce (the window's only extra sync) gives, per source `s`:
 
     loss/s        sum over the window's steps of (s's token losses / the step's loss tokens),
                   divided by share/s: s's mean token loss, each token weighted as in `loss`
@@ -27,9 +28,8 @@ class SourceLosses:
         self.names = list(names)
         self.device = device
         self.window_loss = torch.zeros(len(names), dtype=torch.float32, device=device)
-        self.window_share = [0.0] * len(names)
-        self.window_tokens = [0] * len(names)
-        self.steps = 0
+        # each step's (loss tokens, per source, finite: a bool or a bool tensor on the device)
+        self.window_steps: list[tuple[int, list[int], bool | torch.Tensor]] = []
         self.source_numbers = torch.arange(len(names), device=device)
         self.start_step()
 
@@ -46,30 +46,34 @@ class SourceLosses:
         for source, count in enumerate(torch.bincount(sources, minlength=len(self.names)).tolist()):
             self.step_tokens[source] += count
 
-    def end_step(self, step_loss_tokens: int, finite: bool) -> None:
+    def end_step(self, step_loss_tokens: int, finite: bool | torch.Tensor) -> None:
         """Close the step (its global loss-token count); a non-finite step is left out, as from `loss`."""
-        if finite:
-            self.steps += 1
-            if step_loss_tokens:
-                self.window_loss += self.step_sums / step_loss_tokens
-                for source, count in enumerate(self.step_tokens):
-                    self.window_share[source] += count / step_loss_tokens
-                    self.window_tokens[source] += count
+        if step_loss_tokens:
+            applied = torch.as_tensor(finite, device=self.device)
+            self.window_loss += torch.where(applied, self.step_sums / step_loss_tokens, 0.0)
+        self.window_steps.append((step_loss_tokens, self.step_tokens, finite))
         self.start_step()
 
-    def figures(self) -> dict:
-        """The window's per-source figures, reduced over ranks (collective), then a new window."""
+    def figures(self, finite: list[bool] | None = None) -> dict:
+        """The window's per-source figures, reduced over ranks (collective), then a new window.
+        `finite`: which of the window's steps were applied, as the loop has read them (None: read here)."""
         count = len(self.names)
-        host = torch.tensor(self.window_share + self.window_tokens, dtype=torch.float64, device=self.device)
+        if finite is None:
+            finite = [bool(applied) for _, _, applied in self.window_steps]
+        shares, tokens = [0.0] * count, [0] * count
+        for (step_loss_tokens, step_tokens, _), applied in zip(self.window_steps, finite, strict=True):
+            for source, tokens_of in enumerate(step_tokens if applied and step_loss_tokens else ()):
+                shares[source] += tokens_of / step_loss_tokens
+                tokens[source] += tokens_of
+        steps = sum(finite)
+        host = torch.tensor(shares + tokens, dtype=torch.float64, device=self.device)
         reduced = all_reduce_sum(torch.cat([self.window_loss.double(), host])).tolist()
         losses, shares, tokens = reduced[:count], reduced[count:2 * count], reduced[2 * count:]
         figures = {}
         for name, loss, share, tokens_of in zip(self.names, losses, shares, tokens):
             figures[f"loss/{name}"] = loss / share if share else None
             figures[f"loss_tokens/{name}"] = int(tokens_of)
-            figures[f"loss_share/{name}"] = share / self.steps if self.steps else None
+            figures[f"loss_share/{name}"] = share / steps if steps else None
         self.window_loss.zero_()
-        self.window_share = [0.0] * count
-        self.window_tokens = [0] * count
-        self.steps = 0
+        self.window_steps = []
         return figures

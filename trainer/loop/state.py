@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -18,6 +17,8 @@ from trainer.checkpoint.save_dir import (
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
+from trainer.loop.health import StepHealth
+from trainer.model_setup import keep_fused_kernels
 from trainer.parallel import Parallelism
 from trainer.parallel.ddp import unwrap
 from trainer.run_logger import RunLogger
@@ -26,13 +27,6 @@ from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
 from trainer.weights.tokenizer import checkpoint_record
-
-
-class WeightsCheck(NamedTuple):
-    """An applied update's finite-weights check, computed on the device and not read yet."""
-
-    step: int  # the optimizer step (numbered from 1) whose update it checks
-    bad: torch.Tensor  # > 0 when some weight is inf/NaN (on every rank under --fsdp 1)
 
 
 @dataclass
@@ -70,7 +64,7 @@ class Run:
     parallel: Parallelism  # how the processes share the model (DDP or FSDP)
     tokenizer_path: str | None = None  # where the tokenizer came from (None: the shipped one)
     state: TrainState = field(default_factory=TrainState)
-    weights_check: WeightsCheck | None = None  # the last update's check, read at the next host sync
+    health: StepHealth = field(default_factory=StepHealth)  # the steps' flags on the device, not read yet
 
     @property
     def raw_model(self):
@@ -121,6 +115,7 @@ def restore(run: Run, saved: dict) -> None:
         run.parallel.load_training_state(run.optimizer, saved)
     except (RuntimeError, ValueError, KeyError) as error:
         raise CheckpointError(f"resume checkpoint does not fit this run: {first_line(error)}") from error
+    keep_fused_kernels(run.optimizer)
     if saved.get("scaler") and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
     run.state = TrainState(

@@ -65,7 +65,10 @@ def wrap_for_distributed(model: MiniMindForCausalLM, ctx):
     return DistributedDataParallel(
         model,
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        find_unused_parameters=model.config.use_moe,  # an expert may get no token in a micro-batch
+        # Only an MoE layer can leave a parameter without a gradient (an expert no token of the
+        # micro-batch was routed to); a dense model uses every parameter, so DDP skips its walk of
+        # the autograd graph for unused ones (and the host copy of their map that goes with it).
+        find_unused_parameters=model.config.use_moe,
     )
 
 

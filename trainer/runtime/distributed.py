@@ -128,6 +128,7 @@ def init_distributed(args) -> DistContext:
                                 **elastic_store(rank, world_size, timeout))
         # Rendezvous only proves the store is up; a collective proves every peer is here.
         barrier(device)
+        open_host_group(backend, timeout)
     except Exception as error:  # noqa: BLE001 - turned into one clear line
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise DistributedError(
@@ -203,6 +204,25 @@ def barrier(device: torch.device | None = None) -> None:
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+# The process group for the loop's per-step figures (host values: token counts, the stop flag): gloo
+# on host memory, so that agreeing on them never makes a rank wait for its GPU. None: the default
+# group, which is gloo already (or there is only one process).
+HOST_GROUP = None
+
+
+def open_host_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Beside an NCCL group, a gloo group of the same processes (collective: every rank calls it)."""
+    global HOST_GROUP
+    HOST_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
+
+
+def all_reduce_sum_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a CPU tensor over the ranks without touching a device (HOST_GROUP)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=HOST_GROUP)
     return tensor
 
 

@@ -1,11 +1,14 @@
-"""The optimizer step's host synchronisation (trainer/loop/loop.py): one read of device values per step,
-which carries both the gradient-norm check and the previous update's finite-weights check.
+"""The loop's host reads of device values (trainer/loop/loop.py, trainer/loop/health.py): none in a
+step between log lines; the flags of skipped steps and the weights check read at log lines,
+saves, evaluations, and every min(--log_interval, --max_bad_steps) steps.
 
-On CPU a "host sync" is every place where our code turns a tensor into a Python value (.item(),
-.tolist(), bool(), float(), int()): on a GPU each of those waits for the device. The GPU version
-of this test, with torch.cuda.set_sync_debug_mode, is in tests/test_cuda.py."""
+`tests/helpers/host_reads.py` marks every tensor computed from the model, the loss or the optimizer
+and records each read of one on the host (on a GPU, a wait for the device). The GPU version, with
+torch.cuda.set_sync_debug_mode("error"), is in tests/test_cuda.py."""
 
+import json
 import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -13,36 +16,47 @@ import pytest
 import torch
 
 from dataset import SFTCollator
+from tests.helpers.host_reads import HostReads
+from tests.helpers.trainer_launch import REPO, clean_env, torchrun_cmd
 from tests.model.test_model import tiny_model
-from tests.helpers.trainer_launch import REPO
-from trainer.runtime.distributed import DistContext
 from trainer.errors import TrainingError
-from trainer.loop.loop import agree_on_step, evaluate_and_select, optimizer_step, save, settle_weights_check
+from trainer.loop import loop
+from trainer.loop.loop import evaluate_and_select, log_interval, save, settle, take_step
 from trainer.loop.state import Run
 from trainer.model_setup import build_optimizer
-from trainer.runtime.precision import build_grad_scaler
 from trainer.parallel.ddp import Replicated
+from trainer.runtime.distributed import DistContext
+from trainer.runtime.precision import build_grad_scaler
 
-OUR_CODE = tuple(os.path.join(REPO, folder) + os.sep for folder in ("trainer", "model", "dataset"))
-CONVERSIONS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__")
+
+class Logger:
+    def __init__(self):
+        self.lines, self.rows = [], []
+
+    def print(self, line):
+        self.lines.append(line)
+
+    def log_train(self, step, total_steps, epoch, epochs, figures, eta_s):
+        self.rows.append((step, figures))
 
 
-def tiny_run(device: torch.device) -> Run:
-    """A one-process Run of a tiny fp32 model (the pieces optimizer_step uses)."""
+def tiny_run(device: torch.device, log_interval: int = 100, max_bad_steps: int = 100, parallel=None, ctx=None) -> Run:
+    """A Run of a tiny fp32 model with the pieces a step and a log line use."""
     model = tiny_model().to(device).train()
-    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=device, backend=None)
-    args = SimpleNamespace(grad_clip=1.0, learning_rate=1e-3, weight_decay=0.1, save_dir="out")
-    parallel = Replicated(ctx)
+    ctx = ctx or DistContext(rank=0, local_rank=0, world_size=1, device=device, backend=None)
+    args = SimpleNamespace(grad_clip=1.0, learning_rate=1e-3, weight_decay=0.1, save_dir="out", epochs=1,
+                           log_interval=log_interval, max_bad_steps=max_bad_steps)
+    parallel = parallel or Replicated(ctx)
     wrapped = parallel.wrap(model)
     return Run(args, ctx, wrapped, build_optimizer(model, args, device), build_grad_scaler(device, torch.float32),
-               torch.float32, data=None, eval_sets=[], tokenizer=None, logger=None, preemption=SimpleNamespace(requested=False),
-               parallel=parallel)
+               torch.float32, data=SimpleNamespace(dataset=range(10**6)), eval_sets=[], tokenizer=None,
+               logger=Logger(), preemption=SimpleNamespace(requested=False), parallel=parallel)
 
 
-def micro_batches() -> list[dict]:
+def micro_batches(seed: int = 0) -> list[dict]:
     """Two micro-batches of unequal lengths (accumulation 2)."""
     collate = SFTCollator(pad_token_id=0)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
 
     def item(length):
         ids = torch.randint(1, 97, (length,), generator=generator)  # tiny_model: 97 tokens
@@ -53,72 +67,131 @@ def micro_batches() -> list[dict]:
     return [collate([item(9), item(14)]), collate([item(20), item(6)])]
 
 
-def step(run: Run, batches: list[dict], lr: float) -> bool:
-    """One optimizer step as the loop takes it."""
-    _, _, finite = optimizer_step(run, batches, agree_on_step(run, batches), lr)
-    run.state.step += 1
-    return finite
+def new_interval(run: Run) -> dict:
+    return {"loss": torch.zeros((), device=run.ctx.device), "tokens": 0, "start": 0.0, "run_start": 0.0,
+            "run_first_step": 0, "resumed_at": None, "sources": None}
 
 
-class ConversionCounter:
-    """Counts the tensor-to-Python conversions that code in trainer/, model/ or dataset/ makes."""
+def poisoned(run: Run):
+    """The model's loss made NaN for the steps taken inside (a forward hook)."""
+    def hook(module, inputs, out):
+        out.loss = out.loss * float("nan")
+        return out
 
-    def __init__(self, monkeypatch):
-        self.calls = []
-        for name in CONVERSIONS:
-            monkeypatch.setattr(torch.Tensor, name, self._counting(getattr(torch.Tensor, name), name))
+    class Poison:
+        def __enter__(self):
+            self.handle = run.model.register_forward_hook(hook)
 
-    def _counting(self, original, name):
-        def convert(tensor, *args, **kwargs):
-            caller = sys._getframe(1).f_code
-            if caller.co_filename.startswith(OUR_CODE):
-                self.calls.append(f"{name} in {caller.co_name}")
-            return original(tensor, *args, **kwargs)
+        def __exit__(self, *exc):
+            self.handle.remove()
 
-        return convert
-
-    def during(self, action):
-        self.calls = []
-        action()
-        return self.calls
+    return Poison()
 
 
-def test_an_optimizer_step_reads_the_device_once_and_that_read_catches_the_last_update_breaking_the_weights(monkeypatch):
+def snapshot(run: Run) -> dict:
+    state = {f"w.{name}": p.detach().clone() for name, p in run.raw_model.named_parameters()}
+    for index, param in enumerate(run.raw_model.parameters()):
+        for key, value in run.optimizer.state.get(param, {}).items():
+            state[f"{key}.{index}"] = value.detach().clone()
+    return state
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_steps_between_log_lines_read_nothing_and_a_skipped_step_changes_nothing():
     run = tiny_run(torch.device("cpu"))
-    batches = micro_batches()
-    counter = ConversionCounter(monkeypatch)
-    # agree_on_step counts loss tokens on the CPU batches (host tensors, no device sync): outside the count
-    totals = agree_on_step(run, batches)
-    first = counter.during(lambda: optimizer_step(run, batches, totals, 1e-3))
-    assert first == ["tolist in read_step_flags"]
-    assert run.weights_check.step == 1 and float(run.weights_check.bad) == 0.0  # step 1's update: finite
-    run.state.step = 1
-    second = counter.during(lambda: optimizer_step(run, batches, totals, 1e-3))
-    assert second == ["tolist in read_step_flags"]  # the gradient norm and step 1's weights, in one read
-    run.state.step = 2
-    # step 3's update overflows the weights (finite gradients; as --learning_rate 1e20 --weight_decay 1e20)
+    interval = new_interval(run)
+    guard = HostReads(run.model, run.optimizer)
+    assert guard.during(lambda: take_step(run, micro_batches(0), interval, 1e-3)) == []
+    before = snapshot(run)
+    with poisoned(run):
+        assert guard.during(lambda: take_step(run, micro_batches(1), interval, 1e-3)) == []
+    assert_same(snapshot(run), before)  # weights, moments, step counters: as after step 1
+    assert guard.during(lambda: take_step(run, micro_batches(2), interval, 1e-3)) == []
+    assert run.state.skipped_steps == 0 and len(run.health.pending) == 3  # nothing read yet
+    assert int(run.optimizer.state[next(run.raw_model.parameters())]["step"]) == 2
+    # the log line reads the flags (one skipped step), the weights check and the loss
+    reads = guard.during(lambda: log_interval(run, interval, torch.zeros(()), 1e-3, 10))
+    assert reads and all("trainer/" in read for read in reads), reads
+    step, figures = run.logger.rows[-1]
+    assert step == 3 and figures["skipped_steps"] == 1 and run.state.skipped_steps == 1
+    assert run.logger.lines == ["warning: step 2 had a non-finite loss or gradient norm: optimizer step skipped "
+                                "(1 in a row, 1 in total)"]
+    # the loss is the mean of the two applied steps
+    again = tiny_run(torch.device("cpu"))
+    losses = [float(loop.optimizer_step(again, micro_batches(seed), loop.agree_on_step(again, micro_batches(seed)),
+                                        1e-3).loss) for seed in (0, 2)]
+    assert figures["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
+
+
+def test_max_bad_steps_in_a_row_stop_at_the_step_that_completes_them(monkeypatch):
+    """--log_interval 10, --max_bad_steps 3: the flags are read every 3 steps, and after every step
+    while bad steps are going on; the run stops at the third bad step with the last good weights."""
+    run = tiny_run(torch.device("cpu"), log_interval=10, max_bad_steps=3)
+    interval = new_interval(run)
+    saved = []
+    monkeypatch.setattr(loop, "save", lambda run: saved.append((run.state.step, snapshot(run))))
+    guard = HostReads(run.model, run.optimizer)
+    assert guard.during(lambda: take_step(run, micro_batches(0), interval, 1e-3)) == []  # step 1: good
+    good = snapshot(run)
+    with poisoned(run):
+        reads = [guard.during(lambda: take_step(run, micro_batches(step), interval, 1e-3)) for step in (2, 3)]
+        with pytest.raises(TrainingError) as stopped:
+            guard.during(lambda: take_step(run, micro_batches(4), interval, 1e-3))
+    reads.append(guard.reads)
+    assert [bool(r) for r in reads] == [False, True, True]  # step 2: nothing; 3: every 3 steps; 4: a streak
+    assert str(stopped.value) == ("3 optimizer steps in a row had a non-finite loss or gradient norm (last at step 4); "
+                                  "stopped. The last good weights are saved in out")
+    assert [step for step, _ in saved] == [4]
+    assert_same(saved[0][1], good)
+    assert (run.state.skipped_steps, run.state.bad_steps_in_a_row) == (3, 3)
+
+
+def test_an_update_that_breaks_the_weights_stops_the_run_at_the_next_log_line_naming_it():
+    run = tiny_run(torch.device("cpu"))
+    interval = new_interval(run)
+    guard = HostReads(run.model, run.optimizer)
+    assert guard.during(lambda: take_step(run, micro_batches(0), interval, 1e-3)) == []
+    log_interval(run, interval, torch.zeros(()), 1e-3, 10)  # step 1's weights: finite
+    # step 2's update overflows the weights (finite gradients; as --learning_rate 1e20 --weight_decay 1e20)
     run.optimizer.param_groups[0]["weight_decay"] = 1e20
-    assert step(run, batches, 1e20)
-    assert run.weights_check.step == 3 and float(run.weights_check.bad) == 1.0
-    before = {name: p.detach().clone() for name, p in run.raw_model.named_parameters()}
-    with pytest.raises(TrainingError, match=r"^step 3 made the weights non-finite \(--learning_rate 0\.001 or "
-                                            r"--weight_decay 0\.1 too large\?\)"):
-        counter.during(lambda: optimizer_step(run, batches, totals, 1e-3))  # step 4 stops at its one read
-    assert counter.calls == ["tolist in read_step_flags"]
-    for name, p in run.raw_model.named_parameters():  # step 4 did not update them
-        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, equal_nan=True)
-    assert run.state.step == 3 and run.weights_check is None
+    assert guard.during(lambda: take_step(run, micro_batches(1), interval, 1e20)) == []
+    run.optimizer.param_groups[0]["weight_decay"] = 0.1
+    broken = snapshot(run)
+    assert guard.during(lambda: take_step(run, micro_batches(2), interval, 1e-3)) == []  # NaN loss: skipped
+    assert_same(snapshot(run), broken)
+    with pytest.raises(TrainingError, match=r"^step 2 made the weights non-finite \(--learning_rate 0\.001 or "
+                                            r"--weight_decay 0\.1 too large\?\); stopped without saving them"):
+        log_interval(run, interval, torch.zeros(()), 1e-3, 10)
+    assert [step for step, _ in run.logger.rows] == [1]  # step 3 logged nothing
 
 
 @pytest.mark.parametrize("reader", [save, evaluate_and_select])
-def test_a_save_or_an_evaluation_reads_the_pending_check_before_anything_else(reader):
+def test_a_save_or_an_evaluation_reads_the_pending_checks_before_anything_else(reader):
     run = tiny_run(torch.device("cpu"))
-    batches = micro_batches()
-    assert step(run, batches, 1e-3)
-    settle_weights_check(run)  # finite: nothing happens
-    assert run.weights_check is None
+    interval = new_interval(run)
+    take_step(run, micro_batches(0), interval, 1e-3)
+    settle(run)  # finite: nothing happens
+    assert run.health.pending == [] and run.health.applied_since_check == []
     run.optimizer.param_groups[0]["weight_decay"] = 1e20
-    assert step(run, batches, 1e20)
+    take_step(run, micro_batches(1), interval, 1e20)
     # the run has no data, logger or tokenizer: anything past the check would fail otherwise
     with pytest.raises(TrainingError, match="^step 2 made the weights non-finite"):
         reader(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_read_nothing_between_log_lines(parallel, tmp_path):
+    """DDP and FSDP2 in two real gloo processes (tests/helpers/step_reads_check.py): three steps, one
+    of them skipped, without a host read of a device value; the log line then reads."""
+    out = tmp_path / "reads.json"
+    subprocess.run([*torchrun_cmd(2), os.path.join(REPO, "tests", "helpers", "step_reads_check.py"), parallel,
+                    str(out)], cwd=REPO, env=clean_env(), check=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["steps"] == [[], [], []], report
+    assert report["log_line"] and report["skipped_steps"] == 1 and report["unchanged_by_skipped_step"]

@@ -1,0 +1,84 @@
+"""Fault injection for tests: the real trainer with planted faults, started through this file.
+
+    python tests/helpers/faults.py TRAINER_FLAGS ...                         # instead of train_full_sft.py
+    python tests/helpers/faults.py --verify_equivalence TOOL_FLAGS ...      # scripts/verify_equivalence.py,
+                                                                            # whose trainer runs are this file
+
+The faults come from the environment (torchrun's workers and the equivalence tool's runs inherit it):
+
+- MINISFT_FAULT_NAN_STEPS="3,4,5": the loss of those optimizer steps (numbered from 1, as in the
+  logs) is NaN (tests/e2e/test_fault_tolerance.py);
+- MINISFT_FAULT_LOCAL_MEAN=1: the classic normalisation bug, every rank divides its token loss
+  by its OWN loss-token count instead of the step's global count, so DDP averages per-rank means
+  and N ranks x B no longer equal 1 rank x N*B (tests/scripts/test_verify_equivalence.py).
+
+The trainer has no hook for them: `install` wraps two functions of trainer/loop/loop.py, the one
+place the faults enter.
+"""
+
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
+LOCAL_MEAN_ENV = "MINISFT_FAULT_LOCAL_MEAN"
+
+
+def nan_steps() -> frozenset[int]:
+    text = os.environ.get(NAN_STEPS_ENV, "")
+    return frozenset(int(part) for part in text.split(",") if part.strip())
+
+
+def poison_loss(module, inputs, out):
+    """A forward hook: the model's loss times NaN (its gradients follow)."""
+    out.loss = out.loss * float("nan")
+    return out
+
+
+def install() -> None:
+    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps) and `agree_on_step` (local mean)."""
+    from trainer.loop import loop
+
+    steps, local_mean = nan_steps(), os.environ.get(LOCAL_MEAN_ENV) == "1"
+    real_step, real_agree = loop.optimizer_step, loop.agree_on_step
+
+    def optimizer_step(run, *args, **kwargs):
+        if run.state.step + 1 not in steps:
+            return real_step(run, *args, **kwargs)
+        handle = run.model.register_forward_hook(poison_loss)
+        try:
+            return real_step(run, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    def agree_on_step(run, micro_batches):
+        totals = real_agree(run, micro_batches)
+        # x world_size (the loop's undoing of DDP's average) then gives sum / local count
+        local = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches)
+        return totals._replace(loss_tokens=local * run.ctx.world_size)
+
+    if steps:
+        loop.optimizer_step = optimizer_step
+    if local_mean:
+        loop.agree_on_step = agree_on_step
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--verify_equivalence"]:
+        from scripts import verify_equivalence
+        from scripts._common import run_main
+
+        verify_equivalence.TRAINER = os.path.abspath(__file__)
+        sys.argv = [verify_equivalence.__file__, *argv[1:]]
+        run_main(verify_equivalence.main)
+        return 0
+    install()
+    import train_full_sft
+
+    return train_full_sft.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
