@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from tests.e2e.test_fault_tolerance import Launcher, metric_rows, wait_until
-from tests.helpers.trainer_launch import REPO, checkpoint_at, clean_env, final_weights, flags, run_trainer, train_losses
+from tests.helpers.trainer_launch import (
+    GPUS_OPTION, REPO, checkpoint_at, clean_env, final_weights, flags, hide_gpus, run_trainer, train_losses,
+)
 from trainer.args import parse_args
 from trainer.errors import DistributedError
 from trainer.runtime.distributed import is_peer_failure, pick_device
@@ -34,6 +36,23 @@ def last_line(text: str) -> str:
 
 
 # --------------------------------------------------------------------------- device choice
+
+
+def test_the_suite_hides_the_gpus_from_every_process_it_starts(request):
+    """tests/conftest.py hides the GPUs unless --gpus is given: this process and every process it
+    starts (the launch helpers' env, and a plain inherited one as scripts tests use) see none, so
+    each test runs on CPU and gloo on any machine."""
+    if request.config.getoption(GPUS_OPTION):
+        pytest.skip("--gpus shows the GPUs to the tests")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    probe = "import os, torch; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), torch.cuda.device_count())"
+    for env in (clean_env(), None):
+        shown = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert shown.stdout.split() == ["''", "0"]
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/bin"}
+    hide_gpus(environ)
+    assert environ == {"CUDA_VISIBLE_DEVICES": "", "PATH": "/bin"}
+
 
 
 def fake_gpus(monkeypatch, count: int) -> None:
