@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="process-group backend; auto = nccl with CUDA, else gloo")
     dist.add_argument("--dist_timeout", type=float, default=600.0,
                       help="seconds a collective (or a missing peer) may block before the run fails")
-    dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto/cuda: the one visible GPU, else cuda:LOCAL_RANK)")
+    dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto/cuda: cuda:LOCAL_RANK, or a task's own GPU under srun --gpus-per-task)")
     dist.add_argument("--world_size", type=int, default=1,
                       help="start this many local workers yourself (for machines without torchrun)")
     dist.add_argument("--fsdp", type=int, choices=(0, 1), default=0,

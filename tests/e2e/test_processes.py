@@ -63,13 +63,13 @@ def fake_gpus(monkeypatch, count: int) -> None:
 def test_device_follows_what_the_process_can_see(monkeypatch):
     args = parse_args([])
     fake_gpus(monkeypatch, 1)  # srun --gpus-per-task 1: every task sees exactly its own GPU
-    assert [pick_device(args, rank) for rank in range(4)] == [torch.device("cuda", 0)] * 4
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_GPUS_PER_TASK": "1"}
+    assert [pick_device(args, rank, slurm) for rank in range(4)] == [torch.device("cuda", 0)] * 4
     fake_gpus(monkeypatch, 4)  # torchrun on a node with 4 visible GPUs
-    assert [pick_device(args, rank) for rank in range(4)] == [torch.device("cuda", r) for r in range(4)]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert [pick_device(args, rank, {"LOCAL_WORLD_SIZE": "4"}) for rank in range(4)] == [torch.device("cuda", r) for r in range(4)]
     fake_gpus(monkeypatch, 2)
-    with pytest.raises(DistributedError, match=r"local rank 2 has no GPU: this process sees 2 \(CUDA_VISIBLE_DEVICES=2,3\)"):
-        pick_device(args, 2)
+    with pytest.raises(DistributedError, match=r"3 processes on this node but this process sees 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=2,3\)"):
+        pick_device(args, 2, {"CUDA_VISIBLE_DEVICES": "2,3"})
     fake_gpus(monkeypatch, 0)
     assert pick_device(args, 3) == torch.device("cpu")
 
