@@ -14,6 +14,7 @@ import re
 
 from dataset.mixture import absolute_data_path, split_weight
 from trainer.evaluation.selection import flag_problems as selection_problems
+from trainer.runtime.precision import TF32_CHOICES
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAIN_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_train.jsonl")
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     loop.add_argument("--dtype", choices=DTYPES, default="auto",
                       help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
+    loop.add_argument("--tf32", choices=TF32_CHOICES, default="auto",
+                      help="TF32 tensor cores for the float32 matmuls of a CUDA run: auto = with --dtype bfloat16 or "
+                           "float16 only (--dtype float32 computes in IEEE float32), 1 = always, 0 = never")
     loop.add_argument("--max_bad_steps", type=int, default=5,
                       help="stop after this many non-finite optimizer steps in a row")
 

@@ -150,9 +150,6 @@ def init_distributed(args) -> DistContext:
     device = pick_device(args, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # TF32 tensor cores for any fp32 matmul left outside autocast (Ampere and newer).
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     if world_size == 1:
         return DistContext(0, 0, 1, device, None)
     backend = args.backend
