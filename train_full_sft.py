@@ -146,7 +146,10 @@ def run_training(args, preemption: PreemptionFlag) -> int:
             run.model = compile_model(run.model, ctx.device)
 
         # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
-        status = train(run)
+        try:
+            status = train(run)
+        finally:
+            run.writer.join()  # a run stopped by an error still completes the checkpoint being written
 
         # 9. Clean shutdown. The model goes first, while its process group is still alive: its DDP
         # wrapper, or its FSDP-sharded parameters and their optimizer state, freed after

@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trainer import run_identity
+from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.save_dir import (
     BEST_DIR, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
 )
@@ -70,6 +71,7 @@ class Run:
     tokenizer_path: str | None = None  # where the tokenizer came from (None: the shipped one), for inference
     state: TrainState = field(default_factory=TrainState)
     weights_check: WeightsCheck | None = None  # the last update's check, read at the next host sync
+    writer: BackgroundWriter = field(default_factory=BackgroundWriter)  # the saves' writer thread
 
     @property
     def raw_model(self):
