@@ -83,7 +83,7 @@ class Run:
 
 def resume_state(run: Run) -> dict:
     """The resume checkpoint's content (collective: every rank contributes its RNG state)."""
-    rng_states = all_gather_objects(capture_rng_state())
+    rng_states = all_gather_objects(capture_rng_state(run.ctx.device))
     state = run.state
     return {
         "model_config": run.raw_model.config.to_dict(),
@@ -135,9 +135,7 @@ def restore(run: Run, saved: dict) -> None:
         run.state.run_id = new_run_id()
     restart_selection_for_another_metric(run)
     if saved["world_size"] == run.ctx.world_size:
-        note = restore_rng_state(saved["rng"][run.ctx.rank])
-        if note:
-            run.logger.print(f"warning: {note}")
+        restore_rng_state(saved["rng"][run.ctx.rank], run.ctx.device)
     else:
         # Same sample stream, new per-rank randomness (dropout) for the new world size.
         setup_seed(run.args.seed + run.ctx.rank + saved["step"])
