@@ -9,6 +9,8 @@ Under --fsdp 1 every rank writes its shard of the resume checkpoint before the l
 docs/save_dir.md says why); the gathered inference weights are written in the background.
 """
 
+import copy
+
 import torch
 
 from trainer.checkpoint.background import copies_done, host_model, to_host
@@ -48,12 +50,13 @@ def save_in_background(run: Run) -> None:
         state = to_host({key: value.detach().to(save_dtype) for key, value in weights.state_dict().items()})
         weights = host_model(weights.config, state, run.parallel.model)
     content = to_host(content) if content is not None else None
+    tokenizer = copy.deepcopy(run.tokenizer)  # the writer's own: a fast tokenizer is not to be shared by threads
 
     def write() -> None:
         written = path
         if content is not None:
             written = run.parallel.write_resume_checkpoint(content, args.save_dir, args.keep_last)
-        publish_inference_weights(weights, run.tokenizer, args.save_dir, save_dtype)
+        publish_inference_weights(weights, tokenizer, args.save_dir, save_dtype)
         if args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
             save_minimind_copy(weights, args.save_dir, args.save_weight)
         run.logger.print(f"saved {written}")
