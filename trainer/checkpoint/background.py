@@ -1,9 +1,9 @@
 """Saves off the training loop's critical path: the state is copied to host memory (the step loop
 waits only for that copy), and a writer thread writes the files while training goes on.
 
-- `to_host(tree)`: every tensor of a nested dict/list (state dicts, optimizer state, RNG states)
-  copied into CPU memory; from a GPU into pinned memory, copied asynchronously (the writer waits
-  for the copies, the loop does not). The copy is what the files hold: later steps change the
+- `to_host(tree, into)`: every tensor of a nested dict/list (state dicts, optimizer state, RNG
+  states) copied into CPU memory, into the previous save's buffers where they fit; from a GPU into
+  pinned memory, copied asynchronously (the writer waits for the copies, the loop does not). The copy is what the files hold: later steps change the
   live tensors, never the copy.
 - `host_model(config, state, source)`: a plain model around such a copy, for the writers of
   inference weights, which read a model (its config, `state_dict()`, `save_pretrained`).
@@ -25,19 +25,26 @@ import torch
 from trainer.errors import CheckpointError
 
 
-def to_host(tree):
-    """`tree` with every tensor copied to CPU memory (pinned for CUDA tensors); other values kept."""
+def to_host(tree, into=None):
+    """`tree` with every tensor copied to CPU memory (pinned for CUDA tensors); other values kept.
+
+    `into`: an earlier copy of a tree of the same layout (the previous save's, written already):
+    its tensors of the same shape and dtype are filled again instead of allocating new ones, so
+    a save does not touch fresh memory (page faults, pinned allocations) for every byte."""
     if isinstance(tree, torch.Tensor):
         source = tree.detach()
+        reuse = isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == source.dtype
         if source.device.type == "cpu":
-            return source.clone()
-        host = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
+            return into.copy_(source) if reuse else source.clone()
+        host = into if reuse else torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
         host.copy_(source, non_blocking=True)
         return host
     if isinstance(tree, dict):
-        return type(tree)((key, to_host(value)) for key, value in tree.items())
+        earlier = into if isinstance(into, dict) else {}
+        return type(tree)((key, to_host(value, earlier.get(key))) for key, value in tree.items())
     if isinstance(tree, (list, tuple)):
-        return type(tree)(to_host(value) for value in tree)
+        earlier = into if isinstance(into, (list, tuple)) and len(into) == len(tree) else [None] * len(tree)
+        return type(tree)(to_host(value, old) for value, old in zip(tree, earlier))
     return tree
 
 
@@ -75,6 +82,7 @@ class BackgroundWriter:
     def __init__(self):
         self.thread: threading.Thread | None = None
         self.failure: BaseException | None = None
+        self.buffers: dict = {}  # the last host copies, refilled by the next save once written
 
     def submit(self, job, ready: "torch.cuda.Event | None" = None) -> str | None:
         """Wait for the previous job (returns its failure, and then does not start `job`), then run

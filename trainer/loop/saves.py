@@ -46,10 +46,13 @@ def save_in_background(run: Run) -> None:
     weights = run.parallel.inference_model(save_dtype)  # collective under --fsdp 1 (then a host copy)
     if not main:
         return
+    buffers = run.writer.buffers  # the previous save's copies: written, so free to fill again
     if weights is run.parallel.model:  # the live model: its weights copied, as the resume state
-        state = to_host({key: value.detach().to(save_dtype) for key, value in weights.state_dict().items()})
-        weights = host_model(weights.config, state, run.parallel.model)
-    content = to_host(content) if content is not None else None
+        buffers["weights"] = to_host({key: value.detach().to(save_dtype) for key, value in weights.state_dict().items()},
+                                     buffers.get("weights"))
+        weights = host_model(weights.config, buffers["weights"], run.parallel.model)
+    if content is not None:
+        content = buffers["content"] = to_host(content, buffers.get("content"))
     tokenizer = copy.deepcopy(run.tokenizer)  # the writer's own: a fast tokenizer is not to be shared by threads
 
     def write() -> None:

@@ -126,3 +126,24 @@ def test_the_inference_copy_is_a_plain_model_on_the_host():
     with torch.no_grad():
         live.model.embed_tokens.weight.add_(1)
     assert not torch.equal(copy.model.embed_tokens.weight.float(), live.model.embed_tokens.weight)
+
+
+def test_the_next_save_refills_the_host_buffers_of_the_last_one(tmp_path, monkeypatch):
+    gate = Gate()
+    gate.released.set()
+    run = saving_run(tmp_path, monkeypatch, gate)
+    batches = micro_batches()
+    addresses = []
+    for _ in range(2):
+        step(run, batches, 1e-3)
+        at_save = {key: value.clone() for key, value in run.raw_model.state_dict().items()}
+        saves.save_in_background(run)
+        saves.finish_saves(run)
+        copy = run.writer.buffers
+        addresses.append([copy["content"]["model"][key].data_ptr() for key in at_save]
+                         + [copy["weights"][key].data_ptr() for key in at_save])
+        saved = torch.load(checkpoint_path(str(tmp_path), run.state.step), weights_only=True)
+        for key, value in at_save.items():
+            assert torch.equal(saved["model"][key], value) and torch.equal(gate.calls[-1][key], value), key
+    assert addresses[0] == addresses[1]  # the same memory, filled again
+    assert to_host({"a": torch.ones(2)}, {"a": torch.zeros(3)})["a"].shape == (2,)  # a changed shape: new memory
