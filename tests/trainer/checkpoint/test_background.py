@@ -2,6 +2,7 @@
 waits only for a host copy of the state; the writer thread writes it; the next save waits for the
 previous write; a failed write stops the run at the next save or at the end in one line."""
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
 from tests.trainer.loop.test_loop_syncs import micro_batches, step, tiny_run
 from trainer.checkpoint.background import BackgroundWriter, host_model, to_host
 from trainer.checkpoint.save_dir import checkpoint_path
@@ -147,3 +149,15 @@ def test_the_next_save_refills_the_host_buffers_of_the_last_one(tmp_path, monkey
             assert torch.equal(saved["model"][key], value) and torch.equal(gate.calls[-1][key], value), key
     assert addresses[0] == addresses[1]  # the same memory, filled again
     assert to_host({"a": torch.ones(2)}, {"a": torch.zeros(3)})["a"].shape == (2,)  # a changed shape: new memory
+
+
+@pytest.mark.slow
+def test_every_rank_stops_with_the_one_line_error_of_a_failed_background_write(data, tmp_path):
+    save_dir = tmp_path / "run"
+    result = run_trainer(flags(data, save_dir, "--batch_size", "2", "--max_steps", "8", "--save_interval", "2"),
+                         nproc=2, check=False, script=os.path.join(REPO, "tests", "helpers", "failing_save.py"),
+                         env=clean_env(MINISFT_TEST_FAIL_SAVE_AT="2"))
+    line = f"error: could not write inference weights to {save_dir}/model: No space left on device"
+    assert result.stderr.count(line) == 2, result.stderr[-3000:]  # rank 0 and rank 1, at the save of step 6
+    assert "exitcode  : 2" in result.stderr and "saved" in result.stdout
+    assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.pt", "step_00000004.pt"]
