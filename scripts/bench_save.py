@@ -10,8 +10,9 @@ optimizer steps of one `--seq_len`-token row three times: without a save, with a
 after step `--steps // 2`, and with the background save there. The stall of a save is the extra
 wall time of the loop with it, against the loop without; it also counts a slower loop while the
 writer thread shares the machine. "call" is the time the loop spent inside the save call (the host
-copy; synchronous: the whole save); "write" the time until the files were complete. Each of the three runs `--repeats` times; the median is shown.
-Files go to a temporary directory (`--work_dir`), removed at the end.
+copy; synchronous: the whole save); "write" the time until the files were complete. Each of the
+three runs `--repeats` times; the median is shown. Files go to a temporary directory
+(`--work_dir`), removed at the end.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ waits only for that copy), and a writer thread writes the files while training g
 
 - `to_host(tree, into)`: every tensor of a nested dict/list (state dicts, optimizer state, RNG
   states) copied into CPU memory, into the previous save's buffers where they fit; from a GPU into
-  pinned memory, copied asynchronously (the writer waits for the copies, the loop does not). The copy is what the files hold: later steps change the
-  live tensors, never the copy.
+  pinned memory, copied asynchronously (the writer waits for the copies, the loop does not). The
+  copy is what the files hold: later steps change the live tensors, never the copy.
 - `host_model(config, state, source)`: a plain model around such a copy, for the writers of
   inference weights, which read a model (its config, `state_dict()`, `save_pretrained`).
 - `BackgroundWriter`: runs one job at a time in a thread; `submit` first waits for the previous

@@ -48,8 +48,8 @@ def save_in_background(run: Run) -> None:
         return
     buffers = run.writer.buffers  # the previous save's copies: written, so free to fill again
     if weights is run.parallel.model:  # the live model: its weights copied, as the resume state
-        buffers["weights"] = to_host({key: value.detach().to(save_dtype) for key, value in weights.state_dict().items()},
-                                     buffers.get("weights"))
+        cast = {key: value.detach().to(save_dtype) for key, value in weights.state_dict().items()}
+        buffers["weights"] = to_host(cast, buffers.get("weights"))
         weights = host_model(weights.config, buffers["weights"], run.parallel.model)
     if content is not None:
         content = buffers["content"] = to_host(content, buffers.get("content"))
