@@ -50,7 +50,7 @@ from trainer.runtime.distributed import (
     broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message, spawn_local_workers,
     spawned_by_us,
 )
-from trainer.runtime.precision import build_grad_scaler, resolve_dtype
+from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler, resolve_dtype
 from trainer.runtime.seeding import setup_seed
 
 
@@ -132,6 +132,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     # 5. Model, its DDP (or --fsdp 1: FSDP2) wrapper, optimizer and mixed precision, resume state.
     model = build_model(args, config, ctx.device, weights if saved is None else None)  # a resume loads its own
     del weights
+    apply_tf32_policy(dtype, args.tf32)
     parallel = build_parallelism(args, ctx, dtype)
     wrapped = parallel.wrap(model)  # DDP around the model, or the model itself sharded in place
     optimizer = build_optimizer(model, args, ctx.device)
@@ -147,7 +148,10 @@ def run_training(args, preemption: PreemptionFlag) -> int:
             run.model = compile_model(run.model, ctx.device)
 
         # 6-8. The loop: autocast, accumulation, clipping, cosine LR; saves and logs on rank 0.
-        status = train(run)
+        try:
+            status = train(run)
+        finally:
+            run.writer.join()  # a run stopped by an error still completes the checkpoint being written
 
         # 9. Clean shutdown. The model goes first, while its process group is still alive: its DDP
         # wrapper, or its FSDP-sharded parameters and their optimizer state, freed after

@@ -32,8 +32,9 @@ def prepare_cache(
     first (quick: nobody builds yet); then local rank 0 builds with the node's other ranks as
     helpers and writes its outcome (cache path or error) to a status file named by the nonce;
     the helpers tokenize their chunks while the lead builds, then poll for that file, printing a
-    line every ``WAIT_REPORT_S`` seconds. Only then, with everybody done, the ranks gather the
-    outcomes, so if any builder failed all ranks raise the same ``DataError``. With NCCL, set the
+    line every ``WAIT_REPORT_S`` seconds. Then the ranks share the outcomes through the store,
+    each polling until every node is done (no collective waits on a build), so if any builder
+    failed all ranks raise the same ``DataError``. With NCCL, set the
     CUDA device before (the object collectives need it).
     """
     num_proc = num_proc or default_num_proc()
@@ -67,8 +68,7 @@ def prepare_cache(
     else:
         with interrupts_raise():
             result = _help_and_wait(status_file, rank, team, path, tokenizer, workers)
-    results: list = [None] * dist.get_world_size()
-    dist.all_gather_object(results, result)  # everybody has finished waiting: this is quick
+    results = _gather_when_every_node_is_done(result, nonce[0], rank, dist.get_world_size())
     if local_rank == 0:
         status_file.unlink(missing_ok=True)
     errors = [error for error, _ in results if error is not None]
@@ -77,6 +77,29 @@ def prepare_cache(
     if errors:
         raise DataError(errors[0])
     return Path(result[1])
+
+
+def _gather_when_every_node_is_done(result: tuple, nonce: str, rank: int, world_size: int) -> list:
+    """Every rank's outcome, through the process group's store rather than a collective: a node
+    that builds longer than the others (a slower disk, a new machine joining a resumed run) would
+    otherwise make their ranks meet the collective timeout (--dist_timeout) while they wait. Each
+    rank sets its own key, then polls until every rank's key is there, printing a line every
+    ``WAIT_REPORT_S`` seconds."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    keys = [f"minisft/cache-build-{nonce}/rank{other}" for other in range(world_size)]
+    store.set(keys[rank], json.dumps(result))
+    start = last_report = time.monotonic()
+    with interrupts_raise():
+        while not store.check(keys):
+            time.sleep(WAIT_POLL_S)
+            now = time.monotonic()
+            if now - last_report >= WAIT_REPORT_S:
+                last_report = now
+                print(f"rank {rank}: waiting for the other nodes to build the token cache ({now - start:.0f} s)",
+                      flush=True)
+    return [tuple(json.loads(store.get(key))) for key in keys]
 
 
 def _write_status(status_file: Path, result: tuple) -> None:

@@ -12,7 +12,7 @@ M*A; and a fresh run resumed from the N-process run's (N = 1: the reference's) s
 Each run's final resume checkpoint (read by trainer/checkpoint/resume.py) is compared with the
 reference's (a resumed run's: with its own uninterrupted run's): `max |diff|`, the largest elementwise
 difference; `rel diff`, ||w - w_ref|| / ||w_ref(step S) - w_ref(step K)|| over all weights. Tolerance
-on rel diff: float32 1e-3 (TF32 off), bfloat16 and float16 0.2 (gross errors only). Exit 0: all
+on rel diff: float32 1e-3 (IEEE matmuls: --tf32 is the check's), bfloat16 and float16 0.2 (gross errors only). Exit 0: all
 within tolerance; 1: one is not, or a run failed; 2: a user error. docs/verify_equivalence.md.
 """
 
@@ -42,7 +42,7 @@ TOLERANCES = {"float32": 1e-3, "bfloat16": 0.2, "float16": 0.2}
 # Trainer flags the check sets itself: given ones are dropped (named in a note).
 OWNED = ("save_dir", "save_interval", "keep_last", "overwrite", "from_resume", "max_steps", "use_wandb",
          "wandb_project", "wandb_run_name", "eval_data_path", "eval_interval", "eval_generate_samples",
-         "eval_max_new_tokens", "keep_best", "early_stop_patience")
+         "eval_max_new_tokens", "keep_best", "early_stop_patience", "tf32")
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
               "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 WHAT_FAILED = {
@@ -237,11 +237,9 @@ class World:
         return self.store.get(key).decode()
 
 
-def local_env(plan: Plan, args) -> dict:
+def local_env() -> dict:
     env = {key: value for key, value in os.environ.items()
            if key not in LAUNCH_ENV and not key.startswith(("TORCHELASTIC_", "TORCH_ELASTIC_"))}
-    if args.dtype == "float32":
-        env.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # fp32 matmuls really in fp32 on a GPU
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 
@@ -254,15 +252,13 @@ def run_variant(plan: Plan, variant: Variant, args, timeout: float) -> tuple[int
     if variant.resumes:
         flags += ["--resume_from", checkpoint_at(plan.work / variant.resumes.kind, plan.resume_step)]
     if variant.nproc == 1:
-        command, env = [sys.executable, TRAINER, *flags], local_env(plan, args)
+        command, env = [sys.executable, TRAINER, *flags], local_env()
     elif plan.world:
         command, env = [sys.executable, TRAINER, *flags], plan.world.trainer_env()
-        if args.dtype == "float32":
-            env.setdefault("NVIDIA_TF32_OVERRIDE", "0")
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                    str(variant.nproc), TRAINER, *flags]
-        env = local_env(plan, args)
+        env = local_env()
     log = plan.work / (f"{variant.kind}.log" if plan.is_main else f"{variant.kind}.rank{plan.world.rank}.log")
     start = time.time()
     # Its own process group, so that a timeout or Ctrl-C here stops torchrun's workers too.

@@ -4,7 +4,18 @@ import os
 
 import pytest
 
-from tests.helpers.trainer_launch import REPO
+from tests.helpers.trainer_launch import GPUS_OPTION, REPO, hide_gpus
+
+
+def pytest_addoption(parser):
+    parser.addoption(GPUS_OPTION, action="store_true",
+                     help="let the tests see this machine's GPUs (for tests/test_cuda.py; every other test runs on CPU)")
+
+
+def pytest_configure(config):
+    """Before any test module is imported: GPUs hidden unless GPUS_OPTION is given."""
+    if not config.getoption(GPUS_OPTION):
+        hide_gpus(os.environ)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,9 @@
-"""The CUDA paths (cuda autocast, the fp16 GradScaler, NCCL): run where a GPU is present,
-skipped on CPU-only machines such as CI."""
+"""The CUDA paths (cuda autocast, the fp16 GradScaler, NCCL). The suite hides the GPUs from every
+other test (tests/conftest.py); these run on their own, in one process, with the GPUs shown:
+
+    python -m pytest tests/test_cuda.py --gpus -n 0
+
+Without --gpus, or on a machine without a GPU (CI), they are skipped."""
 
 import pytest
 import torch
@@ -8,7 +12,8 @@ from tests.helpers.trainer_launch import final_weights, flags, run_trainer, trai
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU, shown to the tests: python -m pytest tests/test_cuda.py --gpus -n 0"),
 ]
 
 

@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="process-group backend; auto = nccl with CUDA, else gloo")
     add_flag(dist, "--dist_timeout", type=float, default=600.0, above=0,
              help="seconds a collective (or a missing peer) may block before the run fails")
-    dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto/cuda: the one visible GPU, else cuda:LOCAL_RANK)")
+    dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto/cuda: cuda:LOCAL_RANK, or a task's own GPU under srun --gpus-per-task)")
     add_flag(dist, "--world_size", type=int, default=1, at_least=1,
              help="start this many local workers yourself (for machines without torchrun)")
     dist.add_argument("--fsdp", type=int, choices=(0, 1), default=0,
@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(loop, "--grad_clip", type=float, default=1.0, at_least=0, help="clip the global gradient norm (0 = off)")
     loop.add_argument("--dtype", choices=DTYPES, default="auto",
                       help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
+    loop.add_argument("--tf32", choices=("auto", "0", "1"), default="auto",
+                      help="TF32 tensor cores for the float32 matmuls of a CUDA run: auto = with --dtype bfloat16 or "
+                           "float16 only (--dtype float32 computes in IEEE float32), 1 = always, 0 = never")
     add_flag(loop, "--max_bad_steps", type=int, default=5, at_least=1,
              help="stop after this many non-finite optimizer steps in a row")
 

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 from tests.e2e.test_fault_tolerance import Launcher, metric_rows, wait_until
-from tests.helpers.trainer_launch import REPO, checkpoint_at, clean_env, final_weights, flags, run_trainer, train_losses
+from tests.helpers.trainer_launch import (
+    GPUS_OPTION, REPO, checkpoint_at, clean_env, final_weights, flags, hide_gpus, run_trainer, train_losses,
+)
 from trainer.args import parse_args
 from trainer.errors import DistributedError
 from trainer.runtime.distributed import is_peer_failure, pick_device
@@ -36,6 +38,23 @@ def last_line(text: str) -> str:
 # --------------------------------------------------------------------------- device choice
 
 
+def test_the_suite_hides_the_gpus_from_every_process_it_starts(request):
+    """tests/conftest.py hides the GPUs unless --gpus is given: this process and every process it
+    starts (the launch helpers' env, and a plain inherited one as scripts tests use) see none, so
+    each test runs on CPU and gloo on any machine."""
+    if request.config.getoption(GPUS_OPTION):
+        pytest.skip("--gpus shows the GPUs to the tests")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    probe = "import os, torch; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), torch.cuda.device_count())"
+    for env in (clean_env(), None):
+        shown = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        assert shown.stdout.split() == ["''", "0"]
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1", "PATH": "/bin"}
+    hide_gpus(environ)
+    assert environ == {"CUDA_VISIBLE_DEVICES": "", "PATH": "/bin"}
+
+
+
 def fake_gpus(monkeypatch, count: int) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -44,13 +63,13 @@ def fake_gpus(monkeypatch, count: int) -> None:
 def test_device_follows_what_the_process_can_see(monkeypatch):
     args = parse_args([])
     fake_gpus(monkeypatch, 1)  # srun --gpus-per-task 1: every task sees exactly its own GPU
-    assert [pick_device(args, rank) for rank in range(4)] == [torch.device("cuda", 0)] * 4
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_GPUS_PER_TASK": "1"}
+    assert [pick_device(args, rank, slurm) for rank in range(4)] == [torch.device("cuda", 0)] * 4
     fake_gpus(monkeypatch, 4)  # torchrun on a node with 4 visible GPUs
-    assert [pick_device(args, rank) for rank in range(4)] == [torch.device("cuda", r) for r in range(4)]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert [pick_device(args, rank, {"LOCAL_WORLD_SIZE": "4"}) for rank in range(4)] == [torch.device("cuda", r) for r in range(4)]
     fake_gpus(monkeypatch, 2)
-    with pytest.raises(DistributedError, match=r"local rank 2 has no GPU: this process sees 2 \(CUDA_VISIBLE_DEVICES=2,3\)"):
-        pick_device(args, 2)
+    with pytest.raises(DistributedError, match=r"3 processes on this node but this process sees 2 GPU\(s\) \(CUDA_VISIBLE_DEVICES=2,3\)"):
+        pick_device(args, 2, {"CUDA_VISIBLE_DEVICES": "2,3"})
     fake_gpus(monkeypatch, 0)
     assert pick_device(args, 3) == torch.device("cpu")
 

@@ -18,6 +18,17 @@ TINY = [
 ]
 
 
+# The option that lets the tests see this machine's GPUs (tests/conftest.py); without it they are hidden.
+GPUS_OPTION = "--gpus"
+
+
+def hide_gpus(environ) -> None:
+    """Hide every GPU from this process and from every process it starts (they inherit `environ`):
+    the suite's runs take CPU and gloo whatever the machine has, so they behave as in CI. Only
+    tests/test_cuda.py needs the GPUs; it is run on its own with GPUS_OPTION (README)."""
+    environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def flags(data, save_dir, *extra) -> list[str]:
     """TINY flags on the `data` fixture's train.jsonl, saving to `save_dir`."""
     return [*TINY, "--data_path", str(data / "train.jsonl"), "--save_dir", str(save_dir), *extra]

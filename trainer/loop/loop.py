@@ -33,46 +33,17 @@ from trainer.evaluation.selection import best_record, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
 from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, set_lr
 from trainer.loop.source_losses import SourceLosses
-from trainer.loop.state import Run, resume_state
-from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, barrier, broadcast_object
+from trainer.loop.state import Run
+from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, broadcast_object
 from trainer.runtime.precision import autocast
-from trainer.weights.write import publish_inference_weights, save_minimind_copy
-
-def raise_on_every_rank(error: str | None) -> None:
-    """A write that failed on rank 0 (its one-line reason, or None) is raised on every rank, so no
-    rank waits in the next collective for one that stopped."""
-    error = broadcast_object(error)
-    if error:
-        raise CheckpointError(error)
-
+from trainer.loop.saves import finish_saves, raise_on_every_rank, save_in_background
+from trainer.weights.write import publish_inference_weights
 
 def save(run: Run) -> None:
-    """The resume checkpoint (rank 0 writes it; under --fsdp 1 every rank writes its shard), then the
-    inference weights from rank 0 (under --fsdp 1 gathered there tensor by tensor).
-
-    A failed write on rank 0 (disk full, permissions) is re-raised on every rank, so nobody hangs.
-    """
+    """The resume checkpoint and the inference weights, written in the background
+    (trainer/loop/saves.py); a failed write stops every rank at the next save or at the end."""
     settle(run)  # never a non-finite weight in a file; --max_bad_steps counted up to this step
-    content = resume_state(run)
-    error = path = None
-    try:
-        path = run.parallel.write_resume_checkpoint(content, run.args.save_dir, run.args.keep_last)
-    except CheckpointError as failure:
-        error = str(failure)
-    del content
-    save_dtype = getattr(torch, run.args.save_dtype)
-    weights = run.parallel.inference_model(save_dtype)  # collective under --fsdp 1
-    if run.ctx.is_main and error is None:
-        try:
-            publish_inference_weights(weights, run.tokenizer, run.args.save_dir, save_dtype)
-            if run.args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
-                save_minimind_copy(weights, run.args.save_dir, run.args.save_weight)
-            run.logger.print(f"saved {path}")
-        except CheckpointError as failure:
-            error = str(failure)
-    del weights
-    raise_on_every_rank(error)
-    barrier(run.ctx.device)
+    save_in_background(run)
 
 
 # --------------------------------------------------------------------------- steps
@@ -178,6 +149,7 @@ def settle(run: Run, check_weights: bool = True) -> None:
     stopped_at = read_steps(run, check_weights)
     if stopped_at is not None:
         save(run)
+        finish_saves(run)
         raise bad_steps_error(run, stopped_at)
 
 
@@ -283,6 +255,7 @@ def train(run: Run) -> str:
         evaluate_and_select(run)
     if last_saved != state.step or status == "preempted" or state.step == 0:
         save(run)
+    finish_saves(run)
     return status
 
 

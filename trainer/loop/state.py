@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from trainer import run_identity
+from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.save_dir import (
     BEST_DIR, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
 )
@@ -65,6 +66,7 @@ class Run:
     tokenizer_path: str | None = None  # where the tokenizer came from (None: the shipped one)
     state: TrainState = field(default_factory=TrainState)
     health: StepHealth = field(default_factory=StepHealth)  # the steps' flags on the device, not read yet
+    writer: BackgroundWriter = field(default_factory=BackgroundWriter)  # the saves' writer thread
 
     @property
     def raw_model(self):
@@ -76,7 +78,7 @@ class Run:
 
 def resume_state(run: Run) -> dict:
     """The resume checkpoint's content (collective: every rank contributes its RNG state)."""
-    rng_states = all_gather_objects(capture_rng_state())
+    rng_states = all_gather_objects(capture_rng_state(run.ctx.device))
     state = run.state
     return {
         "model_config": run.raw_model.config.to_dict(),
@@ -130,9 +132,7 @@ def restore(run: Run, saved: dict) -> None:
         run.state.run_id = new_run_id()
     restart_selection_for_another_metric(run)
     if saved["world_size"] == run.ctx.world_size:
-        note = restore_rng_state(saved["rng"][run.ctx.rank])
-        if note:
-            run.logger.print(f"warning: {note}")
+        restore_rng_state(saved["rng"][run.ctx.rank], run.ctx.device)
     else:
         # Same sample stream, new per-rank randomness (dropout) for the new world size.
         setup_seed(run.args.seed + run.ctx.rank + saved["step"])

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from model import MiniMindForCausalLM
 from trainer.checkpoint import sharded
+from trainer.checkpoint.background import host_model
 
 
 def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -136,15 +137,4 @@ def gather_to_rank0(model, is_main: bool, dtype: torch.dtype):
         del value
     if not is_main:
         return None
-    with torch.device("meta"):
-        plain = MiniMindForCausalLM(model.config)
-    plain.load_state_dict(gathered, assign=True, strict=False)
-    for name, buffer in list(plain.named_buffers()):
-        if buffer.is_meta:  # non-persistent buffers (RoPE tables) are not in the state dict
-            module_name, _, attr = name.rpartition(".")
-            owner = plain.get_submodule(module_name) if module_name else plain
-            source = model.get_submodule(module_name) if module_name else model
-            owner.register_buffer(attr, getattr(source, attr).detach().to("cpu"), persistent=False)
-    if plain.config.tie_word_embeddings:
-        plain.tie_weights()
-    return plain.eval()
+    return host_model(model.config, gathered, model)

@@ -71,7 +71,7 @@ def slurm_master_addr() -> str:
     return os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
 
 
-def pick_device(args, local_rank: int) -> torch.device:
+def pick_device(args, local_rank: int, env=os.environ) -> torch.device:
     """The device of this process. `--device` is already checked (auto | cpu | cuda | cuda:N)."""
     if args.device not in ("auto", "cuda"):
         device = torch.device(args.device)
@@ -79,31 +79,69 @@ def pick_device(args, local_rank: int) -> torch.device:
             raise DistributedError(f"--device {args.device} asked for, but CUDA is not available")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise DistributedError(f"--device {args.device}: only {torch.cuda.device_count()} GPU(s) visible "
-                                   f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+                                   f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         return device
     if torch.cuda.is_available():
-        return torch.device("cuda", visible_gpu_for(local_rank))
+        visible = torch.cuda.device_count()
+        index = gpu_for_local_rank(local_rank, processes_on_this_node(env), visible, gpus_given_per_task(env, visible),
+                                   env.get("CUDA_VISIBLE_DEVICES", "unset"))
+        return torch.device("cuda", index)
     if args.device == "cuda":
         raise DistributedError("--device cuda asked for, but CUDA is not available")
     return torch.device("cpu")
 
 
-def visible_gpu_for(local_rank: int) -> int:
-    """The GPU index of local rank `local_rank`, from what this process can see.
+def gpu_for_local_rank(local_rank: int, local_processes: int | None, visible: int, per_task: bool,
+                       visible_env: str = "unset") -> int:
+    """The visible GPU index of local rank `local_rank`.
 
-    One visible GPU: it is this process's (`srun --gpus-per-task 1`, or a scheduler that masks
-    devices per task). Several: one per local rank, `cuda:local_rank`.
+    `per_task`: the launcher gave each process its own GPU(s) (srun --gpus-per-task 1), so the
+    process's first visible GPU is its own, whatever its local rank. Otherwise the node's
+    `local_processes` (None: the launcher does not say; at least local_rank + 1) share the
+    `visible` GPUs, one each, `cuda:local_rank`; more processes than GPUs is refused here, before
+    the process group starts (two ranks on one GPU fail later in NCCL with a misleading error).
     """
-    visible = torch.cuda.device_count()
-    if visible == 1:
+    if per_task:
         return 0
-    if local_rank >= visible:
+    needed = max(local_processes or 0, local_rank + 1)
+    if needed > visible:
         raise DistributedError(
-            f"local rank {local_rank} has no GPU: this process sees {visible} "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {visible} "
-            "processes per node (--nproc_per_node, --ntasks-per-node), or give each task one GPU (--gpus-per-task 1)"
+            f"{needed} processes on this node but this process sees {visible} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={visible_env}): start at most {visible} per node (torchrun --nproc_per_node "
+            f"{visible}, srun --ntasks-per-node {visible}), or give each process its own GPU (srun --gpus-per-task 1)"
         )
     return local_rank
+
+
+def processes_on_this_node(env) -> int | None:
+    """How many processes of this run share this node: torchrun and --world_size N say it in
+    LOCAL_WORLD_SIZE; srun in SLURM_STEP_TASKS_PER_NODE (e.g. "8(x2),4", indexed by SLURM_NODEID).
+    None when no launcher says."""
+    if "LOCAL_WORLD_SIZE" in env:
+        return int(env["LOCAL_WORLD_SIZE"])
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if int(env.get("SLURM_NTASKS", "1")) <= 1 or not tasks:
+        return None
+    per_node = []
+    for part in tasks.split(","):
+        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not found:
+            return None
+        per_node += [int(found.group(1))] * int(found.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    return per_node[node] if node < len(per_node) else None
+
+
+def gpus_given_per_task(env, visible: int) -> bool:
+    """Whether srun gave this task GPUs of its own: `--gpus-per-task` (SLURM_GPUS_PER_TASK), or a
+    binding that shows the task fewer GPUs than its step holds on this node (SLURM_STEP_GPUS).
+    Never under torchrun (LOCAL_WORLD_SIZE): its processes share what the agent sees."""
+    if "LOCAL_WORLD_SIZE" in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
+        return False
+    if env.get("SLURM_GPUS_PER_TASK"):
+        return True
+    step_gpus = [gpu for gpu in env.get("SLURM_STEP_GPUS", "").split(",") if gpu]
+    return bool(step_gpus) and visible < len(step_gpus)
 
 
 def init_distributed(args) -> DistContext:
@@ -112,9 +150,6 @@ def init_distributed(args) -> DistContext:
     device = pick_device(args, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # TF32 tensor cores for any fp32 matmul left outside autocast (Ampere and newer).
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
     if world_size == 1:
         return DistContext(0, 0, 1, device, None)
     backend = args.backend

@@ -1,5 +1,6 @@
-"""Mixed precision: which dtype the run computes in (`--dtype`), autocast around the forward pass,
-and the GradScaler that float16 needs (bfloat16 and float32 do not scale the loss)."""
+"""Mixed precision: which dtype the run computes in (`--dtype`), what float32 matmuls mean on a GPU
+(`--tf32`), autocast around the forward pass, and the GradScaler that float16 needs (bfloat16 and
+float32 do not scale the loss)."""
 
 import contextlib
 
@@ -38,6 +39,25 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     if not flags:
         return True
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+TF32_CHOICES = ("auto", "0", "1")
+
+
+def apply_tf32_policy(dtype: torch.dtype, tf32: str = "auto") -> bool:
+    """The one precision policy of float32 matmuls and convolutions on CUDA (the trainer, the
+    benchmark and the equivalence check call it): `--dtype float32` computes in IEEE float32; TF32
+    tensor cores (10-bit mantissa inputs) serve what runs in float32 beside a bfloat16/float16
+    autocast. `tf32` "1" or "0" overrides that. Returns whether TF32 is on.
+
+    CUDA only, through the flags torch keeps in step with its newer `fp32_precision` settings
+    (`torch.set_float32_matmul_precision` would also change CPU matmuls through oneDNN)."""
+    if tf32 not in TF32_CHOICES:
+        raise ConfigError(f"--tf32 {tf32}: use one of {', '.join(TF32_CHOICES)}")
+    allowed = tf32 == "1" or (tf32 == "auto" and dtype in (torch.bfloat16, torch.float16))
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    torch.backends.cudnn.allow_tf32 = allowed
+    return allowed
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

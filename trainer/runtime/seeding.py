@@ -21,7 +21,9 @@ def setup_seed(seed: int) -> None:
     torch.backends.cudnn.benchmark = False
 
 
-def capture_rng_state() -> dict:
+def capture_rng_state(device: torch.device | None = None) -> dict:
+    """This rank's generators: python, numpy, torch's CPU one and, on a GPU, its own device's
+    (`cuda`: one state, not every visible GPU's, so a resume on another GPU count restores it)."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached_gauss = np.random.get_state()
     state = {
@@ -30,29 +32,33 @@ def capture_rng_state() -> dict:
                   "has_gauss": int(has_gauss), "cached_gauss": float(cached_gauss)},
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng_state(state: dict, cuda_device_count: int | None = None) -> str | None:
-    """Restore this rank's generators. Returns a note when the CUDA states cannot be restored
-    (the checkpoint saw another number of CUDA devices than this process does): GPU randomness
-    such as dropout then continues from this run's seeds, so the resume is not bit-identical."""
+def restore_rng_state(state: dict, device: torch.device | None = None) -> None:
+    """Restore this rank's generators from what `capture_rng_state` saved for the same rank.
+
+    The CUDA state goes to this rank's device; a run on CPU has none to restore. Checkpoints that
+    hold a list (every visible GPU's state) give this device's entry, where the list has one."""
     py = state["python"]
     random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
     npy = state["numpy"]
     np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
                          npy["has_gauss"], npy["cached_gauss"]))
     torch.set_rng_state(state["torch"])
-    if "cuda" not in state:
+    cuda = cuda_state_for(state.get("cuda"), device)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def cuda_state_for(saved, device: torch.device | None) -> torch.Tensor | None:
+    """The saved CUDA generator state that belongs to `device`, or None (no GPU here, none saved,
+    or a list of every visible GPU's states without an entry for this device's index)."""
+    if saved is None or device is None or device.type != "cuda":
         return None
-    if cuda_device_count is None:
-        cuda_device_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    cuda_states = state["cuda"]
-    if len(cuda_states) != cuda_device_count:
-        return (f"the checkpoint holds CUDA RNG states of {len(cuda_states)} visible device(s), this process sees "
-                f"{cuda_device_count}: they are not restored, so GPU randomness (dropout) continues from this "
-                "run's seeds and the resume is not bit-identical")
-    torch.cuda.set_rng_state_all(cuda_states)
-    return None
+    if isinstance(saved, torch.Tensor):
+        return saved
+    index = device.index or 0
+    return saved[index] if index < len(saved) else None

@@ -20,7 +20,7 @@ from trainer.checkpoint.resume import find_resume_checkpoint, load_resume_checkp
 from trainer.checkpoint.save_dir import claim_for_fresh_run, SaveDirLock
 from trainer.errors import CheckpointError
 from trainer.data_setup import build_train_data
-from trainer.runtime.seeding import capture_rng_state, restore_rng_state
+from trainer.runtime.seeding import capture_rng_state, cuda_state_for, restore_rng_state
 
 # --------------------------------------------------------------------------- the sample stream
 
@@ -164,15 +164,53 @@ def test_refusal_names_each_fixed_setting(tmp_path):
 # --------------------------------------------------------------------------- RNG
 
 
-def test_cuda_rng_states_of_another_device_count_are_reported_not_dropped_silently():
-    state = capture_rng_state()
-    state["cuda"] = [torch.zeros(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)]
-    note = restore_rng_state(state, cuda_device_count=1)
-    assert note == ("the checkpoint holds CUDA RNG states of 2 visible device(s), this process sees 1: they are not "
-                    "restored, so GPU randomness (dropout) continues from this run's seeds and the resume is not "
-                    "bit-identical")
-    state.pop("cuda")
-    assert restore_rng_state(state, cuda_device_count=1) is None
+def test_each_rank_restores_its_own_devices_cuda_state_whatever_the_gpu_count():
+    mine, other = torch.full((16,), 1, dtype=torch.uint8), torch.full((16,), 2, dtype=torch.uint8)
+    cuda = torch.device("cuda", 1)
+    assert cuda_state_for(mine, cuda) is mine  # this rank's device's state, saved alone
+    assert cuda_state_for(mine, torch.device("cuda", 0)) is mine  # resumed on another GPU (count)
+    # older checkpoints: every visible GPU's state; this device's entry where there is one
+    assert cuda_state_for([other, mine], cuda) is mine
+    assert cuda_state_for([mine], cuda) is None
+    assert cuda_state_for(mine, torch.device("cpu")) is None and cuda_state_for(None, cuda) is None
+    # on a CPU run a checkpoint's CUDA state is not an obstacle, nor a warning
+    state = capture_rng_state(torch.device("cpu"))
+    assert "cuda" not in state
+    expected = torch.rand(3)
+    torch.set_rng_state(state["torch"])
+    assert restore_rng_state({**state, "cuda": [other, mine]}, torch.device("cpu")) is None
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_host_copy_of_a_gpu_state_holds_no_cuda_tensor():
+    """The resume state a save writes (trainer/checkpoint/background.to_host), built from a model on
+    a fake `cuda` device: every tensor in it is on the CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tests.model.test_model import tiny_model
+    from trainer.checkpoint.background import to_host
+
+    shapes = {key: (value.shape, value.dtype) for key, value in tiny_model().state_dict().items()}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        weights = {key: torch.empty(shape, dtype=dtype, device="cuda") for key, (shape, dtype) in shapes.items()}
+        state = {"model": weights, "rng": [{"cuda": torch.zeros(16, dtype=torch.uint8, device="cuda")}],
+                 "optimizer": {"state": {0: {"exp_avg": torch.zeros(3, device="cuda")}}, "param_groups": []}}
+        assert state["model"]["model.embed_tokens.weight"].device.type == "cuda"
+        copied = to_host(state)
+    devices = set()
+
+    def walk(tree):
+        if isinstance(tree, torch.Tensor):
+            devices.add(tree.device.type)
+        elif isinstance(tree, dict):
+            for value in tree.values():
+                walk(value)
+        elif isinstance(tree, (list, tuple)):
+            for value in tree:
+                walk(value)
+
+    walk(copied)
+    assert devices == {"cpu"}
 
 
 # --------------------------------------------------------------------------- damaged or foreign files

@@ -1,0 +1,26 @@
+"""scripts/bench_save.py: the three loops it times, and its flag checks."""
+
+import pytest
+
+from scripts import bench_save
+
+TINY = ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2",
+        "--steps", "2", "--seq_len", "8", "--repeats", "1", "--device", "cpu"]
+
+
+def test_the_bench_times_no_save_a_synchronous_and_a_background_save(tmp_path, capsys):
+    assert bench_save.main([*TINY, "--work_dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("model: 0.") and "2 steps of 8 tokens, median of 1" in lines[0]
+    assert lines[1].split() == ["save", "loop", "s", "stall", "s", "call", "s", "write", "s"]
+    rows = {line.split()[0]: [float(x) for x in line.split()[-4:]] for line in lines[2:]}
+    assert list(rows) == ["no", "synchronous", "background"] and rows["no"][1] == 0.0
+    assert rows["synchronous"][2] == rows["synchronous"][3] > 0  # the loop waited for the whole save
+    assert list(tmp_path.iterdir()) == []  # its files are removed
+
+
+def test_too_few_steps_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_save.parse(["--steps", "1"])
+    assert exit_info.value.code == 2
+    assert "--steps must be >= 2" in capsys.readouterr().err

@@ -1,0 +1,163 @@
+"""Saves off the critical path (trainer/checkpoint/background.py, trainer/loop/saves.py): the loop
+waits only for a host copy of the state; the writer thread writes it; the next save waits for the
+previous write; a failed write stops the run at the next save or at the end in one line."""
+
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
+from tests.trainer.loop.test_loop_syncs import micro_batches, step, tiny_run
+from trainer.checkpoint.background import BackgroundWriter, host_model, to_host
+from trainer.checkpoint.save_dir import checkpoint_path
+from trainer.errors import CheckpointError
+from trainer.loop import saves
+
+
+def test_the_host_copy_keeps_the_values_of_its_moment():
+    live = {"model": {"w": torch.arange(4.0)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
+                                                             "param_groups": [{"lr": 0.1, "params": [0]}]},
+            "rng": [torch.tensor([1, 2], dtype=torch.uint8)], "step": 7}
+    copy = to_host(live)
+    live["model"]["w"].add_(100)
+    live["optimizer"]["state"][0]["step"].add_(1)
+    assert torch.equal(copy["model"]["w"], torch.arange(4.0)) and copy["optimizer"]["state"][0]["step"] == 3
+    assert copy["optimizer"]["param_groups"] == [{"lr": 0.1, "params": [0]}] and copy["step"] == 7
+    assert copy["model"]["w"].data_ptr() != live["model"]["w"].data_ptr()
+
+
+def test_the_next_job_starts_after_the_previous_one_ends():
+    writer, order = BackgroundWriter(), []
+
+    def job(name, seconds):
+        def run():
+            order.append(f"{name} start")
+            time.sleep(seconds)
+            order.append(f"{name} end")
+        return run
+
+    assert writer.submit(job("a", 0.3)) is None
+    assert writer.submit(job("b", 0)) is None  # waits for a
+    assert writer.wait() is None
+    assert order == ["a start", "a end", "b start", "b end"]
+
+
+def test_a_failed_write_is_reported_once_and_the_next_job_does_not_start():
+    writer, ran = BackgroundWriter(), []
+
+    def failing():
+        raise CheckpointError("could not write /x/step_00000004.pt: No space left on device")
+
+    writer.submit(failing)
+    assert writer.submit(lambda: ran.append(1)) == "could not write /x/step_00000004.pt: No space left on device"
+    assert ran == [] and writer.wait() is None
+    writer.submit(lambda: 1 / 0)  # a bug in the writer keeps its traceback
+    with pytest.raises(ZeroDivisionError):
+        writer.wait()
+
+
+class Gate:
+    """Stands in for publish_inference_weights: records what it is given, and holds the writer
+    thread until released."""
+
+    def __init__(self, fail_with: BaseException | None = None):
+        self.released, self.calls, self.fail_with = threading.Event(), [], fail_with
+
+    def __call__(self, model, tokenizer, save_dir, dtype):
+        self.released.wait(timeout=30)
+        self.calls.append({key: value.clone() for key, value in model.state_dict().items()})
+        if self.fail_with:
+            raise self.fail_with
+
+
+def saving_run(tmp_path, monkeypatch, gate):
+    run = tiny_run(torch.device("cpu"))
+    run.args = SimpleNamespace(**{**vars(run.args), "save_dir": str(tmp_path)}, keep_last=3, save_dtype="float32",
+                               save_weight=None)
+    run.logger = SimpleNamespace(print=lambda message: None)
+    monkeypatch.setattr(saves, "resume_state", lambda run: {
+        "step": run.state.step, "model": run.raw_model.state_dict(), "optimizer": run.optimizer.state_dict()})
+    monkeypatch.setattr(saves, "publish_inference_weights", gate)
+    return run
+
+
+def test_a_save_returns_before_the_write_and_writes_the_state_of_its_step(tmp_path, monkeypatch):
+    gate = Gate()
+    run = saving_run(tmp_path, monkeypatch, gate)
+    batches = micro_batches()
+    step(run, batches, 1e-3)
+    at_save = {key: value.clone() for key, value in run.raw_model.state_dict().items()}
+    saves.save_in_background(run)
+    assert run.writer.thread.is_alive() and not gate.calls  # the loop goes on while the writer writes
+    step(run, batches, 1e-3)  # changes the live weights in place
+    assert not torch.equal(run.raw_model.model.embed_tokens.weight, at_save["model.embed_tokens.weight"])
+    gate.released.set()
+    saves.finish_saves(run)
+    saved = torch.load(checkpoint_path(str(tmp_path), 1), weights_only=True)
+    assert saved["step"] == 1 and saved.keys() >= {"model", "optimizer"}
+    for key, value in at_save.items():
+        assert torch.equal(saved["model"][key], value), key
+        assert torch.equal(gate.calls[0][key], value), key
+
+
+def test_a_failed_background_write_stops_the_run_at_the_next_save_or_at_the_end(tmp_path, monkeypatch):
+    message = f"could not write inference weights to {tmp_path}/model: No space left on device"
+    gate = Gate(CheckpointError(message))
+    gate.released.set()
+    run = saving_run(tmp_path, monkeypatch, gate)
+    saves.save_in_background(run)  # returns: the failure is not known yet
+    with pytest.raises(CheckpointError) as at_next_save:
+        saves.save_in_background(run)
+    assert str(at_next_save.value) == message and len(gate.calls) == 1  # the failed save's successor never started
+    saves.save_in_background(run)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        saves.finish_saves(run)
+
+
+def test_the_inference_copy_is_a_plain_model_on_the_host():
+    from tests.model.test_model import tiny_model
+
+    live = tiny_model()
+    copy = host_model(live.config, to_host({k: v.to(torch.bfloat16) for k, v in live.state_dict().items()}), live)
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in copy.parameters())
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight or not live.config.tie_word_embeddings
+    with torch.no_grad():
+        live.model.embed_tokens.weight.add_(1)
+    assert not torch.equal(copy.model.embed_tokens.weight.float(), live.model.embed_tokens.weight)
+
+
+def test_the_next_save_refills_the_host_buffers_of_the_last_one(tmp_path, monkeypatch):
+    gate = Gate()
+    gate.released.set()
+    run = saving_run(tmp_path, monkeypatch, gate)
+    batches = micro_batches()
+    addresses = []
+    for _ in range(2):
+        step(run, batches, 1e-3)
+        at_save = {key: value.clone() for key, value in run.raw_model.state_dict().items()}
+        saves.save_in_background(run)
+        saves.finish_saves(run)
+        copy = run.writer.buffers
+        addresses.append([copy["content"]["model"][key].data_ptr() for key in at_save]
+                         + [copy["weights"][key].data_ptr() for key in at_save])
+        saved = torch.load(checkpoint_path(str(tmp_path), run.state.step), weights_only=True)
+        for key, value in at_save.items():
+            assert torch.equal(saved["model"][key], value) and torch.equal(gate.calls[-1][key], value), key
+    assert addresses[0] == addresses[1]  # the same memory, filled again
+    assert to_host({"a": torch.ones(2)}, {"a": torch.zeros(3)})["a"].shape == (2,)  # a changed shape: new memory
+
+
+@pytest.mark.slow
+def test_every_rank_stops_with_the_one_line_error_of_a_failed_background_write(data, tmp_path):
+    save_dir = tmp_path / "run"
+    result = run_trainer(flags(data, save_dir, "--batch_size", "2", "--max_steps", "8", "--save_interval", "2"),
+                         nproc=2, check=False, script=os.path.join(REPO, "tests", "helpers", "failing_save.py"),
+                         env=clean_env(MINISFT_TEST_FAIL_SAVE_AT="2"))
+    line = f"error: could not write inference weights to {save_dir}/model: No space left on device"
+    assert result.stderr.count(line) == 2, result.stderr[-3000:]  # rank 0 and rank 1, at the save of step 6
+    assert "exitcode  : 2" in result.stderr and "saved" in result.stdout
+    assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.pt", "step_00000004.pt"]

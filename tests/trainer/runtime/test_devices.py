@@ -1,0 +1,75 @@
+"""Which GPU each process of a launch takes, and the launches that cannot work (refused in one
+line before the process group starts)."""
+
+import os
+
+import pytest
+
+from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
+from trainer.errors import DistributedError
+from trainer.runtime.distributed import gpu_for_local_rank, gpus_given_per_task, processes_on_this_node
+
+
+@pytest.mark.parametrize("visible", [1, 2, 8])
+def test_each_local_rank_takes_its_own_visible_gpu(visible):
+    # torchrun --nproc_per_node N with N <= visible GPUs (CUDA_VISIBLE_DEVICES=2,3: visible 2, ranks -> 0, 1)
+    for processes in range(1, visible + 1):
+        assert [gpu_for_local_rank(rank, processes, visible, False) for rank in range(processes)] == list(range(processes))
+
+
+@pytest.mark.parametrize("visible", [1, 2, 8])
+def test_more_local_processes_than_visible_gpus_is_refused_in_one_line(visible):
+    processes = visible + 1
+    for rank in range(processes):  # every rank refuses, so none waits for the others in the rendezvous
+        with pytest.raises(DistributedError) as refused:
+            gpu_for_local_rank(rank, processes, visible, False, "2,3")
+        assert str(refused.value) == (
+            f"{processes} processes on this node but this process sees {visible} GPU(s) (CUDA_VISIBLE_DEVICES=2,3): "
+            f"start at most {visible} per node (torchrun --nproc_per_node {visible}, srun --ntasks-per-node {visible}), "
+            "or give each process its own GPU (srun --gpus-per-task 1)")
+    # No launcher says how many processes share the node: local rank 2 needs 3 GPUs at least.
+    with pytest.raises(DistributedError, match="^3 processes on this node but this process sees 2 GPU"):
+        gpu_for_local_rank(2, None, 2, False)
+    assert gpu_for_local_rank(0, None, 1, False) == 0
+
+
+def test_slurm_gpus_per_task_give_every_local_rank_device_0():
+    env = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_GPUS_PER_TASK": "1"}
+    assert processes_on_this_node(env) == 8 and gpus_given_per_task(env, 1)
+    assert [gpu_for_local_rank(rank, 8, 1, True) for rank in range(8)] == [0] * 8
+    # A binding that shows each task one of the step's 8 GPUs, without --gpus-per-task
+    bound = {**env, "SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7"}
+    del bound["SLURM_GPUS_PER_TASK"]
+    assert gpus_given_per_task(bound, 1) and not gpus_given_per_task(bound, 8)
+    # Two tasks sharing one GPU (--gres=gpu:1, no per-task binding): refused
+    shared = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "2"}
+    assert processes_on_this_node(shared) == 2 and not gpus_given_per_task(shared, 1)
+    with pytest.raises(DistributedError, match="^2 processes on this node but this process sees 1 GPU"):
+        gpu_for_local_rank(1, processes_on_this_node(shared), 1, gpus_given_per_task(shared, 1))
+
+
+def test_processes_on_this_node_from_the_launchers():
+    assert processes_on_this_node({"LOCAL_WORLD_SIZE": "4", "SLURM_GPUS_PER_TASK": "1"}) == 4
+    # torchrun inside an srun task: its processes share what the task sees
+    assert not gpus_given_per_task({"LOCAL_WORLD_SIZE": "8", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                                    "SLURM_GPUS_PER_TASK": "8"}, 8)
+    assert processes_on_this_node({"SLURM_PROCID": "0", "SLURM_NTASKS": "10", "SLURM_NODEID": "2",
+                                   "SLURM_STEP_TASKS_PER_NODE": "4(x2),2"}) == 2
+    assert processes_on_this_node({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "8"}) is None
+    assert processes_on_this_node({}) is None
+
+
+@pytest.mark.slow
+def test_torchrun_with_two_processes_on_one_visible_gpu_exits_2_in_one_line(data, tmp_path):
+    result = run_trainer(flags(data, tmp_path, "--max_steps", "1"), nproc=2, check=False, timeout=120,
+                         script=os.path.join(REPO, "tests", "helpers", "fake_gpus.py"),
+                         env=clean_env(MINISFT_TEST_FAKE_GPUS="1", CUDA_VISIBLE_DEVICES="0"))
+    line = ("error: 2 processes on this node but this process sees 1 GPU(s) (CUDA_VISIBLE_DEVICES=0): start at most "
+            "1 per node (torchrun --nproc_per_node 1, srun --ntasks-per-node 1), or give each process its own GPU "
+            "(srun --gpus-per-task 1)")
+    assert result.returncode != 0
+    assert result.stderr.count(line) == 2, result.stderr[-3000:]  # both ranks, before any rendezvous
+    assert "exitcode  : 2" in result.stderr  # torchrun's report of its failed workers
+    assert "trainer/runtime" not in result.stderr  # no traceback of ours
+    assert not os.path.exists(tmp_path / "checkpoints")

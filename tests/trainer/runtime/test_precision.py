@@ -1,0 +1,52 @@
+"""The precision policy of float32 matmuls on CUDA (`--dtype`, `--tf32`), checked on CPU through the
+flags torch keeps (no GPU needed to see what a CUDA run would be told)."""
+
+import argparse
+
+import pytest
+import torch
+
+from trainer.errors import ConfigError
+from trainer.runtime import distributed
+from trainer.runtime.precision import apply_tf32_policy
+
+
+@pytest.fixture
+def tf32_flags():
+    """Leave torch's flags as the test found them."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize(("dtype", "tf32", "on"), [
+    (torch.float32, "auto", False), (torch.bfloat16, "auto", True), (torch.float16, "auto", True),
+    (torch.float32, "1", True), (torch.bfloat16, "0", False),
+])
+def test_float32_means_ieee_matmuls_and_tf32_comes_with_autocast_or_the_flag(tf32_flags, dtype, tf32, on):
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not on
+    mkldnn = torch.backends.mkldnn.matmul.fp32_precision
+    assert apply_tf32_policy(dtype, tf32) is on
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (on, on)
+    # torch's newer view of the same setting agrees (mixing the two APIs would make reads raise)
+    assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if on else "ieee")
+    assert torch.get_float32_matmul_precision() == ("high" if on else "highest")
+    assert torch.backends.mkldnn.matmul.fp32_precision == mkldnn  # CPU matmuls untouched
+
+
+def test_an_unknown_tf32_value_is_a_config_error():
+    with pytest.raises(ConfigError, match="--tf32 yes: use one of auto, 0, 1"):
+        apply_tf32_policy(torch.float32, "yes")
+
+
+def test_picking_a_gpu_does_not_switch_tf32_on(tf32_flags, monkeypatch):
+    """The device choice leaves precision to the policy: a float32 run on CUDA stays IEEE."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    ctx = distributed.init_distributed(argparse.Namespace(device="auto", local_rank=None))
+    assert ctx.device == torch.device("cuda", 0)
+    assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32

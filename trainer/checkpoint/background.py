@@ -1,0 +1,122 @@
+"""Saves off the training loop's critical path: the state is copied to host memory (the step loop
+waits only for that copy), and a writer thread writes the files while training goes on.
+
+- `to_host(tree, into)`: every tensor of a nested dict/list (state dicts, optimizer state, RNG
+  states) copied into CPU memory, into the previous save's buffers where they fit; from a GPU into
+  pinned memory, copied asynchronously (the writer waits for the copies, the loop does not). The
+  copy is what the files hold: later steps change the live tensors, never the copy.
+- `host_model(config, state, source)`: a plain model around such a copy, for the writers of
+  inference weights, which read a model (its config, `state_dict()`, `save_pretrained`).
+- `BackgroundWriter`: runs one job at a time in a thread; `submit` first waits for the previous
+  job, so saves never overlap and the next one writes after the last; `wait` returns the one-line
+  reason a job's write failed (a `CheckpointError`), which the caller reports on every rank.
+
+The files keep every promise of a synchronous save: each is written under a temporary name and
+renamed into place (a kill -9 mid-write leaves the previous checkpoint loadable), rotation runs after
+the write, and the --save_dir lock is held until the last write has finished (`wait` before exit).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from trainer.errors import CheckpointError
+
+
+def to_host(tree, into=None):
+    """`tree` with every tensor copied to CPU memory (pinned for CUDA tensors); other values kept.
+
+    `into`: an earlier copy of a tree of the same layout (the previous save's, written already):
+    its tensors of the same shape and dtype are filled again instead of allocating new ones, so
+    a save does not touch fresh memory (page faults, pinned allocations) for every byte."""
+    if isinstance(tree, torch.Tensor):
+        source = tree.detach()
+        reuse = isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == source.dtype
+        if source.device.type == "cpu":
+            return into.copy_(source) if reuse else source.clone()
+        host = into if reuse else torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
+        host.copy_(source, non_blocking=True)
+        return host
+    if isinstance(tree, dict):
+        earlier = into if isinstance(into, dict) else {}
+        return type(tree)((key, to_host(value, earlier.get(key))) for key, value in tree.items())
+    if isinstance(tree, (list, tuple)):
+        earlier = into if isinstance(into, (list, tuple)) and len(into) == len(tree) else [None] * len(tree)
+        return type(tree)(to_host(value, old) for value, old in zip(tree, earlier))
+    return tree
+
+
+def copies_done() -> "torch.cuda.Event | None":
+    """An event the writer waits on before it reads the host copies (None on a CPU-only run)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def host_model(config, state: dict, source):
+    """A MiniMindForCausalLM whose weights are the host tensors `state` (nothing is copied again),
+    with the non-persistent buffers (RoPE tables) of `source`, the live model, on the CPU."""
+    from model import MiniMindForCausalLM
+
+    with torch.device("meta"):
+        plain = MiniMindForCausalLM(config)
+    plain.load_state_dict(state, assign=True, strict=False)
+    for name, buffer in list(plain.named_buffers()):
+        if buffer.is_meta:  # non-persistent buffers are not in the state dict
+            module_name, _, attr = name.rpartition(".")
+            owner = plain.get_submodule(module_name) if module_name else plain
+            origin = source.get_submodule(module_name) if module_name else source
+            owner.register_buffer(attr, getattr(origin, attr).detach().to("cpu"), persistent=False)
+    if plain.config.tie_word_embeddings:
+        plain.tie_weights()
+    return plain.eval()
+
+
+class BackgroundWriter:
+    """One writer thread at a time; its failure is kept for the next `wait`."""
+
+    def __init__(self):
+        self.thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+        self.buffers: dict = {}  # the last host copies, refilled by the next save once written
+
+    def submit(self, job, ready: "torch.cuda.Event | None" = None) -> str | None:
+        """Wait for the previous job (returns its failure, and then does not start `job`), then run
+        `job()` in a thread once `ready` (the host copies) has completed."""
+        failure = self.wait()
+        if failure:
+            return failure
+        self.thread = threading.Thread(target=self._run, args=(job, ready), name="minisft-checkpoint-writer")
+        self.thread.start()
+        return None
+
+    def _run(self, job, ready) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            job()
+        except BaseException as error:  # noqa: BLE001 - reported by wait() on the training thread
+            self.failure = error
+
+    def wait(self) -> str | None:
+        """Block until the running job (if any) has finished. Returns the one-line reason of a failed
+        write; a failure that is not a CheckpointError (a bug) is raised here with its traceback."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        failure, self.failure = self.failure, None
+        if failure is None:
+            return None
+        if isinstance(failure, CheckpointError):
+            return str(failure)
+        raise failure
+
+    def join(self) -> None:
+        """Let the running write finish, whatever its result: a run that stops on an error still
+        leaves the checkpoint it was writing complete."""
+        if self.thread is not None:
+            self.thread.join()

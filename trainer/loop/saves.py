@@ -1,0 +1,74 @@
+"""The saves of the loop (step 7): the resume checkpoint, then the inference weights (`model/`, and
+MiniMind's .pth with --save_weight), written by rank 0 in the background
+(trainer/checkpoint/background.py) while training goes on.
+
+A save costs the loop a copy of the state to host memory; the writer thread writes the files.
+The next save first waits for the previous write; a write that failed (disk full, permissions)
+stops every rank there, or at the end (`finish_saves`), with its one-line CheckpointError.
+Under --fsdp 1 every rank writes its shard of the resume checkpoint before the loop goes on (DCP;
+docs/save_dir.md says why); the gathered inference weights are written in the background.
+"""
+
+import copy
+
+import torch
+
+from trainer.checkpoint.background import copies_done, host_model, to_host
+from trainer.errors import CheckpointError
+from trainer.loop.state import Run, resume_state
+from trainer.runtime.distributed import barrier, broadcast_object
+from trainer.weights.write import publish_inference_weights, save_minimind_copy
+
+
+def raise_on_every_rank(error: str | None) -> None:
+    """A write that failed on rank 0 (its one-line reason, or None) is raised on every rank, so no
+    rank waits in the next collective for one that stopped."""
+    error = broadcast_object(error)
+    if error:
+        raise CheckpointError(error)
+
+
+def save_in_background(run: Run) -> None:
+    """Copy what this save writes to host memory and hand it to the writer (collective)."""
+    args, main = run.args, run.ctx.is_main
+    raise_on_every_rank(run.writer.wait() if main else None)  # the previous save's write, finished
+    content = resume_state(run)
+    save_dtype = getattr(torch, args.save_dtype)
+    path = None
+    if run.parallel.checkpoint_kind == "sharded":
+        error = None
+        try:
+            path = run.parallel.write_resume_checkpoint(content, args.save_dir, args.keep_last)
+        except CheckpointError as failure:
+            error = str(failure)
+        content = None
+        raise_on_every_rank(error if main else None)
+    weights = run.parallel.inference_model(save_dtype)  # collective under --fsdp 1 (then a host copy)
+    if not main:
+        return
+    buffers = run.writer.buffers  # the previous save's copies: written, so free to fill again
+    if weights is run.parallel.model:  # the live model: its weights copied, as the resume state
+        cast = {key: value.detach().to(save_dtype) for key, value in weights.state_dict().items()}
+        buffers["weights"] = to_host(cast, buffers.get("weights"))
+        weights = host_model(weights.config, buffers["weights"], run.parallel.model)
+    if content is not None:
+        content = buffers["content"] = to_host(content, buffers.get("content"))
+    tokenizer = copy.deepcopy(run.tokenizer)  # the writer's own: a fast tokenizer is not to be shared by threads
+
+    def write() -> None:
+        written = path
+        if content is not None:
+            written = run.parallel.write_resume_checkpoint(content, args.save_dir, args.keep_last)
+        publish_inference_weights(weights, tokenizer, args.save_dir, save_dtype)
+        if args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
+            save_minimind_copy(weights, args.save_dir, args.save_weight)
+        run.logger.print(f"saved {written}")
+
+    run.writer.submit(write, copies_done())
+
+
+def finish_saves(run: Run) -> None:
+    """Wait for the last write (collective): the run ends only with its files complete, and a
+    failed write ends it with its one-line error on every rank."""
+    raise_on_every_rank(run.writer.wait() if run.ctx.is_main else None)
+    barrier(run.ctx.device)
