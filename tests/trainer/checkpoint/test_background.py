@@ -11,12 +11,18 @@ import pytest
 import torch
 
 from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
-from tests.trainer.loop.test_loop_syncs import micro_batches, step, tiny_run
+from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, tiny_run
 from trainer.checkpoint.background import BackgroundWriter, host_model, to_host
 from trainer.checkpoint.save_dir import checkpoint_path
 from trainer.errors import CheckpointError
 from trainer.loop import saves
+from trainer.loop.loop import take_step
 
+
+
+def step(run, batches, lr: float) -> None:
+    """One optimizer step as the loop takes it."""
+    take_step(run, batches, new_interval(run), lr)
 
 def test_the_host_copy_keeps_the_values_of_its_moment():
     live = {"model": {"w": torch.arange(4.0)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
