@@ -745,8 +745,8 @@ def run_probe(options, probe: str, data_path: Path, cache_dir: Path) -> dict:
 
 
 def token_cache_processes() -> int:
-    """Tokenizer processes a build of this process uses (dataset.token_cache.default_num_proc)."""
-    from dataset.token_cache import default_num_proc
+    """Tokenizer processes a build of this process uses (dataset.cache.default_num_proc)."""
+    from dataset.cache import default_num_proc
 
     return default_num_proc()
 

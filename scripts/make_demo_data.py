@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset.demo_tools import COUNTRIES, TOOLS, country_fact, run_tool  # noqa: E402
 from dataset.formats import parse_row  # noqa: E402
-from dataset.rendering import encode_conversation, load_tokenizer  # noqa: E402
+from dataset.rendering import load_tokenizer  # noqa: E402
+from dataset.tokens import encode_conversation  # noqa: E402
 
 UPPERCASE_WORDS = [
     "apple", "river", "stone", "cloud", "tiger", "lemon",

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as torch_mp
 from torch.utils.data import DataLoader
 
-import dataset.token_cache as token_cache
+import dataset.cache.build as token_cache
 from dataset import (
     DataError,
     PackedSFTDataset,

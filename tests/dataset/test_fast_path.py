@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from dataset import chatml
-from dataset.fast_path import ChunkEncoder
+from dataset.chatml_encoder import ChatMLEncoder as ChunkEncoder
 from dataset.formats import Conversation, LineError, parse_line
-from dataset.rendering import encode_conversation, load_tokenizer
+from dataset.rendering import encode_with_template as encode_conversation
+from dataset.rendering import load_tokenizer
 from tests.dataset.test_data import ALT_TEMPLATE, THINK_TEMPLATE, make_alt_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,15 +28,15 @@ def _team_worker(rank: int, world: int, port: int, data: str, cache_dir: str, ou
     process tokenized (its first line numbers) and what it printed."""
     import torch.distributed as dist
 
-    import dataset.node_build as node_build
-    import dataset.partial_build as partial_build
-    import dataset.token_cache as token_cache
+    import dataset.cache.node as node_build
+    import dataset.cache.resumable as partial_build
+    import dataset.cache.build as token_cache
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     token_cache.CHUNK_LINES = chunk_lines
     partial_build.COMMIT_S = 0.0
-    real, encoded = token_cache._encode_chunk, []
+    real, encoded = token_cache.encode_here, []
 
     def recording(task):
         if rank == failing_rank and encoded:
@@ -45,10 +45,11 @@ def _team_worker(rank: int, world: int, port: int, data: str, cache_dir: str, ou
         time.sleep(delay)
         return real(task)
 
-    token_cache._encode_chunk = node_build._encode_chunk = recording  # num_proc 1 per rank: tokenized in this process
+    token_cache.encode_here = node_build.encode_here = recording  # num_proc 1 per rank: tokenized in this process
     record = Path(out_dir, f"rank{rank}.json")
     with open(Path(out_dir, f"stderr{rank}.txt"), "w") as err, contextlib.redirect_stderr(err):
         try:
+            node_build.build_or_reuse_on_node(Path(data), load_tokenizer(None), 1024, Path(cache_dir), "error", world)
             ds = SFTDataset(data, load_tokenizer(None), 1024, cache_dir=cache_dir, num_proc=world)
             record.write_text(json.dumps({"chunks": encoded, "cache": str(ds.cache_path), "samples": len(ds)}))
         except DataError as exc:
@@ -170,7 +171,7 @@ def test_a_chunk_being_written_is_not_counted_as_waiting(tmp_path):
     """A helper's chunk file is written under a temporary name and renamed: `waiting()` (called by
     another process at any moment) counts only finished chunk files (it raised ValueError on the
     temporary '2.tmpPID.npz' name, seen in the loaded suite)."""
-    from dataset.team_build import Team
+    from dataset.cache.team import Team
 
     team = Team(tmp_path, "n", 0, 2, 0)
     team.dir.mkdir(parents=True)

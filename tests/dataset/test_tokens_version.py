@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dataset.digests as digests
-import dataset.token_cache as token_cache
+import dataset.cache.key as digests
+import dataset.cache.build as token_cache
 from dataset import SFTDataset, load_tokenizer
 from dataset.rendering import tokenizer_fingerprint
 

@@ -1,6 +1,6 @@
-"""How the processes of a run get a file's token cache: the local ranks of each node build it
-together (``team_build``: local rank 0 leads and commits, the others tokenize their share of the
-chunks), coordinated through files, never inside a collective."""
+"""The ranks of a node get a file's token cache together: local rank 0 builds it with the node's
+other ranks as helpers (``team``: they tokenize their share of the chunks, rank 0 commits),
+coordinated through files, never inside a collective."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-from .formats import DataError
-from .team_build import AHEAD_CHUNKS, POLL_S, Team, remove_stale_teams
-from .token_cache import (BuildInterrupted, _encode_chunk, _init_worker, _iter_chunks, build_or_reuse,
-                          default_num_proc, interrupts_raise, start_pool)
+from ..formats import DataError
+from .build import BuildInterrupted, build_or_reuse, interrupts_raise
+from .chunks import default_num_proc, encode_here, iter_chunks, start_pool, stop_encoding
+from .team import AHEAD_CHUNKS, POLL_S, Team, remove_stale_teams
 
 WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
 WAIT_POLL_S = 0.2
 
 
-def prepare_cache(
+def build_or_reuse_on_node(
     path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error", num_proc: int | None = None
 ) -> Path:
     """``build_or_reuse`` on this process, or on each node's team under ``torch.distributed``.
@@ -125,11 +125,11 @@ def _help(team: Team, plan: dict, path: Path, tokenizer, workers: int) -> None:
     team directory, in order, never more than ``AHEAD_CHUNKS`` waiting for the lead; stop when the
     lead is done or gone. The build's errors are the lead's to report: a helper only stops."""
     size, member = plan["size"], team.member
-    chunks = _iter_chunks(path, plan["max_seq_len"], plan["start_row"], plan["chunk_lines"])
+    chunks = iter_chunks(path, plan["max_seq_len"], plan["start_row"], plan["chunk_lines"])
     mine = (task for number, task in enumerate(chunks) if number % size == member)
     pool = start_pool(tokenizer, workers)
     try:
-        results = pool.imap(_throttled(mine, team)) if pool else map(_encode_chunk, mine)
+        results = pool.imap(_throttled(mine, team)) if pool else map(encode_here, mine)
         for number, result in zip(range(member, sys.maxsize, size), results):
             while team.waiting() >= AHEAD_CHUNKS and _lead_working(team):
                 time.sleep(POLL_S)
@@ -139,9 +139,7 @@ def _help(team: Team, plan: dict, path: Path, tokenizer, workers: int) -> None:
     except OSError:  # the lead removed the team directory (it is done): nothing left to help with
         return
     finally:
-        _init_worker(None)
-        if pool is not None:
-            pool.close()
+        stop_encoding(pool)
 
 
 def _lead_working(team: Team) -> bool:

@@ -147,7 +147,7 @@ class Team:
         return sum(1 for path in self.dir.glob("*.npz") if path.stem.isdigit() and int(path.stem) % self.size == self.member)
 
     def put(self, number: int, result: dict) -> None:
-        """Write chunk ``number``'s result (``token_cache._encode_chunk``'s dict) for the lead."""
+        """Write chunk ``number``'s result (``chunks.encode_chunk``'s dict) for the lead."""
         tmp = self.dir / f".{number}.npz.tmp{os.getpid()}"  # never matches *.npz while it is written
         info = json.dumps({"bad": result["bad"], "dropped": result["dropped"], "rows": result["rows"]}).encode("utf-8")
         with open(tmp, "wb") as handle:
