@@ -50,11 +50,10 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def build_token_caches(args, tokenizer) -> None:
-    """The token cache of every file of --data_path and --eval_data_path, built where missing (or
-    continued), with the ranks of each node together under torch.distributed; the datasets opened
-    after this step find them finished."""
-    paths = [path for source in parse_data_path(args.data_path) for path in source.files] + eval_data_paths(args)
+def build_token_caches(paths, args, tokenizer) -> None:
+    """The token cache of each of these data files, built where missing (or continued), by local
+    rank 0 of each node under torch.distributed (dataset.cache.build_or_reuse_on_node); the
+    datasets opened after this step find them finished."""
     for path in paths:
         build_or_reuse_on_node(path, tokenizer, args.max_seq_len, default_cache_root(path, args.cache_dir),
                                args.bad_data)
@@ -100,7 +99,7 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
 def build_train_data(args, tokenizer, ctx) -> TrainData:
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
-    build_token_caches(args, tokenizer)
+    build_token_caches([path for source in parse_data_path(args.data_path) for path in source.files], args, tokenizer)
     dataset, mixture, opened = build_mixture(args, tokenizer, augmenter, rank_zero_log(ctx))
     if ctx.rank == 0:  # what is supervised per segment, rows dropped and why, warnings: from a few hundred rows
         print("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
@@ -144,6 +143,7 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
     padding duplicates) and answers every world_size-th prompt of its generation subset; the
     evaluation sums over ranks."""
     paths = eval_data_paths(args)
+    build_token_caches(paths, args, tokenizer)
     eval_sets = []
     for name, path in zip(eval_set_names(paths), paths):
         dataset = build_dataset(path, args, tokenizer, log=rank_zero_log(ctx))

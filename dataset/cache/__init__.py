@@ -3,8 +3,8 @@ decides its tokens changes.
 
 The one entry: ``build_or_reuse`` gives the directory of a file's finished cache (building it, or
 continuing a killed build, when it is missing), then ``TokenCache`` opens it. The training script's
-data setup builds every cache as a step of its own (``build_or_reuse_on_node``: the ranks of each
-node together, local rank 0 committing); a dataset then only opens a finished cache.
+data setup builds every cache as a step of its own (``build_or_reuse_on_node``: local rank 0 of
+each node builds, the node's other ranks wait); a dataset then only opens a finished cache.
 
 Inside, named by what each part is:
 
@@ -13,8 +13,7 @@ Inside, named by what each part is:
 * ``resumable``  the build that survives being killed (committed rows, ``progress.json``, the lock)
 * ``chunks``     what a worker does: a chunk of lines -> tokens and loss masks (``dataset.tokens``)
 * ``workers``    the worker processes (one pipe pair each; a dead worker raises ``WorkerDied``)
-* ``node``       the ranks of a node getting a cache together under ``torch.distributed``
-* ``team``       the node's ranks tokenizing their shares of one build, through files
+* ``node``       under ``torch.distributed``: local rank 0 builds with every core of the node, the others wait
 """
 
 from __future__ import annotations

@@ -15,8 +15,7 @@ merges, special tokens, chat template), ``max_seq_len``, ``CACHE_VERSION`` (the 
 tokenized by worker processes (``chunks``, ``workers``) and appended to a resumable build
 (``resumable``): a killed build keeps the rows it committed and the next build of the same key
 continues after them; the finished cache is renamed into place, so a reader never sees a
-half-written cache. A build with a ``team`` (``team``: the node's other ranks) takes their
-chunks too.
+half-written cache.
 
 SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (the workers are killed; the finished
 rows are kept for the next run).
@@ -41,7 +40,6 @@ from ..sources import check_data_file
 from .chunks import count_lines, default_num_proc, encode_here, iter_chunks, start_pool, stop_encoding
 from .key import CACHE_VERSION, TOKENS_CHANGES, TOKENS_VERSION, cache_key, data_digest
 from .resumable import PartialBuild, Progress, remove_stale_partials
-from .team import Team, deferred, ordered_results
 from .workers import STOP_SIGNALS
 
 CHUNK_LINES = 512  # lines per task of a worker
@@ -106,7 +104,7 @@ class BuildProgress:
 
 
 def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data: str, num_proc: int,
-                team: Team | None = None) -> None:
+                cores: set[int] | None = None) -> None:
     """Tokenize ``path`` into the cache directory ``target``, continuing a killed build of it.
 
     The rows go through ``resumable.PartialBuild`` (``<cache_root>/.partial-<key>/``): what
@@ -114,9 +112,8 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
     continues at its next row; the finished cache is moved into place at the end. With
     ``bad_data="error"`` the first bad line raises ``DataError``; with ``"skip"`` bad lines are
     counted and the first one is recorded in ``meta.json``. SIGTERM or SIGINT raise
-    ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run. With a
-    ``team`` (``team``: the other ranks of the node), this process is its lead: the
-    helpers tokenize their share of the chunks, this one appends all of them in order.
+    ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run. ``cores``:
+    where the ``num_proc`` tokenizer processes may run (default: where this process may).
     """
     target.parent.mkdir(parents=True, exist_ok=True)  # its OSError names the folder (e.g. a file in the way)
     digest = data_digest(path, target.parent)
@@ -135,22 +132,13 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
                 print(restart_line(path, data_file, partial.earlier), file=sys.stderr, flush=True)
             chunks = iter_chunks(path, max_seq_len, start_row, CHUNK_LINES)
             remaining = -(-(total_rows - start_row) // CHUNK_LINES)
-            shared = team is not None and team.size > 1 and remaining > 1
-            pool = start_pool(tokenizer, min(num_proc, -(-remaining // team.size) if shared else remaining))
-            if shared:
-                team.publish({"data_file": str(path), "start_row": start_row, "chunk_lines": CHUNK_LINES,
-                              "max_seq_len": max_seq_len})
-                submit = pool.submit if pool else deferred(encode_here)
-                results = ordered_results(team, chunks, submit, window=team.size * (num_proc + 1))
-            else:
-                results = pool.imap(chunks) if pool else map(encode_here, chunks)
+            pool = start_pool(tokenizer, min(num_proc, remaining), cores)
+            results = pool.imap(chunks) if pool else map(encode_here, chunks)
             _write_cache(results, path, tokenizer, max_seq_len, partial, bad_data, BuildProgress(path, total_rows, start_row))
     except BaseException as exc:
         stopped = stop_reason(exc)
         raise
     finally:
-        if team is not None:
-            team.close()
         stop_encoding(pool)
         partial.release(stopped)
 
@@ -228,9 +216,10 @@ def check_bad_data(meta: dict, bad_data: str) -> None:
 
 
 def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error",
-                   num_proc: int | None = None, team: Team | None = None) -> Path:
+                   num_proc: int | None = None, cores: set[int] | None = None) -> Path:
     """Return the cache directory for this data/tokenizer/max_seq_len, building it on this process
-    if needed (``num_proc`` tokenizer processes, default: every core it may use)."""
+    if needed (``num_proc`` tokenizer processes, default: one per core it may use; ``cores``: where
+    they may run, default: where this process may)."""
     num_proc = num_proc or default_num_proc()
     if bad_data not in BAD_DATA_MODES:
         raise ValueError(f"bad_data must be one of {BAD_DATA_MODES}, got {bad_data!r}")
@@ -245,7 +234,7 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
             _remove_cache(target)
     if not (target / "meta.json").is_file():
         _report_older_caches(path, digest, tokenizer, max_seq_len, cache_root)
-        build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc, **({"team": team} if team else {}))
+        build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc, **({"cores": cores} if cores else {}))
     check_bad_data(read_meta(target), bad_data)
     return target
 

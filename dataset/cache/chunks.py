@@ -7,6 +7,7 @@ process of ``workers.WorkerPool`` (or in this process when the build has one cor
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterator
@@ -22,12 +23,17 @@ from .workers import WorkerPool
 _worker_tokenizer = None  # the tokenizer of this worker process (set by ``start_pool`` or ``encode_here``)
 
 
-def default_num_proc() -> int:
-    """Every core this process may run on (its CPU affinity: a job's share of the machine)."""
+def usable_cores() -> set[int]:
+    """The cores this process may run on (its CPU affinity: a job's share of the machine)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return set(os.sched_getaffinity(0))
     except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))
+
+
+def default_num_proc() -> int:
+    """One tokenizer process per core this process may run on."""
+    return max(1, len(usable_cores()))
 
 
 def iter_chunks(path: Path, max_seq_len: int, start_row: int, chunk_lines: int) -> Iterator[tuple[int, list[bytes], int]]:
@@ -105,19 +111,23 @@ def _init_worker(tokenizer) -> None:
     _worker_tokenizer = tokenizer
 
 
-def _init_pool_worker(tokenizer) -> None:
+def _init_pool_worker(tokenizer, cores: set[int] | None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no tokenizer threads on top
+    if cores:
+        with contextlib.suppress(OSError):  # cores outside this job's CPU set: the ones it has
+            os.sched_setaffinity(0, cores)
     _init_worker(tokenizer)
 
 
-def start_pool(tokenizer, num_workers: int) -> WorkerPool | None:
+def start_pool(tokenizer, num_workers: int, cores: set[int] | None = None) -> WorkerPool | None:
     """A pool of ``num_workers`` processes running ``encode_here`` (None for one: this process
-    tokenizes, with ``encode_here`` too); ``stop_encoding`` when done."""
+    tokenizes, with ``encode_here`` too), allowed on ``cores`` (default: this process's);
+    ``stop_encoding`` when done."""
     if num_workers <= 1:
         _init_worker(tokenizer)
         return None
     uses_chatml_encoder(tokenizer)  # decided once here: the forked workers inherit it
-    return WorkerPool(encode_here, num_workers, _init_pool_worker, (tokenizer,), what="the token cache build")
+    return WorkerPool(encode_here, num_workers, _init_pool_worker, (tokenizer, cores), what="the token cache build")
 
 
 def stop_encoding(pool: WorkerPool | None) -> None:

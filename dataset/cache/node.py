@@ -1,21 +1,30 @@
-"""The ranks of a node get a file's token cache together: local rank 0 builds it with the node's
-other ranks as helpers (``team``: they tokenize their share of the chunks, rank 0 commits),
-coordinated through files, never inside a collective."""
+"""The ranks of a node get a file's token cache: local rank 0 builds it with every core of the node
+(the CPUs of all the node's ranks: under SLURM's ``--cpus-per-task`` each rank is bound to its own),
+the other ranks wait for it on the filesystem.
+
+No collective is held while building (NCCL's watchdog would kill the waiting ranks after the
+process group's timeout): the ranks agree on a nonce and learn who shares a node and its cores
+first (quick: nobody builds yet); local rank 0 builds and writes its outcome (cache path or error)
+to a status file named by the nonce; the others poll for that file, printing a line every
+``WAIT_REPORT_S`` seconds. Only then, with everybody done, the ranks gather the outcomes, so if any
+build failed all ranks raise the same ``DataError``. With NCCL, set the CUDA device before (the
+object collectives need it).
+
+Local rank 0 alone was measured against the node's ranks tokenizing a share of the chunks each
+(2 and 4 ranks, bound to their own cores or not): it built as fast or faster (docs/token_cache.md).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
-import sys
 import time
 from pathlib import Path
 
 from ..formats import DataError
 from .build import BuildInterrupted, build_or_reuse, interrupts_raise
-from .chunks import default_num_proc, encode_here, iter_chunks, start_pool, stop_encoding
-from .team import AHEAD_CHUNKS, POLL_S, Team, remove_stale_teams
+from .chunks import usable_cores
 
 WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
 WAIT_POLL_S = 0.2
@@ -24,19 +33,9 @@ WAIT_POLL_S = 0.2
 def build_or_reuse_on_node(
     path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error", num_proc: int | None = None
 ) -> Path:
-    """``build_or_reuse`` on this process, or on each node's team under ``torch.distributed``.
-
-    ``num_proc``: tokenizer processes of the node (default: every core); a node's local ranks
-    share them. The build holds no collective (NCCL's watchdog would kill the waiting ranks after
-    the process group's timeout): the ranks agree on a nonce and learn which of them share a node
-    first (quick: nobody builds yet); then local rank 0 builds with the node's other ranks as
-    helpers and writes its outcome (cache path or error) to a status file named by the nonce;
-    the helpers tokenize their chunks while the lead builds, then poll for that file, printing a
-    line every ``WAIT_REPORT_S`` seconds. Only then, with everybody done, the ranks gather the
-    outcomes, so if any builder failed all ranks raise the same ``DataError``. With NCCL, set the
-    CUDA device before (the object collectives need it).
-    """
-    num_proc = num_proc or default_num_proc()
+    """``build.build_or_reuse`` on this process, or on local rank 0 of each node under
+    ``torch.distributed`` (module docstring). ``num_proc``: tokenizer processes (default: one per
+    core of the node)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -47,16 +46,15 @@ def build_or_reuse_on_node(
     nonce = [os.urandom(8).hex() if rank == 0 else None]
     dist.broadcast_object_list(nonce)  # quick: nobody is building yet
     places: list = [None] * dist.get_world_size()
-    dist.all_gather_object(places, (socket.gethostname(), node, local_rank))
-    local = sorted(place[2] for place in places if place[:2] == (socket.gethostname(), node))
-    team = Team(cache_root, nonce[0], node, len(local), local.index(local_rank)) if len(local) > 1 else None
-    workers = max(1, num_proc // len(local))  # the node's cores, shared by its ranks
+    dist.all_gather_object(places, (socket.gethostname(), node, sorted(usable_cores())))
+    cores = {core for host, its_node, its_cores in places if (host, its_node) == (socket.gethostname(), node)
+             for core in its_cores}
     status_file = Path(cache_root) / f".build-{nonce[0]}-rank{node}.json"
     interrupted = None
     if local_rank == 0:
         try:
-            remove_stale_teams(cache_root)
-            result = (None, str(build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, workers, team)))
+            built = build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, num_proc or len(cores), cores)
+            result = (None, str(built))
         except BuildInterrupted as exc:
             interrupted, result = exc, (f"rank {rank}: {exc}", None)
         except DataError as exc:
@@ -66,7 +64,7 @@ def build_or_reuse_on_node(
         _write_status(status_file, result)
     else:
         with interrupts_raise():
-            result = _help_and_wait(status_file, rank, team, path, tokenizer, workers)
+            result = _wait(status_file, rank)
     results: list = [None] * dist.get_world_size()
     dist.all_gather_object(results, result)  # everybody has finished waiting: this is quick
     if local_rank == 0:
@@ -86,71 +84,13 @@ def _write_status(status_file: Path, result: tuple) -> None:
     os.replace(tmp, status_file)
 
 
-def _help_and_wait(status_file: Path, rank: int, team: Team | None, path: Path, tokenizer, workers: int) -> tuple:
-    """A helper: tokenize this rank's chunks once the lead publishes its plan, and wait for the
-    lead's outcome."""
+def _wait(status_file: Path, rank: int) -> tuple:
+    """Local rank 0's outcome, once its status file is there."""
     start = last_report = time.monotonic()
-    if team is not None:
-        team.join()
-    helped = team is None or not team.joined  # a rank that could not join only waits
-    try:
-        while not status_file.is_file():
-            plan = team.plan() if not helped else None
-            if plan is not None:
-                helped = True
-                try:
-                    _help(team, plan, path, tokenizer, workers)
-                except BuildInterrupted:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - the lead tokenizes what this rank does not
-                    print(f"rank {rank}: helping to build the token cache failed ({type(exc).__name__}: {exc}); "
-                          "local rank 0 tokenizes this rank's chunks", file=sys.stderr, flush=True)
-                    team.leave()
-                continue
-            time.sleep(WAIT_POLL_S)
-            now = time.monotonic()
-            if now - last_report >= WAIT_REPORT_S:
-                last_report = now
-                print(f"rank {rank}: waiting for local rank 0 to build the token cache ({now - start:.0f} s)", flush=True)
-    finally:
-        if team is not None:
-            team.leave()
-            if status_file.is_file():  # the lead is done: nothing of the team is needed (no build: no plan either)
-                shutil.rmtree(team.dir, ignore_errors=True)
+    while not status_file.is_file():
+        time.sleep(WAIT_POLL_S)
+        now = time.monotonic()
+        if now - last_report >= WAIT_REPORT_S:
+            last_report = now
+            print(f"rank {rank}: waiting for local rank 0 to build the token cache ({now - start:.0f} s)", flush=True)
     return tuple(json.loads(status_file.read_text(encoding="utf-8")))
-
-
-def _help(team: Team, plan: dict, path: Path, tokenizer, workers: int) -> None:
-    """Tokenize this member's chunks of the plan (chunk ``c`` is member ``c % size``'s) into the
-    team directory, in order, never more than ``AHEAD_CHUNKS`` waiting for the lead; stop when the
-    lead is done or gone. The build's errors are the lead's to report: a helper only stops."""
-    size, member = plan["size"], team.member
-    chunks = iter_chunks(path, plan["max_seq_len"], plan["start_row"], plan["chunk_lines"])
-    mine = (task for number, task in enumerate(chunks) if number % size == member)
-    pool = start_pool(tokenizer, workers)
-    try:
-        results = pool.imap(_throttled(mine, team)) if pool else map(encode_here, mine)
-        for number, result in zip(range(member, sys.maxsize, size), results):
-            while team.waiting() >= AHEAD_CHUNKS and _lead_working(team):
-                time.sleep(POLL_S)
-            if not _lead_working(team):
-                return
-            team.put(number, result)
-    except OSError:  # the lead removed the team directory (it is done): nothing left to help with
-        return
-    finally:
-        stop_encoding(pool)
-
-
-def _lead_working(team: Team) -> bool:
-    return team.plan() is not None and team.alive(0)
-
-
-def _throttled(tasks, team: Team):
-    """The pool's tasks, handed out only while this helper has room for their results."""
-    for task in tasks:
-        while team.waiting() >= AHEAD_CHUNKS and _lead_working(team):
-            time.sleep(POLL_S)
-        if not _lead_working(team):
-            return
-        yield task
