@@ -1,5 +1,5 @@
-"""The build's encoder (dataset/fast_path.py, dataset/chatml.py) gives what the general path
-(rendering.encode_conversation) gives: the same token ids, the same loss mask, the same error, for
+"""The ChatML encoder behind the seam (dataset/chatml_encoder.py, dataset/chatml.py) gives what the general path
+(rendering.encode_with_template) gives: the same token ids, the same loss mask, the same error, for
 every row, every template and tokenizer shape the tests know.
 
 The fast path renders ChatML conversations in Python, tokenizes a chunk in one backend call and

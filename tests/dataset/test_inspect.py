@@ -1,4 +1,4 @@
-"""Segments, the data report and its pictures (dataset/segments.py, data_report.py, token_view.py):
+"""Segments, the data report and its pictures (dataset/inspection/: segments.py, report.py, token_view.py):
 exact token counts per segment, dropped rows and why, supervised empty think blocks, tokenizers
 that differ, and the HTML page / terminal view read back."""
 

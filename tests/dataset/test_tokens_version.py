@@ -68,7 +68,7 @@ def test_the_tokens_of_fixed_conversations_are_those_recorded_for_this_tokens_ve
         pytest.fail("the shipped tokenizer changed (its fingerprint is in the cache key already, so no new "
                     f"TOKENS_VERSION is needed for it): record {version}: ({fingerprint!r}, {digest!r})")
     assert digest == golden_digest, (
-        "the tokens or labels of tests/dataset/golden_rows.jsonl changed while dataset.token_cache.TOKENS_VERSION "
+        "the tokens or labels of tests/dataset/golden_rows.jsonl changed while dataset.cache.key.TOKENS_VERSION "
         f"stayed {version}: caches built by the old code would be reused. Raise TOKENS_VERSION, say what changed in "
         f"TOKENS_CHANGES, and record {version + 1}: ({fingerprint!r}, {digest!r}) here")
 

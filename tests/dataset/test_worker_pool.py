@@ -1,4 +1,4 @@
-"""The token cache build's worker processes (dataset/worker_pool.py), with real processes and
+"""The token cache build's worker processes (dataset/cache/workers.py), with real processes and
 real signals: results in order, a worker's error raised with its traceback, workers that a
 signal to the group does not kill, a worker killed mid-send that cannot hang the parent."""
 
