@@ -7,6 +7,7 @@ import math
 import os
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
@@ -54,7 +55,7 @@ def build_token_caches(paths, args, tokenizer) -> None:
     """The token cache of each of these data files, built where missing (or continued), by local
     rank 0 of each node under torch.distributed (dataset.cache.build_or_reuse_on_node); the
     datasets opened after this step find them finished."""
-    for path in paths:
+    for path in map(Path, paths):
         build_or_reuse_on_node(path, tokenizer, args.max_seq_len, default_cache_root(path, args.cache_dir),
                                args.bad_data)
 

@@ -41,7 +41,7 @@ def test_a_dataset_under_a_process_group_runs_no_collective(tmp_path, monkeypatc
 
 
 def test_the_data_setup_step_builds_the_caches_that_the_datasets_then_only_open(tmp_path, monkeypatch):
-    files = [write_rows(tmp_path / "a.jsonl"), write_rows(tmp_path / "b.jsonl", 5)]
+    files = [write_rows(tmp_path / "a.jsonl"), str(write_rows(tmp_path / "b.jsonl", 5))]  # --eval_data_path gives str
     args = SimpleNamespace(max_seq_len=64, cache_dir=str(tmp_path / "cache"), bad_data="error")
     tokenizer = load_tokenizer(None)
     build_token_caches(files, args, tokenizer)
