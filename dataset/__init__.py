@@ -1,35 +1,42 @@
-"""SFT data pipeline: jsonl chats -> token cache -> samples -> sampler -> padded batches.
+"""SFT data pipeline: jsonl chats -> tokens (cached once) -> samples -> sampler -> padded batches.
 
-1. ``formats`` parses MiniMind / ShareGPT / OpenAI jsonl lines (tools, tool calls, tool results,
-   reasoning) into a ``Conversation`` and reports bad lines as ``DataError("file:line: problem")``
-   (or skips them); nothing the data carries is dropped silently.
-2. ``rendering`` renders each chat (with its tools) through the tokenizer's chat template,
-   locates every assistant turn's loss span in that one rendering and maps it to tokens by
-   offsets (works for any HF template, prefix-stable or not); ``tool_calls`` reads tool calls
-   back out of generated text; ``augment`` holds MiniMind's opt-in augmentations.
-3. ``token_cache`` tokenizes the file once, in parallel on every core, into a memory-mapped
-   cache keyed by the data, tokenizer, template and ``max_seq_len`` (``fast_path``: ChatML
-   templates rendered in Python by ``chatml``, a chunk tokenized at once; ``team_build``: the
-   local ranks of a node build it together under torch.distributed).
-4. ``SFTDataset`` / ``PackedSFTDataset`` serve ``input_ids`` / ``labels`` (and ``position_ids``
-   for packed rows) from the cache; ``ResumableDistributedSampler`` shards a world-size
-   independent global order that can resume at any global sample offset; ``SFTCollator``
-   right-pads a batch to its longest item; ``epoch_padding``: the samples repeated only to pad an
-   epoch to a multiple of the world size count for nothing.
-5. ``mixture`` reads ``--data_path`` (several weighted sources: files, directories of shards,
-   globs), lays the sources end to end (``MixtureDataset``, items tagged with their ``source``)
-   and says which samples each epoch holds (``EpochMixture``), for the sampler to shuffle.
+Every module, in the order of the pipeline, with its one job:
+
+* ``sources``        files, shards, globs, ``.gz`` and ``.parquet`` -> raw lines
+* ``formats``        a MiniMind / ShareGPT / OpenAI line -> ``Conversation`` (or ``DataError("file:line: problem")``)
+* ``rendering``      a conversation -> text and loss spans through the tokenizer's chat template (any
+                     template; the general path), and the tokenizer's loading and fingerprint
+* ``prefix_tokens``  the first ``max_seq_len`` tokens of a text without tokenizing all of it
+* ``chatml``         the ChatML layout of the shipped and MiniMind's templates, rendered in Python
+* ``chatml_encoder`` the fast ChatML encoder: a batch of conversations -> tokens, equal to the general path
+* ``tokens``         THE seam: conversations -> token ids and loss masks; every path calls it
+* ``cache``          the token cache (a package): build or reuse a file's cache, then open it
+* ``sft_dataset``    ``SFTDataset``: a file's samples (``input_ids``, ``labels``) from its cache
+* ``packing``        ``PackedSFTDataset``: several whole samples per row
+* ``augment``        MiniMind's opt-in augmentations, drawn per (seed, epoch, sample)
+* ``mixture``        ``--data_path``'s weighted sources end to end, and which samples each epoch holds
+* ``sampler``        ``ResumableDistributedSampler``: a world-size independent, resumable order
+* ``epoch_padding``  the samples repeated to pad an epoch to the world size count for nothing
+* ``collate``        samples -> a right-padded batch; the batch -> model-inputs contract
+* ``tool_calls``     tool calls read back out of generated text (evaluation, chat)
+* ``demo_tools``     the demo data's tools and their answers
+* ``inspection``     what the data teaches (a package): segments per token, the report, the views
+
+From ``SFTDataset`` to token ids: ``sft_dataset`` opens the file's finished cache (``cache``); the
+ids in it were written by ``cache.build``, which hands chunks of lines to ``cache.chunks``, which
+parses them and calls ``tokens``, the seam (then ``chatml_encoder`` or ``rendering``).
 """
 
 from .augment import ChatAugmenter
+from .cache import BuildInterrupted, WorkerDied
 from .collate import SFTCollator, model_inputs, pad_fraction
 from .epoch_padding import FillerIndex, MarkFillers
 from .formats import DataError
-from .rendering import encode_conversation, load_tokenizer
+from .packing import PackedSFTDataset, pack_lengths
+from .rendering import load_tokenizer
 from .sampler import ResumableDistributedSampler
-from .token_cache import BuildInterrupted
-from .sft_dataset import IGNORE_INDEX, PackedSFTDataset, SFTDataset, pack_lengths
-from .worker_pool import WorkerDied
+from .sft_dataset import IGNORE_INDEX, SFTDataset
+from .tokens import encode_conversation
 
 __all__ = [
     "ChatAugmenter",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 
 from .formats import THINK_CLOSE, THINK_OPEN, Conversation
+from .rendering import loss_spans
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 ASSISTANT_HEADER = IM_START + "assistant\n"
@@ -147,8 +148,6 @@ _MATCHES: dict[str, bool] = {}  # chat template -> does the layout reproduce it
 def matches_template(tokenizer) -> bool:
     """True if the tokenizer's template renders every probe conversation to the layout's text and
     the general path locates the layout's spans in it (remembered per template)."""
-    from .rendering import loss_spans
-
     template = tokenizer.chat_template
     if not isinstance(template, str):
         return False

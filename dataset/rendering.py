@@ -202,15 +202,16 @@ def special_token_texts(tokenizer) -> list[str]:
     return sorted({token.content for token in tokenizer.added_tokens_decoder.values() if token.special}, key=len, reverse=True)
 
 
-def _strings(value):
+def data_strings(value):
+    """Every string inside ``value`` (nested dicts and lists)."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _strings(item)
+            yield from data_strings(item)
     elif isinstance(value, list):
         for item in value:
-            yield from _strings(item)
+            yield from data_strings(item)
 
 
 def _mask_specials(value, specials: list[str]):
@@ -233,7 +234,7 @@ def template_special_positions(
     ``render_kwargs``); ``None`` if the data spells none."""
     specials = special_token_texts(tokenizer)
     data = [conversation.messages, conversation.tools]
-    if not any(special in string for string in _strings(data) for special in specials):
+    if not any(special in string for string in data_strings(data) for special in specials):
         return None
     masked = Conversation(_mask_specials(conversation.messages, specials), _mask_specials(conversation.tools, specials))
     masked_text = render(tokenizer, masked, **render_kwargs)
@@ -295,15 +296,19 @@ def prompt_token_ids(tokenizer, conversation, **template_kwargs) -> list[int]:
     return tokenize_rendered(tokenizer, conversation, text, add_generation_prompt=True, **template_kwargs)[0]
 
 
-def encode_conversation(tokenizer, conversation, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids (int64) and loss mask (bool) of one conversation (a ``Conversation`` or a message
-    list), truncated to ``max_seq_len``."""
-    conversation = as_conversation(conversation)
+def span_mask(offsets: np.ndarray, spans) -> np.ndarray:
+    """Which tokens carry loss: those whose characters (``offsets``, int64 (n, 2)) overlap a span."""
+    mask = np.zeros(len(offsets), dtype=bool)
+    for start, end in spans:
+        mask |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+    return mask
+
+
+def encode_with_template(tokenizer, conversation: Conversation, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The general path behind ``tokens.encode_conversation``, for any chat template: token ids
+    (int64) and loss mask (bool) of one conversation, truncated to ``max_seq_len``."""
     text, spans = loss_spans(tokenizer, conversation)
     token_ids, token_offsets = tokenize_rendered(tokenizer, conversation, text, max_tokens=max_seq_len)
     ids = np.asarray(token_ids[:max_seq_len], dtype=np.int64)
     offsets = np.asarray(token_offsets[:max_seq_len], dtype=np.int64).reshape(-1, 2)
-    mask = np.zeros(len(ids), dtype=bool)
-    for start, end in spans:
-        mask |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
-    return ids, mask
+    return ids, span_mask(offsets, spans)

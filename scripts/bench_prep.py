@@ -6,7 +6,8 @@ Both sides start from the same jsonl lines (demo rows) and use the same tokenize
 ``model/tokenizer``), in this one process, with the tokenizer's own threads off
 (``TOKENIZERS_PARALLELISM=false``): one core each. Figures: docs/benchmarks.md.
 
-* ours: what a build worker does with a chunk of lines (``token_cache._encode_chunk``): parse,
+* ours: what a build worker does with a chunk of lines (``dataset.cache.chunks.encode_chunk``
+  through the seam ``dataset.tokens.encode_conversations``): parse,
   render through the chat template, every assistant turn's loss span, tokenize, loss mask, cut to
   ``--max_seq_len``; a fresh encoder per data set (its remembered system turns start empty).
 * minimind: MiniMind's ``SFTDataset.__getitem__`` written out (the data is loaded once, so the
@@ -20,8 +21,8 @@ Both sides start from the same jsonl lines (demo rows) and use the same tokenize
   without padding; MiniMind pads in ``__getitem__``).
 * ours whole: ours with every text tokenized whole (no piece of text remembered: what data
   without any repeated system prompt, tools block, call or reply would cost); general: ours
-  through the general path for every row (``rendering.encode_conversation``: the build before
-  the ChatML fast path). Both give the same ids and masks as ours (checked).
+  through the general path for every row (``rendering.encode_with_template``: what the seam runs
+  for a template other than ChatML). Both give the same ids and masks as ours (checked).
 
 The rows are timed in rounds (a chunk of ours, the same chunk the MiniMind ways, in turn), so a
 change of the machine's load hits both alike. rows/s per core = rows / CPU seconds of the process
@@ -34,6 +35,8 @@ compared without those newlines.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import gc
 import json
 import os
@@ -119,6 +122,11 @@ class MiniMindPrep:
         return torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long), length
 
 
+def _encoding(encoder):
+    """``encode_chunk``'s ``encode`` through this encoder instead of the seam."""
+    return lambda conversations, max_seq_len: encoder.encode(conversations)
+
+
 def _timed(function, *args):
     gc.collect()  # every way starts from the same collector state, not with another way's garbage
     cpu, wall = time.process_time(), time.perf_counter()
@@ -157,8 +165,10 @@ COLUMNS = [("ours", "ours"), ("ours_whole", "ours whole"), ("ours_general", "gen
 def run_prep(options, tokenizer, machine: str = "") -> dict:
     """Time the ways on both data sets (module docstring); print the table and return the figures."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core: no tokenizer threads
-    import dataset.token_cache as token_cache
-    from dataset.fast_path import ChunkEncoder
+    from dataset.cache.build import CHUNK_LINES
+    from dataset.cache.chunks import encode_chunk
+    from dataset.chatml_encoder import ChatMLEncoder
+    from dataset.tokens import encode_conversations
 
     sets = split_rows(options.data_path)
     newline = tokenizer("\n", add_special_tokens=False).input_ids
@@ -169,7 +179,7 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
     print(f"machine: {machine}")
     print(f"prep: rows/s per core = rows / CPU s of this process (tokenizer threads off); max_seq_len "
           f"{options.max_seq_len}; {options.prep_rows or 'all'} rows per set, each once, in chunks of "
-          f"{token_cache.CHUNK_LINES}, every way on a chunk in turn; data {options.data_path}")
+          f"{CHUNK_LINES}, every way on a chunk in turn; data {options.data_path}")
     print("  ours = the build's chunk encoder; ours whole = the same with every text tokenized whole (no piece "
           "remembered); general = the general path for every row (the build before the fast path); minimind = its "
           "__getitem__; mm no pads = its label scan without the pads")
@@ -180,26 +190,23 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
         rows = sets[name][: options.prep_rows or None]  # distinct rows: repeating them would flatter the piece cache
         if not rows:
             continue
-        token_cache._init_worker(tokenizer)  # fresh encoders: nothing remembered from another set
-        whole = ChunkEncoder(tokenizer, options.max_seq_len)
+        fresh = copy.deepcopy(tokenizer)  # the seam keeps an encoder per tokenizer: nothing remembered from another set
+        whole = ChatMLEncoder(tokenizer, options.max_seq_len)
         whole.split_pattern = None
-        general = ChunkEncoder(tokenizer, options.max_seq_len)
+        general = ChatMLEncoder(tokenizer, options.max_seq_len)
         general.fast = False
+        encoders = {"ours": functools.partial(encode_conversations, fresh),
+                    "ours_whole": _encoding(whole), "ours_general": _encoding(general)}
         cpu = {way: 0.0 for way in WAYS}
         wall = dict(cpu)
         equal_ids = equal_masks = kept = tokens = 0
-        for first in range(0, len(rows), token_cache.CHUNK_LINES):
-            chunk = rows[first:first + token_cache.CHUNK_LINES]
+        for first in range(0, len(rows), CHUNK_LINES):
+            chunk = rows[first:first + CHUNK_LINES]
             task = (first + 1, chunk, options.max_seq_len)
             outputs = {}
             for way in WAYS:
-                if way == "ours":
-                    outputs[way], seconds, elapsed = _timed(token_cache._encode_chunk, task)
-                elif way in ("ours_whole", "ours_general"):
-                    pieces = token_cache._worker_encoder(options.max_seq_len)
-                    token_cache._worker_encoders[options.max_seq_len] = whole if way == "ours_whole" else general
-                    outputs[way], seconds, elapsed = _timed(token_cache._encode_chunk, task)
-                    token_cache._worker_encoders[options.max_seq_len] = pieces
+                if way in encoders:
+                    outputs[way], seconds, elapsed = _timed(encode_chunk, task, encoders[way])
                 else:
                     outputs[way], seconds, elapsed = _timed(lambda: [minimind[way](raw) for raw in chunk])
                 cpu[way] += seconds
@@ -226,7 +233,6 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
               + f" {result['x_minimind']:>10.2f} {result['x_minimind_nopad']:>9.2f} {result['whole_x_minimind']:>10.2f}"
               f"  {equal_ids}/{kept}, {equal_masks}/{kept}" + (f" ({len(rows) - kept} without loss tokens)" if kept < len(rows) else ""),
               flush=True)
-    token_cache._init_worker(None)
     summary = "summary: ours / minimind rows per core: " + ", ".join(
         f"{result['data']} {result['x_minimind']:.2f}x (target >= 3: {'met' if result['x_minimind'] >= 3 else 'NOT met'}; "
         f"{result['x_minimind_nopad']:.2f}x its scan without pads; texts whole {result['whole_x_minimind']:.2f}x)"

@@ -138,7 +138,7 @@ def probe_main(options) -> None:
     device = resolve_device(options.device)
     options.device = str(device)
     if options.probe == "build":
-        from dataset.token_cache import default_num_proc
+        from dataset.cache import default_num_proc
 
         figures["rss_before_build_mib"] = (proc_status_kib("VmRSS") or 0) / 1024
         cpu_before, start = cpu_seconds(), time.time()

@@ -9,9 +9,9 @@ to the trainer (a mixture ``a.jsonl:3,shards/`` too; the tokenizer is ``--tokeni
 shipped one). Each conversation is rendered,
 tokenized and masked exactly as the token cache does it, and every token is attributed to the
 segment that produced it (system, tools block, user, tool result, think block, reply, tool call,
-end-of-turn, template: ``dataset/segments.py``). Prints a report per source (``dataset/data_report.py``);
+end-of-turn, template: ``dataset/inspection/segments.py``). Prints a report per source (``dataset/inspection/report.py``);
 ``--html FILE`` writes a self-contained page of ``--samples`` rows, ``--terminal`` (the default when
-stdout is a terminal) prints them in colour (``dataset/token_view.py``). docs/inspect_data.md.
+stdout is a terminal) prints them in colour (``dataset/inspection/token_view.py``). docs/inspect_data.md.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def choose_tokenizer(args) -> tuple[object, str, list[str]]:
     """(tokenizer, where it came from, lines about --from_weight's tokenizer): the trainer's choice
     (trainer/weights/tokenizer.py), except that a --tokenizer_path other than the weights' own is shown
     with what differs instead of refused."""
-    from dataset.data_report import tokenizer_differences
+    from dataset.inspection.report import tokenizer_differences
     from dataset.rendering import load_tokenizer
     from trainer.weights.inference import own_tokenizer_at
     from trainer.weights.tokenizer import load_own
@@ -94,9 +94,9 @@ def main() -> int:
     if args.max_seq_len < 1 or args.rows < 0 or args.samples < 0:
         fail("--max_seq_len must be positive, --rows and --samples not negative")
 
-    from dataset.data_report import inspect_source, report_lines, segment_table
+    from dataset.inspection.report import inspect_source, report_lines, segment_table
     from dataset.mixture import parse_data_path
-    from dataset.token_view import html_page, terminal_legend, terminal_view
+    from dataset.inspection.token_view import html_page, terminal_legend, terminal_view
 
     tokenizer, tokenizer_name, notes = choose_tokenizer(args)
     sources = parse_data_path(args.data_path)

@@ -54,7 +54,8 @@ from scripts._demo_plain import (  # noqa: E402
 
 from dataset.demo_tools import COUNTRIES, TOOLS, country_fact, run_tool  # noqa: E402
 from dataset.formats import parse_row  # noqa: E402
-from dataset.rendering import encode_conversation, load_tokenizer  # noqa: E402
+from dataset.rendering import load_tokenizer  # noqa: E402
+from dataset.tokens import encode_conversation  # noqa: E402
 
 # ----------------------------------------------------------------------------- tool conversations
 

@@ -1,17 +1,20 @@
-"""Step 4: the SFT dataset (tokenized once, memory-mapped; several weighted sources with
-`dataset.mixture`), the resumable distributed sampler and the DataLoaders, the run's identity
-(trainer/run_identity.py) from the data just opened, and the held-out sets."""
+"""Step 4: the token caches of every data file (built or reused: ``build_token_caches``), then the
+SFT dataset over them (memory-mapped; several weighted sources with `dataset.mixture`), the
+resumable distributed sampler and the DataLoaders, the run's identity (trainer/run_identity.py)
+from the data just opened, and the held-out sets."""
 
 import math
 import os
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
 from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
-from dataset.data_report import training_summary
+from dataset.cache import build_or_reuse_on_node, default_cache_root
+from dataset.inspection.report import training_summary
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, parse_data_path
 from trainer.evaluation.evaluate import EvalSet, generation_examples
 from trainer.evaluation.selection import eval_set_names
@@ -49,14 +52,23 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def open_samples(path, args, tokenizer, augmenter=None) -> SFTDataset:
-    """One data file's samples, from its token cache (built on first use)."""
+def build_token_caches(paths, args, tokenizer) -> None:
+    """The token cache of each of these data files, built where missing (or continued), by local
+    rank 0 of each node under torch.distributed (dataset.cache.build_or_reuse_on_node); the
+    datasets opened after this step find them finished."""
+    for path in map(Path, paths):
+        build_or_reuse_on_node(path, tokenizer, args.max_seq_len, default_cache_root(path, args.cache_dir),
+                               args.bad_data)
+
+
+def open_samples(path, args, tokenizer, augmenter=None, log=print) -> SFTDataset:
+    """One data file's samples, from its finished token cache (``build_token_caches``)."""
     return SFTDataset(path, tokenizer, args.max_seq_len, bad_data=args.bad_data, cache_dir=args.cache_dir,
-                      augmenter=augmenter)
+                      augmenter=augmenter, log=log)
 
 
-def build_dataset(path, args, tokenizer, augmenter=None):
-    dataset = open_samples(path, args, tokenizer, augmenter)
+def build_dataset(path, args, tokenizer, augmenter=None, log=print):
+    dataset = open_samples(path, args, tokenizer, augmenter, log)
     return PackedSFTDataset(dataset, args.max_seq_len) if args.packing else dataset
 
 
@@ -70,7 +82,7 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
         files = []
         opened.append((source, files))
         for path in source.files:
-            files.append(open_samples(path, args, tokenizer, augmenter))
+            files.append(open_samples(path, args, tokenizer, augmenter, log))
             files[-1].index_base, first_index = first_index, first_index + len(files[-1])  # distinct augmentation draws
         samples = files[0] if len(files) == 1 else ConcatenatedSamples(files)
         parts.append(PackedSFTDataset(samples, args.max_seq_len) if args.packing else samples)
@@ -89,7 +101,8 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
 def build_train_data(args, tokenizer, ctx) -> TrainData:
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
-    dataset, mixture, opened = build_mixture(args, tokenizer, augmenter, print if ctx.rank == 0 else (lambda message: None))
+    build_token_caches([path for source in parse_data_path(args.data_path) for path in source.files], args, tokenizer)
+    dataset, mixture, opened = build_mixture(args, tokenizer, augmenter, rank_zero_log(ctx))
     if ctx.rank == 0:  # what is supervised per segment, rows dropped and why, warnings: from a few hundred rows
         print("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
                                           drop_empty_think=args.drop_empty_think_ratio > 0)))
@@ -119,6 +132,10 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     return TrainData(dataset, sampler, loader, identify_run(args, tokenizer, opened), dataset.names)
 
 
+def rank_zero_log(ctx):
+    return print if ctx.rank == 0 else (lambda message: None)
+
+
 def eval_data_paths(args) -> list[str]:
     """The held-out files of --eval_data_path (comma-separated)."""
     return [path for path in (args.eval_data_path or "").split(",") if path]
@@ -129,9 +146,10 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
     padding duplicates) and answers every world_size-th prompt of its generation subset; the
     evaluation sums over ranks."""
     paths = eval_data_paths(args)
+    build_token_caches(paths, args, tokenizer)
     eval_sets = []
     for name, path in zip(eval_set_names(paths), paths):
-        dataset = build_dataset(path, args, tokenizer)
+        dataset = build_dataset(path, args, tokenizer, log=rank_zero_log(ctx))
         samples = dataset.dataset if args.packing else dataset  # prompts come from whole conversations
         loader = DataLoader(
             dataset,

@@ -8,7 +8,7 @@ that these define, so a resume that changes one is refused with one line naming 
   digest, taken when the cache was opened) and its number of samples, and the source's weight as an
   exact fraction of the total (`1,1` and `0.5,0.5` are the same mixture, `1,1.000004` is not);
 - the tokenizer and chat template (their fingerprint), and the version of the code that turns rows
-  into tokens (dataset.token_cache.TOKENS_VERSION).
+  into tokens (dataset.cache.key.TOKENS_VERSION).
 `save()` never reads the data files again: a file that is moved, deleted or grown while the run
 trains changes nothing in its checkpoints, and a resume over the changed data is refused.
 
@@ -36,7 +36,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from dataset.rendering import tokenizer_fingerprint
-from dataset.token_cache import TOKENS_VERSION
+from dataset.cache import TOKENS_VERSION
 
 RECORD_VERSION = 3
 UNRECORDED_TOKENS_VERSION = 1  # the tokenizing code of the checkpoints that recorded none
@@ -185,7 +185,7 @@ def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | No
 
 
 def tokens_difference(before: int, now: RunIdentity) -> tuple:
-    return ("the tokenizing code (dataset.token_cache.TOKENS_VERSION)", before, now.tokens_version,
+    return ("the tokenizing code (dataset.cache.key.TOKENS_VERSION)", before, now.tokens_version,
             "resume with the minisft version that wrote the checkpoint")
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dataset.partial_build as partial_build
+import dataset.cache.resumable as partial_build
 import dataset.sources as sources
-import dataset.digests as digests
-import dataset.node_build as node_build
-import dataset.token_cache as token_cache
+import dataset.cache.key as digests
+import dataset.cache.node as node_build
+import dataset.cache.build as token_cache
 from dataset import DataError, SFTDataset, load_tokenizer
 from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env
 
@@ -162,7 +162,7 @@ def test_a_signal_while_the_pool_forks_is_not_lost(tmp_path):
     BuildInterrupted was raised inside the at-fork callbacks, where CPython drops exceptions, and
     the build went on to the end."""
     data = write_rows(tmp_path / "rows.jsonl", [chat_line(i) for i in range(200)])
-    code = ("import os, signal, sys; import dataset.token_cache as t; from dataset import SFTDataset; "
+    code = ("import os, signal, sys; import dataset.cache.build as t; from dataset import SFTDataset; "
             "t.CHUNK_LINES = 20; sent = []; "
             "os.register_at_fork(before=lambda: sent or sent.append(os.kill(os.getpid(), signal.SIGTERM))); "
             "SFTDataset(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=2); print('built')")
@@ -170,7 +170,7 @@ def test_a_signal_while_the_pool_forks_is_not_lost(tmp_path):
                             env=clean_env(), capture_output=True, text=True, timeout=120)
     assert result.stdout == "", result.stdout
     assert result.returncode == 1, result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("dataset.token_cache.BuildInterrupted: SIGTERM while building"), \
+    assert result.stderr.strip().splitlines()[-1].startswith("dataset.cache.build.BuildInterrupted: SIGTERM while building"), \
         result.stderr
     assert "Exception ignored" not in result.stderr
 
@@ -179,7 +179,7 @@ def cache_files(cache: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(cache.iterdir())}
 
 
-ENCODE_CHUNK = token_cache._encode_chunk
+ENCODE_CHUNK = token_cache.encode_here
 
 
 def counting_encoder(monkeypatch, fail_at_chunk: int | None = None) -> list[int]:
@@ -193,7 +193,7 @@ def counting_encoder(monkeypatch, fail_at_chunk: int | None = None) -> list[int]
         rows.append(len(task[1]))
         return real(task)
 
-    monkeypatch.setattr(token_cache, "_encode_chunk", encode)
+    monkeypatch.setattr(token_cache, "encode_here", encode)
     return rows
 
 
@@ -265,7 +265,7 @@ def test_a_restart_says_resuming_only_after_an_interrupted_build(tokenizer, tmp_
             raise token_cache.BuildInterrupted(signal.SIGTERM)
         return real(task)
 
-    monkeypatch.setattr(token_cache, "_encode_chunk", interrupted_at_the_fourth_chunk)
+    monkeypatch.setattr(token_cache, "encode_here", interrupted_at_the_fourth_chunk)
     with pytest.raises(token_cache.BuildInterrupted):
         SFTDataset(other, tokenizer, 64, num_proc=1)
     capsys.readouterr()
@@ -347,9 +347,9 @@ def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, mon
     rows = 600
     data = write_rows(tmp_path / "k9.jsonl", [chat_line(i) for i in range(rows)])
     cache_root = tmp_path / "cache"
-    code = ("import sys, time; import dataset.token_cache as t, dataset.partial_build as p; "
-            "t.CHUNK_LINES = 20; p.COMMIT_S = 0.0; encode = t._encode_chunk; "
-            "t._encode_chunk = lambda task: time.sleep(0.1) or encode(task); "
+    code = ("import sys, time; import dataset.cache.build as t, dataset.cache.resumable as p; "
+            "t.CHUNK_LINES = 20; p.COMMIT_S = 0.0; encode = t.encode_here; "
+            "t.encode_here = lambda task: time.sleep(0.1) or encode(task); "
             "from dataset import SFTDataset; SFTDataset(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=1)")
     process = subprocess.Popen([sys.executable, "-c", code, str(data), str(cache_root)], cwd=REPO, env=clean_env(),
                                start_new_session=True)
@@ -478,6 +478,7 @@ def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out
     result = {}
     with open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
         try:
+            node_build.build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 64, Path(cache_dir), "error", 1)
             ds = SFTDataset(data_path, load_tokenizer(None), 64, cache_dir=cache_dir, num_proc=1)
             result["cache_path"] = str(ds.cache_path)
             result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
@@ -570,7 +571,7 @@ def test_a_long_text_gives_the_tokens_of_the_whole_text(tokenizer, monkeypatch):
     not to its end, and gets the tokens and loss mask that tokenizing the whole text gives."""
     import dataset.prefix_tokens as prefix_tokens
     from dataset.formats import Conversation
-    from dataset.rendering import encode_conversation
+    from dataset.tokens import encode_conversation
 
     texts = {
         "english": " ".join(f"word{i} and the fox jumped over {i * 7} dogs." for i in range(3000)),
@@ -599,9 +600,9 @@ def test_a_long_text_gives_the_tokens_of_the_whole_text(tokenizer, monkeypatch):
 PEAK_RSS_CODE = """
 import json, resource, sys
 from pathlib import Path
-import dataset.digests as digests
-import dataset.node_build as node_build
-import dataset.token_cache as token_cache
+import dataset.cache.key as digests
+import dataset.cache.node as node_build
+import dataset.cache.build as token_cache
 from dataset import load_tokenizer
 tokenizer = load_tokenizer(None)
 rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) // 1024

@@ -12,7 +12,8 @@ import torch
 import torch.multiprocessing as torch_mp
 from torch.utils.data import DataLoader
 
-import dataset.token_cache as token_cache
+import dataset.cache.build as token_cache
+from dataset.cache import build_or_reuse_on_node
 from dataset import (
     DataError,
     PackedSFTDataset,
@@ -412,6 +413,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, data_path: str, cache_dir
                 raise AssertionError(f"rank {rank} built the cache")
 
             token_cache.build_cache = must_not_build
+        build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 128, Path(cache_dir), "error", 1)
         ds = SFTDataset(data_path, load_tokenizer(None), 128, cache_dir=cache_dir, num_proc=1)
         result["cache_path"] = str(ds.cache_path)
         result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]

@@ -1,5 +1,5 @@
-"""The build's encoder (dataset/fast_path.py, dataset/chatml.py) gives what the general path
-(rendering.encode_conversation) gives: the same token ids, the same loss mask, the same error, for
+"""The ChatML encoder behind the seam (dataset/chatml_encoder.py, dataset/chatml.py) gives what the general path
+(rendering.encode_with_template) gives: the same token ids, the same loss mask, the same error, for
 every row, every template and tokenizer shape the tests know.
 
 The fast path renders ChatML conversations in Python, tokenizes a chunk in one backend call and
@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from dataset import chatml
-from dataset.fast_path import ChunkEncoder
+from dataset.chatml_encoder import ChatMLEncoder as ChunkEncoder
 from dataset.formats import Conversation, LineError, parse_line
-from dataset.rendering import encode_conversation, load_tokenizer
+from dataset.rendering import encode_with_template as encode_conversation
+from dataset.rendering import load_tokenizer
 from tests.dataset.test_data import ALT_TEMPLATE, THINK_TEMPLATE, make_alt_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

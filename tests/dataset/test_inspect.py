@@ -1,4 +1,4 @@
-"""Segments, the data report and its pictures (dataset/segments.py, data_report.py, token_view.py):
+"""Segments, the data report and its pictures (dataset/inspection/: segments.py, report.py, token_view.py):
 exact token counts per segment, dropped rows and why, supervised empty think blocks, tokenizers
 that differ, and the HTML page / terminal view read back."""
 
@@ -11,16 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dataset.data_report as data_report
+import dataset.inspection.report as data_report
 from dataset import encode_conversation, load_tokenizer
-from dataset.data_report import (
+from dataset.inspection.report import (
     Sample, inspect_source, pick_samples, sample_lines, tokenizer_differences, training_summary,
 )
 from dataset.formats import Conversation, parse_row
 from dataset.mixture import parse_data_path
 from dataset.rendering import render
-from dataset.segments import SEGMENTS, segment_row
-from dataset.token_view import HIGHLIGHT, PLAIN_STYLES, SUPERVISED_STYLES, html_page, terminal_view
+from dataset.inspection.segments import SEGMENTS, segment_row
+from dataset.inspection.token_view import HIGHLIGHT, PLAIN_STYLES, SUPERVISED_STYLES, html_page, terminal_view
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TRAIN = ROOT / "dataset" / "demo" / "sft_train.jsonl"

@@ -95,7 +95,7 @@ def train_data(data_path: str, cache_dir, *extra):
 
 
 def test_a_directory_or_glob_source_holds_the_same_samples_as_listing_its_files(tmp_path, monkeypatch):
-    import dataset.token_cache as token_cache
+    import dataset.cache.build as token_cache
 
     shards = tmp_path / "shards"
     shards.mkdir()
@@ -214,7 +214,7 @@ def test_with_packing_each_source_is_packed_into_rows_of_its_own(tmp_path):
 def test_the_resume_fingerprint_uses_the_token_caches_digests_not_a_new_hash(tmp_path, monkeypatch):
     import hashlib
 
-    import dataset.digests as digests
+    import dataset.cache.key as digests
 
     write_rows(tmp_path / "a.jsonl", [chat(i) for i in range(4)])
     train_data(str(tmp_path / "a.jsonl"), tmp_path / "cache")  # builds the cache, memoizes the digest

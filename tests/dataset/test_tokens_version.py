@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import dataset.digests as digests
-import dataset.token_cache as token_cache
+import dataset.cache.key as digests
+import dataset.cache.build as token_cache
 from dataset import SFTDataset, load_tokenizer
 from dataset.rendering import tokenizer_fingerprint
 
@@ -68,7 +68,7 @@ def test_the_tokens_of_fixed_conversations_are_those_recorded_for_this_tokens_ve
         pytest.fail("the shipped tokenizer changed (its fingerprint is in the cache key already, so no new "
                     f"TOKENS_VERSION is needed for it): record {version}: ({fingerprint!r}, {digest!r})")
     assert digest == golden_digest, (
-        "the tokens or labels of tests/dataset/golden_rows.jsonl changed while dataset.token_cache.TOKENS_VERSION "
+        "the tokens or labels of tests/dataset/golden_rows.jsonl changed while dataset.cache.key.TOKENS_VERSION "
         f"stayed {version}: caches built by the old code would be reused. Raise TOKENS_VERSION, say what changed in "
         f"TOKENS_CHANGES, and record {version + 1}: ({fingerprint!r}, {digest!r}) here")
 

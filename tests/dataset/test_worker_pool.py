@@ -1,4 +1,4 @@
-"""The token cache build's worker processes (dataset/worker_pool.py), with real processes and
+"""The token cache build's worker processes (dataset/cache/workers.py), with real processes and
 real signals: results in order, a worker's error raised with its traceback, workers that a
 signal to the group does not kill, a worker killed mid-send that cannot hang the parent."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dataset.worker_pool import RemoteTraceback, WorkerDied, WorkerPool
+from dataset.cache.workers import RemoteTraceback, WorkerDied, WorkerPool
 from tests.helpers.trainer_launch import REPO
 
 FORK = "fork" in mp.get_all_start_methods()
@@ -101,7 +101,7 @@ def test_close_kills_busy_workers():
 def test_workers_of_a_parent_killed_with_sigkill_exit():
     """A trainer killed with kill -9 leaves no tokenizer workers behind: their task pipes end."""
     code = ("import multiprocessing as mp, os; from tests.dataset.test_worker_pool import square_or_fail; "
-            "from dataset.worker_pool import WorkerPool; "
+            "from dataset.cache.workers import WorkerPool; "
             "pool = WorkerPool(square_or_fail, 2, context=mp.get_context('fork')); "
             "print(*(p.pid for p in pool._processes), flush=True); os._exit(0)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -1,5 +1,5 @@
 """A node that builds its token cache for longer than --dist_timeout does not fail the others: they
-wait for it through the store, polling, with a progress line (dataset/node_build.py)."""
+wait for it through the store, polling, with a progress line (dataset/cache/node.py)."""
 
 import os
 import subprocess

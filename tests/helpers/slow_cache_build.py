@@ -10,7 +10,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 if __name__ == "__main__":
-    from dataset import node_build
+    from dataset.cache import node as node_build
 
     original = node_build.build_or_reuse
 

@@ -13,7 +13,8 @@ import pytest
 
 from dataset.demo_tools import run_tool
 from dataset.formats import parse_row
-from dataset.rendering import encode_conversation, load_tokenizer
+from dataset.rendering import load_tokenizer
+from dataset.tokens import encode_conversation
 from tests.helpers.trainer_launch import REPO
 
 DEMO = Path(REPO) / "dataset" / "demo"

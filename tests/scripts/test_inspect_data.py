@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from dataset import load_tokenizer
-from dataset.data_report import inspect_source
+from dataset.inspection.report import inspect_source
 from dataset.mixture import parse_data_path
-from dataset.segments import SEGMENTS
-from dataset.token_view import HIGHLIGHT
+from dataset.inspection.segments import SEGMENTS
+from dataset.inspection.token_view import HIGHLIGHT
 from tests.dataset.test_inspect import TOOL_CHAT, check_page, demo_rows, write_rows
 
 REPO = Path(__file__).resolve().parents[2]

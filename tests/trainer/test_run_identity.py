@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dataset import load_tokenizer
-from dataset.token_cache import TOKENS_VERSION
+from dataset.cache import TOKENS_VERSION
 from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env, run_trainer
 from trainer import run_identity
 from trainer.args import parse_args
@@ -88,7 +88,7 @@ def test_a_resume_across_a_change_of_the_tokenizing_code_is_refused(tmp_path):
     now = identity(tmp_path, str(path))
     before = dataclasses.replace(now, tokens_version=now.tokens_version - 1)
     assert refusal(tmp_path, before, now).startswith(
-        "cannot resume: the tokenizing code (dataset.token_cache.TOKENS_VERSION) differs from the checkpoint's run "
+        "cannot resume: the tokenizing code (dataset.cache.key.TOKENS_VERSION) differs from the checkpoint's run "
         f"(checkpoint {now.tokens_version - 1}, now {now.tokens_version})")
 
 
@@ -152,7 +152,7 @@ def test_a_version_1_stream_record_is_refused_naming_the_tokenizing_code(tmp_pat
     saved = torch.load(DATA / "main_af11f2e_step_00000002.pt", weights_only=True)
     now = identity(tmp_path, str(data), "--batch_size", "4")
     assert run_identity.refusal(saved, now, str(tmp_path / "resumed")) == (
-        "cannot resume: the tokenizing code (dataset.token_cache.TOKENS_VERSION) differs from the checkpoint's run "
+        "cannot resume: the tokenizing code (dataset.cache.key.TOKENS_VERSION) differs from the checkpoint's run "
         f"(checkpoint 1, now {TOKENS_VERSION}), so its position in the epoch would mean other samples; resume with "
         "the minisft version that wrote the checkpoint, or start a new run from its weights with --from_weight "
         "/tmp/af11run/out/model --save_dir NEW_DIR")
@@ -170,7 +170,7 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
     del old["tokens_version"]
     stream = {"version": 2, "identity": old, "epoch_grouping": None}
     assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r").startswith(
-        "cannot resume: the tokenizing code (dataset.token_cache.TOKENS_VERSION) differs from the checkpoint's run "
+        "cannot resume: the tokenizing code (dataset.cache.key.TOKENS_VERSION) differs from the checkpoint's run "
         f"(checkpoint 1, now {TOKENS_VERSION})")
     # version 2 with tokens_version and left_out: read as such
     stream = {**current, "version": 2}

@@ -151,7 +151,7 @@ def test_refusal_names_each_fixed_setting(tmp_path):
         saved = {"sample_stream": saved_stream, "args": {"save_dir": "/runs/a", "data_path": str(tmp_path / "a.jsonl")}}
         unchanged = run_identity.refusal(saved, identity, "/runs/b")  # the old record's tokenizing code is version 1
         assert unchanged is None if "identity" in saved_stream else unchanged.startswith(
-            "cannot resume: the tokenizing code (dataset.token_cache.TOKENS_VERSION) differs")
+            "cannot resume: the tokenizing code (dataset.cache.key.TOKENS_VERSION) differs")
         for name, change in (("--max_seq_len", {"max_seq_len": 128}), ("--packing", {"packing": 1}),
                              ("--data_path content", {"data_path": tmp_path / "b.jsonl"}),
                              ("--data_path weights", {"data_path": f"{tmp_path / 'a.jsonl'}:2,{tmp_path / 'b.jsonl'}"})):

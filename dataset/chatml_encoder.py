@@ -1,6 +1,7 @@
-"""Token ids and loss masks of a chunk of conversations at once: the build's encoder.
+"""The fast ChatML encoder: token ids and loss masks of a batch of conversations at once, behind
+the seam ``tokens.encode_conversations``.
 
-``ChunkEncoder.encode`` gives, for each conversation, what ``rendering.encode_conversation`` gives
+``ChatMLEncoder.encode`` gives, for each conversation, what ``rendering.encode_with_template`` gives
 (the general path, which works for any chat template), or the ``LineError`` it raises. It is
 faster in three ways, each used only where it gives the same tokens and masks:
 
@@ -25,7 +26,7 @@ faster in three ways, each used only where it gives the same tokens and masks:
 
 A text too long for the chunk (more characters than ``prefix_tokens`` reads first) goes through
 ``prefix_tokens.encode_text`` as in the general path. ``tests/dataset/test_fast_path.py``
-compares this encoder with ``encode_conversation`` token for token, mask for mask and error for
+compares this encoder with ``encode_with_template`` token for token, mask for mask and error for
 error on the whole demo set, random conversations and every template the tests know.
 """
 
@@ -39,7 +40,7 @@ import numpy as np
 from . import chatml
 from .formats import Conversation, LineError
 from .prefix_tokens import FIRST_WINDOW_CHARS_PER_TOKEN, MIN_WINDOW_CHARS, encode_text
-from .rendering import _strings, encode_conversation, special_token_texts
+from .rendering import data_strings, encode_with_template, span_mask, special_token_texts
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # not valid Unicode: the general path's error
 PIECE_CACHE_CHARS = 1 << 21  # characters of remembered pieces per process (all forgotten when full)
@@ -58,7 +59,7 @@ def _offsets(pairs: list[tuple[int, int]]) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
 
 
-class ChunkEncoder:
+class ChatMLEncoder:
     """Encodes conversations for one tokenizer and ``max_seq_len`` (see the module docstring)."""
 
     def __init__(self, tokenizer, max_seq_len: int):
@@ -86,7 +87,7 @@ class ChunkEncoder:
 
     def _general(self, conversation: Conversation):
         try:
-            return encode_conversation(self.tokenizer, conversation, self.max_seq_len)
+            return encode_with_template(self.tokenizer, conversation, self.max_seq_len)
         except LineError as exc:
             return exc
 
@@ -96,7 +97,7 @@ class ChunkEncoder:
         unchanged, when no special token has a character JSON escapes), once per system turn."""
         tools = conversation.tools
         if not self.specials_survive_json:
-            strings = _strings([conversation.messages, tools])
+            strings = data_strings([conversation.messages, tools])
         else:
             strings = []
             for message in conversation.messages:
@@ -104,7 +105,7 @@ class ChunkEncoder:
                     if isinstance(value, str):
                         strings.append(value)
                     else:
-                        strings += _strings(value)
+                        strings += data_strings(value)
         if any(special in "\x00".join(strings) for special in self.specials):
             return True
         if tools and self.specials_survive_json:
@@ -117,12 +118,7 @@ class ChunkEncoder:
         return False
 
     def _mask(self, ids, offsets: np.ndarray, spans) -> tuple[np.ndarray, np.ndarray]:
-        ids = np.asarray(ids, dtype=np.int64)[: self.max_seq_len]
-        offsets = offsets[: self.max_seq_len]
-        mask = np.zeros(len(ids), dtype=bool)
-        for start, end in spans:
-            mask |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
-        return ids, mask
+        return np.asarray(ids, dtype=np.int64)[: self.max_seq_len], span_mask(offsets[: self.max_seq_len], spans)
 
     # ------------------------------------------------------------------ the chunk
 

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import LineError, parse_line
-from .mixture import Source
-from .rendering import tokenizer_fingerprint
+from ..formats import LineError, parse_line
+from ..mixture import Source
+from ..rendering import tokenizer_fingerprint
+from ..sources import is_gzip, is_parquet, open_lines
 from .segments import REPLY, SEGMENTS, THINK, TOOL_CALL, SegmentedRow, segment_row
-from .sources import is_gzip, is_parquet, open_lines
 
 WHOLE_FILE_BYTES = 64 << 20  # a source's plain files up to this size in all are read whole to pick rows, else sought
 TRAINING_ROWS = 128  # rows the trainer's start summary reads, spread over the sources

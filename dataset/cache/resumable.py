@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import DataError
+from ..formats import DataError
 
 PARTIAL_PREFIX = ".partial-"
 PROGRESS_VERSION = 1

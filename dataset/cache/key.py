@@ -1,5 +1,6 @@
-"""A data file's identity: the sha256 of its bytes, memoized per file version under a cheap key, so
-an unchanged multi-GB file is hashed once, not at every start."""
+"""What names a token cache: the data file's bytes (their sha256, memoized per file version under a
+cheap key, so an unchanged multi-GB file is hashed once, not at every start), the tokenizer and its
+chat template, ``max_seq_len`` and the versions of the layout and of the code that makes tokens."""
 
 from __future__ import annotations
 
@@ -7,6 +8,36 @@ import contextlib
 import hashlib
 import os
 from pathlib import Path
+
+from ..rendering import tokenizer_fingerprint
+
+CACHE_VERSION = 1  # the layout of the files
+# The version of everything besides the tokenizer (whose fingerprint is in the key already) that
+# decides a row's tokens and loss mask: reading lines (sources), parsing (formats), rendering and
+# loss spans (rendering, tokens), truncation to max_seq_len, which rows are skipped or dropped
+# (cache.chunks). Every change to the tokens or labels of any row needs a new version, or caches
+# built by the old code are reused: tests/dataset/test_tokens_version.py holds a digest of the
+# tokens and labels of fixed conversations per version and fails when they change without one.
+TOKENS_VERSION = 3
+TOKENS_CHANGES = {  # what each version changed, for the line that says why a cache is built again
+    1: "caches of the code before versions were recorded (it may predate tool calls and reasoning)",
+    2: "tool definitions, tool calls, tool results and reasoning are rendered by the chat template and learned",
+    3: "only a leading think block is reasoning, NaN/Infinity make a line bad, parquet struct nulls are absent keys",
+}
+
+
+def default_cache_root(data_path: Path, cache_dir) -> Path:
+    return Path(cache_dir) if cache_dir is not None else Path(data_path).parent / ".cache"
+
+
+def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int) -> str:
+    """Directory name of the cache for this (data, tokenizer, template, max_seq_len, versions);
+    ``tokens_version=1`` gives the key of caches whose tokens version is not part of their key."""
+    parts = [f"v{CACHE_VERSION}", data_digest, tokenizer_fingerprint(tokenizer), str(max_seq_len)]
+    if tokens_version > 1:
+        parts.append(f"tokens{tokens_version}")
+    return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
+
 
 
 def file_digest(path: Path) -> str:

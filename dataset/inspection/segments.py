@@ -1,8 +1,9 @@
 """Which part of a conversation each token comes from: its segments, for ``scripts/inspect_data.py``.
 
-A conversation is rendered once with the chat template, as for training (``rendering.loss_spans``
-gives the text and each assistant turn's loss span, ``rendering.tokenize_rendered`` the tokens
-and their character offsets, so the tokens and the loss mask are exactly ``encode_conversation``'s).
+The tokens training keeps and their loss mask come from the seam training uses
+(``tokens.encode_conversation``); the whole rendering (``rendering.loss_spans``: the text and each
+assistant turn's loss span; ``rendering.tokenize_rendered``: all its tokens and their character
+offsets, also past ``max_seq_len``) gives each token its place in the text.
 Every character of that text then gets a segment:
 
 * ``system``, ``user``, ``tool result``: the message's content, found in the text in order;
@@ -28,8 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .formats import THINK_CLOSE, THINK_OPEN, Conversation
-from .rendering import loss_spans, render, special_token_texts, tokenize_rendered
+from ..formats import THINK_CLOSE, THINK_OPEN, Conversation
+from ..rendering import loss_spans, render, span_mask, special_token_texts, tokenize_rendered
+from ..tokens import encode_conversation
 
 SEGMENTS = ("system", "tools block", "user", "tool result", "think block", "reply", "tool call", "end-of-turn",
             "template")
@@ -44,7 +46,7 @@ class SegmentedRow:
     text: str
     ids: np.ndarray  # int64 (n,), the whole rendering; training keeps the first max_seq_len
     offsets: np.ndarray  # int64 (n, 2), character offsets in ``text``
-    supervised: np.ndarray  # bool (n,), exactly encode_conversation's mask (before truncation)
+    supervised: np.ndarray  # bool (n,), training's loss mask (and its continuation past the cut)
     segments: np.ndarray  # int8 (n,), an index into SEGMENTS
     max_seq_len: int
     empty_thinks: list[tuple[int, int]] = field(default_factory=list)  # token ranges of empty think blocks
@@ -108,13 +110,15 @@ class SegmentedRow:
 
 def segment_row(tokenizer, conversation: Conversation, max_seq_len: int) -> SegmentedRow:
     """Render, tokenize and segment one conversation (``LineError`` as training would raise it)."""
+    kept_ids, kept_mask = encode_conversation(tokenizer, conversation, max_seq_len)
     text, spans = loss_spans(tokenizer, conversation)
     ids, offsets = tokenize_rendered(tokenizer, conversation, text)
     ids = np.asarray(ids, dtype=np.int64)
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    supervised = np.zeros(len(ids), dtype=bool)
-    for start, end in spans:  # as encode_conversation does
-        supervised |= (offsets[:, 1] > start) & (offsets[:, 0] < end)
+    if not np.array_equal(ids[: len(kept_ids)], kept_ids):
+        raise RuntimeError("the rendering's tokens differ from the tokens training keeps (tokens.encode_conversation)")
+    supervised = span_mask(offsets, spans)
+    supervised[: len(kept_mask)] = kept_mask
     codes, thinks, turns = character_segments(tokenizer, conversation, text, spans)
     if len(text):
         middle = np.clip((offsets[:, 0] + np.maximum(offsets[:, 1], offsets[:, 0] + 1) - 1) // 2, 0, len(text) - 1)

@@ -1,4 +1,5 @@
-"""Tokenize a jsonl (or .jsonl.gz or .parquet, read by ``sources``) file once into a memory-mapped on-disk cache.
+"""Build a file's token cache, or reuse the finished one: a jsonl (or .jsonl.gz or .parquet, read by
+``sources``) file tokenized once into memory-mapped files.
 
 Layout of ``<cache_root>/<key>/``:
 
@@ -7,27 +8,22 @@ Layout of ``<cache_root>/<key>/``:
 * ``offsets.npy``   int64 (n + 1,), sample ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``
 * ``meta.json``     counts (samples, tokens, skipped bad lines, dropped samples) and the dtype
 
-``key`` hashes the data file's bytes, the tokenizer fingerprint (vocab, merges, special tokens,
-chat template), ``max_seq_len``, ``CACHE_VERSION`` (the layout) and ``TOKENS_VERSION`` (the code
-that turns a row into tokens and labels); ``meta.json`` records ``tokens_version`` and a cache
-that records another one is built again. Lines are tokenized by a process pool
-over chunks of lines and appended to a partial build (``partial_build``): a killed build keeps
-the rows it committed and the next build of the same key continues after them; the finished
-cache is renamed into place, so a reader never sees a half-written cache. Under
-``torch.distributed`` the local ranks of a node build together, holding no collective: each
-tokenizes its share of the chunks and local rank 0 appends them in order (``team_build``,
-``node_build.prepare_cache``), so a build longer than the process group's timeout is fine, and an
-error raises the same ``DataError`` on all ranks instead of hanging them.
+``key`` (``key.cache_key``) hashes the data file's bytes, the tokenizer fingerprint (vocab,
+merges, special tokens, chat template), ``max_seq_len``, ``CACHE_VERSION`` (the layout) and
+``TOKENS_VERSION`` (the code that turns a row into tokens and labels); ``meta.json`` records
+``tokens_version`` and a cache that records another one is built again. Chunks of lines are
+tokenized by worker processes (``chunks``, ``workers``) and appended to a resumable build
+(``resumable``): a killed build keeps the rows it committed and the next build of the same key
+continues after them; the finished cache is renamed into place, so a reader never sees a
+half-written cache.
 
-SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (the workers, ``worker_pool``, are
-killed; the finished rows are kept for the next run).
+SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (the workers are killed; the finished
+rows are kept for the next run).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import itertools
 import json
 import os
 import shutil
@@ -38,60 +34,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
+from ..formats import DataError
+from ..rendering import token_dtype
+from ..sources import check_data_file
+from .chunks import count_lines, default_num_proc, encode_here, iter_chunks, start_pool, stop_encoding
+from .key import CACHE_VERSION, TOKENS_CHANGES, TOKENS_VERSION, cache_key, data_digest
+from .resumable import PartialBuild, Progress, remove_stale_partials
+from .workers import STOP_SIGNALS
 
-from .digests import data_digest
-from .formats import DataError, LineError, parse_line
-from .partial_build import PartialBuild, Progress, remove_stale_partials
-from .sources import check_data_file, open_lines
-from .team_build import Team, deferred, ordered_results
-from .chatml import matches_template
-from .fast_path import ChunkEncoder
-from .rendering import token_dtype, tokenizer_fingerprint
-from .worker_pool import STOP_SIGNALS, WorkerPool
-
-CACHE_VERSION = 1  # the layout of the files
-# The version of everything besides the tokenizer (whose fingerprint is in the key already) that
-# decides a row's tokens and loss mask: reading lines (sources), parsing (formats), rendering and
-# loss spans (rendering), truncation to max_seq_len, which rows are skipped or dropped
-# (_encode_chunk). Every change to the tokens or labels of any row needs a new version, or caches
-# built by the old code are reused: tests/dataset/test_tokens_version.py holds a digest of the
-# tokens and labels of fixed conversations per version and fails when they change without one.
-TOKENS_VERSION = 3
-TOKENS_CHANGES = {  # what each version changed, for the line that says why a cache is built again
-    1: "caches of the code before versions were recorded (it may predate tool calls and reasoning)",
-    2: "tool definitions, tool calls, tool results and reasoning are rendered by the chat template and learned",
-    3: "only a leading think block is reasoning, NaN/Infinity make a line bad, parquet struct nulls are absent keys",
-}
-CHUNK_LINES = 512
+CHUNK_LINES = 512  # lines per task of a worker
 PROGRESS_S = 10.0  # seconds between progress lines while building
 BAD_DATA_MODES = ("error", "skip")
-
-_worker_tokenizer = None  # set in each pool worker by _init_worker
-_worker_encoders: dict = {}  # max_seq_len -> ChunkEncoder of _worker_tokenizer
-
-
-def default_num_proc() -> int:
-    """Every core this process may run on (its CPU affinity: a job's share of the machine)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
-
-
-def default_cache_root(data_path: Path, cache_dir) -> Path:
-    return Path(cache_dir) if cache_dir is not None else Path(data_path).parent / ".cache"
-
-
-def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int | None = None) -> str:
-    """Directory name of the cache for this (data, tokenizer, template, max_seq_len, versions), by
-    default of this code's TOKENS_VERSION; ``tokens_version=1`` gives the key of the code before it
-    was part of the key."""
-    tokens_version = TOKENS_VERSION if tokens_version is None else tokens_version
-    parts = [f"v{CACHE_VERSION}", data_digest, tokenizer_fingerprint(tokenizer), str(max_seq_len)]
-    if tokens_version > 1:
-        parts.append(f"tokens{tokens_version}")
-    return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
 class BuildInterrupted(Exception):
@@ -130,85 +83,6 @@ def interrupts_raise() -> Iterator[None]:
 # ----------------------------------------------------------------------------- building
 
 
-def _init_worker(tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-    _worker_encoders.clear()
-
-
-def _worker_encoder(max_seq_len: int) -> ChunkEncoder:
-    if max_seq_len not in _worker_encoders:
-        _worker_encoders[max_seq_len] = ChunkEncoder(_worker_tokenizer, max_seq_len)
-    return _worker_encoders[max_seq_len]
-
-
-def _init_pool_worker(tokenizer) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no tokenizer threads on top
-    _init_worker(tokenizer)
-
-
-def _encode_chunk(task: tuple[int, list[bytes], int]) -> dict:
-    """Parse and encode one chunk of lines (``first_line`` is the 1-based number of ``lines[0]``)."""
-    first_line, lines, max_seq_len = task
-    encoder = _worker_encoder(max_seq_len)
-    numbers, conversations, bad = [], [], []
-    for line_number, raw_line in enumerate(lines, start=first_line):
-        if not raw_line.strip():
-            continue
-        try:
-            try:
-                line = raw_line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise LineError(f"invalid UTF-8 at byte {exc.start}") from None
-            conversations.append(parse_line(line))
-            numbers.append(line_number)
-        except LineError as exc:
-            bad.append((line_number, str(exc)))
-    ids_parts, mask_parts, lengths = [], [], []
-    dropped = 0
-    for line_number, result in zip(numbers, encoder.encode(conversations)):
-        if isinstance(result, LineError):
-            bad.append((line_number, str(result)))
-            continue
-        ids, mask = result
-        if not mask.any():
-            dropped += 1
-            continue
-        ids_parts.append(ids)
-        mask_parts.append(mask)
-        lengths.append(len(ids))
-    bad.sort()
-    return {
-        "ids": np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64),
-        "mask": np.concatenate(mask_parts) if mask_parts else np.zeros(0, dtype=bool),
-        "lengths": np.asarray(lengths, dtype=np.int64),
-        "bad": bad,
-        "dropped": dropped,
-        "rows": len(lines),
-    }
-
-
-def _iter_chunks(path: Path, max_seq_len: int, start_row: int = 0,
-                 chunk_lines: int | None = None) -> Iterator[tuple[int, list[bytes], int]]:
-    """Chunks of ``CHUNK_LINES`` lines, from the line after the first ``start_row`` ones (read past, not parsed)."""
-    chunk_lines = chunk_lines or CHUNK_LINES
-    lines: list[bytes] = []
-    first_line = 1
-    for number, line in enumerate(itertools.islice(open_lines(path), start_row, None), start=start_row + 1):
-        if not lines:
-            first_line = number
-        lines.append(line)
-        if len(lines) == chunk_lines:
-            yield first_line, lines, max_seq_len
-            lines = []
-    if lines:
-        yield first_line, lines, max_seq_len
-
-
-def _count_lines(path: Path) -> int:
-    return sum(1 for _ in open_lines(path))
-
-
 class BuildProgress:
     """One line to stderr every ``PROGRESS_S`` seconds while building: rows done, rows/s, ETA."""
 
@@ -229,27 +103,17 @@ class BuildProgress:
                   f"{rate:,.0f} rows/s, elapsed {elapsed:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
 
 
-def start_pool(tokenizer, num_workers: int):
-    """A pool of ``num_workers`` tokenizer processes (None for one: this process tokenizes)."""
-    if num_workers <= 1:
-        _init_worker(tokenizer)
-        return None
-    matches_template(tokenizer)  # decided once here: the forked workers inherit it
-    return WorkerPool(_encode_chunk, num_workers, _init_pool_worker, (tokenizer,), what="the token cache build")
-
-
 def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data: str, num_proc: int,
-                team: Team | None = None) -> None:
+                cores: set[int] | None = None) -> None:
     """Tokenize ``path`` into the cache directory ``target``, continuing a killed build of it.
 
-    The rows go through ``partial_build.PartialBuild`` (``<cache_root>/.partial-<key>/``): what
+    The rows go through ``resumable.PartialBuild`` (``<cache_root>/.partial-<key>/``): what
     was committed there by an earlier, interrupted build of the same key is kept and the build
     continues at its next row; the finished cache is moved into place at the end. With
     ``bad_data="error"`` the first bad line raises ``DataError``; with ``"skip"`` bad lines are
     counted and the first one is recorded in ``meta.json``. SIGTERM or SIGINT raise
-    ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run. With a
-    ``team`` (``team_build``: the other ranks of the node), this process is its lead: the
-    helpers tokenize their share of the chunks, this one appends all of them in order.
+    ``BuildInterrupted`` after ending the pool; the finished rows stay for the next run. ``cores``:
+    where the ``num_proc`` tokenizer processes may run (default: where this process may).
     """
     target.parent.mkdir(parents=True, exist_ok=True)  # its OSError names the folder (e.g. a file in the way)
     digest = data_digest(path, target.parent)
@@ -262,31 +126,20 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
                 return  # another process finished it while we waited
             data_file = str(path.resolve())  # one name for the file however it is given
             remove_stale_partials(target.parent, data_file, digest)
-            done = partial.resume(target.name, data_file, digest, lambda: _count_lines(path))
+            done = partial.resume(target.name, data_file, digest, lambda: count_lines(path))
             total_rows, start_row = done.total_rows, done.rows
             if start_row:
                 print(restart_line(path, data_file, partial.earlier), file=sys.stderr, flush=True)
-            chunks = _iter_chunks(path, max_seq_len, start_row)
+            chunks = iter_chunks(path, max_seq_len, start_row, CHUNK_LINES)
             remaining = -(-(total_rows - start_row) // CHUNK_LINES)
-            shared = team is not None and team.size > 1 and remaining > 1
-            pool = start_pool(tokenizer, min(num_proc, -(-remaining // team.size) if shared else remaining))
-            if shared:
-                team.publish({"data_file": str(path), "start_row": start_row, "chunk_lines": CHUNK_LINES,
-                              "max_seq_len": max_seq_len})
-                submit = pool.submit if pool else deferred(_encode_chunk)
-                results = ordered_results(team, chunks, submit, window=team.size * (num_proc + 1))
-            else:
-                results = pool.imap(chunks) if pool else map(_encode_chunk, chunks)
+            pool = start_pool(tokenizer, min(num_proc, remaining), cores)
+            results = pool.imap(chunks) if pool else map(encode_here, chunks)
             _write_cache(results, path, tokenizer, max_seq_len, partial, bad_data, BuildProgress(path, total_rows, start_row))
     except BaseException as exc:
         stopped = stop_reason(exc)
         raise
     finally:
-        _init_worker(None)
-        if team is not None:
-            team.close()
-        if pool is not None:
-            pool.close()
+        stop_encoding(pool)
         partial.release(stopped)
 
 
@@ -362,14 +215,17 @@ def check_bad_data(meta: dict, bad_data: str) -> None:
         raise DataError(meta["first_bad_line"])
 
 
-def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str, num_proc: int,
-                   team: Team | None = None) -> Path:
-    """Return the cache directory for this data/tokenizer/max_seq_len, building it if needed."""
+def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error",
+                   num_proc: int | None = None, cores: set[int] | None = None) -> Path:
+    """Return the cache directory for this data/tokenizer/max_seq_len, building it on this process
+    if needed (``num_proc`` tokenizer processes, default: one per core it may use; ``cores``: where
+    they may run, default: where this process may)."""
+    num_proc = num_proc or default_num_proc()
     if bad_data not in BAD_DATA_MODES:
         raise ValueError(f"bad_data must be one of {BAD_DATA_MODES}, got {bad_data!r}")
     check_data_file(path)
     digest = data_digest(path, cache_root)
-    target = cache_root / cache_key(digest, tokenizer, max_seq_len)
+    target = cache_root / cache_key(digest, tokenizer, max_seq_len, TOKENS_VERSION)
     if (target / "meta.json").is_file():
         recorded = read_meta(target).get("tokens_version")
         if recorded != TOKENS_VERSION:
@@ -378,7 +234,7 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
             _remove_cache(target)
     if not (target / "meta.json").is_file():
         _report_older_caches(path, digest, tokenizer, max_seq_len, cache_root)
-        build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc, **({"team": team} if team else {}))
+        build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc, **({"cores": cores} if cores else {}))
     check_bad_data(read_meta(target), bad_data)
     return target
 
@@ -386,7 +242,7 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
 def _report_older_caches(path: Path, digest: str, tokenizer, max_seq_len: int, cache_root: Path) -> None:
     """Say why a cache of these same bytes, tokenizer and max_seq_len built by older code is not used."""
     for version in range(1, TOKENS_VERSION):
-        older = cache_root / cache_key(digest, tokenizer, max_seq_len, tokens_version=version)
+        older = cache_root / cache_key(digest, tokenizer, max_seq_len, version)
         if (older / "meta.json").is_file():
             print(f"{path.name}: not reusing the token cache {older}: it was built by older code (tokens version "
                   f"{version}; this code tokenizes as version {TOKENS_VERSION}: {TOKENS_CHANGES[TOKENS_VERSION]}); "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import html
 
-from .data_report import Sample, SourceReport, percent, segment_rows
+from .report import Sample, SourceReport, percent, segment_rows
 from .segments import SEGMENTS
 
 HIGHLIGHT = "#ffd84d"  # the supervised tokens' background (tests look for it in a screenshot)

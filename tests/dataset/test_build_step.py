@@ -1,0 +1,70 @@
+"""The token cache is built by a step of its own (trainer/data_setup.build_token_caches, with
+dataset.cache.build_or_reuse_on_node); a dataset opens the finished cache and runs no collective;
+local rank 0 builds with the cores of every rank of its node."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+import dataset.cache.build as build
+from dataset import SFTDataset, load_tokenizer
+from tests.helpers.trainer_launch import free_port
+from trainer.data_setup import build_token_caches
+
+REPO = Path(__file__).resolve().parents[2]
+ROWS = [{"conversations": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(9)]
+
+
+def write_rows(path: Path, rows: int = 9) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS[:rows]), encoding="utf-8")
+    return path
+
+
+def test_a_dataset_under_a_process_group_runs_no_collective(tmp_path, monkeypatch):
+    data = write_rows(tmp_path / "d.jsonl")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        for name in ("broadcast_object_list", "all_gather_object", "all_reduce", "barrier", "broadcast"):
+            monkeypatch.setattr(dist, name, lambda *args, name=name, **kwargs: pytest.fail(f"{name} in a dataset"))
+        ds = SFTDataset(data, load_tokenizer(None), 64, num_proc=1)
+        assert len(ds) == 9 and ds[3]["input_ids"].tolist() == SFTDataset(data, None, 64, num_proc=1)[3]["input_ids"].tolist()
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+def test_the_data_setup_step_builds_the_caches_that_the_datasets_then_only_open(tmp_path, monkeypatch):
+    files = [write_rows(tmp_path / "a.jsonl"), str(write_rows(tmp_path / "b.jsonl", 5))]  # --eval_data_path gives str
+    args = SimpleNamespace(max_seq_len=64, cache_dir=str(tmp_path / "cache"), bad_data="error")
+    tokenizer = load_tokenizer(None)
+    build_token_caches(files, args, tokenizer)
+    assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 2
+    monkeypatch.setattr(build, "build_cache", lambda *args, **kwargs: pytest.fail("a dataset built a cache"))
+    assert [len(SFTDataset(path, tokenizer, 64, cache_dir=args.cache_dir)) for path in files] == [9, 5]
+
+
+CORES_CODE = """
+import os, sys
+from dataset import load_tokenizer
+from dataset.cache.chunks import encode_here, start_pool, stop_encoding
+os.sched_setaffinity(0, {0})  # this rank's own core, as --cpus-per-task binds it
+pool = start_pool(load_tokenizer(None), 2, {0, 1})  # the cores of its node
+pool.submit((1, [], 64)).get(), pool.submit((1, [], 64)).get()  # each worker has run its initializer
+print(sorted(os.sched_getaffinity(0)), [sorted(os.sched_getaffinity(p.pid)) for p in pool._processes])
+stop_encoding(pool)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1")
+def test_the_tokenizer_processes_of_a_bound_rank_run_on_the_node_s_cores():
+    result = subprocess.run([sys.executable, "-c", CORES_CODE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[0] [[0, 1], [0, 1]]"
