@@ -5,7 +5,7 @@ When an epoch's samples do not divide by the number of processes, `ResumableDist
 every rank gets as many samples, and so runs the same steps and collectives as the others. Trained
 like real samples, those repeats made the epoch's last step differ from the same step on one
 process: 29 samples on 2 ranks x 4 trained one sample twice, and the weights differed by a whole
-Adam step's size (~1.5e-3 at lr 3e-3), far beyond rounding (issue 14).
+Adam step's size (~1.5e-3 at lr 3e-3), far beyond rounding.
 
 So the sampler yields those repeats as `FillerIndex` (an int that equals the plain index),
 `MarkFillers` flags the item served for one, and `SFTCollator` gives a flagged row no labels and

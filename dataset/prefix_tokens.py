@@ -1,7 +1,7 @@
 """The first ``max_tokens`` tokens of a text without tokenizing all of it.
 
-A sample is cut to ``max_seq_len`` tokens, but the whole rendered text used to be tokenized first:
-one 20 MB line became ~8 million tokens held as Python lists of ids and offset tuples (plus the
+A sample is cut to ``max_seq_len`` tokens; tokenizing the whole rendered text first would turn
+one 20 MB line into ~8 million tokens held as Python lists of ids and offset tuples (plus the
 tokenizer's own encoding), a 3.9 GB peak for a sample that keeps 512 of them
 (docs/token_cache.md, "One huge line").
 

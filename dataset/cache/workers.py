@@ -3,8 +3,8 @@
 ``multiprocessing.Pool`` gives all its workers one task queue and one result queue, each guarded
 by a lock the processes share. A worker killed while it holds one (a SIGTERM to the process
 group that lands while it sends a result) leaves that lock taken for good, and
-``Pool.terminate()`` then waits on it forever: one run in ten of the build's "signal to the
-group" test hung that way once the workers sent results more often. Here nothing is shared:
+``Pool.terminate()`` then waits on it forever (the build's "signal to the group" test can hang
+that way when workers send results often). Here nothing is shared:
 
 - worker ``i`` reads its tasks from a pipe of its own and writes its results to another; task
   number ``n`` goes to worker ``n % size``, so each pipe carries its worker's results in order;

@@ -256,7 +256,7 @@ def drop_old_checkpoints(save_dir: str, keep_last: int) -> None:
 
 
 def remove_directory_checkpoint(path: str) -> None:
-    """Rename first (no longer a checkpoint name, so a half-deleted one is never taken for one), then delete."""
+    """Rename first (then not a checkpoint name, so a half-deleted one is never taken for one), then delete."""
     doomed = f"{path}.old"
     shutil.rmtree(doomed, ignore_errors=True)
     os.replace(path, doomed)
