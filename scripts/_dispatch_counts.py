@@ -15,6 +15,7 @@ import collections
 import contextlib
 import functools
 import io
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,20 @@ VIEW_LIKE = {torch.ops.aten._unsafe_view.default}  # a view that autograd does n
 def computes(op) -> bool:
     """Whether a dispatched op is an aten op that can launch a kernel (not a view)."""
     return op.namespace == "aten" and not op.is_view and op not in VIEW_LIKE
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of `aten._grouped_mm` (FlopCounterMode has no formula for it): 2 per multiply-add.
+    2D x 2D (the groups split the contracted dimension): 2 * M * S * N; otherwise every output
+    element contracts a's last dimension."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def flop_counter() -> FlopCounterMode:
+    """FlopCounterMode that also counts grouped GEMMs (the MoE experts)."""
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops})
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -140,13 +155,13 @@ def measure(trainer_argv: list[str], warmup_steps: int, steps: int, backend: str
             one_step(run, batches)
         figures = StepFigures()
         for _ in range(steps):
-            counter, flop_counter = DispatchCounter(), FlopCounterMode(display=False)
-            with flop_counter, counter:
+            counter, flops = DispatchCounter(), flop_counter()
+            with flops, counter:
                 one_step(run, batches)
             figures.ops.append(counter.total)
             figures.dispatches.append(counter.dispatches)
             figures.casts.append(counter.casts)
-            figures.flops.append(flop_counter.get_total_flops())
+            figures.flops.append(flops.get_total_flops())
     if run.args.use_compile:
         figures.graph_breaks = sum(counters["graph_break"].values())
         figures.frames = counters["frames"]["ok"]

@@ -425,23 +425,6 @@ def test_forward_uses_the_collators_loss_positions_and_packed_layout_and_compute
     assert not torch.allclose(partial, plain.loss)
 
 
-def test_moe_dense_dispatch_equals_gather_dispatch_in_values_and_gradients():
-    ids = torch.randint(3, 97, (3, 9))
-    results = []
-    for dispatch in ("gather", "dense"):
-        model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2).train()
-        for layer in model.model.layers:
-            layer.mlp.dispatch = dispatch
-        out = model(ids, labels=ids)
-        (out.loss + out.aux_loss).backward()
-        results.append((out.logits, out.aux_loss, [p.grad for p in model.parameters()]))
-    (logits, aux, grads), (dense_logits, dense_aux, dense_grads) = results
-    assert torch.allclose(dense_logits, logits, atol=1e-6, rtol=0)
-    assert torch.allclose(dense_aux, aux, atol=1e-7, rtol=0)
-    for grad, dense_grad in zip(grads, dense_grads):
-        assert torch.allclose(dense_grad, grad, atol=1e-6, rtol=0)
-
-
 def test_moe_balance_loss_is_minimind_sequence_wise_skips_pads_and_splits_over_rows_exactly():
     model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1,
                        num_hidden_layers=1).train()
