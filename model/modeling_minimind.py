@@ -110,9 +110,12 @@ class MiniMindAttention(nn.Module):
             out = mask.documents.attend(q, k, v, dropout)  # packed rows, no dense mask
         elif self.use_sdpa:
             # `mask` is None for a plain causal block (the fast kernels) or a boolean [B,1,T,S].
+            if _gqa_needs_expanded_heads(q, k, mask.allowed):
+                groups = self.num_heads // self.num_kv_heads
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask.allowed if mask.allowed is not None else None,
-                is_causal=mask.is_causal, dropout_p=dropout, enable_gqa=True,
+                q, k, v, attn_mask=mask.allowed, is_causal=mask.is_causal, dropout_p=dropout,
+                enable_gqa=q.shape[1] != k.shape[1],
             )
         else:
             out = self._eager_attention(q, k, v, mask, dropout)
@@ -127,6 +130,18 @@ class MiniMindAttention(nn.Module):
         scores = scores.masked_fill(~allowed, float("-inf"))
         weights = F.dropout(scores.float().softmax(-1).to(q.dtype), p=dropout, training=dropout > 0)
         return weights @ v
+
+
+def _gqa_needs_expanded_heads(q, k, allowed) -> bool:
+    """Whether SDPA with GQA (fewer k/v heads than q heads) would fall back to its math kernel,
+    which holds [B, H, T, S] scores: on CUDA only FlashAttention takes `enable_gqa`, and it runs
+    neither float32 nor an explicit mask. The k/v heads are then repeated instead (memory of
+    k/v times the group size, far less than the scores)."""
+    if q.shape[1] == k.shape[1] or not q.is_cuda:
+        return False
+    half = q.dtype in (torch.float16, torch.bfloat16) or (
+        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in (torch.float16, torch.bfloat16))
+    return allowed is not None or not half
 
 
 class MiniMindBlock(GradientCheckpointingLayer):

@@ -99,3 +99,27 @@ def test_moe_layer_flops_are_the_routed_slots_only(top_k):
     router = 2 * tokens * hidden * config.num_experts
     experts = 2 * tokens * top_k * 3 * hidden * inner  # gate, up, down for each routed slot
     assert counter.get_total_flops() == router + experts
+
+
+def test_gqa_on_cuda_repeats_kv_heads_where_sdpa_would_fall_back_to_its_math_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.modeling_minimind import _gqa_needs_expanded_heads
+
+    with FakeTensorMode():
+        q, k = torch.empty(1, 4, 8, 16, device="cuda"), torch.empty(1, 2, 8, 16, device="cuda")
+        mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda")
+        assert _gqa_needs_expanded_heads(q, k, None)  # float32: no FlashAttention
+        assert not _gqa_needs_expanded_heads(q.bfloat16(), k.bfloat16(), None)  # FlashAttention takes GQA
+        assert _gqa_needs_expanded_heads(q.bfloat16(), k.bfloat16(), mask)  # a padding mask at generation
+        assert not _gqa_needs_expanded_heads(q, q, mask)  # no GQA
+    assert not _gqa_needs_expanded_heads(torch.empty(1, 4, 8, 16), torch.empty(1, 2, 8, 16), None)  # CPU kernels take it
+
+
+def test_varlen_kernel_is_not_chosen_for_a_head_dim_it_cannot_run():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.packed_attention import _flash_varlen_available
+
+    with FakeTensorMode():
+        assert not _flash_varlen_available(torch.empty(1, 4, 8, 12, device="cuda"))  # 12 is no multiple of 8
