@@ -328,15 +328,15 @@ def test_cpu_autocast_forward_and_backward(dtype):
 
 def test_torch_compile_traces_the_body_as_one_graph_for_any_length():
     # Batches of varying length (dynamic shapes) must not make dynamo fall back to eager. With the
-    # collator's loss positions the only graph break is the chunked LM loss (compiler-disabled).
+    # collator's loss positions the whole forward, chunked LM loss included (a custom op), is one graph.
     from model.loss import loss_positions_of
 
     model = tiny_model().train()
     ids = torch.randint(3, 97, (2, 12))
     torch._dynamo.mark_dynamic(ids, 1)
     explanation = torch._dynamo.explain(model)(ids, labels=ids, skip_logits=True, loss_positions=loss_positions_of(ids))
-    assert explanation.graph_break_count == 1
-    assert "chunked_lm_loss" in explanation.break_reasons[0].reason
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    assert sum("lm_loss_forward" in str(node.target) for node in explanation.graphs[0].graph.nodes) == 1
     body = explanation.graphs[0]
     assert sum(node.op == "call_function" and "scaled_dot_product_attention" in str(node.target)
                for node in body.graph.nodes) == model.config.num_hidden_layers
