@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compute_weights import ComputeWeights
 from .configuration_minimind import MiniMindConfig
 
 
@@ -17,8 +18,14 @@ class MiniMindMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+    def weight_groups(self) -> list[list[torch.Tensor]]:
+        """gate and up: one GEMM under autocast (`ComputeWeights`)."""
+        return [[self.gate_proj.weight, self.up_proj.weight]]
+
+    def forward(self, x: torch.Tensor, weights: ComputeWeights) -> torch.Tensor:
+        """`weights`: the enclosing block's parameters in the compute dtype (gate and up: one GEMM)."""
+        gate, up = weights.linear(x, self.gate_proj, self.up_proj)
+        return self.dropout(weights.linear(F.silu(gate) * up, self.down_proj)[0])
 
 
 class MiniMindMoE(nn.Module):
@@ -30,11 +37,12 @@ class MiniMindMoE(nn.Module):
     balanced router, larger as routing collapses. `forward` returns coef * balance_s per row; a
     row is the unit, so how rows are split over micro-batches and ranks does not change the sum.
 
-    Two dispatches with the same result: "gather" runs each expert on the tokens routed to it
-    (the index lists have data-dependent sizes: free on the CPU, a host sync per expert on a
-    GPU); "dense" runs each expert on every token and weights the output by the routing weight
-    (0 where not routed): no sync, E/k times the expert FLOPs. `dispatch=None` picks "dense"
-    on CUDA and "gather" elsewhere.
+    Dispatch: the token slots (token, chosen expert) are sorted by expert, so that each expert's
+    tokens lie next to each other, and every expert runs on its own tokens only: one grouped GEMM
+    for gate/up of all the experts and one for down (`F.grouped_mm`, the group ends on the
+    device), k/E of the FLOPs of running every expert on every token. On CUDA (Hopper or newer,
+    bf16) the grouped GEMM reads nothing on the host; on the CPU and on older GPUs PyTorch's
+    fallback loops over the groups.
     """
 
     def __init__(self, config: MiniMindConfig):
@@ -43,45 +51,48 @@ class MiniMindMoE(nn.Module):
         self.num_experts = config.num_experts
         self.norm_topk_prob = config.norm_topk_prob
         self.aux_coef = config.router_aux_loss_coef
-        self.dispatch: str | None = None
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
             MiniMindMLP(config.hidden_size, config.moe_intermediate_size, config.dropout)
             for _ in range(config.num_experts)
         )
+        self.dropout = nn.Dropout(config.dropout)  # on every expert's output, as in MiniMindMLP
 
-    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, H]; token_mask [B, T] (1 = real token) or None. Returns (output, coef * balance [B])."""
+    def weight_groups(self) -> list[list[torch.Tensor]]:
+        """Every expert's gate and up, and every expert's down: one piece each under autocast."""
+        return [[w for e in self.experts for w in (e.gate_proj.weight, e.up_proj.weight)],
+                [e.down_proj.weight for e in self.experts]]
+
+    def forward(self, x: torch.Tensor, weights: ComputeWeights,
+                token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H]; `weights`: the block's parameters in the compute dtype; token_mask [B, T]
+        (1 = real token) or None. Returns (output, coef * balance [B])."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        probs = self.gate(tokens).float().softmax(dim=-1)
+        probs = weights.linear(tokens, self.gate)[0].float().softmax(dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        dispatch = self.dispatch or ("dense" if tokens.is_cuda else "gather")
-        if dispatch == "dense":
-            out = self._dense(tokens, top_probs, top_experts)
-        else:
-            out = self._gather(tokens, top_probs, top_experts)
+        out = self._experts(tokens, top_probs, top_experts, weights)
         return out.view(shape), self._balance(probs, top_experts, shape[0], token_mask)
 
-    def _gather(self, tokens, top_probs, top_experts):
-        out = torch.zeros_like(tokens)
-        for expert_id, expert in enumerate(self.experts):
-            token_idx, slot = (top_experts == expert_id).nonzero(as_tuple=True)
-            if token_idx.numel() == 0:
-                continue
-            weight = top_probs[token_idx, slot].unsqueeze(-1).to(tokens.dtype)
-            out.index_add_(0, token_idx, expert(tokens[token_idx]) * weight)
-        return out
-
-    def _dense(self, tokens, top_probs, top_experts):
-        weights = torch.zeros(tokens.shape[0], self.num_experts, device=tokens.device, dtype=top_probs.dtype)
-        weights = weights.scatter(1, top_experts, top_probs).to(tokens.dtype)  # [N, E], 0 = not routed
-        out = torch.zeros_like(tokens)
-        for expert_id, expert in enumerate(self.experts):
-            out = out + expert(tokens) * weights[:, expert_id:expert_id + 1]
-        return out
+    def _experts(self, tokens, top_probs, top_experts, weights: ComputeWeights) -> torch.Tensor:
+        """sum over each token's k slots of routing weight x its expert's MLP of the token."""
+        slot_experts = top_experts.reshape(-1)  # [N * k], slot s belongs to token s // k
+        order = slot_experts.argsort(stable=True)
+        slot_tokens = order // self.top_k
+        experts = torch.arange(self.num_experts, device=tokens.device)
+        ends = (slot_experts.unsqueeze(1) == experts).sum(dim=0).cumsum(dim=0).to(torch.int32)
+        gate_up = weights.stacked([w for e in self.experts for w in (e.gate_proj.weight, e.up_proj.weight)])
+        down = weights.stacked([e.down_proj.weight for e in self.experts])
+        hidden = gate_up.shape[1]
+        gate_up = gate_up.view(self.num_experts, -1, hidden).transpose(1, 2)  # [E, H, 2I]
+        down = down.view(self.num_experts, hidden, -1).transpose(1, 2)  # [E, I, H]
+        gate, up = F.grouped_mm(tokens[slot_tokens], gate_up, offs=ends).chunk(2, dim=-1)
+        expert_out = F.grouped_mm(F.silu(gate) * up, down, offs=ends)
+        routing = top_probs.reshape(-1)[order].unsqueeze(1).to(expert_out.dtype)
+        expert_out = self.dropout(expert_out) * routing
+        return torch.zeros_like(tokens).index_add_(0, slot_tokens, expert_out)
 
     def _balance(self, probs, top_experts, rows, token_mask):
         """coef * balance_s for every row s (0 for a row without real tokens)."""

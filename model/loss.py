@@ -17,13 +17,16 @@ def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
 
 
 
-@torch.compiler.disable
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
                     token_losses: bool = False):
     """sum over tokens of cross_entropy(hidden @ weight.T, targets), fp32, `chunk_tokens` rows
     of logits at a time in the forward and again in the backward. hidden [N, H], weight [V, H],
     targets [N]. Under autocast the matmuls run in the autocast dtype, as `lm_head` would.
-    `token_losses=True` returns (sum, the N per-token values it summed, detached)."""
+    `token_losses=True` returns (sum, the N per-token values it summed, detached).
+
+    The chunk loop runs inside the custom ops `minisft::lm_loss_forward`/`lm_loss_backward`, so
+    that torch.compile traces the call as one op whatever the number of loss tokens (no graph
+    break, no recompile per count)."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
@@ -31,46 +34,69 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     elif hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     with torch.autocast(device_type, enabled=False):
-        if token_losses:
-            return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, True)
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens, False)[0]
+        total, _log_norms, per_token = lm_loss_forward(hidden, weight, targets, chunk_tokens, token_losses)
+    return (total, per_token.detach()) if token_losses else total
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Saves only the inputs and one log-sum-exp per token; the backward recomputes each chunk's
-    logits: softmax - one_hot(target) is the gradient of the logits, never stored whole."""
+@torch.library.custom_op("minisft::lm_loss_forward", mutates_args=())
+def lm_loss_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                    keep_per_token: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum, one log-sum-exp per token, per-token values or an empty tensor): the per-token buffer
+    only when asked for (the trainer's per-source losses); the sum is the same either way, bit for bit."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    log_norms = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    per_token = torch.empty(hidden.shape[0] if keep_per_token else 0, dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        logits = (hidden[start:end] @ weight.t()).float()
+        log_norms[start:end] = logits.logsumexp(dim=-1)
+        losses = log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)
+        if keep_per_token:
+            per_token[start:end] = losses
+        total += losses.sum()
+    return total, log_norms, per_token
 
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, keep_per_token):
-        """(sum, per-token values or an empty tensor): the per-token buffer only when asked for
-        (the trainer's per-source losses); the sum is the same either way, bit for bit."""
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        log_norms = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        per_token = torch.empty(hidden.shape[0] if keep_per_token else 0, dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            end = start + chunk_tokens
-            logits = (hidden[start:end] @ weight.t()).float()
-            log_norms[start:end] = logits.logsumexp(dim=-1)
-            losses = log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)
-            if keep_per_token:
-                per_token[start:end] = losses
-            total += losses.sum()
-        ctx.save_for_backward(hidden, weight, targets, log_norms)
-        ctx.chunk_tokens = chunk_tokens
-        ctx.mark_non_differentiable(per_token)
-        return total, per_token
 
-    @staticmethod
-    def backward(ctx, grad_total, _grad_per_token):
-        hidden, weight, targets, log_norms = ctx.saved_tensors
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-            end = start + ctx.chunk_tokens
-            chunk = hidden[start:end]
-            grad_logits = ((chunk @ weight.t()).float() - log_norms[start:end, None]).exp_()  # softmax
-            grad_logits.scatter_add_(1, targets[start:end, None], grad_logits.new_full((len(chunk), 1), -1.0))
-            grad_logits = (grad_logits * grad_total).to(hidden.dtype)
-            grad_hidden[start:end] = grad_logits @ weight
-            grad_weight += (grad_logits.t() @ chunk).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+@lm_loss_forward.register_fake
+def _lm_loss_forward_shapes(hidden, weight, targets, chunk_tokens, keep_per_token):
+    tokens = hidden.shape[0]
+    return (hidden.new_empty((), dtype=torch.float32), hidden.new_empty(tokens, dtype=torch.float32),
+            hidden.new_empty(tokens if keep_per_token else 0, dtype=torch.float32))
+
+
+@torch.library.custom_op("minisft::lm_loss_backward", mutates_args=())
+def lm_loss_backward(grad_total: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                     log_norms: torch.Tensor, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of the sum for hidden and weight; each chunk's logits are recomputed:
+    softmax - one_hot(target) is the gradient of the logits, never stored whole."""
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        end = start + chunk_tokens
+        chunk = hidden[start:end]
+        grad_logits = ((chunk @ weight.t()).float() - log_norms[start:end, None]).exp_()  # softmax
+        grad_logits.scatter_add_(1, targets[start:end, None], grad_logits.new_full((len(chunk), 1), -1.0))
+        grad_logits = (grad_logits * grad_total).to(hidden.dtype)
+        grad_hidden[start:end] = grad_logits @ weight
+        grad_weight += (grad_logits.t() @ chunk).float()
+    return grad_hidden, grad_weight.to(weight.dtype)
+
+
+@lm_loss_backward.register_fake
+def _lm_loss_backward_shapes(grad_total, hidden, weight, targets, log_norms, chunk_tokens):
+    return torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _save_for_backward(ctx, inputs, output):
+    hidden, weight, targets, chunk_tokens, _keep = inputs
+    ctx.save_for_backward(hidden, weight, targets, output[1])
+    ctx.chunk_tokens = chunk_tokens
+
+
+def _backward(ctx, grad_total, _grad_log_norms, _grad_per_token):
+    hidden, weight, targets, log_norms = ctx.saved_tensors
+    grad_hidden, grad_weight = lm_loss_backward(grad_total, hidden, weight, targets, log_norms, ctx.chunk_tokens)
+    return grad_hidden, grad_weight, None, None, None
+
+
+lm_loss_forward.register_autograd(_backward, setup_context=_save_for_backward)

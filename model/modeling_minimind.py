@@ -44,10 +44,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .configuration_minimind import MiniMindConfig
+from .compute_weights import ComputeWeights, compute_dtype
 from .feed_forward import MiniMindMLP, MiniMindMoE
 from .loss import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, loss_positions_of
 from .packed_attention import PackedDocuments
-from .rope import apply_rope, precompute_rope_tables
+from .rope import apply_rope, precompute_rope_tables, rope_rows
 
 @dataclass
 class MiniMindCausalLMOutput(MoeCausalLMOutputWithPast):
@@ -65,10 +66,11 @@ class MiniMindRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """In x's dtype (the compute dtype: bf16 under bf16 autocast), so that the next GEMM reads
+        it as it is; `weight`: this norm's weight already in that dtype (`ComputeWeights`)."""
+        weight = (self.weight if weight is None else weight).to(x.dtype)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 class MiniMindAttention(nn.Module):
@@ -89,11 +91,16 @@ class MiniMindAttention(nn.Module):
         self.k_norm = MiniMindRMSNorm(self.head_dim, config.rms_norm_eps)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cos, sin, mask, past_key_values: Cache | None):
+    def weight_groups(self) -> list[list[torch.Tensor]]:
+        """q, k and v: one GEMM under autocast (`ComputeWeights`)."""
+        return [[self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]]
+
+    def forward(self, x, cos, sin, mask, past_key_values: Cache | None, weights: ComputeWeights):
         batch, length, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        q, k, v = weights.linear(x, self.q_proj, self.k_proj, self.v_proj)
+        q = self.q_norm(q.view(batch, length, self.num_heads, self.head_dim), weights(self.q_norm.weight))
+        k = self.k_norm(k.view(batch, length, self.num_kv_heads, self.head_dim), weights(self.k_norm.weight))
+        v = v.view(batch, length, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if past_key_values is not None:
@@ -103,14 +110,17 @@ class MiniMindAttention(nn.Module):
             out = mask.documents.attend(q, k, v, dropout)  # packed rows, no dense mask
         elif self.use_sdpa:
             # `mask` is None for a plain causal block (the fast kernels) or a boolean [B,1,T,S].
+            if _gqa_needs_expanded_heads(q, k, mask.allowed):
+                groups = self.num_heads // self.num_kv_heads
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask.allowed if mask.allowed is not None else None,
-                is_causal=mask.is_causal, dropout_p=dropout, enable_gqa=True,
+                q, k, v, attn_mask=mask.allowed, is_causal=mask.is_causal, dropout_p=dropout,
+                enable_gqa=q.shape[1] != k.shape[1],
             )
         else:
             out = self._eager_attention(q, k, v, mask, dropout)
         out = out.transpose(1, 2).reshape(batch, length, -1)
-        return self.resid_dropout(self.o_proj(out))
+        return self.resid_dropout(weights.linear(out, self.o_proj)[0])
 
     def _eager_attention(self, q, k, v, mask, dropout):
         groups = self.num_heads // self.num_kv_heads
@@ -120,6 +130,18 @@ class MiniMindAttention(nn.Module):
         scores = scores.masked_fill(~allowed, float("-inf"))
         weights = F.dropout(scores.float().softmax(-1).to(q.dtype), p=dropout, training=dropout > 0)
         return weights @ v
+
+
+def _gqa_needs_expanded_heads(q, k, allowed) -> bool:
+    """Whether SDPA with GQA (fewer k/v heads than q heads) would fall back to its math kernel,
+    which holds [B, H, T, S] scores: on CUDA only FlashAttention takes `enable_gqa`, and it runs
+    neither float32 nor an explicit mask. The k/v heads are then repeated instead (memory of
+    k/v times the group size, far less than the scores)."""
+    if q.shape[1] == k.shape[1] or not q.is_cuda:
+        return False
+    half = q.dtype in (torch.float16, torch.bfloat16) or (
+        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in (torch.float16, torch.bfloat16))
+    return allowed is not None or not half
 
 
 class MiniMindBlock(GradientCheckpointingLayer):
@@ -135,11 +157,15 @@ class MiniMindBlock(GradientCheckpointingLayer):
             self.mlp = MiniMindMLP(config.hidden_size, config.intermediate_size, config.dropout)
 
     def forward(self, hidden, cos, sin, mask, past_key_values=None, token_mask=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, mask, past_key_values)
+        """hidden (the residual stream), cos and sin in the compute dtype (`compute_dtype`)."""
+        weights = ComputeWeights(self, hidden.dtype, self.self_attn.weight_groups() + self.mlp.weight_groups())
+        normed = self.input_layernorm(hidden, weights(self.input_layernorm.weight))
+        hidden = hidden + self.self_attn(normed, cos, sin, mask, past_key_values, weights)
+        normed = self.post_attention_layernorm(hidden, weights(self.post_attention_layernorm.weight))
         if self.use_moe:
-            mlp_out, aux = self.mlp(self.post_attention_layernorm(hidden), token_mask)
+            mlp_out, aux = self.mlp(normed, weights, token_mask)
         else:
-            mlp_out, aux = self.mlp(self.post_attention_layernorm(hidden)), None
+            mlp_out, aux = self.mlp(normed, weights), None
         return hidden + mlp_out, aux
 
 
@@ -284,7 +310,10 @@ class MiniMindModel(MiniMindPreTrainedModel):
             )
         mask = AttentionMask.build(batch, q_len, past_len, attention_mask, position_ids, packed, hidden.device,
                                    packed_layout)
-        cos, sin = self.freqs_cos[position_ids], self.freqs_sin[position_ids]
+        # The residual stream and the RoPE rows in the compute dtype, cast once for all the layers.
+        dtype = compute_dtype(hidden)
+        hidden = hidden.to(dtype)
+        cos, sin = rope_rows(self.freqs_cos, self.freqs_sin, position_ids, dtype)
         if token_mask is None and attention_mask is not None:
             token_mask = attention_mask[:, -q_len:]
 

@@ -129,8 +129,8 @@ class PackedDocuments:
 
 
 def _flash_varlen_available(q: torch.Tensor) -> bool:
-    """varlen_attn runs FlashAttention 2: Ampere (sm80) or newer, head_dim up to 256."""
-    return (varlen_attn is not None and q.shape[-1] <= 256
+    """varlen_attn runs FlashAttention 2: Ampere (sm80) or newer, head_dim a multiple of 8 up to 256."""
+    return (varlen_attn is not None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
             and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 

@@ -43,12 +43,18 @@ def precompute_rope_tables(config: MiniMindConfig, device=None) -> tuple[torch.T
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
+def rope_rows(cos_table: torch.Tensor, sin_table: torch.Tensor, position_ids: torch.Tensor,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 tables' rows for `position_ids` [B, T], in `dtype`, for `apply_rope`: cos, and sin
+    with its first half negated (so that rotating half of x needs no negation of x)."""
+    cos, sin = cos_table[position_ids], sin_table[position_ids]
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return cos.to(dtype), signed_sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, D]; cos/sin: [B, T, D] (fp32). Returns x's dtype."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, heads, D]; cos/signed_sin: [B, T, D] from `rope_rows`, in x's dtype.
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) written as (x2, x1) * (-1, 1)."""
+    cos, signed_sin = cos.unsqueeze(2), signed_sin.unsqueeze(2)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -1,0 +1,63 @@
+"""A block's parameters in the dtype its matmuls run in, cast together.
+
+Under autocast to a dtype other than the parameters' (fp32 weights, bf16 compute), autocast casts
+every weight at every GEMM and every norm weight promotes its bf16 input back to fp32, so that the
+next GEMM casts it again. `ComputeWeights` casts all the parameters of a block in one go instead:
+one concatenation and one cast per forward, one cast of their gradients in the backward. Weights
+that sit next to each other in the block (q/k/v, gate/up) are then rows of one matrix of that
+buffer, and `linear` runs them as one GEMM. The parameters themselves stay separate tensors,
+so every weight format (MiniMind .pth, Qwen3 directories, GGUF, resume checkpoints) is unchanged.
+
+Without a cast to make (fp32 runs, a bf16 model without autocast, FSDP's bf16 parameters) the
+parameters are used as they are, one GEMM each: the same arithmetic as plain `nn.Linear` layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype `x`'s matmuls run in: autocast's on x's device when enabled, else x's own."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class ComputeWeights:
+    """The parameters of `module` in `dtype` (see the module docstring). `groups`: lists of
+    matrices with the same number of columns that run as one GEMM (`linear`) or are used one
+    below the other (`stacked`); in the cast buffer each group is one piece."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, groups: list[list[torch.Tensor]] = ()):
+        params = list(module.parameters())
+        self.flat = None
+        if all(p.dtype == dtype for p in params):
+            return
+        grouped = {id(p) for group in groups for p in group}
+        pieces = [list(group) for group in groups] + [[p] for p in params if id(p) not in grouped]
+        self.flat = torch.cat([p.reshape(-1) for piece in pieces for p in piece]).to(dtype)
+        split = self.flat.split([sum(p.numel() for p in piece) for piece in pieces])
+        self.views = {}  # id of a piece's first parameter -> that piece, shaped
+        for piece, values in zip(pieces, split):
+            first = piece[0]
+            self.views[id(first)] = values.view(first.shape) if len(piece) == 1 else values.view(-1, first.shape[-1])
+
+    def __call__(self, param: torch.Tensor) -> torch.Tensor:
+        return param if self.flat is None else self.views[id(param)]
+
+    def stacked(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The matrices `params` one below the other: their group's piece of the cast buffer, or a
+        concatenation of the parameters themselves when nothing is cast."""
+        return torch.cat(params) if self.flat is None else self.views[id(params[0])]
+
+    def linear(self, x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
+        """x @ W.T for the weight of each of `layers` (no biases): one GEMM for a group when cast,
+        else one each."""
+        weights = [layer.weight for layer in layers]
+        if self.flat is None or len(weights) == 1:
+            return [F.linear(x, self(w)) for w in weights]
+        return list(F.linear(x, self.stacked(weights)).split([w.shape[0] for w in weights], dim=-1))

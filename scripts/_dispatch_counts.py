@@ -1,0 +1,174 @@
+"""Device-independent figures of the trainer's optimizer step: aten ops dispatched, dtype casts,
+FLOPs, and torch.compile's graph breaks and recompiles (scripts/step_figures.py prints them).
+
+A CPU run counts what a GPU would launch as kernels, as far as the model's own code decides it:
+every op that reaches the dispatcher below autograd is one `TorchDispatchMode` call. "ops" are
+the aten ops that compute (views, which launch nothing, are left out: `dispatches` counts them
+too), and every `aten._to_copy` is a cast (the trainer's batches are already on the CPU, so no
+copy moves between devices). The optimizer is fused AdamW as the
+trainer builds it on CUDA, so that its per-parameter loops do not hide the model's figures.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import io
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from trainer.args import parse_args
+from trainer.data_setup import build_train_data
+from trainer.loop.loop import agree_on_step, optimizer_step
+from trainer.loop.state import Run
+from trainer.model_setup import build_model, build_model_config, build_optimizer, compile_model
+from trainer.parallel.ddp import Replicated
+from trainer.runtime.distributed import DistContext
+from trainer.runtime.precision import build_grad_scaler
+from trainer.runtime.preemption import PreemptionFlag
+from trainer.runtime.seeding import setup_seed
+
+CAST = torch.ops.aten._to_copy.default
+VIEW_LIKE = {torch.ops.aten._unsafe_view.default}  # a view that autograd does not track as one
+
+
+def computes(op) -> bool:
+    """Whether a dispatched op is an aten op that can launch a kernel (not a view)."""
+    return op.namespace == "aten" and not op.is_view and op not in VIEW_LIKE
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of `aten._grouped_mm` (FlopCounterMode has no formula for it): 2 per multiply-add.
+    2D x 2D (the groups split the contracted dimension): 2 * M * S * N; otherwise every output
+    element contracts a's last dimension."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def flop_counter() -> FlopCounterMode:
+    """FlopCounterMode that also counts grouped GEMMs (the MoE experts)."""
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops})
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts every aten op dispatched inside it, by op (`ops`), and the casts among them."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def dispatches(self) -> int:
+        return sum(self.ops.values())
+
+    @property
+    def total(self) -> int:
+        return sum(count for op, count in self.ops.items() if computes(op))
+
+    @property
+    def casts(self) -> int:
+        return self.ops[CAST]
+
+
+@dataclass
+class StepFigures:
+    """Per counted optimizer step: ops, casts and FLOPs; over the whole run: compile figures."""
+
+    ops: list[int] = field(default_factory=list)
+    dispatches: list[int] = field(default_factory=list)
+    casts: list[int] = field(default_factory=list)
+    flops: list[int] = field(default_factory=list)
+    graph_breaks: int | None = None  # over all steps, each reason counted once per compiled frame
+    recompiles: int | None = None  # frames compiled after the first step (new shapes, failed guards)
+    frames: int | None = None  # frames compiled in all
+
+
+def build_step_run(trainer_argv: list[str]) -> Run:
+    """The trainer's Run for these trainer flags, in one CPU process, with fused AdamW (its CUDA choice)."""
+    args = parse_args(trainer_argv + ["--device", "cpu"])
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    from dataset import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer_path)
+    with contextlib.redirect_stdout(io.StringIO()):
+        data = build_train_data(args, tokenizer, ctx)
+    setup_seed(args.seed)
+    model = build_model(args, build_model_config(args, tokenizer), ctx.device)
+    parallel = Replicated(ctx)
+    parallel.wrap(model)
+    optimizer = build_optimizer(model, args, torch.device("cuda"))  # fused=True, as on a GPU
+    wrapped = compile_model(model, ctx.device) if args.use_compile else model
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
+    run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets=[],
+              tokenizer=tokenizer, logger=None, preemption=PreemptionFlag(), parallel=parallel)
+    run.model.train()
+    return run
+
+
+def micro_batch_stream(run: Run):
+    epoch = 0
+    while True:
+        run.data.sampler.set_epoch(epoch)
+        yield from run.data.loader
+        epoch += 1
+
+
+def one_step(run: Run, batches) -> None:
+    micro_batches = [next(batches) for _ in range(run.args.accumulation_steps)]
+    optimizer_step(run, micro_batches, agree_on_step(run, micro_batches), run.args.learning_rate)
+
+
+@contextlib.contextmanager
+def compile_backend(name: str):
+    """torch.compile with `backend=name` while inside (the trainer's compile call unchanged otherwise)."""
+    real = torch.compile
+    torch.compile = functools.partial(real, backend=name)
+    try:
+        yield
+    finally:
+        torch.compile = real
+
+
+def measure(trainer_argv: list[str], warmup_steps: int, steps: int, backend: str = "inductor") -> StepFigures:
+    """`warmup_steps` (at least 1) uncounted optimizer steps, then `steps` counted ones (ops, casts, FLOPs each).
+    With --use_compile 1 the dispatch counts are those of the compiled graphs' own calls (with the
+    eager backend: the traced ops), and the compile figures cover every step."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with compile_backend(backend):
+        run = build_step_run(trainer_argv)
+        batches = micro_batch_stream(run)
+        one_step(run, batches)  # the first step compiles
+        compiled_by_first = counters["frames"]["ok"]
+        for _ in range(warmup_steps - 1):
+            one_step(run, batches)
+        figures = StepFigures()
+        for _ in range(steps):
+            counter, flops = DispatchCounter(), flop_counter()
+            with flops, counter:
+                one_step(run, batches)
+            figures.ops.append(counter.total)
+            figures.dispatches.append(counter.dispatches)
+            figures.casts.append(counter.casts)
+            figures.flops.append(flops.get_total_flops())
+    if run.args.use_compile:
+        figures.graph_breaks = sum(counters["graph_break"].values())
+        figures.frames = counters["frames"]["ok"]
+        figures.recompiles = figures.frames - compiled_by_first
+    return figures
+
+
+def span(values: list[int]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:,}" if low == high else f"{low:,}-{high:,}"

@@ -1,0 +1,126 @@
+"""What one training forward/backward dispatches (ops, casts, FLOPs), and the MoE experts against a
+token-by-token reference. Counts are device-independent: they are asserted exactly."""
+
+import pytest
+import torch
+
+from model import MiniMindConfig, MiniMindForCausalLM
+from scripts._dispatch_counts import DispatchCounter, flop_counter
+
+PACKED_POSITIONS = [list(range(6)) + list(range(10))] * 2
+
+
+def tiny(use_moe=False, top_k=1) -> MiniMindForCausalLM:
+    torch.manual_seed(0)
+    config = MiniMindConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=256, use_moe=use_moe, num_experts=4,
+                            num_experts_per_tok=top_k)
+    return MiniMindForCausalLM(config).train()
+
+
+def training_pass(model, ids, dtype, packed=False):
+    inputs = {"position_ids": torch.tensor(PACKED_POSITIONS)} if packed else {}
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        out = model(ids, labels=ids, skip_logits=True, **inputs)
+        (out.loss + out.aux_loss).backward()
+    return out
+
+
+@pytest.mark.parametrize("use_moe, packed, ops, casts", [
+    (False, False, 304, 12), (False, True, 413, 15), (True, False, 433, 24), (True, True, 542, 27),
+])
+def test_bf16_autocast_casts_each_block_once_and_runs_qkv_and_gate_up_as_one_gemm(use_moe, packed, ops, casts):
+    # Per block one cast of its weights and one of their gradients; the embedding output, the RoPE
+    # rows, the final norm's weight and the LM head's weight once each. (Autocast casting every
+    # weight at every GEMM and every fp32 norm output again: 89 casts for the dense case.)
+    model = tiny(use_moe)
+    ids = torch.randint(3, 120, (2, 16))
+    with DispatchCounter() as counter:
+        training_pass(model, ids, torch.bfloat16, packed)
+    assert (counter.total, counter.casts) == (ops, casts)
+    # GEMMs of a block: q/k/v as one, o, then gate/up as one and down (dense) or the router (MoE), each
+    # 3 times (forward, two in the backward); the chunked LM loss is one custom op each way.
+    gemms_per_block = 3 if use_moe else 4
+    assert counter.ops[torch.ops.aten.mm.default] == 2 * gemms_per_block * 3
+    assert counter.ops[torch.ops.minisft.lm_loss_forward.default] == counter.ops[torch.ops.minisft.lm_loss_backward.default] == 1
+    assert counter.ops[torch.ops.aten._grouped_mm.default] == (2 * 2 * 3 if use_moe else 0)
+
+
+def test_bf16_residual_stream_and_norms_stay_in_the_compute_dtype():
+    model = tiny()
+    seen = []
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: seen.append(out[0].dtype)) for layer in model.model.layers]
+    hooks.append(model.model.norm.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype)))
+    training_pass(model, torch.randint(3, 120, (2, 16)), torch.bfloat16)
+    assert seen == [torch.bfloat16] * 3
+    for hook in hooks:
+        hook.remove()
+
+
+def reference_experts(moe, tokens, top_probs, top_experts):
+    """Every token through each of its experts, one token at a time, weighted and summed."""
+    rows = []
+    for token, probs, experts in zip(tokens, top_probs, top_experts):
+        total = torch.zeros_like(token)
+        for prob, expert in zip(probs, experts.tolist()):
+            mlp = moe.experts[expert]
+            h = torch.nn.functional.silu(mlp.gate_proj(token)) * mlp.up_proj(token)
+            total = total + mlp.down_proj(h) * prob
+        rows.append(total)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_experts_equal_a_token_by_token_reference_in_values_and_gradients(top_k, monkeypatch):
+    model = tiny(True, top_k)
+    ids = torch.randint(3, 120, (2, 16))
+    out = training_pass(model, ids, torch.float32)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for layer in model.model.layers:
+        moe = layer.mlp
+        monkeypatch.setattr(moe, "_experts", lambda t, p, e, _w, moe=moe: reference_experts(moe, t, p, e))
+    reference = training_pass(model, ids, torch.float32)
+    assert torch.allclose(out.loss, reference.loss, atol=1e-6, rtol=0)
+    for grad, param in zip(grads, model.parameters()):
+        assert torch.allclose(grad, param.grad, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_layer_flops_are_the_routed_slots_only(top_k):
+    model = tiny(True, top_k)
+    moe, config = model.model.layers[0].mlp, model.config
+    x = torch.randn(2, 16, config.hidden_size)
+    from model.compute_weights import ComputeWeights
+
+    counter = flop_counter()
+    with counter:
+        moe(x, ComputeWeights(moe, torch.float32))
+    tokens, hidden, inner = 32, config.hidden_size, config.moe_intermediate_size
+    router = 2 * tokens * hidden * config.num_experts
+    experts = 2 * tokens * top_k * 3 * hidden * inner  # gate, up, down for each routed slot
+    assert counter.get_total_flops() == router + experts
+
+
+def test_gqa_on_cuda_repeats_kv_heads_where_sdpa_would_fall_back_to_its_math_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.modeling_minimind import _gqa_needs_expanded_heads
+
+    with FakeTensorMode():
+        q, k = torch.empty(1, 4, 8, 16, device="cuda"), torch.empty(1, 2, 8, 16, device="cuda")
+        mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda")
+        assert _gqa_needs_expanded_heads(q, k, None)  # float32: no FlashAttention
+        assert not _gqa_needs_expanded_heads(q.bfloat16(), k.bfloat16(), None)  # FlashAttention takes GQA
+        assert _gqa_needs_expanded_heads(q.bfloat16(), k.bfloat16(), mask)  # a padding mask at generation
+        assert not _gqa_needs_expanded_heads(q, q, mask)  # no GQA
+    assert not _gqa_needs_expanded_heads(torch.empty(1, 4, 8, 16), torch.empty(1, 2, 8, 16), None)  # CPU kernels take it
+
+
+def test_varlen_kernel_is_not_chosen_for_a_head_dim_it_cannot_run():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.packed_attention import _flash_varlen_available
+
+    with FakeTensorMode():
+        assert not _flash_varlen_available(torch.empty(1, 4, 8, 12, device="cuda"))  # 12 is no multiple of 8
