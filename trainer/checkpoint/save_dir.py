@@ -114,8 +114,10 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: boo
     moved aside, not deleted. `resuming` (--from_resume 1 finding no checkpoint): a run without a
     checkpoint has nothing to continue, so its best/ and metrics.jsonl are moved aside as well, with a
     line (a restarted job starts afresh instead of appending to them)."""
-    previous = [os.path.join(save_dir, name) for name in ("checkpoints", MODEL_DIR, BEST_DIR, "metrics.jsonl")
+    previous = [os.path.join(save_dir, name) for name in ("checkpoints", MODEL_DIR, BEST_DIR)
                 if os.path.lexists(os.path.join(save_dir, name))]
+    if os.path.isfile(os.path.join(save_dir, "metrics.jsonl")):  # a run's log (anything else fails at its first write)
+        previous.append(os.path.join(save_dir, "metrics.jsonl"))
     has_run = list_checkpoints(save_dir) or os.path.isdir(os.path.join(save_dir, MODEL_DIR))
     if not previous or (os.path.isdir(checkpoints_dir(save_dir)) and not has_run and len(previous) == 1):
         return  # nothing, or only an empty checkpoints/
