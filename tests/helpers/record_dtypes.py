@@ -1,6 +1,7 @@
-"""Run train_full_sft.py and record the dtype of every nn.Linear output computed in a training
-step (grad enabled): the proof that autocast is in effect, which two losses cannot give (bf16 and
-fp32 may round to the same loss). The sorted list goes to $MINISFT_DTYPE_REPORT on exit."""
+"""Run train_full_sft.py and record the dtype of every linear-layer output (`F.linear`, whether an
+nn.Linear or the model's fused projections call it) computed in a training step (grad enabled): the
+proof that autocast is in effect, which two losses cannot give (bf16 and fp32 may round to the same
+loss). The sorted list goes to $MINISFT_DTYPE_REPORT on exit."""
 
 import json
 import os
@@ -11,17 +12,22 @@ sys.path.insert(0, REPO)
 
 if __name__ == "__main__":
     import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
 
     import train_full_sft
 
     seen: set[str] = set()
 
-    def record(module, inputs, output) -> None:
-        if isinstance(module, torch.nn.Linear) and torch.is_grad_enabled():
-            seen.add(str(output.dtype))
+    class RecordLinear(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            output = func(*args, **(kwargs or {}))
+            if func is F.linear and torch.is_grad_enabled():
+                seen.add(str(output.dtype))
+            return output
 
-    torch.nn.modules.module.register_module_forward_hook(record)
-    code = train_full_sft.main(sys.argv[1:])
+    with RecordLinear():
+        code = train_full_sft.main(sys.argv[1:])
     with open(os.environ["MINISFT_DTYPE_REPORT"], "w", encoding="utf-8") as handle:
         json.dump(sorted(seen), handle)
     sys.exit(code)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -68,6 +69,12 @@ class Run:
     health: StepHealth = field(default_factory=StepHealth)  # the steps' flags on the device, not read yet
     writer: BackgroundWriter = field(default_factory=BackgroundWriter)  # the saves' writer thread
 
+    @functools.cached_property
+    def tokenizer_record(self) -> dict:
+        """The run's tokenizer files and fingerprint for its checkpoints: written out once, at the first
+        save, so a later save writes nothing but its own files (a full disk then fails that file)."""
+        return checkpoint_record(self.tokenizer)
+
     @property
     def raw_model(self):
         return unwrap(self.model)
@@ -96,7 +103,7 @@ def resume_state(run: Run) -> dict:
         "rng": rng_states,
         "world_size": run.ctx.world_size,
         "args": {**vars(run.args), "tokenizer_path": run.tokenizer_path},  # the directory it was loaded from
-        "tokenizer": checkpoint_record(run.tokenizer),  # the run's own copy, what every reader of it loads
+        "tokenizer": run.tokenizer_record,  # the run's own copy, what every reader of it loads
         "sample_stream": run_identity.recorded(run.data.identity, run.data.sampler.epoch_group_size()),
         "run_id": state.run_id,
         "wandb_run_id": run.logger.wandb_run_id,
