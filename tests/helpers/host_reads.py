@@ -21,11 +21,11 @@ HOST_READ_METHODS = ("tolist", "numpy")
 
 
 def caller() -> str:
-    """The innermost frame of this repository's code outside tests/: file:line in function."""
+    """The innermost frame of this repository's code outside tests/ and installed packages: file:line in function."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(REPO) and "/tests/" not in name:
+        if name.startswith(REPO) and "/tests/" not in name and "site-packages" not in name:  # a .venv inside the repo is not ours
             return f"{name[len(REPO) + 1:]}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
