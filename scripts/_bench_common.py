@@ -63,15 +63,21 @@ def add_run_flags(parser: argparse.ArgumentParser, dtypes: str = "float32,bfloat
     run.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
 
 
+def comma_list(parser: argparse.ArgumentParser, text: str, allowed, what: str, flag: str) -> list[str]:
+    """A comma-separated flag value as a list; an entry outside `allowed`, or none at all, is a parser error."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    unknown = [item for item in items if item not in allowed]
+    if unknown:
+        parser.error(f"unknown {what}: {', '.join(unknown)}")
+    if not items:
+        parser.error(f"{flag} needs at least one entry")
+    return items
+
+
 def check_options(parser: argparse.ArgumentParser, options: argparse.Namespace,
                   positive: tuple[str, ...] = ()) -> argparse.Namespace:
     """The shared flags checked and normalised: dtypes as a list, the data path absolute."""
-    options.dtypes = [name.strip() for name in options.dtypes.split(",") if name.strip()]
-    unknown = [name for name in options.dtypes if name not in DTYPE_NAMES]
-    if unknown:
-        parser.error(f"unknown dtype: {', '.join(unknown)}")
-    if not options.dtypes:
-        parser.error("--dtypes needs at least one entry")
+    options.dtypes = comma_list(parser, options.dtypes, DTYPE_NAMES, "dtype", "--dtypes")
     shared = ("hidden_size", "num_hidden_layers", "max_seq_len", "batch_size", "accumulation_steps")
     for name in (*shared, *positive):
         if getattr(options, name) < 1:

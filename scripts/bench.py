@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset import IGNORE_INDEX, SFTCollator, SFTDataset, load_tokenizer  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
-    DeviceTimer, add_model_flags, add_run_flags, build_run, check_options, endless_batches, first_step_seconds,
+    DeviceTimer, add_model_flags, add_run_flags, build_run, check_options, comma_list, endless_batches, first_step_seconds,
     follow_precision_policy, machine_description, memory_in_use_mib, optimizer_step_once, options_record,
     peak_memory_mib, release_memory, reset_peak_memory, single_process_context, synchronize, trainer_args,
     write_report,
@@ -85,12 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_options(argv=None) -> argparse.Namespace:
     parser = build_parser()
     options = check_options(parser, parser.parse_args(argv), positive=("steps",))
-    options.modes = [mode.strip() for mode in options.modes.split(",") if mode.strip()]
-    unknown = [mode for mode in options.modes if mode not in MODES]
-    if unknown:
-        parser.error(f"unknown mode: {', '.join(unknown)}")
-    if not options.modes:
-        parser.error("--modes needs at least one entry")
+    options.modes = comma_list(parser, options.modes, MODES, "mode", "--modes")
     if options.rounds < 0:
         parser.error("--rounds must be >= 0")
     if options.matmul_size is not None and options.matmul_size < 1:
