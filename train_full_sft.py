@@ -50,6 +50,7 @@ from trainer.runtime.distributed import (
     broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message, spawn_local_workers,
     spawned_by_us,
 )
+from trainer.runtime.kernels import prefer_flash_attention
 from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler, resolve_dtype
 from trainer.runtime.seeding import setup_seed
 
@@ -133,6 +134,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     model = build_model(args, config, ctx.device, weights if saved is None else None)  # a resume loads its own
     del weights
     apply_tf32_policy(dtype, args.tf32)
+    prefer_flash_attention()
     parallel = build_parallelism(args, ctx, dtype)
     wrapped = parallel.wrap(model)  # DDP around the model, or the model itself sharded in place
     optimizer = build_optimizer(model, args, ctx.device)

@@ -88,11 +88,12 @@ class MiniMindMoE(nn.Module):
         hidden = gate_up.shape[1]
         gate_up = gate_up.view(self.num_experts, -1, hidden).transpose(1, 2)  # [E, H, 2I]
         down = down.view(self.num_experts, hidden, -1).transpose(1, 2)  # [E, I, H]
-        gate, up = F.grouped_mm(tokens[slot_tokens], gate_up, offs=ends).chunk(2, dim=-1)
+        # grouped_mm has no autocast rule on every torch (2.11 CUDA): the tokens take the weights' dtype here
+        gate, up = F.grouped_mm(tokens[slot_tokens].to(gate_up.dtype), gate_up, offs=ends).chunk(2, dim=-1)
         expert_out = F.grouped_mm(F.silu(gate) * up, down, offs=ends)
         routing = top_probs.reshape(-1)[order].unsqueeze(1).to(expert_out.dtype)
         expert_out = self.dropout(expert_out) * routing
-        return torch.zeros_like(tokens).index_add_(0, slot_tokens, expert_out)
+        return torch.zeros_like(tokens, dtype=expert_out.dtype).index_add_(0, slot_tokens, expert_out)
 
     def _balance(self, probs, top_experts, rows, token_mask):
         """coef * balance_s for every row s (0 for a row without real tokens)."""

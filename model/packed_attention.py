@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -104,9 +105,7 @@ class PackedDocuments:
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (q, k, v)]
         half = _half_precision_dtype(q)
         if half is not None and dropout == 0.0 and _flash_varlen_available(q):
-            qf, kf, vf = (t.to(half) for t in flat)
-            out = varlen_attn(qf, kf, vf, self.cu_seqlens, self.cu_seqlens, self.max_length, self.max_length,
-                              window_size=(-1, 0), enable_gqa=True)
+            out = causal_varlen_attn(*(t.to(half) for t in flat), self.cu_seqlens, self.max_length)
         else:
             buckets, restore = self.buckets
             pieces = []
@@ -126,6 +125,24 @@ class PackedDocuments:
         same = ids.view(batch, 1, length, 1) == ids.view(batch, 1, 1, length)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         return same & causal
+
+
+def causal_varlen_attn(q, k, v, cu_seqlens: torch.Tensor, max_length: int) -> torch.Tensor:
+    """varlen_attn, causal within each document, on flat q [N, H, D] and k/v [N, H_kv, D], in the
+    keywords this torch's varlen_attn takes: causality as `window_size=(-1, 0)` (or the older
+    `is_causal=True`); without `enable_gqa` the k/v heads are repeated up to q's."""
+    keywords = _keywords_of(varlen_attn)
+    options = {"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True}
+    if "enable_gqa" in keywords:
+        options["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
+
+
+@functools.cache
+def _keywords_of(function) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
 
 
 def _flash_varlen_available(q: torch.Tensor) -> bool:

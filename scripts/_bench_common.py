@@ -25,7 +25,8 @@ from trainer.loop.state import Run
 from trainer.model_setup import build_model, build_model_config, build_optimizer, compile_model
 from trainer.parallel.ddp import Replicated
 from trainer.runtime.distributed import DistContext
-from trainer.runtime.precision import build_grad_scaler
+from trainer.runtime.kernels import prefer_flash_attention
+from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import setup_seed
 
@@ -43,6 +44,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--hidden_size", type=int, default=256)
     model.add_argument("--num_hidden_layers", type=int, default=4)
     model.add_argument("--max_seq_len", type=int, default=512)
+    model.add_argument("--use_moe", type=int, choices=(0, 1), default=0,
+                       help="1 = the trainer's MoE MLPs (its default experts and top-k); FLOPs count active experts")
     model.add_argument("--vocab_size", type=int, default=None,
                        help="LM head size (default: the tokenizer's); e.g. 151936 for a Qwen3-sized head on the same data")
     model.add_argument("--data_path", default=str(DEFAULT_DATA), help="SFT jsonl file")
@@ -202,12 +205,11 @@ def machine_description(device: torch.device) -> str:
 
 
 def follow_precision_policy(device: torch.device, dtype: torch.dtype) -> None:
-    """The trainer's matmul precision for a run in `dtype` (its policy: `--dtype float32` is IEEE
-    float32, no TF32 on a GPU; TF32 only beside bf16/fp16 autocast). The one place the benchmarks
-    set it: where trainer/runtime/precision.py offers the policy as a function, call that here."""
+    """The trainer's matmul precision and attention kernels for a run in `dtype` (its policies:
+    `--dtype float32` is IEEE float32, TF32 only beside bf16/fp16 autocast; no cuDNN attention)."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = dtype != torch.float32
-        torch.backends.cudnn.allow_tf32 = dtype != torch.float32
+        apply_tf32_policy(dtype)
+        prefer_flash_attention()
 
 
 def trainer_args(options, dtype_name: str = "float32", packing: bool = False, group_by_length: bool = False,
@@ -219,7 +221,7 @@ def trainer_args(options, dtype_name: str = "float32", packing: bool = False, gr
         "--accumulation_steps", str(options.accumulation_steps), "--data_path", options.data_path,
         "--packing", str(int(packing)), "--group_by_length", str(int(group_by_length)),
         "--dtype", dtype_name, "--seed", str(options.seed), "--use_compile", str(int(compiled)),
-        "--device", str(options.device),
+        "--device", str(options.device), "--use_moe", str(getattr(options, "use_moe", 0)),
     ]
     cache_dir = cache_dir or options.cache_dir
     if cache_dir:

@@ -99,9 +99,16 @@ def causal_pairs(batch: dict) -> int:
 
 
 def body_parameters(model: torch.nn.Module) -> int:
-    """Parameters of the model except the embedding table (a lookup) and the LM head."""
+    """Parameters each token works with, except the embedding table (a lookup) and the LM head:
+    of a mixture-of-experts MLP only the top-k of its experts (and its router) count."""
     embedding_and_head = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
-    return sum(p.numel() for p in model.parameters() if id(p) not in embedding_and_head)
+    total = sum(p.numel() for p in model.parameters() if id(p) not in embedding_and_head)
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, torch.nn.ModuleList) and hasattr(module, "top_k"):
+            expert_parameters = sum(p.numel() for p in experts.parameters())
+            total -= expert_parameters - expert_parameters * module.top_k // len(experts)
+    return total
 
 
 def model_flops(model: torch.nn.Module, computed_tokens: int, logit_positions: int, pairs: int) -> int:

@@ -5,6 +5,8 @@ other test (tests/conftest.py); these run on their own, in one process, with the
 
 Without --gpus, or on a machine without a GPU (CI), they are skipped."""
 
+import functools
+
 import pytest
 import torch
 
@@ -37,6 +39,19 @@ def test_two_gpus_with_nccl_equal_one_gpu_with_double_batch(data, tmp_path):
         assert torch.allclose(one[key], two[key], atol=1e-4), key
 
 
+@pytest.mark.parametrize("dtype, atol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_two_gloo_ranks_on_one_gpu_equal_one_process_with_double_batch(data, tmp_path, dtype, atol):
+    """DDP over gloo with both ranks on cuda:0 (NCCL refuses two ranks on one GPU), two micro-batches
+    each (no_sync on the first): the weights of 1 process x 2B, within the dtype's rounding."""
+    common = ["--max_steps", "3", "--dtype", dtype, "--save_interval", "0", "--device", "cuda:0",
+              "--accumulation_steps", "2"]
+    run_trainer(flags(data, tmp_path / "two", "--batch_size", "2", "--backend", "gloo", *common), nproc=2)
+    run_trainer(flags(data, tmp_path / "one", "--batch_size", "4", *common))
+    one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
+    for key in one:
+        assert torch.allclose(one[key], two[key], atol=atol), key
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
                     reason="FlashAttention's varlen kernel needs sm80 or newer")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -50,6 +65,7 @@ def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
     original = packed_attention.varlen_attn
     assert original is not None, "this torch has no varlen_attn"
 
+    @functools.wraps(original)  # the signature of the installed varlen_attn, whose keywords are read
     def counted_varlen_attn(*args, **kwargs):
         varlen_calls.append(args[0].shape)
         return original(*args, **kwargs)

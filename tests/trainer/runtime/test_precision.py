@@ -50,3 +50,18 @@ def test_picking_a_gpu_does_not_switch_tf32_on(tf32_flags, monkeypatch):
     ctx = distributed.init_distributed(argparse.Namespace(device="auto", local_rank=None))
     assert ctx.device == torch.device("cuda", 0)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+
+
+def test_the_trainer_keeps_sdpa_off_cudnn_attention():
+    """cuDNN attention builds a plan per new shape; the trainer's batch lengths change every step
+    (trainer/runtime/kernels.py): the process runs FlashAttention (or the memory-efficient kernel)."""
+    from trainer.runtime.kernels import prefer_flash_attention
+
+    saved = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        prefer_flash_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(saved)

@@ -1,0 +1,123 @@
+"""What a GPU does in the trainer's step: host syncs, kernels per step, idle gaps, which attention
+kernels run, graph breaks and recompiles under torch.compile.
+
+    python scripts/profile_step.py --hidden_size 768 --num_hidden_layers 8 --max_seq_len 2048 --mode packed
+    python scripts/profile_step.py --mode dynamic --use_compile 1 --trace step.json
+
+One mode of scripts/bench.py (same model, data and step), warmed up, then `--steps` optimizer
+steps under torch.profiler. A host sync is any call that makes the CPU wait for the GPU
+(torch.cuda.set_sync_debug_mode); "GPU busy" is the union of kernel intervals over the wall
+time of the profiled steps, so 1 - busy is the GPU's idle share.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import DeviceType, ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dataset import load_tokenizer  # noqa: E402
+from scripts._bench_common import (  # noqa: E402
+    add_model_flags, add_run_flags, optimizer_step_once, single_process_context, synchronize,
+)
+from scripts._common import ArgumentParser, fail, resolve_device  # noqa: E402
+from scripts.bench import MODES, prepare_mode  # noqa: E402
+
+ATTENTION_WORDS = ("flash", "fmha", "attention", "attn", "varlen", "sdpa")
+
+
+def parse_options(argv=None):
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_flags(parser)
+    add_run_flags(parser, dtypes="bfloat16")
+    parser.add_argument("--mode", choices=MODES, default="packed")
+    parser.add_argument("--use_compile", type=int, choices=(0, 1), default=0)
+    parser.add_argument("--top", type=int, default=12, help="kernels listed, by GPU time")
+    parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    options = parser.parse_args(argv)
+    options.dtypes = options.dtypes.split(",")
+    if len(options.dtypes) != 1:
+        fail("--dtypes: one dtype per profile")
+    options.rounds, options.vocab_size = 0, options.vocab_size
+    return options
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def host_sync_report(run, batches, args) -> str:
+    """'none' or the first sync's message, over one optimizer step (after warm-up)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        optimizer_step_once(run, batches, args)
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return "none"
+
+
+def main(argv=None) -> int:
+    options = parse_options(argv)
+    device = resolve_device(options.device)
+    if device.type != "cuda":
+        fail("profile_step.py profiles a CUDA GPU; this machine has none (--device cuda)")
+    options.device = str(device)
+    ctx = single_process_context(device)
+    from torch._dynamo.utils import counters
+    counters.clear()
+    mode_run = prepare_mode(options, load_tokenizer(None), ctx, options.mode, options.dtypes[0],
+                            bool(options.use_compile))
+    run, batches, args = mode_run.run, mode_run.batches, mode_run.args
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}; mode {options.mode}, "
+          f"{options.dtypes[0]}, compile {options.use_compile}, hidden {options.hidden_size} x "
+          f"{options.num_hidden_layers} layers, max_seq_len {options.max_seq_len}, batch {options.batch_size}")
+    print(f"host syncs inside a step: {host_sync_report(run, batches, args)}")
+    frames_before = counters["frames"]["ok"]
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(options.steps):
+            optimizer_step_once(run, batches, args)
+        synchronize(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.device_time > 0]
+    intervals = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in kernels]
+    busy = busy_seconds(intervals)
+    print(f"{options.steps} steps: {wall / options.steps * 1e3:.2f} ms/step, {len(kernels) / options.steps:.0f} "
+          f"GPU kernels/step, GPU busy {busy / wall:.1%} of wall (idle {1 - busy / wall:.1%})")
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        by_name.setdefault(event.name, []).append(event.device_time / 1e3)
+    attention = sorted(n for n in by_name if any(w in n.lower() for w in ATTENTION_WORDS))
+    print("attention kernels: " + ("; ".join(n[:90] for n in attention) or "none matched"))
+    print(f"top {options.top} kernels by GPU time (ms per step, calls per step):")
+    ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:options.top]
+    for name, times in ranked:
+        print(f"  {sum(times) / options.steps:8.3f}  {len(times) / options.steps:6.1f}  {name[:100]}")
+    if options.use_compile:
+        print(f"torch.compile: graph breaks {sum(counters['graph_break'].values())}, frames compiled "
+              f"{counters['frames']['ok']}, compiled during the profiled steps {counters['frames']['ok'] - frames_before}")
+        for reason, count in list(counters["graph_break"].items())[:5]:
+            print(f"  break x{count}: {reason[:140]}")
+    if options.trace:
+        prof.export_chrome_trace(options.trace)
+        print(f"trace: {options.trace}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
