@@ -68,9 +68,12 @@ class MiniMindRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """In x's dtype (the compute dtype: bf16 under bf16 autocast), so that the next GEMM reads
-        it as it is; `weight`: this norm's weight already in that dtype (`ComputeWeights`)."""
+        it as it is; `weight`: this norm's weight already in that dtype (`ComputeWeights`).
+        Autocast is off here: on CUDA it runs pow and rsqrt in float32, which would make this
+        output, and the residual stream after it, float32."""
         weight = (self.weight if weight is None else weight).to(x.dtype)
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        with torch.autocast(x.device.type, enabled=False):
+            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 class MiniMindAttention(nn.Module):

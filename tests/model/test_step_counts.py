@@ -1,8 +1,13 @@
 """What one training forward/backward dispatches (ops, casts, FLOPs), and the MoE experts against a
 token-by-token reference. Counts are device-independent: they are asserted exactly."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from model import MiniMindConfig, MiniMindForCausalLM
 from scripts._dispatch_counts import DispatchCounter, flop_counter
@@ -124,3 +129,46 @@ def test_varlen_kernel_is_not_chosen_for_a_head_dim_it_cannot_run():
 
     with FakeTensorMode():
         assert not _flash_varlen_available(torch.empty(1, 4, 8, 12, device="cuda"))  # 12 is no multiple of 8
+
+
+def cuda_autocast_float32_ops() -> set[str]:
+    """The ops CUDA autocast runs in float32 whatever their input (AT_FORALL_FP32 and
+    AT_FORALL_FP32_SET_OPT_DTYPE of the installed torch's ATen/autocast_mode.h). CPU autocast has
+    its own lists, so a CPU run does not show what these do on a GPU."""
+    header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
+    if not header.exists():
+        pytest.skip(f"this torch ships no {header}")
+    text = header.read_text()
+    names = set()
+    for macro in ("AT_FORALL_FP32(_)", "AT_FORALL_FP32_SET_OPT_DTYPE(_)"):
+        body = text[text.index(f"#define {macro}"):]
+        body = body[:body.index("\n\n")]
+        names |= set(re.findall(r"_\((\w+)", body))
+    assert {"rsqrt", "pow", "sum", "softmax"} <= names
+    return names
+
+
+@pytest.mark.parametrize("use_moe, packed", [(False, False), (False, True), (True, False)])
+def test_no_half_precision_activation_meets_an_op_cuda_autocast_runs_in_float32(use_moe, packed):
+    """Under CUDA bf16 autocast an op of those lists given a bf16 activation returns float32, and
+    everything after it runs in float32 (the RMSNorm's pow and rsqrt did that to the whole residual
+    stream, seen on an H100). The forward is traced on the CPU; no such op may see a bf16 input
+    while autocast is on."""
+    float32_ops = cuda_autocast_float32_ops()
+    model = tiny(use_moe)
+    ids = torch.randint(3, 120, (2, 16))
+    seen = []
+
+    class Inputs(TorchFunctionMode):  # above autocast: sees each call as the model makes it
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            tensors = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+            if torch.is_autocast_enabled("cpu") and name in float32_ops and any(
+                    t.dtype in (torch.bfloat16, torch.float16) for t in tensors):
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    inputs = {"position_ids": torch.tensor(PACKED_POSITIONS)} if packed else {}
+    with Inputs(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(ids, labels=ids, skip_logits=True, **inputs)
+    assert seen == []
