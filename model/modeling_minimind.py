@@ -49,6 +49,7 @@ from .feed_forward import MiniMindMLP, MiniMindMoE
 from .loss import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, loss_positions_of
 from .packed_attention import PackedDocuments
 from .rope import apply_rope, precompute_rope_tables, rope_rows
+from .rms_norm import MiniMindRMSNorm
 
 @dataclass
 class MiniMindCausalLMOutput(MoeCausalLMOutputWithPast):
@@ -58,22 +59,6 @@ class MiniMindCausalLMOutput(MoeCausalLMOutputWithPast):
 
 
 # --------------------------------------------------------------------------- blocks
-
-
-class MiniMindRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """In x's dtype (the compute dtype: bf16 under bf16 autocast), so that the next GEMM reads
-        it as it is; `weight`: this norm's weight already in that dtype (`ComputeWeights`).
-        Autocast is off here: on CUDA it runs pow and rsqrt in float32, which would make this
-        output, and the residual stream after it, float32."""
-        weight = (self.weight if weight is None else weight).to(x.dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 class MiniMindAttention(nn.Module):

@@ -77,13 +77,13 @@ class PackedDocuments:
         return moved
 
     @functools.cached_property
-    def buckets(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """For the SDPA path only: ([(gather index [n, L], positions of the real tokens in it)],
-        the permutation that puts the buckets' real outputs back in token order)."""
+    def buckets(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """For the SDPA path only: ([gather index [n, L] of each bucket], the rows of the buckets'
+        padded outputs, flattened one after the other, that hold each token's output, in token order)."""
         starts, lengths, device = self.starts, self.lengths, self.device
         # Power-of-two buckets: (0, 1], (1, 2], (2, 4], ... so padding at most doubles a document.
         bucket_of = torch.ceil(torch.log2(lengths.double())).long()
-        buckets, order = [], []
+        buckets, tokens, rows, offset = [], [], [], 0
         for bucket in torch.unique(bucket_of).tolist():
             chosen = (bucket_of == bucket).nonzero().squeeze(1)
             bucket_len = int(lengths[chosen].max())
@@ -91,11 +91,12 @@ class PackedDocuments:
             real = offsets < lengths[chosen].view(-1, 1)
             index = starts[chosen].view(-1, 1) + offsets
             index = torch.where(real, index, starts[chosen].view(-1, 1))  # pads repeat a real token
-            buckets.append((index.to(device, non_blocking=True),
-                            real.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)))
-            order.append(index[real])
-        # Concatenating the buckets' real outputs gives the tokens in bucket order; this undoes it.
-        return buckets, torch.argsort(torch.cat(order)).to(device, non_blocking=True)
+            buckets.append(index.to(device, non_blocking=True))
+            tokens.append(index[real])
+            rows.append(offset + real.reshape(-1).nonzero().squeeze(1))
+            offset += index.numel()
+        rows_in_token_order = torch.cat(rows)[torch.argsort(torch.cat(tokens))]
+        return buckets, rows_in_token_order.to(device, non_blocking=True)
 
     @torch.compiler.disable
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
@@ -107,13 +108,15 @@ class PackedDocuments:
         if half is not None and dropout == 0.0 and _flash_varlen_available(q):
             out = causal_varlen_attn(*(t.to(half) for t in flat), self.cu_seqlens, self.max_length)
         else:
-            buckets, restore = self.buckets
-            pieces = []
-            for index, real in buckets:
-                qb, kb, vb = (t[index].transpose(1, 2) for t in flat)  # [n, H, L, D]
+            buckets, rows = self.buckets
+            kv_heads = flat[1].shape[1]
+            qkv = torch.cat(flat, dim=1)  # one gather per bucket (and one scatter back) for q, k and v
+            padded = []
+            for index in buckets:
+                qb, kb, vb = qkv[index].transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)  # [n, H, L, D]
                 ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout, enable_gqa=True)
-                pieces.append(ob.transpose(1, 2).reshape(-1, heads, head_dim)[real])
-            out = torch.cat(pieces)[restore]
+                padded.append(ob.transpose(1, 2).reshape(-1, heads, head_dim))
+            out = torch.cat(padded)[rows]  # every token's output, pads left out, in token order
         return out.view(batch, length, heads, head_dim).transpose(1, 2)
 
     def dense(self) -> torch.Tensor:

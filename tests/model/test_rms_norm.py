@@ -1,0 +1,57 @@
+"""model/rms_norm.py: the hand-written backward equals autograd's, in fewer ops."""
+
+import torch
+
+from model.rms_norm import MiniMindRMSNorm
+from scripts._dispatch_counts import DispatchCounter
+
+
+def autograd_rms_norm(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def leaves(dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 5, 4, 16, generator=generator).to(dtype).requires_grad_()
+    weight = (1 + torch.randn(16, generator=generator)).to(dtype).requires_grad_()
+    grad = torch.randn(3, 5, 4, 16, generator=generator).to(dtype)
+    return x, weight, grad
+
+
+def test_gradients_equal_autograd_s():
+    norm = MiniMindRMSNorm(16, 1e-6)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6), (torch.bfloat16, 4e-2)):
+        x, weight, grad = leaves(dtype)
+        x_ref, weight_ref, _ = leaves(dtype)
+        out = norm(x, weight)
+        out.backward(grad)
+        ref = autograd_rms_norm(x_ref, weight_ref, 1e-6)
+        ref.backward(grad)
+        assert out.dtype == dtype and torch.equal(out, ref)  # the forward is the same expression
+        assert torch.allclose(x.grad, x_ref.grad, rtol=tol, atol=tol)
+        assert torch.allclose(weight.grad, weight_ref.grad, rtol=tol, atol=tol)
+    x, weight, _ = leaves(torch.float64)
+    assert torch.autograd.gradcheck(lambda a, b: norm(a, b), (x[:1, :2], weight))
+
+
+def test_forward_and_backward_dispatch_16_ops_where_autograd_s_graph_dispatches_20():
+    norm = MiniMindRMSNorm(16, 1e-6)
+    counts = []
+    for function in (norm, lambda a, b: autograd_rms_norm(a, b, 1e-6)):
+        x, weight, grad = leaves(torch.bfloat16)
+        with DispatchCounter() as counter:
+            function(x, weight).backward(grad)
+        counts.append(counter.total)
+    assert counts == [16, 20]
+
+
+def test_runs_in_the_input_dtype_under_autocast_and_leaves_frozen_inputs_without_gradient():
+    norm = MiniMindRMSNorm(16, 1e-6)
+    x, _, grad = leaves(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x)  # its own float32 weight, cast to x's dtype
+    assert out.dtype == torch.bfloat16
+    out.backward(grad)
+    assert norm.weight.grad.dtype == torch.float32 and x.grad is not None
+    frozen = torch.randn(2, 16, requires_grad=False)
+    assert not norm(frozen, torch.ones(16)).requires_grad
