@@ -65,10 +65,11 @@ def wrap_for_distributed(model: MiniMindForCausalLM, ctx):
     return DistributedDataParallel(
         model,
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-        # Only an MoE layer can leave a parameter without a gradient (an expert no token of the
-        # micro-batch was routed to); a dense model uses every parameter, so DDP skips its walk of
-        # the autograd graph for unused ones (and the host copy of their map that goes with it).
-        find_unused_parameters=model.config.use_moe,
+        # Every parameter gets a gradient in every backward, MoE experts included: the grouped
+        # dispatch (model/feed_forward.py) multiplies by all experts' weights, an expert that no
+        # token reached with zero rows. So DDP skips its walk of the autograd graph for unused
+        # parameters (and the host copy of their map that goes with it).
+        find_unused_parameters=False,
     )
 
 

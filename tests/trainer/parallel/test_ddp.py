@@ -1,5 +1,5 @@
-"""trainer/parallel/ddp.py: DDP walks the autograd graph for unused parameters only where a
-parameter can be unused (an MoE expert that no token of a micro-batch was routed to)."""
+"""trainer/parallel/ddp.py: DDP never walks the autograd graph for unused parameters, since every
+parameter, an MoE expert that no token reached included, gets a gradient in every backward."""
 
 import datetime
 
@@ -22,9 +22,33 @@ def one_process_group():
 
 
 @pytest.mark.parametrize("use_moe", [False, True])
-def test_only_moe_makes_ddp_look_for_unused_parameters(one_process_group, use_moe):
+def test_ddp_does_not_look_for_unused_parameters(one_process_group, use_moe):
     ctx = DistContext(0, 0, 2, torch.device("cpu"), "gloo")  # as a rank of a 2-process run
     model = tiny_model(**(dict(use_moe=True, num_experts=4, num_experts_per_tok=1) if use_moe else {}))
     wrapped = wrap_for_distributed(model, ctx)
-    assert wrapped.find_unused_parameters is use_moe
+    assert wrapped.find_unused_parameters is False
     del wrapped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_expert_no_token_reached_still_gets_a_zero_gradient(dtype):
+    """What DDP without find_unused_parameters needs: every parameter has a gradient after each
+    backward. Router logits (a, 0, 0, -a) with top-1: every token goes to expert 0 or 3, so
+    experts 1 and 2 get no rows."""
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=1).train()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight
+            gate[1:3] = 0
+            gate[3] = -gate[0]
+    ids = torch.randint(3, 90, (2, 12))
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        out = model(ids, labels=ids)
+        (out.loss + out.aux_loss).backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        assert experts[0].down_proj.weight.grad.abs().sum() + experts[3].down_proj.weight.grad.abs().sum() > 0
+        for expert in experts[1:3]:
+            assert all(torch.count_nonzero(p.grad) == 0 for p in expert.parameters())
