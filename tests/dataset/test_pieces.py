@@ -27,9 +27,14 @@ def shipped():
 
 
 @pytest.fixture(scope="module")
-def demo_rows():
-    with open(DEMO_FILES[0], encoding="utf-8") as f:
-        return [parse_line(line) for line in f if line.strip()][:1000]
+def demo_lines():
+    """Every tenth line of the demo set (tools, tool calls, reasoning, Chinese and English)."""
+    return [line for path in DEMO_FILES for line in open(path, encoding="utf-8") if line.strip()][::10]
+
+
+@pytest.fixture(scope="module")
+def demo_rows(demo_lines):
+    return [parse_line(line) for line in demo_lines]
 
 
 def make_tokenizer(pre_tokenizer, template: str, demo_rows) -> PreTrainedTokenizerFast:
@@ -56,7 +61,7 @@ def in_pieces(tokenizer, text: str) -> list[int]:
 
 
 def test_a_sentencepiece_style_tokenizer_is_tokenized_whole_and_its_cache_holds_the_whole_text_s_ids(
-        shipped, demo_rows, tmp_path):
+        shipped, demo_lines, demo_rows, tmp_path):
     llama_like = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     tokenizer = make_tokenizer(llama_like, shipped.chat_template, demo_rows)
     assert tokenizer.backend_tokenizer.normalizer is None and chatml.matches_template(tokenizer)
@@ -67,13 +72,12 @@ def test_a_sentencepiece_style_tokenizer_is_tokenized_whole_and_its_cache_holds_
 
     assert ChatMLEncoder(tokenizer, 4096).split_pattern is None  # pieces refused
     data = tmp_path / "d.jsonl"
-    with open(DEMO_FILES[0], encoding="utf-8") as f:
-        data.write_text("".join(f.readline() for _ in rows), encoding="utf-8")
+    data.write_text("".join(demo_lines[:len(rows)]), encoding="utf-8")
     ds = SFTDataset(data, tokenizer, 4096, num_proc=1)
     assert len(ds) == len(rows)
     for i, ids in enumerate(whole):
         assert ds[i]["input_ids"].tolist() == ids, i
-    # a cache of these rows keyed by the tokenizing code before the proof (version 3) is not the one opened
+    # not the key of tokens version 3, whose caches of this tokenizer hold the pieces' ids
     assert TOKENS_VERSION > 3 and ds.cache_path.name != cache_key(file_digest(data), tokenizer, 4096, 3)
     assert_same_as_general(tokenizer, rows + RANDOM[:200], 4096)
 
