@@ -9,6 +9,7 @@ Every module, in the order of the pipeline, with its one job:
 * ``prefix_tokens``  the first ``max_seq_len`` tokens of a text without tokenizing all of it
 * ``chatml``         the ChatML layout of the shipped and MiniMind's templates, rendered in Python
 * ``chatml_encoder`` the fast ChatML encoder: a batch of conversations -> tokens, equal to the general path
+* ``pieces``         where the fast encoder may tokenize a text in pieces: proven on token ids per tokenizer
 * ``tokens``         THE seam: conversations -> token ids and loss masks; every path calls it
 * ``cache``          the token cache (a package): build or reuse a file's cache, then open it
 * ``sft_dataset``    ``SFTDataset``: a file's samples (``input_ids``, ``labels``) from its cache

@@ -12,14 +12,15 @@ faster in three ways, each used only where it gives the same tokens and masks:
   there), a lone surrogate (an error there), an assistant turn first (an error there). Any other
   template: the general path for every row.
 * **Tokenizing in pieces.** A tokenizer first cuts the text at its added tokens (``<|im_start|>``,
-  ``<|im_end|>``: leftmost, longest match first) and tokenizes the pieces between them each on its
-  own; so the ids of a text are the pieces' ids and the added tokens' ids end to end, and a
-  piece's offsets are its own shifted by where it starts. ``_pieces`` makes that same cut (for
-  tokenizers without a normalizer whose added tokens strip no whitespace:
-  ``_splits_at_added_tokens``; others tokenize each whole text). The pieces a chunk has not seen
-  go to the backend in one ``encode_batch`` call (what ``tokenizer(texts)`` calls, without its
-  per-text conversions); every piece is remembered (``PIECE_CACHE_CHARS``), so a repeated system
-  prompt, tools block, tool call or reply is tokenized once.
+  ``<|im_end|>``: leftmost, longest match first) and tokenizes the parts between them each on its
+  own; for a pre-tokenizer that looks only at a part's characters (not at where the part starts)
+  the ids of a text are the pieces' ids and the added tokens' ids end to end, and a piece's
+  offsets are its own shifted by where it starts. ``split_pattern`` makes that same cut, for a
+  tokenizer where ``pieces.piece_split`` proves it on token ids; others tokenize each whole text.
+  The pieces a chunk has not seen go to the backend in one ``encode_batch`` call (what
+  ``tokenizer(texts)`` calls, without its per-text conversions); every piece is remembered
+  (``PIECE_CACHE_CHARS``), so a repeated system prompt, tools block, tool call or reply is
+  tokenized once.
 * **Masks per piece.** A token carries loss when its characters overlap a span (the general
   path's rule). A piece or added token that no span overlaps carries none without looking at its
   tokens; only the pieces a span boundary falls in use their offsets.
@@ -39,6 +40,7 @@ import numpy as np
 
 from . import chatml
 from .formats import Conversation, LineError
+from .pieces import piece_split, plain_backend
 from .prefix_tokens import FIRST_WINDOW_CHARS_PER_TOKEN, MIN_WINDOW_CHARS, encode_text
 from .rendering import data_strings, encode_with_template, span_mask, special_token_texts
 
@@ -46,13 +48,6 @@ _SURROGATE = re.compile("[\ud800-\udfff]")  # not valid Unicode: the general pat
 PIECE_CACHE_CHARS = 1 << 21  # characters of remembered pieces per process (all forgotten when full)
 PIECE_MASKS = 1 << 14  # masks of pieces a span boundary falls in, remembered (all forgotten when full)
 _JSON_ESCAPED = re.compile(r'["\\\x00-\x1f]')  # what json.dumps(ensure_ascii=False) writes otherwise
-
-
-def _splits_at_added_tokens(tokenizer) -> bool:
-    """The backend cuts raw text at its added tokens' exact text, and at nothing else of theirs."""
-    if tokenizer.backend_tokenizer.normalizer is not None:
-        return False
-    return all(not (token.lstrip or token.rstrip or token.single_word) for token in tokenizer.added_tokens_decoder.values())
 
 
 def _offsets(pairs: list[tuple[int, int]]) -> np.ndarray:
@@ -72,11 +67,9 @@ class ChatMLEncoder:
         self.window = max(MIN_WINDOW_CHARS, FIRST_WINDOW_CHARS_PER_TOKEN * max_seq_len)
         self.split_pattern = None
         self.added_ids: dict[str, int] = {}
-        added = [(token_id, token) for token_id, token in tokenizer.added_tokens_decoder.items() if not token.normalized]
-        if self.fast and added and _splits_at_added_tokens(tokenizer):
-            self.added_ids = {token.content: token_id for token_id, token in added}
-            texts = sorted(self.added_ids, key=len, reverse=True)  # the longest first at a position
-            self.split_pattern = re.compile("(" + "|".join(map(re.escape, texts)) + ")")
+        split = piece_split(tokenizer) if self.fast else None
+        if split is not None:
+            self.split_pattern, self.added_ids = split
         self.pieces: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # piece -> (ids, offsets in the piece)
         self.piece_chars = 0
         self.piece_masks: dict[tuple, np.ndarray] = {}  # (piece, spans in its characters) -> its tokens' loss mask
@@ -146,13 +139,7 @@ class ChatMLEncoder:
         return results
 
     def _encode_rows(self, rows, results) -> None:
-        backend = self.tokenizer.backend_tokenizer
-        # What ``tokenizer(text, add_special_tokens=False)`` sets on the backend before encoding.
-        if backend.truncation is not None:
-            backend.no_truncation()
-        if backend.padding is not None:
-            backend.no_padding()
-        backend.encode_special_tokens = False
+        backend = plain_backend(self.tokenizer)
         whole = [text for _, text, _, pieces in rows if pieces is None]
         wanted = set()
         for _, _, _, pieces in rows:

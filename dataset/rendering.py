@@ -26,7 +26,8 @@ header's trailing space with the reply's first word is learned, as in HF's
 ``return_assistant_tokens_mask``.
 
 Special tokens come only from the template: text inside the data that spells a special token
-(``<|im_end|>`` in a user turn) is tokenized as plain text, so data cannot forge turns.
+(``<|im_end|>`` in a user turn, in a key of a tool call's arguments or of a tool's schema) is
+tokenized as plain text, so data cannot forge turns.
 """
 
 from __future__ import annotations
@@ -203,11 +204,13 @@ def special_token_texts(tokenizer) -> list[str]:
 
 
 def data_strings(value):
-    """Every string inside ``value`` (nested dicts and lists)."""
+    """Every string inside ``value`` (nested dicts and lists), the dicts' keys included: a key of a
+    tool call's arguments or a tool's schema is rendered as data too."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, dict):
-        for item in value.values():
+        for key, item in value.items():
+            yield from data_strings(key)
             yield from data_strings(item)
     elif isinstance(value, list):
         for item in value:
@@ -215,13 +218,13 @@ def data_strings(value):
 
 
 def _mask_specials(value, specials: list[str]):
-    """``value`` with every special-token text in its strings replaced by same-length filler."""
+    """``value`` with every special-token text in its strings (keys too) replaced by same-length filler."""
     if isinstance(value, str):
         for special in specials:
             value = value.replace(special, PROBE * len(special))
         return value
     if isinstance(value, dict):
-        return {key: _mask_specials(item, specials) for key, item in value.items()}
+        return {_mask_specials(key, specials): _mask_specials(item, specials) for key, item in value.items()}
     if isinstance(value, list):
         return [_mask_specials(item, specials) for item in value]
     return value

@@ -10,7 +10,8 @@ encoder runs behind it:
   that one text, the text tokenized and each token that overlaps a span carries loss.
 * **the ChatML layout** (the shipped ``model/tokenizer`` template and MiniMind's; decided once per
   template by ``chatml.matches_template``): ``chatml_encoder.ChatMLEncoder``, an optimisation that
-  renders in Python and tokenizes a batch of conversations in pieces. It gives the general path's
+  renders in Python and tokenizes a batch of conversations, in pieces where ``pieces.piece_split``
+  proves on token ids that they give the whole text's ids (else whole). It gives the general path's
   ids, mask and errors exactly (``tests/dataset/test_fast_path.py`` compares them token for token
   on the demo set, random conversations and every template the tests know), and hands the rows it
   does not cover (data that spells a special token, a lone surrogate, an assistant turn first) to

@@ -18,11 +18,13 @@ CACHE_VERSION = 1  # the layout of the files
 # (cache.chunks). Every change to the tokens or labels of any row needs a new version, or caches
 # built by another version's code are reused: tests/dataset/test_tokens_version.py holds a digest of the
 # tokens and labels of fixed conversations per version and fails when they change without one.
-TOKENS_VERSION = 3
+TOKENS_VERSION = 4
 TOKENS_CHANGES = {  # what each version changed, for the line that says why a cache is built again
     1: "caches of the code before versions were recorded (it may predate tool calls and reasoning)",
     2: "tool definitions, tool calls, tool results and reasoning are rendered by the chat template and learned",
     3: "only a leading think block is reasoning, NaN/Infinity make a line bad, parquet struct nulls are absent keys",
+    4: "special-token text in JSON keys is text, and a tokenizer whose pieces are not proven to tokenize as the "
+       "whole text (sentencepiece's Metaspace 'first') is tokenized whole",
 }
 
 
