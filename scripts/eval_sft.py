@@ -178,6 +178,8 @@ def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new
 
 
 def format_table(result: dict) -> str:
+    from dataset.printable import printable
+
     rows = [
         ("conversations", f"{result['num_conversations']}"),
         ("loss tokens", f"{result['num_loss_tokens']}"),
@@ -190,7 +192,8 @@ def format_table(result: dict) -> str:
                                    f"({result['num_tool_calls_correct']}/{result['num_tool_call_turns']})"))
     if result["by_task"]:
         rows.append(("by task", "right/total"))
-        rows += [(f"  {task}", f"{counts['right']}/{counts['total']}") for task, counts in result["by_task"].items()]
+        rows += [(f"  {printable(task)}", f"{counts['right']}/{counts['total']}")  # task names from the data
+                 for task, counts in result["by_task"].items()]
     width = max(14, *(len(name) for name, _ in rows))
     return "\n".join(f"{name:<{width}} {value}" for name, value in rows)
 

@@ -234,6 +234,15 @@ def test_eval_reads_jsonl_gz_and_parquet_as_training_does(trained, tmp_path):
     assert json.loads(result.stdout)["by_task"] == results[0]["by_task"]
 
 
+def test_eval_table_escapes_control_characters_of_task_names():
+    from scripts.eval_sft import format_table
+
+    result = {"num_conversations": 1, "num_loss_tokens": 3, "loss": 0.5, "perplexity": 1.6487, "exact_match": 1.0,
+              "num_correct": 1, "num_replies": 1, "num_tool_call_turns": 0,
+              "by_task": {"x\ry\x1b[2J\x07": {"right": 1, "total": 1}}}
+    assert format_table(result).splitlines()[-2:] == ["by task           right/total", "  x\\ry\\x1b[2J\\x07 1/1"]
+
+
 def test_batched_left_padded_greedy_equals_one_by_one(trained):
     from scripts.eval_sft import greedy_answers, read_examples
 
