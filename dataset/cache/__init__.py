@@ -25,7 +25,7 @@ import numpy as np
 from .build import BuildInterrupted, build_or_reuse, check_cache, read_meta
 from .chunks import default_num_proc
 from .key import TOKENS_VERSION, default_cache_root
-from .node import build_or_reuse_on_node
+from .node import EveryRankDataError, build_or_reuse_on_node
 from .resumable import CacheWriteError
 from .workers import WorkerDied
 
@@ -64,5 +64,5 @@ class TokenCache:
         return self._loss_mask
 
 
-__all__ = ["BuildInterrupted", "CacheWriteError", "TOKENS_VERSION", "TokenCache", "WorkerDied", "build_or_reuse",
-           "build_or_reuse_on_node", "default_cache_root", "default_num_proc"]
+__all__ = ["BuildInterrupted", "CacheWriteError", "EveryRankDataError", "TOKENS_VERSION", "TokenCache", "WorkerDied",
+           "build_or_reuse", "build_or_reuse_on_node", "default_cache_root", "default_num_proc"]
