@@ -35,7 +35,9 @@ from trainer.args import parse_args
 from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint, load_resume_checkpoint
 from trainer.checkpoint.save_dir import SaveDirLock, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir
 from trainer.data_setup import build_eval_sets, build_train_data
-from trainer.errors import USER_ERRORS, BuildInterrupted, CheckpointError, TrainingError, names_a_user_path
+from trainer.errors import (
+    USER_ERRORS, BuildInterrupted, CheckpointError, EveryRankDataError, TrainingError, names_a_user_path,
+)
 from trainer.evaluation.evaluate import metric_names
 from trainer.evaluation.selection import check_selection, flag_problems as selection_flag_problems
 from trainer.loop.loop import train
@@ -47,8 +49,8 @@ from trainer.model_setup import (
 from trainer.parallel import build_parallelism
 from trainer.run_logger import RunLogger, check_wandb_login
 from trainer.runtime.distributed import (
-    broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message, spawn_local_workers,
-    spawned_by_us,
+    broadcast_object, cleanup, init_distributed, is_peer_failure, peer_failure_message, print_once,
+    spawn_local_workers, spawned_by_us,
 )
 from trainer.runtime.kernels import prefer_flash_attention
 from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler, resolve_dtype
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
     except BuildInterrupted as interrupt:
         return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
     except USER_ERRORS as error:
-        return fail(f"error: {error}", 2)
+        return fail(f"error: {error}", 2, every_rank=isinstance(error, EveryRankDataError))
     except TrainingError as error:
         return fail(f"error: {error}", 1)
     except OSError as error:
@@ -211,11 +213,15 @@ def main(argv=None) -> int:
         return fail(f"error: {peer_failure_message(error)}", 1)
 
 
-def fail(message: str, code: int) -> int:
+def fail(message: str, code: int, every_rank: bool = False) -> int:
     """Print one line and return the exit code. With a live process group, leave at once
     instead: freeing a DDP model after a failure can deadlock gloo's teardown, and the peers
-    are failing (or already gone) anyway."""
-    print(message, file=sys.stderr, flush=True)
+    are failing (or already gone) anyway. ``every_rank``: every rank fails with this same line,
+    which rank 0 alone prints."""
+    if every_rank:
+        print_once(message)
+    else:
+        print(message, file=sys.stderr, flush=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         sys.stdout.flush()
         os._exit(code)

@@ -22,6 +22,7 @@ Every module, in the order of the pipeline, with its one job:
 * ``tool_calls``     tool calls read back out of generated text (evaluation, chat)
 * ``demo_tools``     the demo data's tools and their answers
 * ``inspection``     what the data teaches (a package): segments per token, the report, the views
+* ``printable``      data text for a terminal: control characters escaped
 
 From ``SFTDataset`` to token ids: ``sft_dataset`` opens the file's finished cache (``cache``); the
 ids in it were written by ``cache.build``, which hands chunks of lines to ``cache.chunks``, which

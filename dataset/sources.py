@@ -26,13 +26,15 @@ def is_parquet(path: Path) -> bool:
     return path.suffix.lower() == ".parquet"
 
 
-def open_lines(path: Path) -> Iterator[bytes]:
+def open_lines(path: Path, keys: tuple[str, ...] = ROW_KEYS) -> Iterator[bytes]:
     """Yield the raw lines of ``path`` (decompressed for ``.gz``), streaming, never the whole file.
 
-    A truncated or corrupt ``.gz`` raises one-line ``DataError`` naming the file.
+    ``keys``: the columns a parquet row's line holds (a jsonl line holds all its keys); an
+    evaluation adds the ``task`` a row names. A truncated or corrupt ``.gz`` raises one-line
+    ``DataError`` naming the file.
     """
     if is_parquet(path):
-        yield from _parquet_rows(path)
+        yield from _parquet_rows(path, keys)
         return
     if not is_gzip(path):
         with path.open("rb") as f:
@@ -48,20 +50,20 @@ def open_lines(path: Path) -> Iterator[bytes]:
 PARQUET_BATCH_ROWS = 1024
 
 
-def _parquet_rows(path: Path) -> Iterator[bytes]:
+def _parquet_rows(path: Path, keys: tuple[str, ...]) -> Iterator[bytes]:
     """Each row of a parquet file as one JSON line, read one record batch at a time.
 
-    Only the columns a row is read from (``formats.ROW_KEYS``) are read: other columns (ids,
-    timestamps, images as binary) do not matter, as other keys of a jsonl line do not. A null
-    column or struct field is an absent key (see ``_converter``); a row holding a value JSON has
-    no type for is that row's problem (``formats.ROW_PROBLEM``).
+    Only the columns ``keys`` are read (for training ``formats.ROW_KEYS``, the keys a row is read
+    from): other columns (ids, timestamps, images as binary) do not matter, as other keys of a
+    jsonl line do not. A null column or struct field is an absent key (see ``_converter``); a row
+    holding a value JSON has no type for is that row's problem (``formats.ROW_PROBLEM``).
     """
     import pyarrow
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
-        names = [name for name in parquet.schema_arrow.names if name in ROW_KEYS]
+        names = [name for name in parquet.schema_arrow.names if name in keys]
         converters = None
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=names):
             if converters is None:

@@ -91,7 +91,11 @@ def answer_with_tools(generate, messages: list[dict], run_tool, show) -> tuple[s
     arguments)`` returns a tool message's text, or is ``None`` (calls are shown, not run); ``show``
     prints one transcript line. Returns the answer and the history with the assistant's calls, the
     tool results and the answer appended."""
+    from dataset.printable import printable
     from dataset.tool_calls import parse_reply
+
+    def say(line: str) -> None:  # generated text and tool results may hold control characters
+        show(printable(line))
 
     for _ in range(MAX_TOOL_ROUNDS):
         text, messages = generate(messages)
@@ -100,20 +104,20 @@ def answer_with_tools(generate, messages: list[dict], run_tool, show) -> tuple[s
         if reply.reasoning:
             message["reasoning_content"] = reply.reasoning
         for block in reply.bad_calls:
-            show(f"tool call not understood (not a JSON name and arguments): {block}")
+            say(f"tool call not understood (not a JSON name and arguments): {block}")
         for call in reply.calls:
-            show(f"tool call: {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}")
+            say(f"tool call: {call['name']} {json.dumps(call['arguments'], ensure_ascii=False)}")
         if not reply.calls or reply.bad_calls or run_tool is None:
             if reply.calls and run_tool is None:
-                show("(the calls were not run: pass --tools demo to run them with the demo tools)")
+                say("(the calls were not run: pass --tools demo to run them with the demo tools)")
             return reply.content, messages + [message]
         message["tool_calls"] = [{"type": "function", "function": call} for call in reply.calls]
         messages = messages + [message]
         for call in reply.calls:
             result = run_tool(call["name"], call["arguments"])
-            show(f"tool result: {result}")
+            say(f"tool result: {result}")
             messages.append({"role": "tool", "content": result})
-    show(f"(stopped: the model was still calling tools after {MAX_TOOL_ROUNDS} rounds)")
+    say(f"(stopped: the model was still calling tools after {MAX_TOOL_ROUNDS} rounds)")
     return "", messages
 
 

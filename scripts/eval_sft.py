@@ -51,7 +51,7 @@ class Example:
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="eval_sft.py")
     add_model_args(parser)
-    parser.add_argument("--data_path", default=str(DEFAULT_DATA), help="jsonl conversations (MiniMind/ShareGPT/OpenAI)")
+    parser.add_argument("--data_path", default=str(DEFAULT_DATA), help="conversations (MiniMind/ShareGPT/OpenAI) in a .jsonl, .jsonl.gz or .parquet file")
     parser.add_argument("--max_seq_len", type=int, default=1024, help="conversations are truncated to this for the loss")
     parser.add_argument("--batch_size", type=int, default=16, help="conversations per forward / generate call")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="most tokens generated per answer")
@@ -61,37 +61,37 @@ def build_parser() -> ArgumentParser:
 
 
 def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> list[Example]:
-    """Parse and encode the jsonl file; a bad line raises ``DataError("file:line: problem")``."""
+    """Parse and encode the file, read as training reads it (``dataset.sources``); a bad line raises ``DataError("file:line: problem")``."""
     from dataset import DataError, encode_conversation
-    from dataset.formats import Conversation, LineError, load_row, parse_row
-    from dataset.sources import check_data_file
+    from dataset.formats import ROW_KEYS, Conversation, LineError, load_row, parse_row
+    from dataset.sources import check_data_file, open_lines
     from dataset.tool_calls import reference_calls
 
     check_data_file(path)
     examples = []
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if limit is not None and len(examples) >= limit:
-                break
-            if not raw.strip():
-                continue
-            try:
-                row = load_row(raw.decode("utf-8"))
-                conversation = parse_row(row)
-                messages = conversation.messages
-                last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-                if last == 0:
-                    raise LineError("no assistant answer after a prompt")
-                ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
-                                                max_seq_len)
-                prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
-            except UnicodeDecodeError as error:
-                raise DataError(f"{path}:{number}: invalid UTF-8 at byte {error.start}") from None
-            except LineError as error:
-                raise DataError(f"{path}:{number}: {error}") from None
-            task = row.get("task")
-            examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
-                                    reference_calls(messages[last]), task if isinstance(task, str) else None))
+    lines = open_lines(path, (*ROW_KEYS, "task"))  # the reader of training: .jsonl, .jsonl.gz, .parquet
+    for number, raw in enumerate(lines, start=1):
+        if limit is not None and len(examples) >= limit:
+            break
+        if not raw.strip():
+            continue
+        try:
+            row = load_row(raw.decode("utf-8"))
+            conversation = parse_row(row)
+            messages = conversation.messages
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            if last == 0:
+                raise LineError("no assistant answer after a prompt")
+            ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
+                                            max_seq_len)
+            prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
+        except UnicodeDecodeError as error:
+            raise DataError(f"{path}:{number}: invalid UTF-8 at byte {error.start}") from None
+        except LineError as error:
+            raise DataError(f"{path}:{number}: {error}") from None
+        task = row.get("task")
+        examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
+                                reference_calls(messages[last]), task if isinstance(task, str) else None))
     if not examples:
         raise DataError(f"{path}: no conversations to evaluate")
     return examples
@@ -178,6 +178,8 @@ def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new
 
 
 def format_table(result: dict) -> str:
+    from dataset.printable import printable
+
     rows = [
         ("conversations", f"{result['num_conversations']}"),
         ("loss tokens", f"{result['num_loss_tokens']}"),
@@ -190,7 +192,8 @@ def format_table(result: dict) -> str:
                                    f"({result['num_tool_calls_correct']}/{result['num_tool_call_turns']})"))
     if result["by_task"]:
         rows.append(("by task", "right/total"))
-        rows += [(f"  {task}", f"{counts['right']}/{counts['total']}") for task, counts in result["by_task"].items()]
+        rows += [(f"  {printable(task)}", f"{counts['right']}/{counts['total']}")  # task names from the data
+                 for task, counts in result["by_task"].items()]
     width = max(14, *(len(name) for name, _ in rows))
     return "\n".join(f"{name:<{width}} {value}" for name, value in rows)
 

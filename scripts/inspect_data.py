@@ -97,6 +97,7 @@ def main() -> int:
     from dataset.inspection.report import inspect_source, report_lines, segment_table
     from dataset.mixture import parse_data_path
     from dataset.inspection.token_view import html_page, terminal_legend, terminal_view
+    from dataset.printable import printable
 
     tokenizer, tokenizer_name, notes = choose_tokenizer(args)
     sources = parse_data_path(args.data_path)
@@ -112,7 +113,7 @@ def main() -> int:
         lines += ["all sources"] + segment_table(reports) + [""]
     warnings = [warning for report in reports for warning in report.warnings()]
     lines += [f"warning: {warning}" for warning in warnings] + notes
-    print("\n".join(lines).rstrip("\n"))
+    print(printable("\n".join(lines).rstrip("\n")))  # names and examples from the data, escaped
 
     terminal = args.terminal if args.terminal is not None else sys.stdout.isatty()
     if terminal and samples:

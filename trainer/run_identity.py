@@ -6,7 +6,9 @@ that these define, so a resume that changes one is refused with one line naming 
 - the seed, `--max_seq_len` and `--packing`;
 - every training source: its files in order, each with the sha256 of its content (the token cache's
   digest, taken when the cache was opened) and its number of samples, and the source's weight as an
-  exact fraction of the total (`1,1` and `0.5,0.5` are the same mixture, `1,1.000004` is not);
+  exact fraction of the total (`1,1` and `0.5,0.5` are the same mixture, `1,1.000004` is not). Files
+  are compared by content, not by path: the record keeps each path to name it, and a byte-identical
+  file at another path resumes;
 - the tokenizer and chat template (their fingerprint), and the version of the code that turns rows
   into tokens (dataset.cache.key.TOKENS_VERSION).
 `save()` never reads the data files again: a file that is moved, deleted or grown while the run
@@ -196,19 +198,24 @@ def exact(weight: float) -> str:
 
 
 def data_difference(before: tuple[SourceRecord, ...], now: tuple[SourceRecord, ...]) -> tuple[str, str] | None:
-    """(checkpoint's, this run's) description of the first file that differs, or None."""
+    """(checkpoint's, this run's) description of the first file that differs, or None.
+
+    Files are compared by content (sha256 and samples), in order, not by path: a byte-identical
+    file moved or renamed (a data directory mounted elsewhere) is the same data and resumes."""
     for old, new in zip(before, now):
-        old_paths, new_paths = [file.path for file in old.files], [file.path for file in new.files]
-        if old_paths != new_paths:
+        if len(old.files) != len(new.files):
+            old_paths, new_paths = [file.path for file in old.files], [file.path for file in new.files]
             changes = ([f"new {path}" for path in new_paths if path not in old_paths]
-                       + [f"missing {path}" for path in old_paths if path not in new_paths]) or ["another order"]
+                       + [f"missing {path}" for path in old_paths if path not in new_paths])
             return (f"{len(old_paths)} file(s) in {old.spec}",
-                    f"{len(new_paths)} file(s): {'; '.join(changes)}")
+                    f"{len(new_paths)} file(s): {'; '.join(changes) or 'the same names'}")
         for old_file, new_file in zip(old.files, new.files):
+            where = "" if new_file.path == old_file.path else f"{new_file.path} "
             if old_file.digest != new_file.digest:
-                return f"{old_file.path} sha256 {old_file.digest[:16]}", f"sha256 {new_file.digest[:16]}"
+                return f"{old_file.path} sha256 {old_file.digest[:16]}", f"{where}sha256 {new_file.digest[:16]}"
             if old_file.samples != new_file.samples:
-                return f"{old_file.path} with {old_file.samples} samples", f"{new_file.samples} (another --bad_data?)"
+                return (f"{old_file.path} with {old_file.samples} samples",
+                        f"{where}{new_file.samples} (another --bad_data?)")
     return None
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .build import BuildInterrupted, build_or_reuse, read_meta
+from .build import BuildInterrupted, build_or_reuse, check_cache, read_meta
 from .chunks import default_num_proc
 from .key import TOKENS_VERSION, default_cache_root
-from .node import build_or_reuse_on_node
+from .node import EveryRankDataError, build_or_reuse_on_node
 from .resumable import CacheWriteError
 from .workers import WorkerDied
 
@@ -33,10 +33,13 @@ from .workers import WorkerDied
 class TokenCache:
     """A finished cache opened for reading: ``meta``, ``offsets`` (int64, sample ``i`` is
     ``tokens[offsets[i]:offsets[i + 1]]``), and ``tokens`` / ``loss_mask`` memory-mapped on first
-    use (not pickled: a DataLoader worker maps them again)."""
+    use (not pickled: a DataLoader worker maps them again). A cache whose files disagree with each
+    other (one cut short) is a ``DataError`` naming the directory to delete; ``build_or_reuse``
+    builds such a cache again before it is opened."""
 
     def __init__(self, directory: Path):
         self.path = Path(directory)
+        check_cache(self.path)
         self.meta = read_meta(self.path)
         self.token_dtype = np.dtype(self.meta["dtype"])
         self.offsets = np.load(self.path / "offsets.npy")
@@ -61,5 +64,5 @@ class TokenCache:
         return self._loss_mask
 
 
-__all__ = ["BuildInterrupted", "CacheWriteError", "TOKENS_VERSION", "TokenCache", "WorkerDied", "build_or_reuse",
-           "build_or_reuse_on_node", "default_cache_root", "default_num_proc"]
+__all__ = ["BuildInterrupted", "CacheWriteError", "EveryRankDataError", "TOKENS_VERSION", "TokenCache", "WorkerDied",
+           "build_or_reuse", "build_or_reuse_on_node", "default_cache_root", "default_num_proc"]

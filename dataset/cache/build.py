@@ -34,6 +34,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from ..formats import DataError
 from ..rendering import token_dtype
 from ..sources import check_data_file
@@ -209,6 +211,44 @@ def read_meta(cache: Path) -> dict:
     return json.loads((cache / "meta.json").read_text(encoding="utf-8"))
 
 
+def cache_damage(cache: Path) -> str | None:
+    """What is wrong with the files of the finished cache ``cache`` (one phrase), or None when they
+    agree with each other: ``meta.json`` readable, ``offsets.npy`` whole with ``num_samples + 1``
+    entries from 0 to ``num_tokens``, ``tokens.bin`` and ``loss_mask.bin`` ``num_tokens`` entries
+    long. A file cut short (a copy stopped halfway, a disk that filled outside the build, a lost
+    write) is found here, not as a numpy error at the first step."""
+    try:
+        meta = read_meta(cache)
+        samples, tokens, itemsize = meta["num_samples"], meta["num_tokens"], np.dtype(meta["dtype"]).itemsize
+    except (ValueError, TypeError, KeyError) as exc:
+        return f"meta.json is not a cache record ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    try:
+        with open(cache / "offsets.npy", "rb") as f:
+            np.lib.format.read_magic(f)
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+            data_start = f.tell()
+    except (OSError, ValueError) as exc:
+        return f"offsets.npy cannot be read ({exc.strerror if isinstance(exc, OSError) else exc})"
+    if shape != (samples + 1,) or dtype != np.int64:
+        return f"offsets.npy holds {dtype} {shape}, int64 ({samples + 1},) expected"
+    expected = {"offsets.npy": data_start + (samples + 1) * 8, "tokens.bin": tokens * itemsize, "loss_mask.bin": tokens}
+    for name, size in expected.items():
+        actual = (cache / name).stat().st_size if (cache / name).is_file() else None
+        if actual != size:
+            return f"{name} has {'no file' if actual is None else f'{actual:,} bytes'}, {size:,} expected"
+    offsets = np.memmap(cache / "offsets.npy", dtype=np.int64, mode="r", offset=data_start)
+    if offsets[0] != 0 or offsets[-1] != tokens:
+        return f"offsets.npy runs from {offsets[0]:,} to {offsets[-1]:,}, from 0 to {tokens:,} expected"
+    return None
+
+
+def check_cache(cache: Path) -> None:
+    """Raise ``DataError`` (one line naming what to delete) when the finished cache is damaged."""
+    problem = cache_damage(cache)
+    if problem is not None:
+        raise DataError(f"the token cache {cache} is damaged: {problem}; delete {cache} and run again to build it anew")
+
+
 def check_bad_data(meta: dict, bad_data: str) -> None:
     """In ``"error"`` mode a cache built in ``"skip"`` mode that skipped lines still raises."""
     if bad_data == "error" and meta["num_skipped"]:
@@ -227,8 +267,13 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     digest = data_digest(path, cache_root)
     target = cache_root / cache_key(digest, tokenizer, max_seq_len, TOKENS_VERSION)
     if (target / "meta.json").is_file():
-        recorded = read_meta(target).get("tokens_version")
-        if recorded != TOKENS_VERSION:
+        problem = cache_damage(target)
+        recorded = None if problem else read_meta(target).get("tokens_version")
+        if problem:
+            print(f"{path.name}: the token cache {target} is damaged ({problem}): building it again",
+                  file=sys.stderr, flush=True)
+            _remove_cache(target)
+        elif recorded != TOKENS_VERSION:
             print(f"{path.name}: the token cache {target} records tokens version {recorded}, not this code's "
                   f"{TOKENS_VERSION}: building it again", file=sys.stderr, flush=True)
             _remove_cache(target)

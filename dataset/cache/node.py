@@ -8,7 +8,7 @@ first (quick: nobody builds yet); local rank 0 builds and writes its outcome (ca
 to a status file named by the nonce; the others poll for that file, printing a line every
 ``WAIT_REPORT_S`` seconds. Then the ranks share the outcomes through the store, each polling until
 every node is done (no collective waits on a build), so if any build failed all ranks raise the
-same ``DataError``. With NCCL, set the CUDA device before (the
+same ``EveryRankDataError``. With NCCL, set the CUDA device before (the
 object collectives need it).
 
 Local rank 0 alone was measured against the node's ranks tokenizing a share of the chunks each
@@ -29,6 +29,11 @@ from .chunks import usable_cores
 
 WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
 WAIT_POLL_S = 0.2
+
+
+class EveryRankDataError(DataError):
+    """A data error that every rank raises alike (a build's outcome, shared through the store): the
+    training script prints it once, on rank 0, and every rank exits with the same code."""
 
 
 def build_or_reuse_on_node(
@@ -73,7 +78,7 @@ def build_or_reuse_on_node(
     if interrupted is not None:
         raise interrupted
     if errors:
-        raise DataError(errors[0])
+        raise EveryRankDataError(errors[0])
     return Path(result[1])
 
 

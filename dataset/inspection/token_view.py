@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import html
 
+from ..printable import printable
 from .report import Sample, SourceReport, percent, segment_rows
 from .segments import SEGMENTS
 
@@ -155,11 +156,11 @@ def terminal_legend(colour: bool = True) -> str:
 def terminal_view(sample: Sample, colour: bool = True) -> str:
     """One row for a terminal: a header line, the tokens, its tokens per segment."""
     row = sample.row
-    header = f"── {sample.source} · {sample.location} · {sample_facts(sample)}"
+    header = printable(f"── {sample.source} · {sample.location} · {sample_facts(sample)}")
     out = [f"\x1b[1m{header}{RESET}\n" if colour else header + "\n"]
     supervised_run = False
     for index, (start, end) in enumerate(row.pieces()):
-        piece = row.text[start:end].replace("\n", "↵\n")
+        piece = printable(row.text[start:end]).replace("\n", "↵\n")
         if colour:
             style = CUT_STYLE if index >= row.kept else (
                 SUPERVISED_STYLES if row.supervised[index] else PLAIN_STYLES)[index % 2]

@@ -387,3 +387,24 @@ def test_a_dropped_row_is_shown_even_after_the_rows_kept_in_memory(tokenizer, tm
     monkeypatch.setattr(data_report, "CANDIDATES", 2)
     report = inspect_source(parse_data_path(str(path))[0], tokenizer, 64, samples=2)
     assert [sample.location for sample in report.samples] == [f"{path}:1", f"{path}:4"] and report.samples[1].row.dropped
+
+
+def test_control_characters_of_the_data_are_escaped_in_the_terminal_view(tokenizer):
+    chat = Conversation([{"role": "user", "content": "a\rb"}, {"role": "assistant", "content": "c\x1b[2Jd\x07"}])
+    sample = Sample("s", "f.jsonl:1", segment_row(tokenizer, chat, 4096))
+    assert terminal_view(sample, colour=False) == (
+        "── s · f.jsonl:1 · 25 tokens, 13 supervised; 1 supervised empty think block(s), 5 tokens\n"
+        "<|im_start|>¦user¦↵\n¦a¦\\r¦b¦<|im_end|>¦↵\n¦<|im_start|>¦assistant¦↵\n¦«<think¦>↵\n↵\n¦</¦think¦>↵\n↵\n"
+        "¦c¦\\x1b¦[¦2¦J¦d¦\\x07¦<|im_end|>»¦↵\n"
+        "\n   tokens per segment (supervised): user 3 (0), think block 5 (5), reply 7 (7), end-of-turn 1 (1), "
+        "template 9 (0)\n")
+    coloured = terminal_view(sample)
+    assert not re.search(r"[\r\x07]|\x1b(?!\[[0-9;]+m)", coloured)  # only the view's own colour sequences
+    text = re.sub(r"\x1b\[[0-9;]+m", "", coloured)
+    assert "a\\rb" in text and "c\\x1b[2Jd\\x07" in text
+
+
+def test_printable_escapes_every_control_character_but_newline_and_tab():
+    from dataset.printable import printable
+
+    assert printable("a\rb\x1b[0m\x07\x00\x7f\x85\té\n") == "a\\rb\\x1b[0m\\x07\\x00\\x7f\\x85\té\n"

@@ -301,3 +301,21 @@ def test_sigterm_to_the_world_size_launcher_reaches_the_workers(data, launcher, 
     stopped_at = int(out.split("SIGTERM received: stopping at step ")[1].split()[0])
     assert 2 <= stopped_at < 10 and os.path.exists(checkpoint_at(save_dir, stopped_at))
     assert train_losses(save_dir) and final_weights(save_dir)
+
+
+@pytest.mark.slow
+def test_a_data_error_under_torchrun_is_printed_once_and_every_rank_exits_2(tmp_path):
+    import re
+
+    from tests.helpers.trainer_launch import TINY
+
+    bad = tmp_path / "bad.jsonl"
+    rows = open(os.path.join(REPO, "dataset", "demo", "sft_train.jsonl"), encoding="utf-8").readlines()[:5]
+    bad.write_text("".join(rows) + '{"broken\n', encoding="utf-8")
+    result = run_trainer([*TINY, "--data_path", str(bad), "--save_dir", str(tmp_path / "run"), "--cache_dir",
+                          str(tmp_path / "cache")], nproc=2, check=False)
+    output = result.stdout + result.stderr
+    line = f"error: {bad}:6: invalid JSON (Invalid control character at at column 9)"
+    assert output.count(line) == 1, output[-3000:]
+    assert "stopped: SIGTERM" not in output and f'File "{REPO}' not in output  # no traceback of ours
+    assert re.findall(r"exitcode\s*: (\S+) \(pid", output) == ["2", "2"], output[-3000:]  # torchrun's report per rank

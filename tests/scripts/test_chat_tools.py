@@ -204,3 +204,12 @@ def test_the_calculator_answers_an_overflow_or_infinity_with_an_error_in_json():
         text = run_tool("calculator", arguments)
         assert json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in {text}")) == {"error": error}
     assert run_tool("calculator", {"a": 48, "op": "+", "b": 17}) == '{"result": 65}'
+
+
+def test_control_characters_in_the_transcript_are_escaped():
+    generate, _ = scripted([call_block("calc\ru\x1b[2J\x07", x=1),
+                            "<tool_call>\n{bad\r\x1b[31m\x07}\n</tool_call>"])
+    lines = []
+    answer_with_tools(generate, [{"role": "user", "content": "x"}], lambda name, arguments: "r\r\x1b[0m\x07", lines.append)
+    assert lines == ['tool call: calc\\ru\\x1b[2J\\x07 {"x": 1}', "tool result: r\\r\\x1b[0m\\x07",
+                     "tool call not understood (not a JSON name and arguments): {bad\\r\\x1b[31m\\x07}"]

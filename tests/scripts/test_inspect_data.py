@@ -166,3 +166,19 @@ def test_the_html_page_parses_and_shows_highlighted_tokens_in_a_browser(tmp_path
     legend_only, with_samples = highlighted_pixels(shots[0]), highlighted_pixels(shots[2])
     assert legend_only > 500  # the legend's "supervised" key
     assert with_samples > legend_only + 5000, (legend_only, with_samples)  # the supervised tokens of the first sample
+
+
+def test_control_characters_from_the_data_and_its_file_name_are_escaped(tmp_path):
+    import os
+
+    path = write_rows(tmp_path / "odd\r\x07.jsonl", [{"conversations": [
+        {"role": "user", "content": "a\rb"}, {"role": "assistant", "content": "c\x1b[2Jd\x07"}]}])
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "inspect_data.py"), "--data_path", str(path),
+                             "--samples", "1", "--terminal"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "NO_COLOR": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"data: {tmp_path}/odd\\r\\x07.jsonl"
+    assert f"── odd\\r\\x07 · {tmp_path}/odd\\r\\x07.jsonl:1 · 25 tokens, 13 supervised" in result.stdout
+    assert "¦a¦\\r¦b¦" in result.stdout and "¦c¦\\x1b¦[¦2¦J¦d¦\\x07¦" in result.stdout
+    assert not any(char in result.stdout for char in "\r\x07\x1b")

@@ -207,6 +207,42 @@ def test_eval_counts_right_answers_per_task_where_rows_name_one(trained, tmp_pat
     assert result.stdout.splitlines()[-3:] == ["by task        right/total", "  chat         1/1", "  fact         2/3"]
 
 
+def test_eval_reads_jsonl_gz_and_parquet_as_training_does(trained, tmp_path):
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from scripts.eval_sft import evaluate, read_examples
+
+    rows = [{"conversations": c, "task": t} for c, t in zip(CONVERSATIONS, ("fact", "sum", "fact"))]
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    (tmp_path / "e.jsonl").write_text(text, encoding="utf-8")
+    (tmp_path / "e.jsonl.gz").write_bytes(gzip.compress(text.encode("utf-8")))
+    pq.write_table(pa.Table.from_pylist([{**row, "id": i} for i, row in enumerate(rows)]), tmp_path / "e.parquet")
+    model, tokenizer = trained["model"], trained["tokenizer"]
+    examples = {name: read_examples(tmp_path / name, tokenizer, 512) for name in ("e.jsonl", "e.jsonl.gz", "e.parquet")}
+    assert examples["e.jsonl.gz"] == examples["e.parquet"] == examples["e.jsonl"]
+    assert [e.task for e in examples["e.parquet"]] == ["fact", "sum", "fact"]
+    results = [evaluate(model, tokenizer, found, 2, 8) for found in examples.values()]
+    assert results[0]["exact_match"] == 1.0 and results[0]["by_task"] == {"fact": {"right": 2, "total": 2},
+                                                                          "sum": {"right": 1, "total": 1}}
+    assert json.dumps(results[1]) == json.dumps(results[2]) == json.dumps(results[0])  # NaN tool-call accuracy
+    result = script("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(tmp_path / "e.parquet"),
+                    "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["by_task"] == results[0]["by_task"]
+
+
+def test_eval_table_escapes_control_characters_of_task_names():
+    from scripts.eval_sft import format_table
+
+    result = {"num_conversations": 1, "num_loss_tokens": 3, "loss": 0.5, "perplexity": 1.6487, "exact_match": 1.0,
+              "num_correct": 1, "num_replies": 1, "num_tool_call_turns": 0,
+              "by_task": {"x\ry\x1b[2J\x07": {"right": 1, "total": 1}}}
+    assert format_table(result).splitlines()[-2:] == ["by task           right/total", "  x\\ry\\x1b[2J\\x07 1/1"]
+
+
 def test_batched_left_padded_greedy_equals_one_by_one(trained):
     from scripts.eval_sft import greedy_answers, read_examples
 

@@ -185,3 +185,31 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
             "weights with --from_weight /r/model --save_dir NEW_DIR")
 
 
+
+
+@pytest.mark.slow
+def test_a_moved_byte_identical_data_file_resumes_and_a_changed_one_is_refused(tmp_path):
+    """Data is compared by content: the same bytes at another path resume bit-identically."""
+    from tests.helpers.trainer_launch import assert_weights_equal, final_weights
+
+    first = tmp_path / "a.jsonl"
+    first.write_text(demo_rows(0, 40), encoding="utf-8")
+    common = [*TINY, "--batch_size", "2", "--save_interval", "2", "--cache_dir", str(tmp_path / "cache")]
+    run_trainer([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "whole"), "--max_steps", "4"])
+    run_trainer([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "run"), "--max_steps", "2"])
+    moved = tmp_path / "elsewhere" / "b.jsonl"
+    moved.parent.mkdir()
+    shutil.move(first, moved)
+    resumed = run_trainer([*common, "--data_path", str(moved), "--save_dir", str(tmp_path / "run"), "--max_steps", "4",
+                           "--from_resume", "1"])
+    assert "training 4 optimizer steps from step 2" in resumed.stdout
+    assert_weights_equal(final_weights(str(tmp_path / "run")), final_weights(str(tmp_path / "whole")))
+    moved.write_text(demo_rows(1, 41), encoding="utf-8")
+    changed = run_trainer([*common, "--data_path", str(moved), "--save_dir", str(tmp_path / "run"), "--max_steps", "6",
+                           "--resume_from", str(tmp_path / "run" / "checkpoints" / "step_00000002.pt")], check=False)
+    assert changed.returncode == 2, changed.stderr
+    digest = run_identity.RunIdentity.from_dict(load_resume_checkpoint(str(
+        tmp_path / "run" / "checkpoints" / "step_00000002.pt"))["sample_stream"]["identity"]).sources[0].files[0].digest
+    assert changed.stderr.strip().splitlines()[-1].startswith(
+        f"error: cannot resume: --data_path content differs from the checkpoint's run (checkpoint {first} sha256 "
+        f"{digest[:16]}, now {moved} sha256 ")

@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -226,6 +227,37 @@ def peer_failure_message(error: BaseException) -> str:
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     detail = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error)).split(". ")[0]
     return f"rank {rank}: a peer process failed or stopped responding ({type(error).__name__}: {detail})"
+
+
+ONCE_KEY = "minisft/said-once/rank{}"
+ONCE_WAIT_S = 10.0  # the most a rank waits for the others while a line every rank has is printed once
+ONCE_POLL_S = 0.05
+
+
+def print_once(message: str) -> None:
+    """Print to stderr a line that every rank has alike (an error all of them raise) once, on rank 0.
+
+    The other ranks print nothing; they wait until rank 0 has printed (a rank that exits first makes
+    torchrun stop rank 0, maybe before it prints), and rank 0 waits until they know (it may hold the
+    store), each at most ``ONCE_WAIT_S``. A store that cannot be reached any more ends the wait."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        print(message, file=sys.stderr, flush=True)
+        return
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        waiting_for = [ONCE_KEY.format(other) for other in range(1, world_size)] if rank == 0 else [ONCE_KEY.format(0)]
+        if rank == 0:
+            store.set(ONCE_KEY.format(0), "printed")
+        deadline = time.monotonic() + ONCE_WAIT_S
+        while not store.check(waiting_for) and time.monotonic() < deadline:
+            time.sleep(ONCE_POLL_S)
+        if rank:
+            store.set(ONCE_KEY.format(rank), "seen")
+    except RuntimeError:  # the store is gone with rank 0 (which had printed), or never answered
+        pass
 
 
 def barrier(device: torch.device | None = None) -> None:

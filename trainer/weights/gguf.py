@@ -23,6 +23,7 @@ to llama.cpp's `qwen2`). CHANGELOG.md lists the tokenizer versions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -304,11 +305,33 @@ def write_gguf(model, tokenizer, path: str | Path, gguf_type: str = "f16", name:
         writer.write_tensors_to_file()
         writer.close()
         os.replace(staging, path)
-    except BaseException:
-        writer.close()
+    except BaseException as error:
+        failed = write_error(error, staging, path) if isinstance(error, OSError) else None
+        with contextlib.suppress(OSError):  # its buffered bytes meet the same full disk
+            writer.close()
         staging.unlink(missing_ok=True)
+        if failed is not None:
+            raise failed from None
         raise
     return vocab["notes"]
+
+
+def write_error(error: OSError, staging: Path, path: Path) -> OSError:
+    """A failed write of the GGUF file as an OSError naming ``path`` (the file asked for) and the cause.
+
+    numpy's ``tofile`` reports a short write (a full disk, the file size limit) only as "N requested
+    and M written", without errno: one more byte appended to ``staging`` fails with the cause."""
+    if error.errno is None:
+        try:
+            with open(staging, "ab") as handle:
+                handle.write(b"\0")
+        except OSError as cause:
+            error = cause
+    if error.errno is None:
+        named = OSError(f"a short write ({error})")
+        named.filename = str(path)
+        return named
+    return OSError(error.errno, error.strerror, str(path))
 
 
 def _add_vocab(writer, vocab: dict) -> None:

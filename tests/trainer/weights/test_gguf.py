@@ -328,3 +328,31 @@ def test_llama_cpp_tokenizes_and_continues_like_transformers(models, tmp_path, k
         continued.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
         llm.eval([continued[-1]])
     assert continued == expected
+
+
+def test_a_full_disk_or_a_file_size_limit_during_the_export_is_one_line_naming_the_file(models, tmp_path):
+    """numpy's short write ("204800 requested and 102952 written") is reported with the file and its cause."""
+    import resource
+    import shutil
+
+    from tests.dataset.test_cache_build import can_mount_a_private_tmpfs
+
+    export(models["shipped"]["path"], tmp_path / "whole", "f32")
+    assert (tmp_path / "whole" / "model-f32.gguf").stat().st_size > 2 * 256 * 1024
+    argv = [sys.executable, "scripts/export_hf.py", "--model_path", str(models["shipped"]["path"]), "--format", "gguf",
+            "--gguf_type", "f32"]
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    cases = [([*argv, "--out_dir", str(tmp_path / "limited")], limit_file_size, tmp_path / "limited",
+              "File too large")]
+    if shutil.which("unshare") and can_mount_a_private_tmpfs():
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        mount = ["unshare", "-Urm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"', str(disk)]
+        cases.append(([*mount, *argv, "--out_dir", str(disk / "out")], None, disk / "out", "No space left on device"))
+    for command, limit, out_dir, cause in cases:
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+        assert (done.returncode, done.stderr) == (2, f"error: {out_dir / 'model-f32.gguf'}: {cause}\n")
+    assert list((tmp_path / "limited").iterdir()) == []  # the staging file is removed (the tmpfs left with its namespace)

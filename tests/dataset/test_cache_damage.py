@@ -1,0 +1,71 @@
+"""A finished token cache with a file cut short: built again by the builder, one line when opened."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dataset import DataError, SFTDataset, load_tokenizer
+from dataset.cache import TokenCache
+
+FILES = ("tokens.bin", "loss_mask.bin", "offsets.npy", "meta.json")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)
+
+
+def built_cache(tokenizer, tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    data = tmp_path / "a.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": f"What is {i} plus 1?"},
+                                                          {"role": "assistant", "content": str(i + 1)}]}) + "\n"
+                            for i in range(7)), encoding="utf-8")
+    cache = SFTDataset(data, tokenizer, 64, num_proc=1).cache_path
+    return cache, {name: (cache / name).read_bytes() for name in FILES}
+
+
+def cut(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def expected_problem(name: str, files: dict[str, bytes]) -> str:
+    size = len(files[name])
+    if name == "meta.json":
+        with pytest.raises(json.JSONDecodeError) as parse:
+            json.loads(files[name][:-3])
+        return f"meta.json is not a cache record (JSONDecodeError: {parse.value})"
+    return f"{name} has {size - 3:,} bytes, {size:,} expected"
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_a_cache_file_cut_short_is_built_again(tokenizer, tmp_path, capsys, name):
+    cache, files = built_cache(tokenizer, tmp_path)
+    cut(cache / name, len(files[name]) - 3)
+    capsys.readouterr()
+    again = SFTDataset(tmp_path / "a.jsonl", tokenizer, 64, num_proc=1)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"a.jsonl: the token cache {cache} is damaged ({expected_problem(name, files)}): building it again"
+    assert again.cache_path == cache
+    assert {n: (cache / n).read_bytes() for n in FILES} == files
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_opening_a_cache_file_cut_short_is_one_line_naming_what_to_delete(tokenizer, tmp_path, name):
+    cache, files = built_cache(tokenizer, tmp_path)
+    cut(cache / name, len(files[name]) - 3)
+    with pytest.raises(DataError) as info:
+        TokenCache(cache)
+    assert str(info.value) == (f"the token cache {cache} is damaged: {expected_problem(name, files)}; "
+                               f"delete {cache} and run again to build it anew")
+
+
+def test_offsets_that_do_not_end_at_the_token_count_are_damage(tokenizer, tmp_path):
+    cache, files = built_cache(tokenizer, tmp_path)
+    offsets = bytearray(files["offsets.npy"])
+    offsets[-8:] = (5).to_bytes(8, "little")
+    (cache / "offsets.npy").write_bytes(bytes(offsets))
+    total = json.loads(files["meta.json"])["num_tokens"]
+    with pytest.raises(DataError, match=rf"offsets.npy runs from 0 to 5, from 0 to {total:,} expected; delete"):
+        TokenCache(cache)
