@@ -222,6 +222,11 @@ class MiniMindPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["past_key_values"]
     _supports_sdpa = True
 
+    if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+        # transformers releases that name it gradient_checkpointing_enable (5.17 among them)
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, **kwargs):
+            self.gradient_checkpointing_enable(gradient_checkpointing_kwargs=activation_checkpointing_kwargs, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module):
         std = self.config.initializer_range
