@@ -12,7 +12,8 @@ Every module, in the order of the pipeline, with its one job:
 * ``pieces``         where the fast encoder may tokenize a text in pieces: proven on token ids per tokenizer
 * ``tokens``         THE seam: conversations -> token ids and loss masks; every path calls it
 * ``cache``          the token cache (a package): build or reuse a file's cache, then open it
-* ``sft_dataset``    ``SFTDataset``: a file's samples (``input_ids``, ``labels``) from its cache
+* ``sft_dataset``    ``SFTDataset``: a file's samples (``input_ids``, ``labels``) from its finished cache;
+                     ``build_cache_and_open``: build the cache in this process, then open it
 * ``packing``        ``PackedSFTDataset``: several whole samples per row
 * ``augment``        MiniMind's opt-in augmentations, drawn per (seed, epoch, sample)
 * ``mixture``        ``--data_path``'s weighted sources end to end, and which samples each epoch holds
@@ -24,8 +25,9 @@ Every module, in the order of the pipeline, with its one job:
 * ``inspection``     what the data teaches (a package): segments per token, the report, the views
 * ``printable``      data text for a terminal: control characters escaped
 
-From ``SFTDataset`` to token ids: ``sft_dataset`` opens the file's finished cache (``cache``); the
-ids in it were written by ``cache.build``, which hands chunks of lines to ``cache.chunks``, which
+From ``SFTDataset`` to token ids: ``sft_dataset`` opens the file's finished cache (``cache``) and
+builds none; the ids in it were written by ``cache.build`` (a step before: the training script's
+data setup, or ``build_cache_and_open``), which hands chunks of lines to ``cache.chunks``, which
 parses them and calls ``tokens``, the seam (then ``chatml_encoder`` or ``rendering``).
 """
 
@@ -37,7 +39,7 @@ from .formats import DataError
 from .packing import PackedSFTDataset, pack_lengths
 from .rendering import load_tokenizer
 from .sampler import ResumableDistributedSampler
-from .sft_dataset import IGNORE_INDEX, SFTDataset
+from .sft_dataset import IGNORE_INDEX, SFTDataset, build_cache_and_open
 from .tokens import encode_conversation
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "SFTCollator",
     "SFTDataset",
     "WorkerDied",
+    "build_cache_and_open",
     "encode_conversation",
     "load_tokenizer",
     "model_inputs",

@@ -10,17 +10,18 @@ from torch.utils.data import Dataset
 
 from model.loss import IGNORE_INDEX
 
-from .cache import TokenCache, build_or_reuse, default_cache_root
+from .cache import build_or_reuse, default_cache_root, open_finished
 from .rendering import check_tokenizer, load_tokenizer
 
 
 class SFTDataset(Dataset):
     """Chat SFT samples with assistant-only labels, from the file's token cache (``dataset.cache``).
 
-    It opens the finished cache of (file, tokenizer, ``max_seq_len``); where none is finished yet,
-    this process builds it first (``cache.build_or_reuse``). It runs no collective: under
-    ``torch.distributed`` the training script's data setup builds the caches with the node's ranks
-    before any dataset opens them (``trainer/data_setup.build_token_caches``).
+    It opens the finished cache of (file, tokenizer, ``max_seq_len``) and builds nothing: where none
+    is finished, it raises ``cache.CacheNotBuilt``. It runs no collective. The cache is built by a
+    step before: the training script's data setup builds every file's cache with the node's ranks
+    (``trainer/data_setup.build_token_caches``); ``build_cache_and_open`` builds it in this process
+    (``cache.build_or_reuse``), then opens it.
 
     Args:
         data_path: jsonl file (MiniMind, ShareGPT or OpenAI lines, see ``dataset.formats``).
@@ -28,10 +29,9 @@ class SFTDataset(Dataset):
             (loaded with ``load_tokenizer``).
         max_seq_len: samples are truncated to this many tokens; a sample left without any loss
             token is dropped and counted in ``num_dropped``.
-        bad_data: ``"error"`` raises ``DataError`` at the first bad line (``file:line: problem``);
-            ``"skip"`` skips bad lines, counts them in ``num_skipped`` and prints one line.
+        bad_data: ``"error"`` raises ``DataError`` for a cache that skipped bad lines (its first bad
+            line, ``file:line: problem``); ``"skip"`` counts them in ``num_skipped`` and prints one line.
         cache_dir: where the cache lives (default ``<data_file_dir>/.cache``).
-        num_proc: tokenizer processes when this process builds (default: every core it may use).
         augmenter: optional ``ChatAugmenter`` (``dataset.augment``) applied to each item, drawn from
             (its seed, the epoch set with ``set_epoch``, the index plus ``index_base``: the file's
             first sample among all files of a mixture); the cache does not depend on it.
@@ -49,20 +49,15 @@ class SFTDataset(Dataset):
         max_seq_len: int,
         bad_data: str = "error",
         cache_dir: str | Path | None = None,
-        num_proc: int | None = None,
         augmenter=None,
         log: Callable[[str], None] = print,
     ):
-        if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            tokenizer = load_tokenizer(tokenizer)
-        check_tokenizer(tokenizer)
-        if max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        tokenizer = checked_tokenizer(tokenizer, max_seq_len)
         self.data_path = Path(data_path)
         self.max_seq_len = max_seq_len
         self.pad_token_id = tokenizer.pad_token_id
         cache_root = default_cache_root(self.data_path, cache_dir)
-        self.cache = TokenCache(build_or_reuse(self.data_path, tokenizer, max_seq_len, cache_root, bad_data, num_proc))
+        self.cache = open_finished(self.data_path, tokenizer, max_seq_len, cache_root, bad_data)
         self.cache_path = self.cache.path
         meta = self.cache.meta
         # The content this dataset holds (sha256 of the file when its cache was built): the run's
@@ -116,3 +111,36 @@ class SFTDataset(Dataset):
             input_ids, mask = self.augmenter.apply(input_ids, mask, self.epoch, self.index_base + index,
                                                   capacity - len(input_ids))
         return {"input_ids": input_ids, "labels": np.where(mask, input_ids, IGNORE_INDEX)}
+
+
+def checked_tokenizer(tokenizer, max_seq_len: int):
+    """The tokenizer (loaded where a directory or ``None`` is given: ``load_tokenizer``), checked to
+    be fast with a chat template, and ``max_seq_len`` checked positive."""
+    if tokenizer is None or isinstance(tokenizer, (str, Path)):
+        tokenizer = load_tokenizer(tokenizer)
+    check_tokenizer(tokenizer)
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    return tokenizer
+
+
+def build_cache_and_open(
+    data_path: str | Path,
+    tokenizer,
+    max_seq_len: int,
+    bad_data: str = "error",
+    cache_dir: str | Path | None = None,
+    num_proc: int | None = None,
+    augmenter=None,
+    log: Callable[[str], None] = print,
+) -> SFTDataset:
+    """Build (or reuse, or continue) the file's token cache in this process, then open its
+    ``SFTDataset``: for one process that reads a file (a script, a test). ``num_proc``: tokenizer
+    processes of the build (default: one per core this process may use); the other arguments are
+    ``SFTDataset``'s. Under ``torch.distributed`` the training script's data setup builds instead,
+    once per node (``trainer/data_setup.build_token_caches``)."""
+    tokenizer = checked_tokenizer(tokenizer, max_seq_len)
+    build_or_reuse(Path(data_path), tokenizer, max_seq_len, default_cache_root(Path(data_path), cache_dir), bad_data,
+                   num_proc)
+    return SFTDataset(data_path, tokenizer, max_seq_len, bad_data=bad_data, cache_dir=cache_dir, augmenter=augmenter,
+                      log=log)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dataset import IGNORE_INDEX, SFTCollator, SFTDataset, load_tokenizer  # noqa: E402
+from dataset import IGNORE_INDEX, SFTCollator, build_cache_and_open, load_tokenizer  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
     DeviceTimer, add_model_flags, add_run_flags, build_run, check_options, comma_list, endless_batches, first_step_seconds,
     follow_precision_policy, machine_description, memory_in_use_mib, optimizer_step_once, options_record,
@@ -272,7 +272,7 @@ def measure_startup(options, ctx, dtype_name: str) -> dict:
     fresh_cache = tempfile.mkdtemp(prefix="minisft-bench-cache-")
     try:
         start = time.perf_counter()
-        SFTDataset(options.data_path, tokenizer, options.max_seq_len, cache_dir=fresh_cache)
+        build_cache_and_open(options.data_path, tokenizer, options.max_seq_len, cache_dir=fresh_cache)
         figures["dataset_fresh_cache_s"] = time.perf_counter() - start
         args = trainer_args(options, dtype_name, group_by_length=False, cache_dir=fresh_cache)
         first = first_step_seconds(args, tokenizer, ctx, getattr(torch, dtype_name), options.vocab_size)

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dataset import SFTDataset, load_tokenizer  # noqa: E402
+from dataset import build_cache_and_open, load_tokenizer  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
     MIB, add_model_flags, check_options, first_step_seconds, machine_description, options_record, peak_rss_mib,
     proc_status_kib, single_process_context, trainer_args, write_report,
@@ -142,7 +142,7 @@ def probe_main(options) -> None:
 
         figures["rss_before_build_mib"] = (proc_status_kib("VmRSS") or 0) / 1024
         cpu_before, start = cpu_seconds(), time.time()
-        dataset = SFTDataset(options.data_path, tokenizer, options.max_seq_len, cache_dir=options.cache_dir)
+        dataset = build_cache_and_open(options.data_path, tokenizer, options.max_seq_len, cache_dir=options.cache_dir)
         figures["cache_build_s"] = time.time() - start
         figures["cache_build_cpu_s"] = cpu_seconds() - cpu_before
         figures["cache_build_processes"] = default_num_proc()

@@ -2,9 +2,10 @@
 decides its tokens changes.
 
 The one entry: ``build_or_reuse`` gives the directory of a file's finished cache (building it, or
-continuing a killed build, when it is missing), then ``TokenCache`` opens it. The training script's
-data setup builds every cache as a step of its own (``build_or_reuse_on_node``: local rank 0 of
-each node builds, the node's other ranks wait); a dataset then only opens a finished cache.
+continuing a killed build, when it is missing), then ``open_finished`` opens it (``TokenCache``),
+building nothing: a cache that is not finished raises ``CacheNotBuilt``. The training script's data
+setup builds every cache as a step of its own (``build_or_reuse_on_node``: local rank 0 of each
+node builds, the node's other ranks wait); a dataset then only opens a finished cache.
 
 Inside, named by what each part is:
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .build import BuildInterrupted, build_or_reuse, check_cache, read_meta
+from .build import BuildInterrupted, CacheNotBuilt, build_or_reuse, check_cache, finished_cache, read_meta
 from .chunks import default_num_proc
 from .key import TOKENS_VERSION, default_cache_root
 from .node import EveryRankDataError, build_or_reuse_on_node
@@ -64,5 +65,12 @@ class TokenCache:
         return self._loss_mask
 
 
-__all__ = ["BuildInterrupted", "CacheWriteError", "EveryRankDataError", "TOKENS_VERSION", "TokenCache", "WorkerDied",
-           "build_or_reuse", "build_or_reuse_on_node", "default_cache_root", "default_num_proc"]
+def open_finished(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error") -> TokenCache:
+    """The finished cache of this (data, tokenizer, ``max_seq_len``), opened; it builds nothing and
+    runs no collective (``build.finished_cache``: ``CacheNotBuilt`` where none is finished)."""
+    return TokenCache(finished_cache(path, tokenizer, max_seq_len, cache_root, bad_data))
+
+
+__all__ = ["BuildInterrupted", "CacheNotBuilt", "CacheWriteError", "EveryRankDataError", "TOKENS_VERSION", "TokenCache",
+           "WorkerDied", "build_or_reuse", "build_or_reuse_on_node", "default_cache_root", "default_num_proc",
+           "open_finished"]

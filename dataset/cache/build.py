@@ -249,10 +249,49 @@ def check_cache(cache: Path) -> None:
         raise DataError(f"the token cache {cache} is damaged: {problem}; delete {cache} and run again to build it anew")
 
 
+def check_bad_data_mode(bad_data: str) -> None:
+    if bad_data not in BAD_DATA_MODES:
+        raise ValueError(f"bad_data must be one of {BAD_DATA_MODES}, got {bad_data!r}")
+
+
 def check_bad_data(meta: dict, bad_data: str) -> None:
     """In ``"error"`` mode a cache built in ``"skip"`` mode that skipped lines still raises."""
     if bad_data == "error" and meta["num_skipped"]:
         raise DataError(meta["first_bad_line"])
+
+
+class CacheNotBuilt(RuntimeError):
+    """A dataset was opened on a data file whose cache no build step has finished: the caller left
+    out the build step (``build_or_reuse``), a bug in the code that opens the dataset."""
+
+
+def finished_cache(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error") -> Path:
+    """The directory of the finished cache of this (data, tokenizer, ``max_seq_len``); it builds
+    nothing. ``CacheNotBuilt`` when that cache is missing or records another tokens version
+    (``build_or_reuse`` would build it); a damaged one is ``check_cache``'s ``DataError``; in
+    ``bad_data="error"`` mode a cache that skipped bad lines raises their ``DataError``, as its
+    build does."""
+    check_bad_data_mode(bad_data)
+    _, target = cache_target(path, tokenizer, max_seq_len, cache_root)
+    build_step = ("a dataset only opens a finished cache: build it first with dataset.cache.build_or_reuse (the "
+                  "training script's step trainer/data_setup.build_token_caches), or open it with "
+                  "dataset.build_cache_and_open")
+    if not (target / "meta.json").is_file():
+        raise CacheNotBuilt(f"{path}: its token cache {target} (this tokenizer, max_seq_len={max_seq_len}) is not "
+                            f"built; {build_step}")
+    check_cache(target)
+    meta = read_meta(target)
+    if meta.get("tokens_version") != TOKENS_VERSION:
+        raise CacheNotBuilt(f"{path}: its token cache {target} records tokens version {meta.get('tokens_version')}, "
+                            f"not this code's {TOKENS_VERSION}; {build_step}")
+    check_bad_data(meta, bad_data)
+    return target
+
+
+def cache_target(path: Path, tokenizer, max_seq_len: int, cache_root: Path) -> tuple[str, Path]:
+    """The data file's digest and the directory its cache of this key has (finished or not)."""
+    digest = data_digest(path, cache_root)
+    return digest, Path(cache_root) / cache_key(digest, tokenizer, max_seq_len, TOKENS_VERSION)
 
 
 def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error",
@@ -261,11 +300,9 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     if needed (``num_proc`` tokenizer processes, default: one per core it may use; ``cores``: where
     they may run, default: where this process may)."""
     num_proc = num_proc or default_num_proc()
-    if bad_data not in BAD_DATA_MODES:
-        raise ValueError(f"bad_data must be one of {BAD_DATA_MODES}, got {bad_data!r}")
+    check_bad_data_mode(bad_data)
     check_data_file(path)
-    digest = data_digest(path, cache_root)
-    target = cache_root / cache_key(digest, tokenizer, max_seq_len, TOKENS_VERSION)
+    digest, target = cache_target(path, tokenizer, max_seq_len, cache_root)
     if (target / "meta.json").is_file():
         problem = cache_damage(target)
         recorded = None if problem else read_meta(target).get("tokens_version")

@@ -1,6 +1,6 @@
 """The token cache is built by a step of its own (trainer/data_setup.build_token_caches, with
-dataset.cache.build_or_reuse_on_node); a dataset opens the finished cache and runs no collective;
-local rank 0 builds with the cores of every rank of its node."""
+dataset.cache.build_or_reuse_on_node); a dataset only opens a finished cache, builds none and runs
+no collective; local rank 0 builds with the cores of every rank of its node."""
 
 import json
 import os
@@ -10,12 +10,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import dataset.cache.build as build
-from dataset import SFTDataset, load_tokenizer
-from tests.helpers.trainer_launch import free_port
-from trainer.data_setup import build_token_caches
+import dataset.sft_dataset as sft_dataset
+from dataset import SFTDataset, build_cache_and_open, load_tokenizer
+from dataset.cache import CacheNotBuilt
+from tests.helpers.trainer_launch import TINY, free_port
+from trainer.args import parse_args
+from trainer.data_setup import build_eval_sets, build_token_caches, build_train_data
 
 REPO = Path(__file__).resolve().parents[2]
 ROWS = [{"conversations": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
@@ -33,21 +37,68 @@ def test_a_dataset_under_a_process_group_runs_no_collective(tmp_path, monkeypatc
     try:
         for name in ("broadcast_object_list", "all_gather_object", "all_reduce", "barrier", "broadcast"):
             monkeypatch.setattr(dist, name, lambda *args, name=name, **kwargs: pytest.fail(f"{name} in a dataset"))
-        ds = SFTDataset(data, load_tokenizer(None), 64, num_proc=1)
-        assert len(ds) == 9 and ds[3]["input_ids"].tolist() == SFTDataset(data, None, 64, num_proc=1)[3]["input_ids"].tolist()
+        ds = build_cache_and_open(data, load_tokenizer(None), 64, num_proc=1)
+        assert len(ds) == 9 and ds[3]["input_ids"].tolist() == SFTDataset(data, None, 64)[3]["input_ids"].tolist()
     finally:
         monkeypatch.undo()
         dist.destroy_process_group()
+
+
+def test_a_dataset_without_a_finished_cache_raises_and_builds_nothing(tmp_path, monkeypatch):
+    data = write_rows(tmp_path / "d.jsonl")
+    tokenizer = load_tokenizer(None)
+    monkeypatch.setattr(build, "build_cache", lambda *args, **kwargs: pytest.fail("a dataset built a cache"))
+    with pytest.raises(CacheNotBuilt) as raised:
+        SFTDataset(data, tokenizer, 64, cache_dir=tmp_path / "cache")
+    target = build.cache_target(data, tokenizer, 64, tmp_path / "cache")[1]
+    assert str(raised.value) == (
+        f"{data}: its token cache {target} (this tokenizer, max_seq_len=64) is not built; a dataset only opens a "
+        "finished cache: build it first with dataset.cache.build_or_reuse (the training script's step "
+        "trainer/data_setup.build_token_caches), or open it with dataset.build_cache_and_open")
+    assert not target.exists()
+
+
+def test_a_cache_of_another_tokens_version_is_not_opened(tmp_path):
+    data = write_rows(tmp_path / "d.jsonl")
+    path = build_cache_and_open(data, None, 64, num_proc=1).cache_path
+    meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    (path / "meta.json").write_text(json.dumps({**meta, "tokens_version": 3}), encoding="utf-8")
+    with pytest.raises(CacheNotBuilt, match=f"^{data}: its token cache {path} records tokens version 3, not this "
+                                            f"code's {build.TOKENS_VERSION}; a dataset only opens a finished cache"):
+        SFTDataset(data, None, 64)
 
 
 def test_the_data_setup_step_builds_the_caches_that_the_datasets_then_only_open(tmp_path, monkeypatch):
     files = [write_rows(tmp_path / "a.jsonl"), str(write_rows(tmp_path / "b.jsonl", 5))]  # --eval_data_path gives str
     args = SimpleNamespace(max_seq_len=64, cache_dir=str(tmp_path / "cache"), bad_data="error")
     tokenizer = load_tokenizer(None)
+    built, real_build = [], build.build_cache
+    monkeypatch.setattr(build, "build_cache", lambda path, *rest, **kwargs: built.append(path.name) or
+                        real_build(path, *rest, **kwargs))
     build_token_caches(files, args, tokenizer)
-    assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 2
+    assert built == ["a.jsonl", "b.jsonl"] and len(list((tmp_path / "cache").glob("*/meta.json"))) == 2
+    build_token_caches(files, args, tokenizer)  # finished: reused
+    assert built == ["a.jsonl", "b.jsonl"]
     monkeypatch.setattr(build, "build_cache", lambda *args, **kwargs: pytest.fail("a dataset built a cache"))
     assert [len(SFTDataset(path, tokenizer, 64, cache_dir=args.cache_dir)) for path in files] == [9, 5]
+
+
+def test_the_training_data_setup_builds_each_file_s_cache_once_then_opens_it(tmp_path, monkeypatch):
+    a, b = write_rows(tmp_path / "a.jsonl"), write_rows(tmp_path / "b.jsonl", 5)
+    args = parse_args([*TINY, "--data_path", f"{a},{b}", "--eval_data_path", str(b),
+                       "--cache_dir", str(tmp_path / "cache")])
+    ctx = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+    tokenizer = load_tokenizer(None)
+    built, opened = [], []
+    real_build, real_open = build.build_cache, sft_dataset.open_finished
+    monkeypatch.setattr(build, "build_cache", lambda path, *rest, **kwargs: built.append(path.name) or
+                        real_build(path, *rest, **kwargs))
+    monkeypatch.setattr(sft_dataset, "open_finished", lambda path, *rest: opened.append(path.name) or
+                        real_open(path, *rest))
+    assert len(build_train_data(args, tokenizer, ctx).dataset) == 14
+    assert (built, opened) == (["a.jsonl", "b.jsonl"], ["a.jsonl", "b.jsonl"])
+    assert len(build_eval_sets(args, tokenizer, ctx)[0].loader.dataset) == 5
+    assert (built, opened) == (["a.jsonl", "b.jsonl"], ["a.jsonl", "b.jsonl", "b.jsonl"])
 
 
 CORES_CODE = """

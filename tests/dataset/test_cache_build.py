@@ -20,7 +20,7 @@ import dataset.sources as sources
 import dataset.cache.key as digests
 import dataset.cache.node as node_build
 import dataset.cache.build as token_cache
-from dataset import DataError, SFTDataset, load_tokenizer
+from dataset import DataError, SFTDataset, build_cache_and_open, load_tokenizer
 from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env
 
 
@@ -54,8 +54,8 @@ def cache_arrays(ds: SFTDataset) -> list[np.ndarray]:
 def test_gzip_file_gives_the_same_cache_as_the_plain_file(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
     lines = [chat_line(i) for i in range(23)]
-    plain = SFTDataset(write_rows(tmp_path / "a.jsonl", lines), tokenizer, 64, num_proc=1)
-    packed = SFTDataset(write_rows(tmp_path / "a.jsonl.gz", lines), tokenizer, 64, num_proc=2)
+    plain = build_cache_and_open(write_rows(tmp_path / "a.jsonl", lines), tokenizer, 64, num_proc=1)
+    packed = build_cache_and_open(write_rows(tmp_path / "a.jsonl.gz", lines), tokenizer, 64, num_proc=2)
     assert len(packed) == 23
     for a, b in zip(cache_arrays(plain), cache_arrays(packed)):
         assert np.array_equal(a, b)
@@ -66,11 +66,11 @@ def test_gzip_bad_row_and_corrupt_gzip_are_one_line_errors(tokenizer, tmp_path):
     lines[2] = '{"broken'
     path = write_rows(tmp_path / "b.jsonl.gz", lines)
     with pytest.raises(DataError, match=f"^{path}:3: invalid JSON"):
-        SFTDataset(path, tokenizer, 64, num_proc=1)
+        build_cache_and_open(path, tokenizer, 64, num_proc=1)
     truncated = tmp_path / "c.jsonl.gz"
     truncated.write_bytes(gzip.compress(("\n".join(chat_line(i) for i in range(200)) + "\n").encode())[:300])
     with pytest.raises(DataError, match=f"^{truncated}: not a readable gzip file"):
-        SFTDataset(truncated, tokenizer, 64, num_proc=1)
+        build_cache_and_open(truncated, tokenizer, 64, num_proc=1)
 
 
 # ----------------------------------------------------------------------------- interruptions
@@ -162,10 +162,10 @@ def test_a_signal_while_the_pool_forks_is_not_lost(tmp_path):
     BuildInterrupted was raised inside the at-fork callbacks, where CPython drops exceptions, and
     the build went on to the end."""
     data = write_rows(tmp_path / "rows.jsonl", [chat_line(i) for i in range(200)])
-    code = ("import os, signal, sys; import dataset.cache.build as t; from dataset import SFTDataset; "
+    code = ("import os, signal, sys; import dataset.cache.build as t; from dataset import build_cache_and_open; "
             "t.CHUNK_LINES = 20; sent = []; "
             "os.register_at_fork(before=lambda: sent or sent.append(os.kill(os.getpid(), signal.SIGTERM))); "
-            "SFTDataset(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=2); print('built')")
+            "build_cache_and_open(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=2); print('built')")
     result = subprocess.run([sys.executable, "-c", code, str(data), str(tmp_path / "cache")], cwd=REPO,
                             env=clean_env(), capture_output=True, text=True, timeout=120)
     assert result.stdout == "", result.stdout
@@ -213,13 +213,13 @@ def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cac
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
     monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
     path = write_rows(tmp_path / "r.jsonl", mixed_rows(23))
-    whole = SFTDataset(path, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1, bad_data="skip")
+    whole = build_cache_and_open(path, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1, bad_data="skip")
     assert (whole.num_skipped, whole.num_dropped, len(whole)) == (2, 1, 19)
 
     cache_root = tmp_path / "resumed"
     counting_encoder(monkeypatch, fail_at_chunk=3)
     with pytest.raises(RuntimeError, match="injected failure"):
-        SFTDataset(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
+        build_cache_and_open(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
     [partial] = partials(cache_root)
     progress = json.loads((cache_root / partial / "progress.json").read_text(encoding="utf-8"))
     assert (progress["rows"], progress["total_rows"], progress["num_skipped"]) == (15, 23, 1)
@@ -229,7 +229,7 @@ def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cac
     capsys.readouterr()
 
     encoded = counting_encoder(monkeypatch)
-    resumed = SFTDataset(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
+    resumed = build_cache_and_open(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
     assert sum(encoded) == 23 - 15  # the old code encoded all 23 again
     assert ("continuing cache build at row 15 of 23 (r.jsonl: the rows before were tokenized by an earlier run, "
             "which stopped: RuntimeError: injected failure)") in capsys.readouterr().err
@@ -248,9 +248,9 @@ def test_a_restart_says_resuming_only_after_an_interrupted_build(tokenizer, tmp_
     lines[16] = '{"broken'
     path = write_rows(tmp_path / "s.jsonl", lines)
     with pytest.raises(DataError, match=f"^{path}:17: invalid JSON"):
-        SFTDataset(path, tokenizer, 64, num_proc=1)
+        build_cache_and_open(path, tokenizer, 64, num_proc=1)
     capsys.readouterr()
-    SFTDataset(path, tokenizer, 64, num_proc=1, bad_data="skip")
+    build_cache_and_open(path, tokenizer, 64, num_proc=1, bad_data="skip")
     [line] = [line for line in capsys.readouterr().err.splitlines() if "cache build at row" in line]
     assert line == (f"continuing cache build at row 15 of 23 (s.jsonl: the rows before were tokenized by an earlier "
                     f"run, which stopped: {path}:17: invalid JSON (Invalid control character at at column 9))"), line
@@ -267,9 +267,9 @@ def test_a_restart_says_resuming_only_after_an_interrupted_build(tokenizer, tmp_
 
     monkeypatch.setattr(token_cache, "encode_here", interrupted_at_the_fourth_chunk)
     with pytest.raises(token_cache.BuildInterrupted):
-        SFTDataset(other, tokenizer, 64, num_proc=1)
+        build_cache_and_open(other, tokenizer, 64, num_proc=1)
     capsys.readouterr()
-    SFTDataset(other, tokenizer, 64, num_proc=1)
+    build_cache_and_open(other, tokenizer, 64, num_proc=1)
     [line] = [line for line in capsys.readouterr().err.splitlines() if "cache build at row" in line]
     assert line == ("resuming cache build at row 15 of 23 (t.jsonl: the rows before were tokenized by an earlier run, "
                     "interrupted by SIGTERM)"), line
@@ -283,7 +283,7 @@ def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_pa
     counting_encoder(monkeypatch, fail_at_chunk=2)
     for data in (path, other):
         with pytest.raises(RuntimeError, match="injected failure"):
-            SFTDataset(data, tokenizer, 64, num_proc=1)
+            build_cache_and_open(data, tokenizer, 64, num_proc=1)
     cache_root = tmp_path / ".cache"
     old_partials = partials(cache_root)
     assert len(old_partials) == 2
@@ -292,9 +292,9 @@ def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_pa
 
     write_rows(path, [chat_line(i + 100) for i in range(20)])  # a new version of the file
     encoded = counting_encoder(monkeypatch)
-    changed = SFTDataset(path, tokenizer, 64, num_proc=1)
+    changed = build_cache_and_open(path, tokenizer, 64, num_proc=1)
     assert sum(encoded) == 20  # nothing of the old version's 8 rows was reused
-    fresh = SFTDataset(path, tokenizer, 64, cache_dir=tmp_path / "fresh", num_proc=1)
+    fresh = build_cache_and_open(path, tokenizer, 64, cache_dir=tmp_path / "fresh", num_proc=1)
     assert cache_files(changed.cache_path) == cache_files(fresh.cache_path)
     # The old version's partial build is removed; the other file's is kept for its own restart.
     assert len(other_partial) == 1 and partials(cache_root) == other_partial
@@ -319,14 +319,14 @@ def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monke
     cache_root = tmp_path / ".cache"
     counting_encoder(monkeypatch, fail_at_chunk=1)
     with pytest.raises(RuntimeError, match="injected failure"):
-        SFTDataset(path, tokenizer, 64, num_proc=1)
+        build_cache_and_open(path, tokenizer, 64, num_proc=1)
     [old] = partials(cache_root)
     counting_encoder(monkeypatch)
     # An outdated partial build held by a live process stays...
     holder = hold_lock(cache_root / old / "lock", 60)
     try:
         write_rows(path, [chat_line(i + 50) for i in range(12)])
-        new = SFTDataset(path, tokenizer, 64, num_proc=1)
+        new = build_cache_and_open(path, tokenizer, 64, num_proc=1)
         assert partials(cache_root) == [old]
     finally:
         holder.kill()
@@ -336,7 +336,7 @@ def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monke
     shutil.rmtree(new.cache_path)
     holder = hold_lock(new_partial / "lock", 1.5)
     capsys.readouterr()
-    rebuilt = SFTDataset(path, tokenizer, 64, num_proc=1)
+    rebuilt = build_cache_and_open(path, tokenizer, 64, num_proc=1)
     holder.wait()
     assert "waiting for process otherhost.4242, which is building this token cache" in capsys.readouterr().err
     assert len(rebuilt) == 12 and partials(cache_root) == []  # the old version's is removed once its holder is gone
@@ -350,7 +350,7 @@ def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, mon
     code = ("import sys, time; import dataset.cache.build as t, dataset.cache.resumable as p; "
             "t.CHUNK_LINES = 20; p.COMMIT_S = 0.0; encode = t.encode_here; "
             "t.encode_here = lambda task: time.sleep(0.1) or encode(task); "
-            "from dataset import SFTDataset; SFTDataset(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=1)")
+            "from dataset import build_cache_and_open; build_cache_and_open(sys.argv[1], None, 64, cache_dir=sys.argv[2], num_proc=1)")
     process = subprocess.Popen([sys.executable, "-c", code, str(data), str(cache_root)], cwd=REPO, env=clean_env(),
                                start_new_session=True)
     try:
@@ -372,11 +372,11 @@ def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, mon
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 20)
     encoded = counting_encoder(monkeypatch)
     capsys.readouterr()
-    resumed = SFTDataset(data, tokenizer, 64, cache_dir=cache_root, num_proc=1)
+    resumed = build_cache_and_open(data, tokenizer, 64, cache_dir=cache_root, num_proc=1)
     assert sum(encoded) == rows - committed
     assert (f"resuming cache build at row {committed} of {rows} (k9.jsonl: the rows before were tokenized by an earlier "
             "run, interrupted before it could record how: killed, or its machine lost)") in capsys.readouterr().err
-    whole = SFTDataset(data, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1)
+    whole = build_cache_and_open(data, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1)
     assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
     assert partials(cache_root) == []
 
@@ -422,10 +422,10 @@ def test_a_file_size_limit_while_building_the_token_cache_is_one_line(tokenizer,
     assert committed["rows"] > 0 and committed["stopped"].startswith("could not write the token cache ")
 
     capsys.readouterr()
-    resumed = SFTDataset(data, tokenizer, 512, cache_dir=cache_root, num_proc=1)
+    resumed = build_cache_and_open(data, tokenizer, 512, cache_dir=cache_root, num_proc=1)
     assert (f"continuing cache build at row {committed['rows']:,} of 3,000 (d.jsonl: the rows before were tokenized "
             f"by an earlier run, which stopped: could not write the token cache ") in capsys.readouterr().err
-    whole = SFTDataset(data, tokenizer, 512, cache_dir=tmp_path / "whole", num_proc=1)
+    whole = build_cache_and_open(data, tokenizer, 512, cache_dir=tmp_path / "whole", num_proc=1)
     assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
 
 
@@ -479,7 +479,7 @@ def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out
     with open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
         try:
             node_build.build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 64, Path(cache_dir), "error", 1)
-            ds = SFTDataset(data_path, load_tokenizer(None), 64, cache_dir=cache_dir, num_proc=1)
+            ds = SFTDataset(data_path, load_tokenizer(None), 64, cache_dir=cache_dir)
             result["cache_path"] = str(ds.cache_path)
             result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
         except Exception as exc:  # noqa: BLE001 - the test reads it
@@ -515,7 +515,7 @@ def test_ranks_wait_for_a_build_longer_than_the_process_group_timeout(tmp_path):
 def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
     monkeypatch.setattr(token_cache, "PROGRESS_S", 0.0)
-    SFTDataset(write_rows(tmp_path / "p.jsonl", [chat_line(i) for i in range(12)]), tokenizer, 64, num_proc=1)
+    build_cache_and_open(write_rows(tmp_path / "p.jsonl", [chat_line(i) for i in range(12)]), tokenizer, 64, num_proc=1)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tokenizing p.jsonl: ")]
     assert [line.split(": ")[1].split(" rows")[0] for line in lines] == ["5/12", "10/12", "12/12"]
     assert all(" rows/s, elapsed " in line and ", ETA " in line for line in lines)
@@ -524,17 +524,17 @@ def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatc
 
 def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashed(tokenizer, tmp_path, monkeypatch):
     path = write_rows(tmp_path / "k.jsonl", [chat_line(i) for i in range(6)])
-    first = SFTDataset(path, tokenizer, 64, num_proc=1)
+    first = build_cache_and_open(path, tokenizer, 64, num_proc=1)
     hashed = []
     real_digest = digests.file_digest
     monkeypatch.setattr(digests, "file_digest", lambda p: hashed.append(p) or real_digest(p))
-    assert SFTDataset(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
+    assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
     assert hashed == []  # the old code read the whole file at every start
     stat = path.stat()
     changed = path.read_bytes().replace(b"What is 0", b"What is 9", 1)  # same size; mtime restored below
     path.write_bytes(changed)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    second = SFTDataset(path, tokenizer, 64, num_proc=1)
+    second = build_cache_and_open(path, tokenizer, 64, num_proc=1)
     assert hashed == [path] and second.cache_path != first.cache_path
     assert digests.data_digest(path, path.parent / ".cache") == real_digest(path)
 
@@ -546,7 +546,7 @@ def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noti
     path = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(14_000)])
     size = path.stat().st_size
     assert size > 1.2 * digests.SAMPLED_BLOCKS * digests.SAMPLED_BLOCK_BYTES  # gaps between the blocks
-    first = SFTDataset(path, tokenizer, 64, num_proc=1)
+    first = build_cache_and_open(path, tokenizer, 64, num_proc=1)
     old_digest = digests.data_digest(path, path.parent / ".cache")
     stat = path.stat()
     gap_start = size // digests.SAMPLED_BLOCKS + digests.SAMPLED_BLOCK_BYTES  # after block 1, before block 2
@@ -559,7 +559,7 @@ def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noti
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
     assert digests.data_digest(path, path.parent / ".cache") == digests.file_digest(path) != old_digest
-    second = SFTDataset(path, tokenizer, 64, num_proc=1)
+    second = build_cache_and_open(path, tokenizer, 64, num_proc=1)
     assert second.cache_path != first.cache_path
 
 
@@ -640,18 +640,18 @@ def test_parquet_file_gives_the_same_cache_as_the_jsonl_file(tokenizer, tmp_path
     monkeypatch.setattr(sources, "PARQUET_BATCH_ROWS", 4)
     lines = [chat_line(i) for i in range(13)]
     pq.write_table(pa.Table.from_pylist([json.loads(line) for line in lines]), tmp_path / "a.parquet")
-    plain = SFTDataset(write_rows(tmp_path / "a.jsonl", lines), tokenizer, 64, num_proc=1)
-    table = SFTDataset(tmp_path / "a.parquet", tokenizer, 64, num_proc=2)
+    plain = build_cache_and_open(write_rows(tmp_path / "a.jsonl", lines), tokenizer, 64, num_proc=1)
+    table = build_cache_and_open(tmp_path / "a.parquet", tokenizer, 64, num_proc=2)
     for a, b in zip(cache_arrays(plain), cache_arrays(table)):
         assert np.array_equal(a, b)
     rows = [json.loads(line) for line in lines]
     rows[6]["conversations"][0]["role"] = "robot"
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
     with pytest.raises(DataError, match=f"^{tmp_path / 'bad.parquet'}:7: .*unknown role 'robot'"):
-        SFTDataset(tmp_path / "bad.parquet", tokenizer, 64, num_proc=1)
+        build_cache_and_open(tmp_path / "bad.parquet", tokenizer, 64, num_proc=1)
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(DataError, match="junk.parquet: not a readable parquet file"):
-        SFTDataset(tmp_path / "junk.parquet", tokenizer, 64, num_proc=1)
+        build_cache_and_open(tmp_path / "junk.parquet", tokenizer, 64, num_proc=1)
 
 
 def openai_tool_row(call_arguments: dict, tool_properties: dict, **extra) -> dict:
@@ -688,8 +688,8 @@ def test_parquet_structs_give_the_same_conversations_and_tokens_as_jsonl(tokeniz
     assert "op" in str(table.schema.field("messages").type)
     pq.write_table(table, tmp_path / "tools.parquet")
     assert parsed_rows(tmp_path / "tools.parquet") == parsed_rows(jsonl)
-    plain = SFTDataset(jsonl, tokenizer, 512, num_proc=1)
-    columns = SFTDataset(tmp_path / "tools.parquet", tokenizer, 512, num_proc=1)
+    plain = build_cache_and_open(jsonl, tokenizer, 512, num_proc=1)
+    columns = build_cache_and_open(tmp_path / "tools.parquet", tokenizer, 512, num_proc=1)
     assert len(columns) == 3
     for a, b in zip(cache_arrays(plain), cache_arrays(columns)):
         assert np.array_equal(a, b)
@@ -737,9 +737,9 @@ def test_parquet_columns_the_trainer_does_not_read_do_not_matter(tokenizer, tmp_
         "created", pa.array([datetime.datetime(2024, 1, 1, i) for i in range(6)], pa.timestamp("us"))
     ).append_column("image", pa.array([bytes([i, 255]) for i in range(6)], pa.binary()))
     pq.write_table(extra, tmp_path / "extra.parquet")
-    plain = SFTDataset(tmp_path / "plain.parquet", tokenizer, 64, num_proc=1)
+    plain = build_cache_and_open(tmp_path / "plain.parquet", tokenizer, 64, num_proc=1)
     for bad_data in ("error", "skip"):
-        wide = SFTDataset(tmp_path / "extra.parquet", tokenizer, 64, num_proc=1, bad_data=bad_data,
+        wide = build_cache_and_open(tmp_path / "extra.parquet", tokenizer, 64, num_proc=1, bad_data=bad_data,
                           cache_dir=tmp_path / bad_data)
         assert wide.num_skipped == 0
         for a, b in zip(cache_arrays(plain), cache_arrays(wide)):
@@ -764,15 +764,15 @@ def test_a_parquet_value_json_has_no_type_for_makes_its_row_bad(tokenizer, tmp_p
         path = tmp_path / f"{name}.parquet"
         pq.write_table(pa.Table.from_pylist(rows), path)
         with pytest.raises(DataError) as caught:
-            SFTDataset(path, tokenizer, 64, num_proc=1)
+            build_cache_and_open(path, tokenizer, 64, num_proc=1)
         assert str(caught.value).startswith(f"{path}:2: {problem}") and "\n" not in str(caught.value)
-        skipped = SFTDataset(path, tokenizer, 64, num_proc=1, bad_data="skip", cache_dir=tmp_path / name)
+        skipped = build_cache_and_open(path, tokenizer, 64, num_proc=1, bad_data="skip", cache_dir=tmp_path / name)
         assert len(skipped) == 2 and skipped.num_skipped == 1
     # A NaN float (here in tool-call arguments) is not JSON either: that row's error, as in a jsonl line.
     rows = [openai_tool_row({"x": 1.5}, {"x": {"type": "number"}}), openai_tool_row({"x": float("nan")}, {})]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "nan.parquet")
     with pytest.raises(DataError, match=r"nan\.parquet:2: invalid JSON \(NaN is not a JSON value\)"):
-        SFTDataset(tmp_path / "nan.parquet", tokenizer, 512, num_proc=1)
+        build_cache_and_open(tmp_path / "nan.parquet", tokenizer, 512, num_proc=1)
 
 
 def test_a_cache_built_by_the_parser_before_its_fixes_is_not_reused(tokenizer, tmp_path, monkeypatch):
@@ -780,8 +780,8 @@ def test_a_cache_built_by_the_parser_before_its_fixes_is_not_reused(tokenizer, t
     path = write_rows(tmp_path / "a.jsonl", [chat_line(i) for i in range(3)])
     with monkeypatch.context() as patch:
         patch.setattr(token_cache, "TOKENS_VERSION", 2)
-        old = SFTDataset(path, tokenizer, 64, num_proc=1).cache_path
+        old = build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path
     built = []
     real_build = token_cache.build_cache
     monkeypatch.setattr(token_cache, "build_cache", lambda *args: built.append(args) or real_build(*args))
-    assert SFTDataset(path, tokenizer, 64, num_proc=1).cache_path != old and built
+    assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path != old and built

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dataset import DataError, SFTDataset, load_tokenizer
+from dataset import DataError, build_cache_and_open, load_tokenizer
 from dataset.cache import TokenCache
 
 FILES = ("tokens.bin", "loss_mask.bin", "offsets.npy", "meta.json")
@@ -21,7 +21,7 @@ def built_cache(tokenizer, tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
     data.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": f"What is {i} plus 1?"},
                                                           {"role": "assistant", "content": str(i + 1)}]}) + "\n"
                             for i in range(7)), encoding="utf-8")
-    cache = SFTDataset(data, tokenizer, 64, num_proc=1).cache_path
+    cache = build_cache_and_open(data, tokenizer, 64, num_proc=1).cache_path
     return cache, {name: (cache / name).read_bytes() for name in FILES}
 
 
@@ -44,7 +44,7 @@ def test_a_cache_file_cut_short_is_built_again(tokenizer, tmp_path, capsys, name
     cache, files = built_cache(tokenizer, tmp_path)
     cut(cache / name, len(files[name]) - 3)
     capsys.readouterr()
-    again = SFTDataset(tmp_path / "a.jsonl", tokenizer, 64, num_proc=1)
+    again = build_cache_and_open(tmp_path / "a.jsonl", tokenizer, 64, num_proc=1)
     err = capsys.readouterr().err.splitlines()
     assert err[0] == f"a.jsonl: the token cache {cache} is damaged ({expected_problem(name, files)}): building it again"
     assert again.cache_path == cache

@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from dataset import SFTDataset, chatml, load_tokenizer
+from dataset import build_cache_and_open, chatml, load_tokenizer
 from dataset.cache.key import TOKENS_VERSION, cache_key, file_digest
 from dataset.chatml_encoder import ChatMLEncoder
 from dataset.formats import parse_line
@@ -73,7 +73,7 @@ def test_a_sentencepiece_style_tokenizer_is_tokenized_whole_and_its_cache_holds_
     assert ChatMLEncoder(tokenizer, 4096).split_pattern is None  # pieces refused
     data = tmp_path / "d.jsonl"
     data.write_text("".join(demo_lines[:len(rows)]), encoding="utf-8")
-    ds = SFTDataset(data, tokenizer, 4096, num_proc=1)
+    ds = build_cache_and_open(data, tokenizer, 4096, num_proc=1)
     assert len(ds) == len(rows)
     for i, ids in enumerate(whole):
         assert ds[i]["input_ids"].tolist() == ids, i

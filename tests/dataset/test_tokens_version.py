@@ -18,7 +18,7 @@ import pytest
 
 import dataset.cache.key as digests
 import dataset.cache.build as token_cache
-from dataset import SFTDataset, load_tokenizer
+from dataset import SFTDataset, build_cache_and_open, load_tokenizer
 from dataset.rendering import tokenizer_fingerprint
 
 GOLDEN_ROWS = Path(__file__).with_name("golden_rows.jsonl")
@@ -61,7 +61,7 @@ def test_the_tokens_of_fixed_conversations_are_those_recorded_for_this_tokens_ve
     (so through the line reading, the parser, the renderer, the truncation and the chunk encoder)."""
     data = tmp_path / "golden.jsonl"
     shutil.copy(GOLDEN_ROWS, data)
-    ds = SFTDataset(data, tokenizer, GOLDEN_MAX_SEQ_LEN, bad_data="skip", num_proc=1)
+    ds = build_cache_and_open(data, tokenizer, GOLDEN_MAX_SEQ_LEN, bad_data="skip", num_proc=1)
     assert (len(ds), ds.num_skipped, ds.num_dropped) == (14, 2, 1)
     assert int(ds.lengths.max()) == GOLDEN_MAX_SEQ_LEN  # some rows are truncated
     fingerprint, digest = tokenizer_fingerprint(tokenizer), samples_digest(ds)
@@ -89,7 +89,7 @@ def test_a_cache_built_by_older_code_is_not_reused(tokenizer, tmp_path, capsys):
     learned the tool calls is without them) is left alone; a new one is built and a line says why."""
     data = tmp_path / "d.jsonl"
     shutil.copy(GOLDEN_ROWS, data)
-    fresh = SFTDataset(data, tokenizer, 64, bad_data="skip", cache_dir=tmp_path / "fresh", num_proc=1)
+    fresh = build_cache_and_open(data, tokenizer, 64, bad_data="skip", cache_dir=tmp_path / "fresh", num_proc=1)
     cache_root = tmp_path / "cache"
     stale = cache_root / legacy_key(data, tokenizer, 64)
     shutil.copytree(fresh.cache_path, stale)
@@ -99,7 +99,7 @@ def test_a_cache_built_by_older_code_is_not_reused(tokenizer, tmp_path, capsys):
     (stale / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
     capsys.readouterr()
 
-    ds = SFTDataset(data, tokenizer, 64, bad_data="skip", cache_dir=cache_root, num_proc=1)
+    ds = build_cache_and_open(data, tokenizer, 64, bad_data="skip", cache_dir=cache_root, num_proc=1)
     assert ds.cache_path != stale  # the old code reused it: every label -100
     assert all(np.array_equal(ds[i]["labels"], fresh[i]["labels"]) for i in range(len(fresh)))
     assert (f"d.jsonl: not reusing the token cache {stale}: it was built by older code (tokens version 1; this "
@@ -112,7 +112,7 @@ def test_a_cache_built_by_older_code_is_not_reused(tokenizer, tmp_path, capsys):
 def test_a_cache_that_records_another_tokens_version_is_built_again(tokenizer, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     shutil.copy(GOLDEN_ROWS, data)
-    first = SFTDataset(data, tokenizer, 64, bad_data="skip", num_proc=1)
+    first = build_cache_and_open(data, tokenizer, 64, bad_data="skip", num_proc=1)
     expected = [first[i]["labels"] for i in range(len(first))]
     meta_path = first.cache_path / "meta.json"
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -122,7 +122,7 @@ def test_a_cache_that_records_another_tokens_version_is_built_again(tokenizer, t
     del first
     capsys.readouterr()
 
-    again = SFTDataset(data, tokenizer, 64, bad_data="skip", num_proc=1)
+    again = build_cache_and_open(data, tokenizer, 64, bad_data="skip", num_proc=1)
     assert (f"d.jsonl: the token cache {again.cache_path} records tokens version {token_cache.TOKENS_VERSION - 1}, "
             f"not this code's {token_cache.TOKENS_VERSION}: building it again") in capsys.readouterr().err
     assert all(np.array_equal(again[i]["labels"], expected[i]) for i in range(len(again)))

@@ -37,10 +37,10 @@ def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigg
 def test_the_equivalence_runs_split_batches_of_unequal_loss_token_counts(data):
     """The first step of the runs above: its halves (2 ranks, or 2 micro-batches) carry different
     numbers of loss tokens, so a per-micro-batch mean would not give equal weights."""
-    from dataset import ResumableDistributedSampler, SFTCollator, SFTDataset, load_tokenizer
+    from dataset import ResumableDistributedSampler, SFTCollator, build_cache_and_open, load_tokenizer
 
     tokenizer = load_tokenizer(None)
-    dataset = SFTDataset(data / "train.jsonl", tokenizer, 128)
+    dataset = build_cache_and_open(data / "train.jsonl", tokenizer, 128)
     collate = SFTCollator(pad_token_id=tokenizer.pad_token_id)
     order = list(ResumableDistributedSampler(len(dataset), 1, 0, seed=42, lengths=dataset.lengths, group_size=8))
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from dataset import SFTCollator, SFTDataset, load_tokenizer
+from dataset import SFTCollator, build_cache_and_open, load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
 from tests.helpers.trainer_launch import REPO, SCRIPT, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
 from tests.helpers.trainer_launch import train_losses
@@ -65,7 +65,7 @@ def data(tmp_path_factory):
 
 
 def whole_file_batch(path, tokenizer) -> dict:
-    dataset = SFTDataset(path, tokenizer, 128)
+    dataset = build_cache_and_open(path, tokenizer, 128)
     return SFTCollator(pad_token_id=tokenizer.pad_token_id)([dataset[i] for i in range(len(dataset))])
 
 
@@ -320,7 +320,7 @@ def test_qwen3_moe_two_ranks_equal_one_rank_and_resume_is_exact(qwen3_dirs, data
     # 21 samples survive truncation to 128 tokens: the 3rd step ends the epoch with 5 of them, so on 2 ranks
     # one row of it only pads the epoch (dataset/epoch_padding.py; trained as a real sample it made this fail);
     # the 4th step starts the second epoch
-    assert len(SFTDataset(data / "train.jsonl", tokenizer, 128)) == 21
+    assert len(build_cache_and_open(data / "train.jsonl", tokenizer, 128)) == 21
     common = [*RUN, "--from_weight", str(qwen3_dirs["moe"]), "--data_path", str(data / "train.jsonl"),
               "--max_steps", "4"]
     run_trainer([*common, "--batch_size", "8", "--save_interval", "2", "--save_dir", str(tmp_path / "one")])
