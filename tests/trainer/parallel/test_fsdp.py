@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.test_fault_tolerance import Launcher, wait_until, worker_pids
-from tests.helpers.trainer_launch import assert_weights_equal, checkpoint_at, flags, run_trainer, train_losses
+from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, flags, run_trainer, train_losses
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -128,6 +128,22 @@ def test_fsdp_killed_after_its_first_checkpoint_resumes_bit_identical(data, fsdp
     finished = run_trainer(args, nproc=2)
     assert "resuming from" in finished.stdout and "step_00000002.dcp" in finished.stdout
     assert_weights_equal(weights(dcp_at(save_dir, 4)), weights(dcp_at(fsdp_run, 4)))  # bit-identical
+
+
+def test_the_loop_trains_on_while_the_shards_are_written_and_they_hold_their_step(data, fsdp_run, tmp_path):
+    """DCP's async_save: the shards of step 2 are held back (tests/helpers/held_shards.py) until the
+    loop of their rank has taken step 4; they still hold step 2's state, bit for bit, and a resume
+    from them ends where the uninterrupted run does."""
+    save_dir, resumed = tmp_path / "held", tmp_path / "resumed"
+    held = run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "2", "--fsdp", "1",
+                             "--save_dtype", "float32"), nproc=2, script=os.path.join(REPO, "tests", "helpers", "held_shards.py"))
+    for rank in (0, 1):
+        assert f"rank {rank}: shards of step 2 written after step 4" in held.stdout, held.stdout[-2000:]
+    for step in (2, 4):
+        assert_weights_equal(weights(dcp_at(save_dir, step)), weights(dcp_at(fsdp_run, step)))
+    run_trainer(flags(data, resumed, "--batch_size", "3", *STEPS, "--save_interval", "0", "--fsdp", "1",
+                      "--resume_from", dcp_at(save_dir, 2)), nproc=2)
+    assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
 
 
 def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(data, tmp_path):
