@@ -63,6 +63,15 @@ def remove_stale(folder: str) -> None:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
+def write_failure(error: BaseException) -> str:
+    """One line for a failed DCP write: the first failing rank and its error ("rank 1: [Errno 28] No
+    space left on device"), not DCP's summary of ranks and tracebacks."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = next(iter(sorted(error.failures.items())))
+        return f"rank {rank}: {first_line(cause, 200)}"
+    return first_line(error, 200)
+
+
 # DCP's collectives of a background write: gloo, apart from the group the training loop uses meanwhile
 # (two threads' collectives on one group would interleave). Its timeout is torch's default for a
 # new group, not --dist_timeout: the ranks wait in it for the slowest rank's disk.
@@ -91,7 +100,7 @@ class ShardedSave:
         try:
             self.future.result()
         except (CheckpointException, OSError) as error:
-            raise CheckpointError(f"could not write the sharded checkpoint {self.final}: {first_line(error, 200)}") from None
+            raise CheckpointError(f"could not write the sharded checkpoint {self.final}: {write_failure(error)}") from None
         if self.meta is None:
             return None
         tmp, folder = f"{self.final}.tmp", os.path.dirname(self.final)
@@ -121,7 +130,7 @@ def start_save(content: dict, save_dir: str, keep_last: int, ctx) -> ShardedSave
         future = dcp.async_save({key: content[key] for key in SHARDED_ENTRIES}, checkpoint_id=f"{final}.tmp",
                                 process_group=checkpoint_group())
     except (CheckpointException, OSError) as error:
-        raise CheckpointError(f"could not write the sharded checkpoint {final}: {first_line(error, 200)}") from None
+        raise CheckpointError(f"could not write the sharded checkpoint {final}: {write_failure(error)}") from None
     meta = {key: value for key, value in content.items() if key not in SHARDED_ENTRIES} if ctx.is_main else None
     return ShardedSave(future, final, meta, save_dir, keep_last)
 

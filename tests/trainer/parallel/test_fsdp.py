@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.test_fault_tolerance import Launcher, wait_until, worker_pids
-from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, flags, run_trainer, train_losses
+from tests.helpers.trainer_launch import (REPO, assert_weights_equal, checkpoint_at, clean_env, flags, run_trainer,
+                                         train_losses)
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -144,6 +145,21 @@ def test_the_loop_trains_on_while_the_shards_are_written_and_they_hold_their_ste
     run_trainer(flags(data, resumed, "--batch_size", "3", *STEPS, "--save_interval", "0", "--fsdp", "1",
                       "--resume_from", dcp_at(save_dir, 2)), nproc=2)
     assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
+
+
+def test_a_shard_write_failing_on_rank_1_stops_every_rank_with_its_one_line_reason(data, tmp_path):
+    """The write of step 4 fails on rank 1 in the background (tests/helpers/failing_shards.py): both
+    ranks stop at the next save with rank 1's reason, exit 2; step 2's checkpoint is still whole."""
+    save_dir = tmp_path / "run"
+    result = run_trainer(flags(data, save_dir, "--batch_size", "3", "--max_steps", "8", "--save_interval", "2",
+                               "--fsdp", "1"), nproc=2, check=False,
+                         script=os.path.join(REPO, "tests", "helpers", "failing_shards.py"),
+                         env=clean_env(MINISFT_TEST_FAIL_SAVE_AT="2", MINISFT_TEST_FAIL_RANK="1"))
+    line = f"error: could not write the sharded checkpoint {dcp_at(save_dir, 4)}: rank 1: [Errno 28] No space left on device"
+    assert result.stderr.count(line) == 2, result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr
+    assert sorted(n for n in os.listdir(save_dir / "checkpoints") if n.endswith(".dcp")) == ["step_00000002.dcp"]
+    assert load_resume_checkpoint(dcp_at(save_dir, 2))["step"] == 2
 
 
 def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(data, tmp_path):
