@@ -1,8 +1,11 @@
 """Run train_full_sft.py with the shard writes of the sharded checkpoint of step 2 held until this
-rank's training loop has taken step 4 (or 60 s have passed: a loop that waits for the write never
-gets there). Each rank then prints "rank R: shards of step 2 written after step N"."""
+rank's training loop has taken step $MINISFT_TEST_RELEASE_AT (default 4), or 60 s have passed (a
+loop that waits for the write never gets there). Each rank then prints "rank R: shards of step 2
+written after step N". With $MINISFT_TEST_SIGTERM_AT set, rank 1 sends itself a SIGTERM once its
+loop has taken that step."""
 
 import os
+import signal
 import sys
 import threading
 
@@ -14,19 +17,22 @@ if __name__ == "__main__":
 
     from trainer.loop import loop
 
-    taken, step_4 = [0], threading.Event()
+    release_at, sigterm_at = int(os.environ.get("MINISFT_TEST_RELEASE_AT", "4")), os.environ.get("MINISFT_TEST_SIGTERM_AT")
+    taken, released = [0], threading.Event()
     real_take_step, real_write = loop.take_step, FileSystemWriter.write_data
 
     def take_step(run, *args, **kwargs):
         result = real_take_step(run, *args, **kwargs)
         taken[0] = run.state.step
-        if run.state.step >= 4:
-            step_4.set()
+        if run.state.step >= release_at:
+            released.set()
+        if sigterm_at and run.state.step == int(sigterm_at) and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGTERM)
         return result
 
     def write_data(self, plan, planner):
         if "step_00000002.dcp" in str(self.path):
-            step_4.wait(timeout=60)
+            released.wait(timeout=60)
             print(f"rank {os.environ['RANK']}: shards of step 2 written after step {taken[0]}", flush=True)
         return real_write(self, plan, planner)
 

@@ -147,6 +147,22 @@ def test_the_loop_trains_on_while_the_shards_are_written_and_they_hold_their_ste
     assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
 
 
+def test_a_sigterm_while_shards_are_written_waits_for_them_and_saves_its_step(data, fsdp_run, tmp_path):
+    """Step 2's shards are held until step 3 is taken, when rank 1 gets a SIGTERM: the stop's save
+    of step 3 waits for them, is written before exit 0, and a resume from it ends where the
+    uninterrupted run does, bit for bit."""
+    save_dir, resumed = tmp_path / "stopped", tmp_path / "resumed"
+    stopped = run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "2", "--fsdp", "1"),
+                          nproc=2, script=os.path.join(REPO, "tests", "helpers", "held_shards.py"),
+                          env=clean_env(MINISFT_TEST_RELEASE_AT="3", MINISFT_TEST_SIGTERM_AT="3"))
+    assert "stopping at step 3" in stopped.stdout and "shards of step 2 written after step 3" in stopped.stdout
+    assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.dcp", "step_00000003.dcp"]
+    assert load_resume_checkpoint(dcp_at(save_dir, 3))["step"] == 3
+    run_trainer(flags(data, resumed, "--batch_size", "3", *STEPS, "--save_interval", "0", "--fsdp", "1",
+                      "--resume_from", dcp_at(save_dir, 3)), nproc=2)
+    assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
+
+
 def test_a_shard_write_failing_on_rank_1_stops_every_rank_with_its_one_line_reason(data, tmp_path):
     """The write of step 4 fails on rank 1 in the background (tests/helpers/failing_shards.py): both
     ranks stop at the next save with rank 1's reason, exit 2; step 2's checkpoint is still whole."""
