@@ -75,15 +75,16 @@ def write_failure(error: BaseException) -> str:
 # DCP's collectives of a background write: gloo, apart from the group the training loop uses meanwhile
 # (two threads' collectives on one group would interleave). Its timeout is torch's default for a
 # new group, not --dist_timeout: the ranks wait in it for the slowest rank's disk.
-_CHECKPOINT_GROUP = None
+# Kept with the default group it belongs to: a process group started again gets a new one.
+_CHECKPOINT_GROUP: tuple = (None, None)
 
 
 def checkpoint_group():
     """The gloo group of the background writes (collective the first time: every rank saves)."""
     global _CHECKPOINT_GROUP
-    if _CHECKPOINT_GROUP is None:
-        _CHECKPOINT_GROUP = dist.new_group(backend="gloo")
-    return _CHECKPOINT_GROUP
+    if _CHECKPOINT_GROUP[0] is not dist.group.WORLD:
+        _CHECKPOINT_GROUP = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _CHECKPOINT_GROUP[1]
 
 
 class ShardedSave:
