@@ -42,7 +42,7 @@ TOLERANCES = {"float32": 1e-3, "bfloat16": 0.2, "float16": 0.2}
 # Trainer flags the check sets itself: given ones are dropped (named in a note).
 OWNED = ("save_dir", "save_interval", "keep_last", "overwrite", "from_resume", "max_steps", "use_wandb",
          "wandb_project", "wandb_run_name", "eval_data_path", "eval_interval", "eval_generate_samples",
-         "eval_max_new_tokens", "keep_best", "early_stop_patience", "tf32")
+         "eval_max_new_tokens", "keep_best", "early_stop_patience", "tf32", "save_every_minutes")
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
               "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 WHAT_FAILED = {

@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--save_dir", default="out", help="checkpoints/, model/ and metrics.jsonl go here")
     add_flag(save, "--save_interval", type=int, default=100, at_least=0,
              help="save every N optimizer steps (0 = only at the end)")
+    add_flag(save, "--save_every_minutes", type=float, default=0.0, at_least=0,
+             help="also save when M minutes have passed since the last save, whichever of the two comes first "
+                  "(rank 0's clock, checked before every optimizer step; 0 = off)")
     save.add_argument("--save_dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                       help="dtype of the inference weights (resume checkpoints are always fp32)")
     add_flag(save, "--keep_last", type=int, default=3, at_least=1, help="resume checkpoints to keep")

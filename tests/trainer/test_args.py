@@ -62,7 +62,7 @@ def test_other_modules_checks_join_the_same_line(capsys):
 
 def test_every_numeric_flag_of_the_trainer_declares_a_range():
     numeric = [action for action in build_parser()._actions if action.type in (int, float) and not action.choices]
-    assert len(numeric) == 34
+    assert len(numeric) == 35
     assert [action.dest for action in numeric if getattr(action, "bounds", None) is None] == []
     assert build_parser()._option_string_actions["--seed"].bounds.at_most == 2**32 - 1
 

@@ -6,8 +6,15 @@
         meta.pt                        everything else (step, epoch, every rank's RNG, args, ...),
                                        the same content as a single-file checkpoint's
 
-Atomic: all ranks write into `step_XXXXXXXX.dcp.tmp/`; after a barrier (every shard on disk and
-fsynced) rank 0 adds `meta.pt` and renames the directory. A crash at any moment before the rename
+Written in the background (`start_save`, DCP's `async_save`): every rank copies its shard to host
+memory and the training loop goes on while a thread of each rank writes it, with DCP's
+collectives on a gloo group of their own (`checkpoint_group`; the loop's collectives run on the
+default group meanwhile). The next save, the end of the run and a SIGTERM wait for it
+(`ShardedSave.wait`, in trainer/checkpoint/background.py's writer thread).
+
+Atomic: all ranks write into `step_XXXXXXXX.dcp.tmp/`; once DCP's last collective has returned on
+rank 0 (every rank's shard on disk and fsynced, `.metadata` written) rank 0 adds `meta.pt` and
+renames the directory. A crash at any moment before the rename
 leaves only a `.tmp` directory, which `save_dir.list_checkpoints` does not match and the next save deletes;
 checkpoints rotated out are renamed away before they are deleted, so a half-deleted one is never
 taken for a checkpoint either.
@@ -56,11 +63,64 @@ def remove_stale(folder: str) -> None:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
-def save(content: dict, save_dir: str, keep_last: int, ctx) -> str | None:
-    """Every rank writes its shard; rank 0 publishes the directory and rotates. Returns the path on
-    rank 0, None elsewhere (collective)."""
+def write_failure(error: BaseException) -> str:
+    """One line for a failed DCP write: the first failing rank and its error ("rank 1: [Errno 28] No
+    space left on device"), not DCP's summary of ranks and tracebacks."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = next(iter(sorted(error.failures.items())))
+        return f"rank {rank}: {first_line(cause, 200)}"
+    return first_line(error, 200)
+
+
+# DCP's collectives of a background write: gloo, apart from the group the training loop uses meanwhile
+# (two threads' collectives on one group would interleave). Its timeout is torch's default for a
+# new group, not --dist_timeout: the ranks wait in it for the slowest rank's disk.
+# Kept with the default group it belongs to: a process group started again gets a new one.
+_CHECKPOINT_GROUP: tuple = (None, None)
+
+
+def checkpoint_group():
+    """The gloo group of the background writes (collective the first time: every rank saves)."""
+    global _CHECKPOINT_GROUP
+    if _CHECKPOINT_GROUP[0] is not dist.group.WORLD:
+        _CHECKPOINT_GROUP = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _CHECKPOINT_GROUP[1]
+
+
+class ShardedSave:
+    """A sharded checkpoint being written in the background; `wait` finishes it."""
+
+    def __init__(self, future, final: str, meta: dict | None, save_dir: str, keep_last: int):
+        self.future, self.final, self.meta = future, final, meta
+        self.save_dir, self.keep_last = save_dir, keep_last
+
+    def wait(self) -> str | None:
+        """Wait for this rank's write; rank 0 (`meta` given) then publishes the directory and rotates.
+        Returns the path on rank 0, None elsewhere. A write that failed on any rank fails on every
+        rank (DCP gathers the failures) with a one-line CheckpointError."""
+        try:
+            self.future.result()
+        except (CheckpointException, OSError) as error:
+            raise CheckpointError(f"could not write the sharded checkpoint {self.final}: {write_failure(error)}") from None
+        if self.meta is None:
+            return None
+        tmp, folder = f"{self.final}.tmp", os.path.dirname(self.final)
+        atomic_torch_save(single_file.stamped(self.meta), os.path.join(tmp, META))
+        try:
+            if os.path.exists(self.final):  # the same step saved again
+                remove_directory_checkpoint(self.final)
+            os.replace(tmp, self.final)
+            fsync_dir(folder)
+        except OSError as error:
+            raise CheckpointError(f"could not publish the sharded checkpoint {self.final}: {error.strerror or error}") from error
+        drop_old_checkpoints(self.save_dir, self.keep_last)
+        return self.final
+
+
+def start_save(content: dict, save_dir: str, keep_last: int, ctx) -> ShardedSave:
+    """Every rank copies its shard to host memory and starts writing it in the background
+    (collective). The returned save is finished by `wait` on every rank."""
     final = sharded_path(save_dir, content["step"])
-    tmp = f"{final}.tmp"
     folder = checkpoints_dir(save_dir)
     if ctx.is_main:
         os.makedirs(folder, exist_ok=True)
@@ -68,23 +128,12 @@ def save(content: dict, save_dir: str, keep_last: int, ctx) -> str | None:
         remove_stale_temporaries(folder)
     barrier(ctx.device)
     try:
-        dcp.save({key: content[key] for key in SHARDED_ENTRIES}, checkpoint_id=tmp)
+        future = dcp.async_save({key: content[key] for key in SHARDED_ENTRIES}, checkpoint_id=f"{final}.tmp",
+                                process_group=checkpoint_group())
     except (CheckpointException, OSError) as error:
-        raise CheckpointError(f"could not write the sharded checkpoint {final}: {first_line(error, 200)}") from None
-    barrier(ctx.device)  # every shard is on disk
-    if not ctx.is_main:
-        return None
-    meta = {key: value for key, value in content.items() if key not in SHARDED_ENTRIES}
-    atomic_torch_save(single_file.stamped(meta), os.path.join(tmp, META))
-    try:
-        if os.path.exists(final):  # the same step saved again
-            remove_directory_checkpoint(final)
-        os.replace(tmp, final)
-        fsync_dir(folder)
-    except OSError as error:
-        raise CheckpointError(f"could not publish the sharded checkpoint {final}: {error.strerror or error}") from error
-    drop_old_checkpoints(save_dir, keep_last)
-    return final
+        raise CheckpointError(f"could not write the sharded checkpoint {final}: {write_failure(error)}") from None
+    meta = {key: value for key, value in content.items() if key not in SHARDED_ENTRIES} if ctx.is_main else None
+    return ShardedSave(future, final, meta, save_dir, keep_last)
 
 
 def load_meta(path: str, required) -> dict:

@@ -3,7 +3,7 @@
 One optimizer step = `accumulation_steps` micro-batches on every rank. Its loss is the mean
 over ALL loss tokens of all those micro-batches on all ranks: the ranks first agree on that
 token count (one small all-reduce of host values, which also carries the "stop now" flag for
-preemption), each micro-batch contributes `sum of its token losses / global count`, and DDP's
+preemption and rank 0's "a save is due" of --save_every_minutes, trainer/loop/save_clock.py), each micro-batch contributes `sum of its token losses / global count`, and DDP's
 gradient averaging (FSDP2's reduce-scatter averages the same way) is undone by a factor of
 world_size. So N ranks x B samples is the same step as 1 rank x N*B, and accumulation is the same
 as a bigger batch. Gradients are all-reduced once per optimizer step (`run.parallel.micro_step`:
@@ -32,6 +32,7 @@ from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
 from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, set_lr
+from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
 from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, broadcast_object
@@ -73,19 +74,21 @@ class StepTotals(NamedTuple):
     real_tokens: int  # non-pad tokens (for tokens/s)
     sequences: int  # rows with a real token: the MoE balance loss divides by it
     stop: bool  # some rank must stop now (preemption)
+    save: bool  # rank 0's clock says a save is due (--save_every_minutes): save at the end of this step
 
 
-def agree_on_step(run: Run, micro_batches: list[dict]) -> StepTotals:
-    """Global loss-token, real-token and row counts, and whether any rank must stop now: counted on
-    the CPU batches (before they move to the device) and summed over the ranks in host memory."""
+def agree_on_step(run: Run, micro_batches: list[dict], save_due: bool = False) -> StepTotals:
+    """Global loss-token, real-token and row counts, whether any rank must stop now, and whether this
+    step ends with a save (`save_due`: rank 0's decision; the other ranks pass False): counted on the
+    CPU batches (before they move to the device) and summed over the ranks in host memory."""
     loss_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
     real_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
     sequences = sum(int(mb["attention_mask"].any(dim=1).sum()) for mb in micro_batches)
-    stop = int(run.preemption.requested)
+    stop, save = int(run.preemption.requested), int(save_due)
     if run.ctx.distributed:
-        figures = torch.tensor([loss_tokens, real_tokens, sequences, stop], dtype=torch.int64)
-        loss_tokens, real_tokens, sequences, stop = all_reduce_sum_on_host(figures).tolist()
-    return StepTotals(loss_tokens, real_tokens, sequences, bool(stop))
+        figures = torch.tensor([loss_tokens, real_tokens, sequences, stop, save], dtype=torch.int64)
+        loss_tokens, real_tokens, sequences, stop, save = all_reduce_sum_on_host(figures).tolist()
+    return StepTotals(loss_tokens, real_tokens, sequences, bool(stop), bool(save))
 
 
 class StepResult(NamedTuple):
@@ -218,6 +221,7 @@ def train(run: Run) -> str:
                 # several training sources: their losses per log window
                 "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
     last_saved = last_eval = state.step
+    run.save_clock = SaveClock(args.save_every_minutes if run.ctx.is_main else 0.0)  # rank 0's clock decides
     status = "finished"
     while state.step < total_steps and state.epoch < args.epochs:
         sampler = run.data.sampler
@@ -242,8 +246,9 @@ def train(run: Run) -> str:
                 if evaluate_and_select(run):
                     status = "early_stopped"
                     break
-            if args.save_interval and state.step % args.save_interval == 0:
+            if (args.save_interval and state.step % args.save_interval == 0) or run.save_clock.agreed:
                 save(run)
+                run.save_clock.saved()
                 last_saved = state.step
             if state.samples_in_epoch == 0:
                 break  # epoch finished: the outer loop starts the next one
@@ -263,7 +268,8 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     """One optimizer step as the loop takes it between log lines: the ranks agree on the counts,
     the step runs, its flags and loss join the log window on the device. None: stop now (preemption)."""
     state = run.state
-    totals = agree_on_step(run, micro_batches)
+    totals = agree_on_step(run, micro_batches, run.save_clock.due())
+    run.save_clock.agreed = totals.save
     if totals.stop:
         return None
     result = optimizer_step(run, micro_batches, totals, lr, source_losses=interval["sources"])

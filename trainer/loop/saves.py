@@ -5,8 +5,10 @@ MiniMind's .pth with --save_weight), written by rank 0 in the background
 A save costs the loop a copy of the state to host memory; the writer thread writes the files.
 The next save first waits for the previous write; a write that failed (disk full, permissions)
 stops every rank there, or at the end (`finish_saves`), with its one-line CheckpointError.
-Under --fsdp 1 every rank writes its shard of the resume checkpoint before the loop goes on (DCP;
-docs/save_dir.md says why); the gathered inference weights are written in the background.
+Under --fsdp 1 every rank copies its shard of the resume checkpoint to host memory and writes it in
+the background with DCP's async_save (trainer/checkpoint/sharded.py); every rank's writer thread
+waits for its write, and rank 0's then publishes the checkpoint and writes the gathered inference
+weights.
 """
 
 import copy
@@ -31,20 +33,22 @@ def raise_on_every_rank(error: str | None) -> None:
 def save_in_background(run: Run) -> None:
     """Copy what this save writes to host memory and hand it to the writer (collective)."""
     args, main = run.args, run.ctx.is_main
-    raise_on_every_rank(run.writer.wait() if main else None)  # the previous save's write, finished
+    wait_for_last_write(run)
     content = resume_state(run)
     save_dtype = getattr(torch, args.save_dtype)
-    path = None
+    shards = None  # --fsdp 1: the sharded checkpoint, being written by every rank
     if run.parallel.checkpoint_kind == "sharded":
         error = None
         try:
-            path = run.parallel.write_resume_checkpoint(content, args.save_dir, args.keep_last)
+            shards = run.parallel.write_resume_checkpoint(content, args.save_dir, args.keep_last)
         except CheckpointError as failure:
             error = str(failure)
         content = None
         raise_on_every_rank(error if main else None)
     weights = run.parallel.inference_model(save_dtype)  # collective under --fsdp 1 (then a host copy)
     if not main:
+        if shards is not None:
+            run.writer.submit(shards.wait)  # its failure is rank 0's as well, and rank 0 reports it
         return
     buffers = run.writer.buffers  # the previous save's copies: written, so free to fill again
     if weights is run.parallel.model:  # the live model: its weights copied, as the resume state
@@ -56,8 +60,9 @@ def save_in_background(run: Run) -> None:
     tokenizer = copy.deepcopy(run.tokenizer)  # the writer's own: a fast tokenizer is not to be shared by threads
 
     def write() -> None:
-        written = path
-        if content is not None:
+        if shards is not None:
+            written = shards.wait()
+        else:
             written = run.parallel.write_resume_checkpoint(content, args.save_dir, args.keep_last)
         publish_inference_weights(weights, tokenizer, args.save_dir, save_dtype)
         if args.save_weight:  # MiniMind's habit: {save_dir}/{save_weight}_{hidden}[_moe].pth
@@ -67,8 +72,15 @@ def save_in_background(run: Run) -> None:
     run.writer.submit(write, copies_done())
 
 
+def wait_for_last_write(run: Run) -> None:
+    """Every rank waits for its writer (collective); a failed write is raised on every rank with rank
+    0's one-line error (a sharded write that failed anywhere failed on rank 0 too)."""
+    error = run.writer.wait()
+    raise_on_every_rank(error if run.ctx.is_main else None)
+
+
 def finish_saves(run: Run) -> None:
     """Wait for the last write (collective): the run ends only with its files complete, and a
     failed write ends it with its one-line error on every rank."""
-    raise_on_every_rank(run.writer.wait() if run.ctx.is_main else None)
+    wait_for_last_write(run)
     barrier(run.ctx.device)

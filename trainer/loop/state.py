@@ -20,6 +20,7 @@ from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
 from trainer.loop.health import StepHealth
+from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import keep_fused_kernels
 from trainer.parallel import Parallelism
 from trainer.parallel.ddp import unwrap
@@ -68,6 +69,7 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     health: StepHealth = field(default_factory=StepHealth)  # the steps' flags on the device, not read yet
     writer: BackgroundWriter = field(default_factory=BackgroundWriter)  # the saves' writer thread
+    save_clock: SaveClock = field(default_factory=SaveClock)  # --save_every_minutes (set by the loop)
 
     @functools.cached_property
     def tokenizer_record(self) -> dict:

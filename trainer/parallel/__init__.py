@@ -14,7 +14,10 @@ The interface:
     training_state(optimizer)           -> {"model": ..., "optimizer": ...} for the resume checkpoint
     load_training_state(optimizer, saved)   model + optimizer from any resume checkpoint (a DDP
                                            file or a sharded directory, any number of processes)
-    write_resume_checkpoint(content, save_dir, keep_last) -> path (None on ranks that wrote nothing)
+    write_resume_checkpoint(content, save_dir, keep_last) -> "file": the path on rank 0 (None on ranks
+                                           that wrote nothing), called in the writer thread with the
+                                           host copy; "sharded": every rank starts writing its shard in
+                                           the background and gets a ShardedSave (its wait() gives that)
     inference_model(dtype)              -> on rank 0 a plain model holding the full weights for the
                                            inference files; None elsewhere (collective)
 """
@@ -39,7 +42,7 @@ class Parallelism(Protocol):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor: ...
     def training_state(self, optimizer: torch.optim.Optimizer) -> dict: ...
     def load_training_state(self, optimizer: torch.optim.Optimizer, saved: dict) -> None: ...
-    def write_resume_checkpoint(self, content: dict, save_dir: str, keep_last: int) -> str | None: ...
+    def write_resume_checkpoint(self, content: dict, save_dir: str, keep_last: int): ...
     def inference_model(self, dtype: torch.dtype) -> torch.nn.Module | None: ...
 
 

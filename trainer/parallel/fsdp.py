@@ -88,8 +88,8 @@ class FullyShardedParallel:
         set_optimizer_state_dict(self.model, optimizer, optimizer_state_by_name(self.model, optimizer, saved["optimizer"]),
                                  options=full)
 
-    def write_resume_checkpoint(self, content: dict, save_dir: str, keep_last: int) -> str | None:
-        return sharded.save(content, save_dir, keep_last, self.ctx)
+    def write_resume_checkpoint(self, content: dict, save_dir: str, keep_last: int) -> sharded.ShardedSave:
+        return sharded.start_save(content, save_dir, keep_last, self.ctx)
 
     def inference_model(self, dtype: torch.dtype):
         return gather_to_rank0(self.model, self.ctx.is_main, dtype)

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.test_fault_tolerance import Launcher, wait_until, worker_pids
-from tests.helpers.trainer_launch import assert_weights_equal, checkpoint_at, flags, run_trainer, train_losses
+from tests.helpers.trainer_launch import (REPO, assert_weights_equal, checkpoint_at, clean_env, flags, run_trainer,
+                                         train_losses)
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -128,6 +129,53 @@ def test_fsdp_killed_after_its_first_checkpoint_resumes_bit_identical(data, fsdp
     finished = run_trainer(args, nproc=2)
     assert "resuming from" in finished.stdout and "step_00000002.dcp" in finished.stdout
     assert_weights_equal(weights(dcp_at(save_dir, 4)), weights(dcp_at(fsdp_run, 4)))  # bit-identical
+
+
+def test_the_loop_trains_on_while_the_shards_are_written_and_they_hold_their_step(data, fsdp_run, tmp_path):
+    """DCP's async_save: the shards of step 2 are held back (tests/helpers/held_shards.py) until the
+    loop of their rank has taken step 4; they still hold step 2's state, bit for bit, and a resume
+    from them ends where the uninterrupted run does."""
+    save_dir, resumed = tmp_path / "held", tmp_path / "resumed"
+    held = run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "2", "--fsdp", "1",
+                             "--save_dtype", "float32"), nproc=2, script=os.path.join(REPO, "tests", "helpers", "held_shards.py"))
+    for rank in (0, 1):
+        assert f"rank {rank}: shards of step 2 written after step 4" in held.stdout, held.stdout[-2000:]
+    for step in (2, 4):
+        assert_weights_equal(weights(dcp_at(save_dir, step)), weights(dcp_at(fsdp_run, step)))
+    run_trainer(flags(data, resumed, "--batch_size", "3", *STEPS, "--save_interval", "0", "--fsdp", "1",
+                      "--resume_from", dcp_at(save_dir, 2)), nproc=2)
+    assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
+
+
+def test_a_sigterm_while_shards_are_written_waits_for_them_and_saves_its_step(data, fsdp_run, tmp_path):
+    """Step 2's shards are held until step 3 is taken, when rank 1 gets a SIGTERM: the stop's save
+    of step 3 waits for them, is written before exit 0, and a resume from it ends where the
+    uninterrupted run does, bit for bit."""
+    save_dir, resumed = tmp_path / "stopped", tmp_path / "resumed"
+    stopped = run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "2", "--fsdp", "1"),
+                          nproc=2, script=os.path.join(REPO, "tests", "helpers", "held_shards.py"),
+                          env=clean_env(MINISFT_TEST_RELEASE_AT="3", MINISFT_TEST_SIGTERM_AT="3"))
+    assert "stopping at step 3" in stopped.stdout and "shards of step 2 written after step 3" in stopped.stdout
+    assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.dcp", "step_00000003.dcp"]
+    assert load_resume_checkpoint(dcp_at(save_dir, 3))["step"] == 3
+    run_trainer(flags(data, resumed, "--batch_size", "3", *STEPS, "--save_interval", "0", "--fsdp", "1",
+                      "--resume_from", dcp_at(save_dir, 3)), nproc=2)
+    assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
+
+
+def test_a_shard_write_failing_on_rank_1_stops_every_rank_with_its_one_line_reason(data, tmp_path):
+    """The write of step 4 fails on rank 1 in the background (tests/helpers/failing_shards.py): both
+    ranks stop at the next save with rank 1's reason, exit 2; step 2's checkpoint is still whole."""
+    save_dir = tmp_path / "run"
+    result = run_trainer(flags(data, save_dir, "--batch_size", "3", "--max_steps", "8", "--save_interval", "2",
+                               "--fsdp", "1"), nproc=2, check=False,
+                         script=os.path.join(REPO, "tests", "helpers", "failing_shards.py"),
+                         env=clean_env(MINISFT_TEST_FAIL_SAVE_AT="2", MINISFT_TEST_FAIL_RANK="1"))
+    line = f"error: could not write the sharded checkpoint {dcp_at(save_dir, 4)}: rank 1: [Errno 28] No space left on device"
+    assert result.stderr.count(line) == 2, result.stderr[-3000:]
+    assert "exitcode  : 2" in result.stderr
+    assert sorted(n for n in os.listdir(save_dir / "checkpoints") if n.endswith(".dcp")) == ["step_00000002.dcp"]
+    assert load_resume_checkpoint(dcp_at(save_dir, 2))["step"] == 2
 
 
 def test_kill_during_a_sharded_save_keeps_the_previous_checkpoint(data, tmp_path):
