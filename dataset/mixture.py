@@ -80,7 +80,7 @@ def spec_parts(text: str) -> list[str]:
     """The comma-separated sources of ``text``; a path with commas that exists as written (with or
     without a ``:weight``) is one source."""
     text = (text or "").strip()
-    if "," in text and os.path.exists(split_weight(text)[0]):
+    if _comma_file(text):
         return [text]
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -91,11 +91,17 @@ def comma_hint(text: str, spec: str) -> str:
     pieces = text.split(",")
     for start in range(len(pieces)):
         for end in range(start + 2, len(pieces) + 1):
-            joined = ",".join(pieces[start:end]).strip()
-            if spec in joined and os.path.exists(split_weight(joined)[0]):
-                return (f" ({split_weight(joined)[0]} is one file, but --data_path separates its sources at commas: "
+            joined = _comma_file(",".join(pieces[start:end]).strip())
+            if joined and spec in joined:
+                return (f" ({joined} is one file, but --data_path separates its sources at commas: "
                         "rename it, or link it under a name without a comma)")
     return ""
+
+
+def _comma_file(part: str) -> str | None:
+    """The path of ``part`` (a trailing ``:weight`` split off) when it holds a comma and exists."""
+    path = split_weight(part)[0]
+    return path if "," in path and os.path.exists(path) else None
 
 
 def absolute_data_path(text: str) -> str:

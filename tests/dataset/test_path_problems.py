@@ -122,3 +122,4 @@ def test_a_number_after_a_colon_is_named(tmp_path, capsys):
         "whole, every row once per epoch, whatever its weight")
     assert mixture.lone_weight_note(parse_data_path(str(data))) is None
     assert mixture.lone_weight_note(parse_data_path(f"{data}:2,{data}:1")) is None
+
