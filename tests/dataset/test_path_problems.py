@@ -74,6 +74,7 @@ def test_a_pipe_is_named_and_no_cache_goes_beside_a_file_in_dev(tmp_path):
     assert default_cache_root(tmp_path / "a.jsonl", None) == tmp_path / ".cache"
 
 
+@pytest.mark.slow
 def test_a_stdin_redirected_from_a_file_trains_with_a_cache_dir_and_writes_nothing_in_dev(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(ROW + "\n" + ROW + "\n", encoding="utf-8")
