@@ -110,6 +110,8 @@ def load_row(line: str) -> dict:
         raise LineError(line[len(ROW_PROBLEM):].strip())
     if line.startswith("\ufeff"):  # a UTF-8 byte order mark (first line of some exported files)
         line = line[1:]
+        if not line.strip():
+            raise LineError("a UTF-8 byte order mark alone on the line, no JSON (delete the line)")
     try:
         row = loads(line)
     except json.JSONDecodeError as exc:

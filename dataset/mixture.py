@@ -33,6 +33,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .formats import DataError
+from .sources import missing_file
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")  # any case: .JSONL is data too
 GLOB_CHARS = "*?["
@@ -76,7 +77,31 @@ def split_weight(part: str) -> tuple[str, str | None]:
 
 
 def spec_parts(text: str) -> list[str]:
-    return [part.strip() for part in (text or "").split(",") if part.strip()]
+    """The comma-separated sources of ``text``; a path with commas that exists as written (with or
+    without a ``:weight``) is one source."""
+    text = (text or "").strip()
+    if _comma_file(text):
+        return [text]
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def comma_hint(text: str, spec: str) -> str:
+    """Where ``spec``, a source of ``text`` that was not found, is part of a file whose name holds a
+    comma: a sentence saying so, else ''."""
+    pieces = text.split(",")
+    for start in range(len(pieces)):
+        for end in range(start + 2, len(pieces) + 1):
+            joined = _comma_file(",".join(pieces[start:end]).strip())
+            if joined and spec in joined:
+                return (f" ({joined} is one file, but --data_path separates its sources at commas: "
+                        "rename it, or link it under a name without a comma)")
+    return ""
+
+
+def _comma_file(part: str) -> str | None:
+    """The path of ``part`` (a trailing ``:weight`` split off) when it holds a comma and exists."""
+    path = split_weight(part)[0]
+    return path if "," in path and os.path.exists(path) else None
 
 
 def absolute_data_path(text: str) -> str:
@@ -115,7 +140,7 @@ def source_files(spec: str) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
         return files, tuple(entry for entry in entries if entry not in files)
     if path.exists() or not is_glob(spec):
         if not path.is_file():
-            raise DataError(f"{spec}: data file not found")
+            raise DataError(f"{spec}: {missing_file(path)}")
         return (path,), ()
     matches = sorted(Path(match) for match in glob.glob(spec, recursive=True))
     files = tuple(match for match in matches if match.is_file() and is_data_file(match))
@@ -137,9 +162,22 @@ def parse_data_path(text: str) -> list[Source]:
         specs.append(path)
     sources = []
     for name, spec, weight in zip(short_names(specs, fallback="data"), specs, weights):
-        files, ignored = source_files(spec)
+        try:
+            files, ignored = source_files(spec)
+        except DataError as exc:
+            raise DataError(f"{exc}{comma_hint(text, spec)}") from None
         sources.append(Source(name, spec, files, weight, ignored))
     return sources
+
+
+def lone_weight_note(sources: list[Source]) -> str | None:
+    """A line for a single source given a weight (``eval.jsonl:2``, as an error names a line): the
+    weight changes nothing, and it is no line number."""
+    if len(sources) != 1 or sources[0].weight == 1:
+        return None
+    weight = f"{sources[0].weight:g}"
+    return (f"[data] note: --data_path {sources[0].spec}:{weight}: ':{weight}' is a mixture weight, not a line "
+            "number; a single source is read whole, every row once per epoch, whatever its weight")
 
 
 def short_names(paths: list[str], fallback: str) -> list[str]:

@@ -144,18 +144,38 @@ def _unsupported(arrow_type, where: str):
     return refuse
 
 
+def missing_file(path: Path) -> str:
+    """Why ``path``, which is no directory, is not a data file: not found, or a pipe or device."""
+    if path.exists():
+        return ("is a pipe or device, not a file: the data is read more than once (hashed, counted, tokenized); "
+                "write it to a file and give that")
+    return "data file not found"
+
+
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors write at the start of a file
+
+
 def check_data_file(path: Path) -> None:
-    """Raise a one-line ``DataError`` if the data file is missing, a directory, one JSON array or
-    document spread over lines (a ``.json`` file must be JSON Lines too) or has no non-blank line."""
+    """Raise a one-line ``DataError`` if the data file is missing, a directory, a pipe or device
+    (read several times: hashed, counted, tokenized), one JSON array or document spread over lines
+    (a ``.json`` file must be JSON Lines too), has no non-blank line (a byte order mark alone is
+    said to be one) or lines ended by carriage returns alone."""
     if path.is_dir():
         raise DataError(f"{path}: is a directory; give a .jsonl, .jsonl.gz, .json or .parquet file here (only "
                         "--data_path takes a directory of shards)")
     if not path.is_file():
-        raise DataError(f"{path}: data file not found")
-    lines = (line.strip().removeprefix(b"\xef\xbb\xbf").lstrip() for line in open_lines(path) if line.strip())
-    first, second = next(lines, b""), next(lines, b"")
+        raise DataError(f"{path}: {missing_file(path)}")
+    lines = (line.strip() for line in open_lines(path) if line.strip())
+    first = next(lines, b"")
+    marked = first == BOM  # a line holding only the mark: its row problem, unless no row follows
+    if marked:
+        first = next(lines, b"")
+    first, second = first.removeprefix(BOM).lstrip(), next(lines, b"").removeprefix(BOM).lstrip()
     if not first:
-        raise DataError(f"{path}: data file is empty")
+        raise DataError(f"{path}: holds only a UTF-8 byte order mark, no rows" if marked else f"{path}: data file is empty")
+    if b"\r" in first and not _is_json(first) and _is_json(first.split(b"\r")[0]):
+        raise DataError(f"{path}: its lines end in a carriage return alone (\\r, no \\n): it reads as one line; "
+                        "convert the line endings, e.g. tr '\\r' '\\n' < in.jsonl > out.jsonl")
     if first.startswith(b"[") and not _is_json(first):
         raise DataError(
             f"{path}: is one JSON array, not JSON Lines (one conversation object per line); "

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import REPO_DIR, ArgumentParser, fail, run_main  # noqa: E402
+from trainer.args import add_flag, flag_bounds, range_problems  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
 
@@ -36,13 +37,14 @@ def build_parser() -> ArgumentParser:
                         help="as the trainer's: files, directories or globs, comma-separated, each with an optional :weight")
     parser.add_argument("--tokenizer_path", default=None,
                         help="tokenizer dir; default: the one saved with --from_weight's weights, else the shipped one")
-    parser.add_argument("--max_seq_len", type=int, default=512, help="rows are cut to this many tokens, as in training")
+    parser.add_argument("--max_seq_len", type=int, default=512,
+                        help="rows are cut to this many tokens, as in training").bounds = flag_bounds("max_seq_len")
     parser.add_argument("--from_weight", default=None,
                         help="weights to train from (an HF/run directory, .safetensors or .pth): is their tokenizer "
                              "and chat template the one used here?")
-    parser.add_argument("--rows", type=int, default=1000,
-                        help="rows read per source, spread evenly over it (0: all)")
-    parser.add_argument("--samples", type=int, default=3, help="rows shown by --html and --terminal")
+    add_flag(parser, "--rows", type=int, default=1000, at_least=0,
+             help="rows read per source, spread evenly over it (0: all)")
+    add_flag(parser, "--samples", type=int, default=3, at_least=0, help="rows shown by --html and --terminal")
     parser.add_argument("--html", default=None, metavar="FILE", help="write a self-contained HTML page of the samples")
     parser.add_argument("--terminal", action=argparse.BooleanOptionalAction, default=None,
                         help="print the samples in colour (default: when stdout is a terminal; NO_COLOR: no colour)")
@@ -89,10 +91,25 @@ def choose_tokenizer(args) -> tuple[object, str, list[str]]:
     return tokenizer, name, notes
 
 
+def file_problems(sources) -> list[str]:
+    """What the trainer refuses a data file for before reading its rows (empty, one JSON array, ...)."""
+    from dataset.formats import DataError
+    from dataset.sources import check_data_file
+
+    problems = []
+    for path in (path for source in sources for path in source.files):
+        try:
+            check_data_file(path)
+        except DataError as exc:
+            problems.append(f"{exc} (training refuses this file)")
+    return problems
+
+
 def main() -> int:
-    args = build_parser().parse_args()
-    if args.max_seq_len < 1 or args.rows < 0 or args.samples < 0:
-        fail("--max_seq_len must be positive, --rows and --samples not negative")
+    parser = build_parser()
+    args = parser.parse_args()
+    if range_problems(parser, args):  # --max_seq_len within the trainer's range
+        fail("; ".join(range_problems(parser, args)))
 
     from dataset.inspection.report import inspect_source, report_lines, segment_table
     from dataset.mixture import parse_data_path
@@ -111,7 +128,7 @@ def main() -> int:
         lines += report_lines(report) + [""]
     if len(reports) > 1:
         lines += ["all sources"] + segment_table(reports) + [""]
-    warnings = [warning for report in reports for warning in report.warnings()]
+    warnings = file_problems(sources) + [warning for report in reports for warning in report.warnings()]
     lines += [f"warning: {warning}" for warning in warnings] + notes
     print(printable("\n".join(lines).rstrip("\n")))  # names and examples from the data, escaped
 

@@ -234,6 +234,11 @@ def range_problems(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return [problem for problem in problems if problem]
 
 
+def flag_bounds(dest: str) -> Bounds:
+    """The range the trainer declares for the flag `dest` (a script sharing the flag checks the same)."""
+    return next(action.bounds for action in build_parser()._actions if action.dest == dest)
+
+
 def device_problem(device: str) -> str | None:
     """`--device` must name a device this trainer runs on; mps, xla, gpu, ... are refused here."""
     if device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", device):
@@ -241,6 +246,23 @@ def device_problem(device: str) -> str | None:
     if device in ("gpu", "gpu:0") or re.fullmatch(r"gpu:\d+", device):
         return f"--device {device}: unknown device; for an NVIDIA GPU use cuda or cuda:N"
     return f"--device {device}: not supported ({DEVICE_HELP})"
+
+
+def held_out_files(text: str | None) -> list[str]:
+    """The files of --eval_data_path: comma-separated; a path with commas that exists as written is one file."""
+    if text and os.path.exists(text):
+        return [text]
+    return [path for path in (text or "").split(",") if path]
+
+
+def held_out_problem(path: str) -> str | None:
+    """A held-out file given as `FILE:N` where FILE exists: --eval_data_path takes no weight (only
+    --data_path weighs its sources) and no line number."""
+    head, colon, tail = path.rpartition(":")
+    if os.path.exists(path) or not colon or not re.fullmatch(r"[0-9.eE+-]+", tail) or not os.path.isfile(head):
+        return None
+    return (f"--eval_data_path {path}: no such file, but {head} is one: held-out files are read whole, without a "
+            "':weight' (only --data_path weighs its sources) or a line number")
 
 
 def explicit_flags(parser: argparse.ArgumentParser, argv=None) -> tuple[str, ...]:
@@ -271,12 +293,13 @@ def parse_args(argv=None, checks: tuple[Callable[[argparse.Namespace], list[str]
                         "the answers of SAVE_DIR/best/ or model/ with scripts/eval_sft.py instead")
     if args.from_resume and args.resume_from:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
+    problems += [held_out_problem(path) for path in held_out_files(args.eval_data_path) if held_out_problem(path)]
     for check in checks:
         problems += check(args)
     if problems:
         parser.error("; ".join(problems))
     if args.eval_data_path:  # several held-out files: a.jsonl,b.jsonl
-        args.eval_data_path = ",".join(os.path.abspath(path) for path in args.eval_data_path.split(",") if path)
+        args.eval_data_path = ",".join(os.path.abspath(path) for path in held_out_files(args.eval_data_path))
     for name in ("tokenizer_path", "save_dir", "resume_from", "cache_dir"):
         value = getattr(args, name)
         if value:

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
 from dataset.cache import build_or_reuse_on_node, default_cache_root
 from dataset.inspection.report import training_summary
-from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, parse_data_path
+from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, lone_weight_note, parse_data_path
+from trainer.args import held_out_files
 from trainer.evaluation.evaluate import EvalSet, generation_examples
 from trainer.evaluation.selection import eval_set_names
 from trainer.model_setup import COMPILE_PAD_MULTIPLE
@@ -89,6 +90,8 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
         if source.ignored:
             log(f"[data] {source.spec}: left out {len(source.ignored)} entries that are not data files or are "
                 f"subdirectories: {', '.join(path.name + ('/' if path.is_dir() else '') for path in source.ignored)}")
+    if lone_weight_note(sources):
+        log(lone_weight_note(sources))
     mixture = EpochMixture([len(part) for part in parts], [source.weight for source in sources], args.seed)
     if len(sources) > 1:
         unit = "rows" if args.packing else "samples"
@@ -138,7 +141,7 @@ def rank_zero_log(ctx):
 
 def eval_data_paths(args) -> list[str]:
     """The held-out files of --eval_data_path (comma-separated)."""
-    return [path for path in (args.eval_data_path or "").split(",") if path]
+    return held_out_files(args.eval_data_path)
 
 
 def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:

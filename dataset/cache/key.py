@@ -9,6 +9,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from ..formats import DataError
 from ..rendering import tokenizer_fingerprint
 
 CACHE_VERSION = 1  # the layout of the files
@@ -28,8 +29,19 @@ TOKENS_CHANGES = {  # what each version changed, for the line that says why a ca
 }
 
 
+SYSTEM_DIRS = (Path("/dev"), Path("/proc"), Path("/sys"))  # no cache is written beside a file in these
+
+
 def default_cache_root(data_path: Path, cache_dir) -> Path:
-    return Path(cache_dir) if cache_dir is not None else Path(data_path).parent / ".cache"
+    """``cache_dir``, else ``.cache`` beside the data file; a file in a system directory (``/dev/stdin``,
+    ``/proc/self/fd/0``) has no place beside it for a cache: a one-line ``DataError`` asks for ``--cache_dir``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    folder = Path(os.path.abspath(data_path)).parent
+    if any(folder == system or system in folder.parents for system in SYSTEM_DIRS):
+        raise DataError(f"{data_path}: its token cache would be written beside it, in {folder}; give --cache_dir DIR "
+                        "for the cache, or write the data to a file")
+    return folder / ".cache"
 
 
 def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int) -> str:

@@ -5,10 +5,11 @@ the other ranks wait for it on the filesystem.
 No collective is held while building (NCCL's watchdog would kill the waiting ranks after the
 process group's timeout): the ranks agree on a nonce and learn who shares a node and its cores
 first (quick: nobody builds yet); local rank 0 builds and writes its outcome (cache path or error)
-to a status file named by the nonce; the others poll for that file, printing a line every
-``WAIT_REPORT_S`` seconds. Then the ranks share the outcomes through the store, each polling until
-every node is done (no collective waits on a build), so if any build failed all ranks raise the
-same ``EveryRankDataError``. With NCCL, set the CUDA device before (the
+to a status file named by the nonce; the others poll for that file, saying so once local rank 0
+has taken ``WAIT_FIRST_S`` seconds (longer than reusing a cache takes), then every
+``WAIT_REPORT_S``. Then the ranks share the outcomes through the store, each polling until every
+node is done (no collective waits on a build), so if any build failed all ranks raise the same
+``EveryRankDataError``. With NCCL, set the CUDA device before (the
 object collectives need it).
 
 Local rank 0 alone was measured against the node's ranks tokenizing a share of the chunks each
@@ -27,6 +28,7 @@ from ..formats import DataError
 from .build import BuildInterrupted, build_or_reuse, interrupts_raise
 from .chunks import usable_cores
 
+WAIT_FIRST_S = 2.0  # a rank that has waited this long says what for (a reused cache is ready sooner)
 WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
 WAIT_POLL_S = 0.2
 
@@ -70,7 +72,7 @@ def build_or_reuse_on_node(
         _write_status(status_file, result)
     else:
         with interrupts_raise():
-            result = _wait(status_file, rank)
+            result = wait_for_local_build(status_file, rank, path)
     results = _gather_when_every_node_is_done(result, nonce[0], rank, dist.get_world_size())
     if local_rank == 0:
         status_file.unlink(missing_ok=True)
@@ -86,22 +88,14 @@ def _gather_when_every_node_is_done(result: tuple, nonce: str, rank: int, world_
     """Every rank's outcome, through the process group's store rather than a collective: a node
     that builds longer than the others (a slower disk, a new machine joining a resumed run) would
     otherwise make their ranks meet the collective timeout (--dist_timeout) while they wait. Each
-    rank sets its own key, then polls until every rank's key is there, printing a line every
-    ``WAIT_REPORT_S`` seconds."""
+    rank sets its own key, then polls until every rank's key is there, saying so (``_poll``)."""
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
     keys = [f"minisft/cache-build-{nonce}/rank{other}" for other in range(world_size)]
     store.set(keys[rank], json.dumps(result))
-    start = last_report = time.monotonic()
     with interrupts_raise():
-        while not store.check(keys):
-            time.sleep(WAIT_POLL_S)
-            now = time.monotonic()
-            if now - last_report >= WAIT_REPORT_S:
-                last_report = now
-                print(f"rank {rank}: waiting for the other nodes to build the token cache ({now - start:.0f} s)",
-                      flush=True)
+        _poll(lambda: store.check(keys), f"rank {rank}: waiting for the other nodes to build the token cache")
     return [tuple(json.loads(store.get(key))) for key in keys]
 
 
@@ -112,13 +106,20 @@ def _write_status(status_file: Path, result: tuple) -> None:
     os.replace(tmp, status_file)
 
 
-def _wait(status_file: Path, rank: int) -> tuple:
+def wait_for_local_build(status_file: Path, rank: int, path: Path) -> tuple:
     """Local rank 0's outcome, once its status file is there."""
-    start = last_report = time.monotonic()
-    while not status_file.is_file():
+    _poll(status_file.is_file, f"rank {rank}: waiting for local rank 0 to build the token cache of {Path(path).name}")
+    return tuple(json.loads(status_file.read_text(encoding="utf-8")))
+
+
+def _poll(done, waiting: str) -> None:
+    """Poll ``done()`` until it is true; print ``waiting`` with the seconds waited once ``WAIT_FIRST_S``
+    have passed, then every ``WAIT_REPORT_S``."""
+    start = time.monotonic()
+    next_report = start + WAIT_FIRST_S
+    while not done():
         time.sleep(WAIT_POLL_S)
         now = time.monotonic()
-        if now - last_report >= WAIT_REPORT_S:
-            last_report = now
-            print(f"rank {rank}: waiting for local rank 0 to build the token cache ({now - start:.0f} s)", flush=True)
-    return tuple(json.loads(status_file.read_text(encoding="utf-8")))
+        if now >= next_report:
+            next_report = now + WAIT_REPORT_S
+            print(f"{waiting} ({now - start:.0f} s)", flush=True)

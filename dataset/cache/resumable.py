@@ -44,7 +44,7 @@ from ..formats import DataError
 PARTIAL_PREFIX = ".partial-"
 PROGRESS_VERSION = 1
 COMMIT_S = 2.0  # most seconds of tokenizing a kill may lose
-WAIT_REPORT_S = 30.0  # how often a process waiting for another builder says so
+WAIT_REPORT_S = 30.0  # how often a process waiting for another builder says so (the first time at once)
 WAIT_POLL_S = 0.2
 OFFSETS_BLOCK = 1 << 20  # samples per block when writing offsets.npy
 
@@ -131,7 +131,7 @@ class PartialBuild:
     def claim(self) -> bool:
         """Take the lock, waiting while another live process builds this cache. False: the cache
         was finished meanwhile (by that process); nothing to do."""
-        start = last_report = time.monotonic()
+        start, last_report = time.monotonic(), None
         while not (self.target / "meta.json").is_file():
             with writing(self.dir):
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -152,13 +152,13 @@ class PartialBuild:
                     self._lock.write(f"{socket.gethostname()}.{os.getpid()}")
                     self._lock.flush()
                 return True
-            time.sleep(WAIT_POLL_S)
             now = time.monotonic()
-            if now - last_report >= WAIT_REPORT_S:
+            if last_report is None or now - last_report >= WAIT_REPORT_S:  # at once, then every WAIT_REPORT_S
                 last_report = now
                 owner = (self.dir / "lock").read_text(encoding="utf-8").strip() or "another process"
-                print(f"waiting for process {owner}, which is building this token cache ({now - start:.0f} s)",
-                      file=sys.stderr, flush=True)
+                print(f"waiting for process {owner}, which is building this token cache, {self.target} "
+                      f"({now - start:.0f} s)", file=sys.stderr, flush=True)
+            time.sleep(WAIT_POLL_S)
         return False
 
     def release(self, stopped: str | None = None) -> None:

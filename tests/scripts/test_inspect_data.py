@@ -70,10 +70,23 @@ def test_terminal_view_on_request(mixture):
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
     for args, message in ((["--data_path", str(tmp_path / "missing.jsonl")], "missing.jsonl: data file not found"),
                           (["--from_weight", str(tmp_path / "none")], "--from_weight"),
-                          (["--max_seq_len", "0"], "--max_seq_len must be positive")):
+                          (["--max_seq_len", "0"], "--max_seq_len must be >= 2 (got 0)")):
         result = inspect(*args)
         assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_flags_are_checked_as_the_trainer_does_and_an_empty_file_is_warned(mixture, tmp_path):
+    tools, _ = mixture
+    for flag, value in (("--max_seq_len", "1"), ("--rows", "-1"), ("--samples", "-2")):
+        result = inspect("--data_path", str(tools), flag, value)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+            f"error: {flag} must be >= {2 if flag == '--max_seq_len' else 0} (got {value})"]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    result = inspect("--data_path", f"{tools},{empty}")
+    assert result.returncode == 0, result.stderr
+    assert f"warning: {empty}: data file is empty (training refuses this file)" in result.stdout.splitlines()
 
 
 def save_tokenizer(folder: Path, template_change=None) -> Path:

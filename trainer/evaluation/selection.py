@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 
 from dataset.mixture import short_names
+from trainer.args import held_out_files
 from trainer.errors import SelectionError
 
 # The figures an evaluation reports, and whether a smaller value is better.
@@ -52,7 +53,7 @@ def flag_problems(args) -> list[str]:
     if not metric:
         return ["--early_stop_patience needs --keep_best METRIC (the metric that must improve)"] \
             if args.early_stop_patience else []
-    paths = [path for path in (args.eval_data_path or "").split(",") if path]
+    paths = held_out_files(args.eval_data_path)
     if not paths:
         return [f"--keep_best {metric} needs held-out data: give --eval_data_path"]
     key, _, name = metric.partition("/")

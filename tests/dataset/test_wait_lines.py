@@ -1,0 +1,49 @@
+"""A process that waits for another one to build a token cache says so, and for what: at once when
+another live process holds the build's lock, and under torch.distributed once local rank 0 has taken
+longer than reusing a cache takes (dataset/cache/resumable.py, dataset/cache/node.py)."""
+
+import threading
+import time
+
+import dataset.cache.node as node_build
+from dataset.cache import build_or_reuse
+from dataset.cache.key import TOKENS_VERSION, cache_key, data_digest
+from dataset.cache.resumable import partial_dir
+from tests.dataset.test_cache_build import chat_line, hold_lock, tokenizer, write_rows  # noqa: F401 - a fixture
+
+
+def test_a_builder_waiting_for_a_live_builder_says_so_at_once(tokenizer, tmp_path, capsys):  # noqa: F811
+    path = write_rows(tmp_path / "w.jsonl", [chat_line(i) for i in range(4)])
+    cache_root = tmp_path / "cache"
+    target = cache_root / cache_key(data_digest(path, cache_root), tokenizer, 64, TOKENS_VERSION)
+    holder = hold_lock(partial_dir(target) / "lock", 1.5)  # another builder of the same cache, for 1.5 s
+    try:
+        assert build_or_reuse(path, tokenizer, 64, cache_root, num_proc=1) == target
+    finally:
+        holder.kill()
+        holder.wait()
+    waits = [line for line in capsys.readouterr().err.splitlines() if line.startswith("waiting for")]
+    # One line at once (the next would come after WAIT_REPORT_S = 30 s), naming the builder and the cache.
+    assert waits == [f"waiting for process otherhost.4242, which is building this token cache, {target} (0 s)"]
+
+
+def wait_for_status_file(tmp_path, after: float, capsys) -> list[str]:
+    """The lines rank 1 prints while local rank 0 writes its status file ``after`` seconds from now."""
+    status = tmp_path / f".build-{after}.json"
+
+    def write_later():
+        time.sleep(after)
+        status.write_text('[null, "/cache/key"]', encoding="utf-8")
+
+    writer = threading.Thread(target=write_later)
+    writer.start()
+    assert node_build.wait_for_local_build(status, 1, tmp_path / "d.jsonl") == (None, "/cache/key")
+    writer.join()
+    return capsys.readouterr().out.splitlines()
+
+
+def test_a_rank_waiting_for_local_rank_0_says_so_once_it_builds(tmp_path, capsys):
+    assert node_build.WAIT_FIRST_S == 2.0 and node_build.WAIT_REPORT_S == 30.0
+    assert wait_for_status_file(tmp_path, 0.5, capsys) == []  # a reused cache is ready before WAIT_FIRST_S
+    [line] = wait_for_status_file(tmp_path, 3.0, capsys)  # a build: one line at 2 s, the next only at 32 s
+    assert line == "rank 1: waiting for local rank 0 to build the token cache of d.jsonl (2 s)"
