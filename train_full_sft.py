@@ -36,7 +36,7 @@ from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint
 from trainer.checkpoint.save_dir import SaveDirLock, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir
 from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.errors import (
-    USER_ERRORS, BuildInterrupted, CheckpointError, EveryRankDataError, TrainingError, names_a_user_path,
+    USER_ERRORS, BuildInterrupted, CheckpointError, TrainingError, names_a_user_path,
 )
 from trainer.evaluation.evaluate import metric_names
 from trainer.evaluation.selection import check_selection, flag_problems as selection_flag_problems
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     except BuildInterrupted as interrupt:
         return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
     except USER_ERRORS as error:
-        return fail(f"error: {error}", 2, every_rank=isinstance(error, EveryRankDataError))
+        return fail(f"error: {error}", 2, every_rank=True)
     except TrainingError as error:
         return fail(f"error: {error}", 1)
     except OSError as error:
@@ -216,8 +216,8 @@ def main(argv=None) -> int:
 def fail(message: str, code: int, every_rank: bool = False) -> int:
     """Print one line and return the exit code. With a live process group, leave at once
     instead: freeing a DDP model after a failure can deadlock gloo's teardown, and the peers
-    are failing (or already gone) anyway. ``every_rank``: every rank fails with this same line,
-    which rank 0 alone prints."""
+    are failing (or already gone) anyway. ``every_rank``: a line that other ranks may fail with
+    too (bad data, a missing file): printed once where they agree (`print_once`)."""
     if every_rank:
         print_once(message)
     else:

@@ -11,7 +11,6 @@ import argparse
 import os
 
 from dataset import BuildInterrupted, DataError, WorkerDied  # noqa: F401 - re-exported: the data's own errors
-from dataset.cache import EveryRankDataError  # noqa: F401 - re-exported: a data error of every rank
 from dataset.mixture import split_weight
 
 

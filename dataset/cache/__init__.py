@@ -26,7 +26,7 @@ import numpy as np
 from .build import BuildInterrupted, CacheNotBuilt, build_or_reuse, check_cache, finished_cache, read_meta
 from .chunks import default_num_proc
 from .key import TOKENS_VERSION, default_cache_root
-from .node import EveryRankDataError, build_or_reuse_on_node
+from .node import build_or_reuse_on_node
 from .resumable import CacheWriteError
 from .workers import WorkerDied
 
@@ -71,6 +71,6 @@ def open_finished(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad
     return TokenCache(finished_cache(path, tokenizer, max_seq_len, cache_root, bad_data))
 
 
-__all__ = ["BuildInterrupted", "CacheNotBuilt", "CacheWriteError", "EveryRankDataError", "TOKENS_VERSION", "TokenCache",
+__all__ = ["BuildInterrupted", "CacheNotBuilt", "CacheWriteError", "TOKENS_VERSION", "TokenCache",
            "WorkerDied", "build_or_reuse", "build_or_reuse_on_node", "default_cache_root", "default_num_proc",
            "open_finished"]

@@ -9,7 +9,7 @@ to a status file named by the nonce; the others poll for that file, saying so on
 has taken ``WAIT_FIRST_S`` seconds (longer than reusing a cache takes), then every
 ``WAIT_REPORT_S``. Then the ranks share the outcomes through the store, each polling until every
 node is done (no collective waits on a build), so if any build failed all ranks raise the same
-``EveryRankDataError``. With NCCL, set the CUDA device before (the
+``DataError``. With NCCL, set the CUDA device before (the
 object collectives need it).
 
 Local rank 0 alone was measured against the node's ranks tokenizing a share of the chunks each
@@ -31,11 +31,6 @@ from .chunks import usable_cores
 WAIT_FIRST_S = 2.0  # a rank that has waited this long says what for (a reused cache is ready sooner)
 WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
 WAIT_POLL_S = 0.2
-
-
-class EveryRankDataError(DataError):
-    """A data error that every rank raises alike (a build's outcome, shared through the store): the
-    training script prints it once, on rank 0, and every rank exits with the same code."""
 
 
 def build_or_reuse_on_node(
@@ -80,7 +75,7 @@ def build_or_reuse_on_node(
     if interrupted is not None:
         raise interrupted
     if errors:
-        raise EveryRankDataError(errors[0])
+        raise DataError(errors[0])  # every rank alike: the training script prints it once
     return Path(result[1])
 
 

@@ -232,32 +232,44 @@ def peer_failure_message(error: BaseException) -> str:
 ONCE_KEY = "minisft/said-once/rank{}"
 ONCE_WAIT_S = 10.0  # the most a rank waits for the others while a line every rank has is printed once
 ONCE_POLL_S = 0.05
+ONCE_LEAVE_AFTER_S = 1.0  # how long the other ranks stay after rank 0 has seen that they read its line
 
 
 def print_once(message: str) -> None:
-    """Print to stderr a line that every rank has alike (an error all of them raise) once, on rank 0.
+    """Print to stderr an error line that ranks may share (every rank failing on the same data) once.
 
-    The other ranks print nothing; they wait until rank 0 has printed (a rank that exits first makes
-    torchrun stop rank 0, maybe before it prints), and rank 0 waits until they know (it may hold the
-    store), each at most ``ONCE_WAIT_S``. A store that cannot be reached any more ends the wait."""
+    Rank 0 prints its line and publishes it in the store; another rank prints its own line only if
+    it differs from rank 0's (a file missing on one node only), or if rank 0 has published none
+    within ``ONCE_WAIT_S`` (rank 0 did not fail). Rank 0 then waits, as long at most, until the
+    others have read it: a rank that exits first makes torchrun stop rank 0, maybe before it
+    prints. A store that cannot be reached any more ends the wait."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         print(message, file=sys.stderr, flush=True)
         return
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         print(message, file=sys.stderr, flush=True)
+    printed = rank == 0
     try:
         store = dist.distributed_c10d._get_default_store()
         waiting_for = [ONCE_KEY.format(other) for other in range(1, world_size)] if rank == 0 else [ONCE_KEY.format(0)]
         if rank == 0:
-            store.set(ONCE_KEY.format(0), "printed")
+            store.set(ONCE_KEY.format(0), message)
         deadline = time.monotonic() + ONCE_WAIT_S
         while not store.check(waiting_for) and time.monotonic() < deadline:
             time.sleep(ONCE_POLL_S)
         if rank:
+            said = store.get(ONCE_KEY.format(0)).decode() if store.check(waiting_for) else None
+            if said != message:
+                print(message, file=sys.stderr, flush=True)
+            printed = True
             store.set(ONCE_KEY.format(rank), "seen")
+            # Rank 0 leaves as soon as it sees that; leave after it: a rank that exits first makes
+            # torchrun stop the others with SIGTERM, maybe while rank 0 is still leaving.
+            time.sleep(ONCE_LEAVE_AFTER_S)
     except RuntimeError:  # the store is gone with rank 0 (which had printed), or never answered
-        pass
+        if not printed:
+            print(message, file=sys.stderr, flush=True)
 
 
 def barrier(device: torch.device | None = None) -> None:
