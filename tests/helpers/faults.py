@@ -53,8 +53,8 @@ def install() -> None:
         finally:
             handle.remove()
 
-    def agree_on_step(run, micro_batches):
-        totals = real_agree(run, micro_batches)
+    def agree_on_step(run, micro_batches, *args, **kwargs):
+        totals = real_agree(run, micro_batches, *args, **kwargs)
         # x world_size (the loop's undoing of DDP's average) then gives sum / local count
         local = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches)
         return totals._replace(loss_tokens=local * run.ctx.world_size)
