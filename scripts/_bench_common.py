@@ -221,7 +221,7 @@ def trainer_args(options, dtype_name: str = "float32", packing: bool = False, gr
         "--accumulation_steps", str(options.accumulation_steps), "--data_path", options.data_path,
         "--packing", str(int(packing)), "--group_by_length", str(int(group_by_length)),
         "--dtype", dtype_name, "--seed", str(options.seed), "--use_compile", str(int(compiled)),
-        "--device", str(options.device), "--use_moe", str(getattr(options, "use_moe", 0)),
+        "--device", str(options.device), "--use_moe", str(options.use_moe),
     ]
     cache_dir = cache_dir or options.cache_dir
     if cache_dir:

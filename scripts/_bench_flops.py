@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.feed_forward import MiniMindMoE
 from model.packed_attention import document_starts
 from scripts._bench_common import DeviceTimer, synchronize
 
@@ -104,10 +105,9 @@ def body_parameters(model: torch.nn.Module) -> int:
     embedding_and_head = {id(model.model.embed_tokens.weight), id(model.lm_head.weight)}
     total = sum(p.numel() for p in model.parameters() if id(p) not in embedding_and_head)
     for module in model.modules():
-        experts = getattr(module, "experts", None)
-        if isinstance(experts, torch.nn.ModuleList) and hasattr(module, "top_k"):
-            expert_parameters = sum(p.numel() for p in experts.parameters())
-            total -= expert_parameters - expert_parameters * module.top_k // len(experts)
+        if isinstance(module, MiniMindMoE):
+            expert_parameters = sum(p.numel() for p in module.experts.parameters())
+            total -= expert_parameters - expert_parameters * module.top_k // module.num_experts
     return total
 
 

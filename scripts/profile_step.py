@@ -43,7 +43,6 @@ def parse_options(argv=None):
     options.dtypes = options.dtypes.split(",")
     if len(options.dtypes) != 1:
         fail("--dtypes: one dtype per profile")
-    options.rounds, options.vocab_size = 0, options.vocab_size
     return options
 
 

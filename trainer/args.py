@@ -293,7 +293,7 @@ def parse_args(argv=None, checks: tuple[Callable[[argparse.Namespace], list[str]
                         "the answers of SAVE_DIR/best/ or model/ with scripts/eval_sft.py instead")
     if args.from_resume and args.resume_from:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
-    problems += [held_out_problem(path) for path in held_out_files(args.eval_data_path) if held_out_problem(path)]
+    problems += [problem for problem in map(held_out_problem, held_out_files(args.eval_data_path)) if problem]
     for check in checks:
         problems += check(args)
     if problems:

@@ -90,8 +90,9 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
         if source.ignored:
             log(f"[data] {source.spec}: left out {len(source.ignored)} entries that are not data files or are "
                 f"subdirectories: {', '.join(path.name + ('/' if path.is_dir() else '') for path in source.ignored)}")
-    if lone_weight_note(sources):
-        log(lone_weight_note(sources))
+    note = lone_weight_note(sources)
+    if note:
+        log(note)
     mixture = EpochMixture([len(part) for part in parts], [source.weight for source in sources], args.seed)
     if len(sources) > 1:
         unit = "rows" if args.packing else "samples"

@@ -64,6 +64,14 @@ def test_model_flops_count_the_body_the_head_at_its_positions_and_the_causal_pai
         6 * body * 10 + 6 * 64 * 97 * 4 + 12 * 2 * (4 * 16) * 55) == 7629312
 
 
+def test_an_moe_body_counts_its_router_and_the_top_k_of_its_experts():
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2)
+    config = model.config
+    expert = 3 * config.moe_intermediate_size * 64
+    dense = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    assert flops.body_parameters(model) == dense - 2 * (4 - 2) * expert  # per layer: 2 of 4 experts left out
+
+
 def test_mfu_is_achieved_flops_per_second_over_the_peak():
     assert mfu(7629312 * 1000, 2.0, 1e10) == pytest.approx(7629312 * 1000 / 2.0 / 1e10)
     assert mfu(4e12, 2.0, 989.4e12) == pytest.approx(2e12 / 989.4e12)
