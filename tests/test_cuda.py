@@ -165,6 +165,32 @@ def test_steps_between_log_lines_make_no_host_sync():
     assert run.state.skipped_steps == 2 and run.logger.rows[-1][1]["skipped_steps"] == 2
 
 
+def test_the_norm_is_one_fused_kernel_each_way_and_agrees_with_the_cpu_closed_form():
+    """model/rms_norm.py on a GPU: ATen's fused RMSNorm forward and backward, one op each, in bf16,
+    with gradients equal to the CPU path's closed form within bf16 rounding."""
+    from model.rms_norm import rms_norm
+    from scripts._dispatch_counts import DispatchCounter
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, 768, generator=generator)
+    weight, grad = 1 + 0.1 * torch.randn(768, generator=generator), torch.randn(4, 64, 768, generator=generator)
+    results = {}
+    for device in ("cuda", "cpu"):
+        leaves = [t.to(device, torch.bfloat16).requires_grad_() for t in (x, weight)]
+        out_grad = grad.to(device, torch.bfloat16)
+        with DispatchCounter() as counter:
+            out = rms_norm(*leaves, 1e-6)
+            out.backward(out_grad)
+        results[device] = [t.float().cpu() for t in (out, leaves[0].grad, leaves[1].grad)]
+        if device == "cuda":
+            assert out.dtype == torch.bfloat16
+            assert {str(op) for op in counter.ops if "rms_norm" in str(op)} == {
+                "aten._fused_rms_norm.default", "aten._fused_rms_norm_backward.default"}
+            assert counter.total <= 4, dict(counter.ops)
+    for gpu, cpu in zip(results["cuda"], results["cpu"]):
+        assert torch.allclose(gpu, cpu, rtol=5e-2, atol=5e-2 * cpu.abs().max().item())
+
+
 def test_bench_memory_measures_on_the_gpu():
     """scripts/bench_memory.py --device cuda on one GPU: the held bytes are exact, and the
     allocator's peak over the step holds at least them (plus the activations)."""
