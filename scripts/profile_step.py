@@ -7,7 +7,9 @@ kernels run, graph breaks and recompiles under torch.compile.
 One mode of scripts/bench.py (same model, data and step), warmed up, then `--steps` optimizer
 steps under torch.profiler. A host sync is any call that makes the CPU wait for the GPU
 (torch.cuda.set_sync_debug_mode); "GPU busy" is the union of kernel intervals over the wall
-time of the profiled steps, so 1 - busy is the GPU's idle share.
+time of the profiled steps, so 1 - busy is the GPU's idle share. Where the GPU idles, the host
+is the bound: the host ops by self CPU time, and the share of the wall time spent inside aten
+ops at all (the rest is Python and the launches' own cost), say where its time goes.
 """
 
 from __future__ import annotations
@@ -68,6 +70,19 @@ def host_sync_report(run, batches, args) -> str:
     return "none"
 
 
+def host_report(averages, steps: int, wall: float, top: int) -> list[str]:
+    """Lines on the host's time from `profile.key_averages()`: the share of `wall` spent in aten
+    ops (the self times of its `aten::` events), then the `top` ops by self CPU time."""
+    aten_self = sum(event.self_cpu_time_total for event in averages if event.key.startswith("aten::")) / 1e6
+    lines = [f"host: {aten_self / wall:.1%} of the wall time inside aten ops' own code "
+             f"({aten_self / steps * 1e3:.2f} ms per step)",
+             f"top {top} host ops by self CPU time (ms per step, calls per step):"]
+    ranked = sorted(averages, key=lambda event: -event.self_cpu_time_total)[:top]
+    lines += [f"  {event.self_cpu_time_total / 1e3 / steps:8.3f}  {event.count / steps:6.1f}  {event.key[:100]}"
+              for event in ranked]
+    return lines
+
+
 def main(argv=None) -> int:
     options = parse_options(argv)
     device = resolve_device(options.device)
@@ -107,6 +122,7 @@ def main(argv=None) -> int:
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:options.top]
     for name, times in ranked:
         print(f"  {sum(times) / options.steps:8.3f}  {len(times) / options.steps:6.1f}  {name[:100]}")
+    print("\n".join(host_report(prof.key_averages(), options.steps, wall, options.top)))
     if options.use_compile:
         print(f"torch.compile: graph breaks {sum(counters['graph_break'].values())}, frames compiled "
               f"{counters['frames']['ok']}, compiled during the profiled steps {counters['frames']['ok'] - frames_before}")

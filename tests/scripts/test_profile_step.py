@@ -1,0 +1,26 @@
+"""scripts/profile_step.py: the host-side report (the GPU parts run only on a GPU)."""
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from scripts.profile_step import busy_seconds, host_report
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    assert busy_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6)]) == 3.0
+
+
+def test_host_report_lists_ops_by_self_cpu_time_per_step():
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(4):
+            (a @ b).relu_()
+    averages = prof.key_averages()
+    lines = host_report(averages, steps=2, wall=1.0, top=3)
+    assert lines[0].startswith("host: ") and "of the wall time inside aten ops' own code" in lines[0]
+    assert lines[1] == "top 3 host ops by self CPU time (ms per step, calls per step):"
+    assert len(lines) == 5
+    calls = {line.split()[-1]: float(line.split()[1]) for line in lines[2:]}
+    assert calls["aten::mm"] == 2.0  # the largest self time: 4 calls over 2 steps
+    first = float(lines[2].split()[0])
+    assert first == max(float(line.split()[0]) for line in lines[2:])
