@@ -98,9 +98,10 @@ class PackedDocuments:
         rows_in_token_order = torch.cat(rows)[torch.argsort(torch.cat(tokens))]
         return buckets, rows_in_token_order.to(device, non_blocking=True)
 
-    @torch.compiler.disable
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
-        """q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], causal within each document."""
+        """q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], causal within each document.
+        The varlen path traces under torch.compile (the kernel is a custom op); the buckets,
+        planned from host values, run outside the compiled graph."""
         batch, length = self.shape
         heads, head_dim = q.shape[1], q.shape[-1]
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (q, k, v)]
@@ -108,16 +109,21 @@ class PackedDocuments:
         if half is not None and dropout == 0.0 and _flash_varlen_available(q):
             out = causal_varlen_attn(*(t.to(half) for t in flat), self.cu_seqlens, self.max_length)
         else:
-            buckets, rows = self.buckets
-            kv_heads = flat[1].shape[1]
-            qkv = torch.cat(flat, dim=1)  # one gather per bucket (and one scatter back) for q, k and v
-            padded = []
-            for index in buckets:
-                qb, kb, vb = qkv[index].transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)  # [n, H, L, D]
-                ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout, enable_gqa=True)
-                padded.append(ob.transpose(1, 2).reshape(-1, heads, head_dim))
-            out = torch.cat(padded)[rows]  # every token's output, pads left out, in token order
+            out = self._attend_in_buckets(*flat, dropout)
         return out.view(batch, length, heads, head_dim).transpose(1, 2)
+
+    @torch.compiler.disable
+    def _attend_in_buckets(self, q, k, v, dropout: float) -> torch.Tensor:
+        """Flat q [N, H, D], k/v [N, H_kv, D] -> [N, H, D] through SDPA, one bucket at a time."""
+        buckets, rows = self.buckets
+        heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        qkv = torch.cat([q, k, v], dim=1)  # one gather per bucket (and one scatter back) for q, k and v
+        padded = []
+        for index in buckets:
+            qb, kb, vb = qkv[index].transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)  # [n, H, L, D]
+            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout, enable_gqa=True)
+            padded.append(ob.transpose(1, 2).reshape(-1, heads, head_dim))
+        return torch.cat(padded)[rows]  # every token's output, pads left out, in token order
 
     def dense(self) -> torch.Tensor:
         """The equivalent boolean [B, 1, T, T] mask (True = attend), for eager attention."""
@@ -134,13 +140,18 @@ def causal_varlen_attn(q, k, v, cu_seqlens: torch.Tensor, max_length: int) -> to
     """varlen_attn, causal within each document, on flat q [N, H, D] and k/v [N, H_kv, D], in the
     keywords this torch's varlen_attn takes: causality as `window_size=(-1, 0)` (or the older
     `is_causal=True`); without `enable_gqa` the k/v heads are repeated up to q's."""
-    keywords = _keywords_of(varlen_attn)
-    options = {"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True}
-    if "enable_gqa" in keywords:
+    options = {"window_size": (-1, 0)} if _varlen_takes("window_size") else {"is_causal": True}
+    if _varlen_takes("enable_gqa"):
         options["enable_gqa"] = True
     elif k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
+
+
+@torch.compiler.assume_constant_result
+def _varlen_takes(keyword: str) -> bool:
+    """Whether the installed varlen_attn has this keyword (a constant to torch.compile)."""
+    return keyword in _keywords_of(varlen_attn)
 
 
 @functools.cache
@@ -151,7 +162,12 @@ def _keywords_of(function) -> frozenset[str]:
 def _flash_varlen_available(q: torch.Tensor) -> bool:
     """varlen_attn runs FlashAttention 2: Ampere (sm80) or newer, head_dim a multiple of 8 up to 256."""
     return (varlen_attn is not None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+            and _sm80_or_newer(q.device.index))
+
+
+@torch.compiler.assume_constant_result
+def _sm80_or_newer(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 def _half_precision_dtype(q: torch.Tensor):

@@ -53,3 +53,46 @@ def test_varlen_call_fits_each_torch_signature(monkeypatch, kernel):
     out = causal_varlen_attn(*flat, documents.cu_seqlens, documents.max_length)
     out = out.view(batch, length, 4, 8).transpose(1, 2)
     assert torch.allclose(out, expected, atol=1e-6)
+
+
+@torch.library.custom_op("minisft_test::causal_attention_by_document", mutates_args=())
+def causal_attention_by_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 cu_seq: torch.Tensor) -> torch.Tensor:
+    return reference(query, key, value, cu_seq, causal=True, gqa=True)
+
+
+@causal_attention_by_document.register_fake
+def _(query, key, value, cu_seq):
+    return torch.empty_like(query)
+
+
+def varlen_as_an_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1), enable_gqa=False):
+    """The newest signature, computed by a custom op as torch's kernel is (torch_attn::_varlen_attn)."""
+    assert window_size == (-1, 0) and enable_gqa
+    return torch.ops.minisft_test.causal_attention_by_document(query, key, value, cu_seq_q)
+
+
+def test_the_varlen_path_compiles_without_a_graph_break(monkeypatch):
+    """torch.compile of packed rows on a GPU in bf16 (the varlen kernel) is one graph: the path is
+    stood in for on the CPU (a custom op for the kernel, a GPU's capability and half precision),
+    the rest of the forward is the model's own. The bucketed path runs outside the graph."""
+    from model.loss import loss_positions_of
+    from tests.model.test_model import tiny_model
+
+    monkeypatch.setattr(packed_attention, "varlen_attn", varlen_as_an_op)
+    monkeypatch.setattr(packed_attention, "_half_precision_dtype", lambda q: q.dtype)
+    monkeypatch.setattr(packed_attention, "_sm80_or_newer", lambda device_index: True)
+    model = tiny_model().train()  # head_dim 16: a size the kernel takes
+    ids, positions = packed_rows([[5, 9, 3], [12, 4], [20]], row_len=24)
+    layout = PackedDocuments(*document_starts(positions), positions.shape)
+    inputs = dict(position_ids=positions, labels=ids, skip_logits=True, loss_positions=loss_positions_of(ids),
+                  packed_layout=layout)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(ids, **inputs)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    kernels = [node for node in explanation.graphs[0].graph.nodes if "causal_attention_by_document" in str(node.target)]
+    assert len(kernels) == model.config.num_hidden_layers
+    varlen_loss = model(ids, **inputs).loss
+    monkeypatch.setattr(packed_attention, "varlen_attn", None)  # the bucketed SDPA path
+    assert torch.allclose(varlen_loss, model(ids, **inputs).loss, atol=1e-6)
