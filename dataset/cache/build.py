@@ -18,7 +18,8 @@ a conversation to its tokens (``dataset.tokens``) by ``encode_chunk``, in the wo
 resumable build (``resumable``): a killed build keeps the rows it committed and the next build of
 the same key continues after them; the finished cache is renamed into place, so a reader never
 sees a half-written cache. Before a finished cache is reused its files are checked
-(``finished.read_checked``): a damaged one is built again.
+(``finished.read_checked``): a damaged one is built again. ``open_finished`` opens the finished
+cache (``finished.TokenCache``, which checks its files once) and builds nothing.
 
 SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (the workers are killed; the finished
 rows are kept for the next run).
