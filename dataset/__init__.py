@@ -26,9 +26,9 @@ Every module, in the order of the pipeline, with its one job:
 * ``printable``      data text for a terminal: control characters escaped
 
 From ``SFTDataset`` to token ids: ``sft_dataset`` opens the file's finished cache (``cache``) and
-builds none; the ids in it were written by ``cache.build`` (a step before: the training script's
-data setup, or ``build_cache_and_open``), which hands chunks of lines to ``cache.chunks``, which
-parses them and calls ``tokens``, the seam (then ``chatml_encoder`` or ``rendering``).
+builds none. The ids in it were written by ``cache.build`` (a step before: the training script's
+data setup, or ``build_cache_and_open``), which parses chunks of lines and calls ``tokens``, the
+seam, which calls its encoder (``chatml_encoder`` or ``rendering``): four modules, none passed twice.
 """
 
 from .augment import ChatAugmenter

@@ -1,7 +1,7 @@
 """The one seam from a conversation to its tokens: token ids and the loss mask of its assistant turns.
 
 Every path that turns a conversation into training tokens calls ``encode_conversations`` (or
-``encode_conversation`` for one): the token cache build (``cache.chunks``), evaluation
+``encode_conversation`` for one): the token cache build (``cache.build``), evaluation
 (``scripts/eval_sft.py``), the data inspector (``inspection.segments``) and the benchmarks. Which
 encoder runs behind it:
 

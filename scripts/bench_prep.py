@@ -6,7 +6,7 @@ Both sides start from the same jsonl lines (demo rows) and use the same tokenize
 ``model/tokenizer``), in this one process, with the tokenizer's own threads off
 (``TOKENIZERS_PARALLELISM=false``): one core each. Figures: docs/benchmarks.md.
 
-* ours: what a build worker does with a chunk of lines (``dataset.cache.chunks.encode_chunk``
+* ours: what a build worker does with a chunk of lines (``dataset.cache.build.encode_chunk``
   through the seam ``dataset.tokens.encode_conversations``): parse,
   render through the chat template, every assistant turn's loss span, tokenize, loss mask, cut to
   ``--max_seq_len``; a fresh encoder per data set (its remembered system turns start empty).
@@ -165,8 +165,7 @@ COLUMNS = [("ours", "ours"), ("ours_whole", "ours whole"), ("ours_general", "gen
 def run_prep(options, tokenizer, machine: str = "") -> dict:
     """Time the ways on both data sets (module docstring); print the table and return the figures."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core: no tokenizer threads
-    from dataset.cache.build import CHUNK_LINES
-    from dataset.cache.chunks import encode_chunk
+    from dataset.cache.build import CHUNK_LINES, encode_chunk
     from dataset.chatml_encoder import ChatMLEncoder
     from dataset.tokens import encode_conversations
 

@@ -11,11 +11,15 @@ Layout of ``<cache_root>/<key>/``:
 ``key`` (``key.cache_key``) hashes the data file's bytes, the tokenizer fingerprint (vocab,
 merges, special tokens, chat template), ``max_seq_len``, ``CACHE_VERSION`` (the layout) and
 ``TOKENS_VERSION`` (the code that turns a row into tokens and labels); ``meta.json`` records
-``tokens_version`` and a cache that records another one is built again. Chunks of lines are
-tokenized by worker processes (``chunks``, ``workers``) and appended to a resumable build
-(``resumable``): a killed build keeps the rows it committed and the next build of the same key
-continues after them; the finished cache is renamed into place, so a reader never sees a
-half-written cache.
+``tokens_version`` and a cache that records another one is built again. The file is read in chunks
+of ``CHUNK_LINES`` lines; each chunk is parsed (``formats``) and encoded through the one seam from
+a conversation to its tokens (``dataset.tokens``) by ``encode_chunk``, in the worker processes of
+``workers.WorkerPool`` (or in this process when the build has one core), and appended to a
+resumable build (``resumable``): a killed build keeps the rows it committed and the next build of
+the same key continues after them; the finished cache is renamed into place, so a reader never
+sees a half-written cache. Before a finished cache is reused its files are checked
+(``finished.read_checked``): a damaged one is built again. ``open_finished`` opens the finished
+cache (``finished.TokenCache``, which checks its files once) and builds nothing.
 
 SIGTERM or SIGINT during a build raise ``BuildInterrupted`` (the workers are killed; the finished
 rows are kept for the next run).
@@ -24,25 +28,26 @@ rows are kept for the next run).
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
 import os
 import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from ..formats import DataError
+from ..formats import DataError, LineError, parse_line
 from ..rendering import token_dtype
-from ..sources import check_data_file
-from .chunks import count_lines, default_num_proc, encode_here, iter_chunks, start_pool, stop_encoding
+from ..sources import check_data_file, open_lines
+from ..tokens import encode_conversations, uses_chatml_encoder
+from .finished import TokenCache, read_checked, read_meta
 from .key import CACHE_VERSION, TOKENS_CHANGES, TOKENS_VERSION, cache_key, data_digest
 from .resumable import PartialBuild, Progress, remove_stale_partials
-from .workers import STOP_SIGNALS
+from .workers import STOP_SIGNALS, WorkerPool, default_num_proc
 
 CHUNK_LINES = 512  # lines per task of a worker
 PROGRESS_S = 10.0  # seconds between progress lines while building
@@ -204,49 +209,119 @@ def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, b
     })
 
 
-# ----------------------------------------------------------------------------- loading
+# ----------------------------------------------------------------------------- a chunk: what a worker does
+
+_worker_tokenizer = None  # the tokenizer of this worker process (set by ``start_pool`` or ``encode_here``)
 
 
-def read_meta(cache: Path) -> dict:
-    return json.loads((cache / "meta.json").read_text(encoding="utf-8"))
+def iter_chunks(path: Path, max_seq_len: int, start_row: int, chunk_lines: int) -> Iterator[tuple[int, list[bytes], int]]:
+    """Tasks ``(first line number, lines, max_seq_len)`` of ``chunk_lines`` lines, from the line
+    after the first ``start_row`` ones (read past, not parsed)."""
+    lines: list[bytes] = []
+    first_line = 1
+    for number, line in enumerate(itertools.islice(open_lines(path), start_row, None), start=start_row + 1):
+        if not lines:
+            first_line = number
+        lines.append(line)
+        if len(lines) == chunk_lines:
+            yield first_line, lines, max_seq_len
+            lines = []
+    if lines:
+        yield first_line, lines, max_seq_len
 
 
-def cache_damage(cache: Path) -> str | None:
-    """What is wrong with the files of the finished cache ``cache`` (one phrase), or None when they
-    agree with each other: ``meta.json`` readable, ``offsets.npy`` whole with ``num_samples + 1``
-    entries from 0 to ``num_tokens``, ``tokens.bin`` and ``loss_mask.bin`` ``num_tokens`` entries
-    long. A file cut short (a copy stopped halfway, a disk that filled outside the build, a lost
-    write) is found here, not as a numpy error at the first step."""
-    try:
-        meta = read_meta(cache)
-        samples, tokens, itemsize = meta["num_samples"], meta["num_tokens"], np.dtype(meta["dtype"]).itemsize
-    except (ValueError, TypeError, KeyError) as exc:
-        return f"meta.json is not a cache record ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-    try:
-        with open(cache / "offsets.npy", "rb") as f:
-            np.lib.format.read_magic(f)
-            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
-            data_start = f.tell()
-    except (OSError, ValueError) as exc:
-        return f"offsets.npy cannot be read ({exc.strerror if isinstance(exc, OSError) else exc})"
-    if shape != (samples + 1,) or dtype != np.int64:
-        return f"offsets.npy holds {dtype} {shape}, int64 ({samples + 1},) expected"
-    expected = {"offsets.npy": data_start + (samples + 1) * 8, "tokens.bin": tokens * itemsize, "loss_mask.bin": tokens}
-    for name, size in expected.items():
-        actual = (cache / name).stat().st_size if (cache / name).is_file() else None
-        if actual != size:
-            return f"{name} has {'no file' if actual is None else f'{actual:,} bytes'}, {size:,} expected"
-    offsets = np.memmap(cache / "offsets.npy", dtype=np.int64, mode="r", offset=data_start)
-    if offsets[0] != 0 or offsets[-1] != tokens:
-        return f"offsets.npy runs from {offsets[0]:,} to {offsets[-1]:,}, from 0 to {tokens:,} expected"
-    return None
+def count_lines(path: Path) -> int:
+    return sum(1 for _ in open_lines(path))
 
 
-def check_cache(cache: Path) -> None:
-    """Raise ``DataError`` (one line naming what to delete) when the finished cache is damaged."""
-    problem = cache_damage(cache)
-    if problem is not None:
-        raise DataError(f"the token cache {cache} is damaged: {problem}; delete {cache} and run again to build it anew")
+def encode_chunk(task: tuple[int, list[bytes], int], encode: Callable) -> dict:
+    """Parse and encode one chunk of lines (``first_line`` is the 1-based number of ``lines[0]``);
+    ``encode(conversations, max_seq_len)`` gives each one's (ids, mask) or its ``LineError``."""
+    first_line, lines, max_seq_len = task
+    numbers, conversations, bad = [], [], []
+    for line_number, raw_line in enumerate(lines, start=first_line):
+        if not raw_line.strip():
+            continue
+        try:
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise LineError(f"invalid UTF-8 at byte {exc.start}") from None
+            conversations.append(parse_line(line))
+            numbers.append(line_number)
+        except LineError as exc:
+            bad.append((line_number, str(exc)))
+    ids_parts, mask_parts, lengths = [], [], []
+    dropped = 0
+    for line_number, result in zip(numbers, encode(conversations, max_seq_len)):
+        if isinstance(result, LineError):
+            bad.append((line_number, str(result)))
+            continue
+        ids, mask = result
+        if not mask.any():
+            dropped += 1
+            continue
+        ids_parts.append(ids)
+        mask_parts.append(mask)
+        lengths.append(len(ids))
+    bad.sort()
+    return {
+        "ids": np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64),
+        "mask": np.concatenate(mask_parts) if mask_parts else np.zeros(0, dtype=bool),
+        "lengths": np.asarray(lengths, dtype=np.int64),
+        "bad": bad,
+        "dropped": dropped,
+        "rows": len(lines),
+    }
+
+
+def _encode_with_worker_tokenizer(conversations, max_seq_len: int) -> list:
+    return encode_conversations(_worker_tokenizer, conversations, max_seq_len)
+
+
+def encode_here(task: tuple[int, list[bytes], int]) -> dict:
+    """``encode_chunk`` with the tokenizer of this process (a worker's, or the builder's)."""
+    return encode_chunk(task, _encode_with_worker_tokenizer)
+
+
+def _init_worker(tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _init_pool_worker(tokenizer, cores: set[int] | None) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one worker per core: no tokenizer threads on top
+    if cores:
+        with contextlib.suppress(OSError):  # cores outside this job's CPU set: the ones it has
+            os.sched_setaffinity(0, cores)
+    _init_worker(tokenizer)
+
+
+def start_pool(tokenizer, num_workers: int, cores: set[int] | None = None) -> WorkerPool | None:
+    """A pool of ``num_workers`` processes running ``encode_here`` (None for one: this process
+    tokenizes, with ``encode_here`` too), allowed on ``cores`` (default: this process's);
+    ``stop_encoding`` when done."""
+    if num_workers <= 1:
+        _init_worker(tokenizer)
+        return None
+    uses_chatml_encoder(tokenizer)  # decided once here: the forked workers inherit it
+    return WorkerPool(encode_here, num_workers, _init_pool_worker, (tokenizer, cores), what="the token cache build")
+
+
+def stop_encoding(pool: WorkerPool | None) -> None:
+    """End the pool (if any) and forget this process's tokenizer."""
+    _init_worker(None)
+    if pool is not None:
+        pool.close()
+
+
+# ----------------------------------------------------------------------------- finding the cache
+
+
+def cache_target(path: Path, tokenizer, max_seq_len: int, cache_root: Path) -> tuple[str, Path]:
+    """The data file's digest and the directory its cache of this key has (finished or not)."""
+    digest = data_digest(path, cache_root)
+    return digest, Path(cache_root) / cache_key(digest, tokenizer, max_seq_len, TOKENS_VERSION)
 
 
 def check_bad_data_mode(bad_data: str) -> None:
@@ -265,10 +340,10 @@ class CacheNotBuilt(RuntimeError):
     out the build step (``build_or_reuse``), a bug in the code that opens the dataset."""
 
 
-def finished_cache(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error") -> Path:
-    """The directory of the finished cache of this (data, tokenizer, ``max_seq_len``); it builds
-    nothing. ``CacheNotBuilt`` when that cache is missing or records another tokens version
-    (``build_or_reuse`` would build it); a damaged one is ``check_cache``'s ``DataError``; in
+def open_finished(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error") -> TokenCache:
+    """The finished cache of this (data, tokenizer, ``max_seq_len``), opened; it builds nothing and
+    runs no collective. ``CacheNotBuilt`` when that cache is missing or records another tokens
+    version (``build_or_reuse`` would build it); a damaged one is ``TokenCache``'s ``DataError``; in
     ``bad_data="error"`` mode a cache that skipped bad lines raises their ``DataError``, as its
     build does."""
     check_bad_data_mode(bad_data)
@@ -279,19 +354,12 @@ def finished_cache(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     if not (target / "meta.json").is_file():
         raise CacheNotBuilt(f"{path}: its token cache {target} (this tokenizer, max_seq_len={max_seq_len}) is not "
                             f"built; {build_step}")
-    check_cache(target)
-    meta = read_meta(target)
-    if meta.get("tokens_version") != TOKENS_VERSION:
-        raise CacheNotBuilt(f"{path}: its token cache {target} records tokens version {meta.get('tokens_version')}, "
-                            f"not this code's {TOKENS_VERSION}; {build_step}")
-    check_bad_data(meta, bad_data)
-    return target
-
-
-def cache_target(path: Path, tokenizer, max_seq_len: int, cache_root: Path) -> tuple[str, Path]:
-    """The data file's digest and the directory its cache of this key has (finished or not)."""
-    digest = data_digest(path, cache_root)
-    return digest, Path(cache_root) / cache_key(digest, tokenizer, max_seq_len, TOKENS_VERSION)
+    cache = TokenCache(target)
+    if cache.meta.get("tokens_version") != TOKENS_VERSION:
+        raise CacheNotBuilt(f"{path}: its token cache {target} records tokens version "
+                            f"{cache.meta.get('tokens_version')}, not this code's {TOKENS_VERSION}; {build_step}")
+    check_bad_data(cache.meta, bad_data)
+    return cache
 
 
 def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error",
@@ -304,8 +372,8 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     check_data_file(path)
     digest, target = cache_target(path, tokenizer, max_seq_len, cache_root)
     if (target / "meta.json").is_file():
-        problem = cache_damage(target)
-        recorded = None if problem else read_meta(target).get("tokens_version")
+        meta, problem = read_checked(target)
+        recorded = None if problem else meta.get("tokens_version")
         if problem:
             print(f"{path.name}: the token cache {target} is damaged ({problem}): building it again",
                   file=sys.stderr, flush=True)

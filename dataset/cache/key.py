@@ -16,7 +16,7 @@ CACHE_VERSION = 1  # the layout of the files
 # The version of everything besides the tokenizer (whose fingerprint is in the key already) that
 # decides a row's tokens and loss mask: reading lines (sources), parsing (formats), rendering and
 # loss spans (rendering, tokens), truncation to max_seq_len, which rows are skipped or dropped
-# (cache.chunks). Every change to the tokens or labels of any row needs a new version, or caches
+# (cache.build). Every change to the tokens or labels of any row needs a new version, or caches
 # built by another version's code are reused: tests/dataset/test_tokens_version.py holds a digest of the
 # tokens and labels of fixed conversations per version and fails when they change without one.
 TOKENS_VERSION = 4

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..formats import DataError
 from .build import BuildInterrupted, build_or_reuse, interrupts_raise
-from .chunks import usable_cores
+from .workers import usable_cores
 
 WAIT_FIRST_S = 2.0  # a rank that has waited this long says what for (a reused cache is ready sooner)
 WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting

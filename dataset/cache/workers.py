@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -36,6 +37,19 @@ from multiprocessing.connection import wait
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _CAN_HOLD_SIGNALS = hasattr(signal, "pthread_sigmask")  # not on Windows
+
+
+def usable_cores() -> set[int]:
+    """The cores this process may run on (its CPU affinity: a job's share of the machine)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return set(range(os.cpu_count() or 1))
+
+
+def default_num_proc() -> int:
+    """One worker process per core this process may run on."""
+    return max(1, len(usable_cores()))
 
 
 class WorkerDied(RuntimeError):

@@ -104,7 +104,7 @@ def test_the_training_data_setup_builds_each_file_s_cache_once_then_opens_it(tmp
 CORES_CODE = """
 import os, sys
 from dataset import load_tokenizer
-from dataset.cache.chunks import encode_here, start_pool, stop_encoding
+from dataset.cache.build import encode_here, start_pool, stop_encoding
 os.sched_setaffinity(0, {0})  # this rank's own core, as --cpus-per-task binds it
 pool = start_pool(load_tokenizer(None), 2, {0, 1})  # the cores of its node
 pool.submit((1, [], 64)).get(), pool.submit((1, [], 64)).get()  # each worker has run its initializer

@@ -3,9 +3,10 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from dataset import DataError, build_cache_and_open, load_tokenizer
+from dataset import DataError, SFTDataset, build_cache_and_open, load_tokenizer
 from dataset.cache import TokenCache
 
 FILES = ("tokens.bin", "loss_mask.bin", "offsets.npy", "meta.json")
@@ -69,3 +70,16 @@ def test_offsets_that_do_not_end_at_the_token_count_are_damage(tokenizer, tmp_pa
     total = json.loads(files["meta.json"])["num_tokens"]
     with pytest.raises(DataError, match=rf"offsets.npy runs from 0 to 5, from 0 to {total:,} expected; delete"):
         TokenCache(cache)
+
+
+def test_opening_a_finished_cache_checks_its_files_once(tokenizer, tmp_path, monkeypatch):
+    """One open reads ``meta.json`` once and the header of ``offsets.npy`` once: the damage check
+    runs in one place (``TokenCache``), not again before it."""
+    cache, _ = built_cache(tokenizer, tmp_path)
+    reads = []
+    real_header, real_read_text = np.lib.format.read_array_header_1_0, Path.read_text
+    monkeypatch.setattr(np.lib.format, "read_array_header_1_0", lambda f: reads.append("header") or real_header(f))
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or real_read_text(self, *a, **k))
+    opened = SFTDataset(tmp_path / "a.jsonl", tokenizer, 64)
+    assert opened.cache_path == cache and len(opened) == 7
+    assert sorted(name for name in reads if name in ("header", "meta.json")) == ["header", "meta.json"]
