@@ -31,6 +31,7 @@ EARLY_PREEMPTION = PreemptionFlag().install() if __name__ == "__main__" else Non
 import torch
 
 from dataset.mixture import absolute_data_path
+from dataset.printable import print_escaped, printable
 from trainer.args import parse_args
 from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint, load_resume_checkpoint
 from trainer.checkpoint.save_dir import SaveDirLock, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir
@@ -116,7 +117,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
 
     # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
     # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
-    log = print if ctx.is_main else (lambda message: None)
+    log = print_escaped if ctx.is_main else (lambda message: None)
     warn_single_process_flags(args, ctx, log)
     dtype = resolve_dtype(args.dtype, ctx.device, log)  # --dtype float16 on a CPU: refused before any data is read
     weights = read_initial_weights(args, log)
@@ -217,7 +218,9 @@ def fail(message: str, code: int, every_rank: bool = False) -> int:
     """Print one line and return the exit code. With a live process group, leave at once
     instead: freeing a DDP model after a failure can deadlock gloo's teardown, and the peers
     are failing (or already gone) anyway. ``every_rank``: a line that other ranks may fail with
-    too (bad data, a missing file): printed once where they agree (`print_once`)."""
+    too (bad data, a missing file): printed once where they agree (`print_once`). The line is
+    escaped: it may name a file whose name holds control characters."""
+    message = printable(message)
     if every_rank:
         print_once(message)
     else:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dataset.printable import print_escaped
 from trainer.errors import DistributedError, first_line
 from trainer.runtime.preemption import forward_to
 
@@ -366,6 +367,6 @@ def spawn_local_workers(entry, argv, world_size: int) -> int:
     except mp.ProcessExitedException as error:
         return error.exit_code if error.exit_code and error.exit_code > 0 else 1
     except mp.ProcessRaisedException as error:
-        print(f"error: a worker failed: {first_line(error)}", flush=True)
+        print_escaped(f"error: a worker failed: {first_line(error)}")
         return 1
     return 0
