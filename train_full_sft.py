@@ -37,7 +37,7 @@ from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint
 from trainer.checkpoint.save_dir import SaveDirLock, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir
 from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.errors import (
-    USER_ERRORS, BuildInterrupted, CheckpointError, TrainingError, names_a_user_path,
+    USER_ERRORS, BuildInterrupted, CheckpointError, NodeLaunchError, TrainingError, names_a_user_path,
 )
 from trainer.evaluation.evaluate import metric_names
 from trainer.evaluation.selection import check_selection, flag_problems as selection_flag_problems
@@ -54,6 +54,7 @@ from trainer.runtime.distributed import (
     spawn_local_workers, spawned_by_us,
 )
 from trainer.runtime.kernels import prefer_flash_attention
+from trainer.runtime.node_lines import print_for_node
 from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler, resolve_dtype
 from trainer.runtime.seeding import setup_seed
 
@@ -200,6 +201,9 @@ def main(argv=None) -> int:
         return run_training(args, preemption)
     except BuildInterrupted as interrupt:
         return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
+    except NodeLaunchError as error:  # before the process group, alike on the node's every process
+        print_for_node(printable(f"error: {error}"))
+        return 2
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2, every_rank=True)
     except TrainingError as error:
