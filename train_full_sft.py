@@ -31,12 +31,13 @@ EARLY_PREEMPTION = PreemptionFlag().install() if __name__ == "__main__" else Non
 import torch
 
 from dataset.mixture import absolute_data_path
+from dataset.printable import print_escaped, printable
 from trainer.args import parse_args
 from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint, load_resume_checkpoint
 from trainer.checkpoint.save_dir import SaveDirLock, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir
 from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.errors import (
-    USER_ERRORS, BuildInterrupted, CheckpointError, TrainingError, names_a_user_path,
+    USER_ERRORS, BuildInterrupted, CheckpointError, NodeLaunchError, TrainingError, names_a_user_path,
 )
 from trainer.evaluation.evaluate import metric_names
 from trainer.evaluation.selection import check_selection, flag_problems as selection_flag_problems
@@ -53,6 +54,7 @@ from trainer.runtime.distributed import (
     spawn_local_workers, spawned_by_us,
 )
 from trainer.runtime.kernels import prefer_flash_attention
+from trainer.runtime.node_lines import print_for_node
 from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler, resolve_dtype
 from trainer.runtime.seeding import setup_seed
 
@@ -116,7 +118,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
 
     # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
     # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
-    log = print if ctx.is_main else (lambda message: None)
+    log = print_escaped if ctx.is_main else (lambda message: None)
     warn_single_process_flags(args, ctx, log)
     dtype = resolve_dtype(args.dtype, ctx.device, log)  # --dtype float16 on a CPU: refused before any data is read
     weights = read_initial_weights(args, log)
@@ -199,6 +201,9 @@ def main(argv=None) -> int:
         return run_training(args, preemption)
     except BuildInterrupted as interrupt:
         return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
+    except NodeLaunchError as error:  # before the process group, alike on the node's every process
+        print_for_node(printable(f"error: {error}"))
+        return 2
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2, every_rank=True)
     except TrainingError as error:
@@ -217,7 +222,9 @@ def fail(message: str, code: int, every_rank: bool = False) -> int:
     """Print one line and return the exit code. With a live process group, leave at once
     instead: freeing a DDP model after a failure can deadlock gloo's teardown, and the peers
     are failing (or already gone) anyway. ``every_rank``: a line that other ranks may fail with
-    too (bad data, a missing file): printed once where they agree (`print_once`)."""
+    too (bad data, a missing file): printed once where they agree (`print_once`). The line is
+    escaped: it may name a file whose name holds control characters."""
+    message = printable(message)
     if every_rank:
         print_once(message)
     else:

@@ -4,6 +4,11 @@ escape sequence, ``\\x07`` rings the bell).
 
 Newlines and tabs stay (the views lay text out with them); every other C0 control, DEL and the C1
 controls are written as Python writes them in a string literal (``\\r``, ``\\x1b``, ``\\x07``).
+
+``print_escaped`` prints the lines of ours that name a user's files or quote their data (the
+trainer's start lines, notes, cache progress and errors): a file called ``a\\rb.jsonl`` shows as
+that, not as ``b.jsonl`` over the line's start. Those lines hold no control characters of their own
+but newlines, so escaping a whole line escapes exactly the names and data in it.
 """
 
 from __future__ import annotations
@@ -16,3 +21,8 @@ _ESCAPES[ord("\r")] = "\\r"
 def printable(text: str) -> str:
     """``text`` with its control characters (but newlines and tabs) escaped."""
     return text.translate(_ESCAPES)
+
+
+def print_escaped(message: str, file=None) -> None:
+    """Print ``message`` (a line of ours that may name files or quote data) escaped, and flush."""
+    print(printable(message), file=file, flush=True)

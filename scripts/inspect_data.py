@@ -91,6 +91,15 @@ def choose_tokenizer(args) -> tuple[object, str, list[str]]:
     return tokenizer, name, notes
 
 
+def check_position_tables(args, tokenizer) -> None:
+    """The trainer's bound on --max_seq_len, refused in its one line (exit 2) before any row is read:
+    the RoPE tables of the model it would build (its default architecture) must fit in memory."""
+    from trainer.args import build_parser as trainer_parser
+    from trainer.model_setup import build_model_config
+
+    build_model_config(trainer_parser().parse_args(["--max_seq_len", str(args.max_seq_len)]), tokenizer)
+
+
 def file_problems(sources) -> list[str]:
     """What the trainer refuses a data file for before reading its rows (empty, one JSON array, ...)."""
     from dataset.formats import DataError
@@ -117,6 +126,7 @@ def main() -> int:
     from dataset.printable import printable
 
     tokenizer, tokenizer_name, notes = choose_tokenizer(args)
+    check_position_tables(args, tokenizer)
     sources = parse_data_path(args.data_path)
     per_source = math.ceil(args.samples / len(sources)) if args.samples else 0
     reports = [inspect_source(source, tokenizer, args.max_seq_len, args.rows, per_source) for source in sources]

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
+from trainer.runtime.node_lines import print_for_node
+
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAIN_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_train.jsonl")
 DEFAULT_EVAL_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_eval.jsonl")
@@ -63,10 +65,11 @@ def add_flag(group, *names: str, at_least=None, above=None, at_most=None, **kwar
 
 
 class FlagParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, `error: ...` (exit 2), not the usage first."""
+    """An argument parser whose errors are one line, `error: ...` (exit 2), not the usage first. Every
+    process of a launch parses the same flags: one of each node prints the line."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"error: {message}", file=sys.stderr)
+        print_for_node(f"error: {message}")
         sys.exit(2)
 
 

@@ -16,6 +16,7 @@ from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistr
 from dataset.cache import build_or_reuse_on_node, default_cache_root
 from dataset.inspection.report import training_summary
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, lone_weight_note, parse_data_path
+from dataset.printable import print_escaped
 from trainer.args import held_out_files
 from trainer.evaluation.evaluate import EvalSet, generation_examples
 from trainer.evaluation.selection import eval_set_names
@@ -108,7 +109,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     build_token_caches([path for source in parse_data_path(args.data_path) for path in source.files], args, tokenizer)
     dataset, mixture, opened = build_mixture(args, tokenizer, augmenter, rank_zero_log(ctx))
     if ctx.rank == 0:  # what is supervised per segment, rows dropped and why, warnings: from a few hundred rows
-        print("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
+        print_escaped("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
                                           drop_empty_think=args.drop_empty_think_ratio > 0)))
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
@@ -137,7 +138,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
 
 
 def rank_zero_log(ctx):
-    return print if ctx.rank == 0 else (lambda message: None)
+    return print_escaped if ctx.rank == 0 else (lambda message: None)
 
 
 def eval_data_paths(args) -> list[str]:
@@ -167,8 +168,8 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
             why = (f"the file has only {len(samples)} conversations" if len(examples) == len(samples) else
                    f"only {len(examples)} of its {len(samples)} conversations end with a whole assistant turn "
                    "(the others were cut by --max_seq_len)")
-            print(f"[eval] {name}: {len(examples)} generation prompts of the {args.eval_generate_samples} asked for "
-                  f"(--eval_generate_samples): {why}", flush=True)
+            print_escaped(f"[eval] {name}: {len(examples)} generation prompts of the {args.eval_generate_samples} asked for "
+                  f"(--eval_generate_samples): {why}")
         tool_turns = sum(bool(example.reference_calls) for example in examples)
         forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
         eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size],

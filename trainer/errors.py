@@ -26,6 +26,12 @@ class DistributedError(RuntimeError):
     """A launch that cannot work (devices, backend, rendezvous), with a one-line reason."""
 
 
+class NodeLaunchError(DistributedError):
+    """A launch that cannot work, found before the process group starts and alike by every process
+    of the node (same flags, environment and devices): printed by local rank 0 only
+    (trainer/runtime/node_lines.py)."""
+
+
 class SelectionError(ValueError):
     """--keep_best / --early_stop_patience that cannot work with this run's eval data."""
 

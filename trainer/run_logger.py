@@ -13,6 +13,7 @@ import sys
 import time
 from urllib.parse import urlparse
 
+from dataset.printable import print_escaped, printable
 from trainer.errors import LoggingError
 
 WANDB_MODES_WITHOUT_LOGIN = ("offline", "dryrun", "disabled")
@@ -110,6 +111,7 @@ class RunLogger:
         if "resumed_at_step" in figures:  # the first window after a resume is shorter than --log_interval
             steps = figures["loss_steps"]
             line += f" | loss over {steps} step{'' if steps == 1 else 's'} since the resume at step {figures['resumed_at_step']}"
+        line = printable(line)  # the sources' names come from the user's files
         if self.use_bar:
             self._update_bar(step, total_steps, line)
         else:
@@ -167,9 +169,9 @@ class RunLogger:
         if not self.enabled:
             return
         if self.bar is not None:
-            self.bar.write(message)
+            self.bar.write(printable(message))
         else:
-            print(message, flush=True)
+            print_escaped(message)
 
     def finish(self, exit_code: int = 0) -> None:
         if self.bar is not None:

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from ..formats import DataError, LineError, parse_line
+from ..printable import print_escaped
 from ..rendering import token_dtype
 from ..sources import check_data_file, open_lines
 from ..tokens import encode_conversations, uses_chatml_encoder
@@ -106,8 +107,9 @@ class BuildProgress:
             elapsed = max(now - self.start, 1e-9)
             rate = (self.done - self.start_row) / elapsed
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            print(f"tokenizing {self.path.name}: {self.done:,}/{self.total:,} rows ({100 * self.done / max(self.total, 1):.0f}%), "
-                  f"{rate:,.0f} rows/s, elapsed {elapsed:.0f} s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+            print_escaped(f"tokenizing {self.path.name}: {self.done:,}/{self.total:,} rows "
+                          f"({100 * self.done / max(self.total, 1):.0f}%), {rate:,.0f} rows/s, elapsed {elapsed:.0f} s, "
+                          f"ETA {eta:.0f} s", file=sys.stderr)
 
 
 def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data: str, num_proc: int,
@@ -136,7 +138,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
             done = partial.resume(target.name, data_file, digest, lambda: count_lines(path))
             total_rows, start_row = done.total_rows, done.rows
             if start_row:
-                print(restart_line(path, data_file, partial.earlier), file=sys.stderr, flush=True)
+                print_escaped(restart_line(path, data_file, partial.earlier), file=sys.stderr)
             chunks = iter_chunks(path, max_seq_len, start_row, CHUNK_LINES)
             remaining = -(-(total_rows - start_row) // CHUNK_LINES)
             pool = start_pool(tokenizer, min(num_proc, remaining), cores)
@@ -375,12 +377,12 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
         meta, problem = read_checked(target)
         recorded = None if problem else meta.get("tokens_version")
         if problem:
-            print(f"{path.name}: the token cache {target} is damaged ({problem}): building it again",
-                  file=sys.stderr, flush=True)
+            print_escaped(f"{path.name}: the token cache {target} is damaged ({problem}): building it again",
+                          file=sys.stderr)
             _remove_cache(target)
         elif recorded != TOKENS_VERSION:
-            print(f"{path.name}: the token cache {target} records tokens version {recorded}, not this code's "
-                  f"{TOKENS_VERSION}: building it again", file=sys.stderr, flush=True)
+            print_escaped(f"{path.name}: the token cache {target} records tokens version {recorded}, not this code's "
+                          f"{TOKENS_VERSION}: building it again", file=sys.stderr)
             _remove_cache(target)
     if not (target / "meta.json").is_file():
         _report_older_caches(path, digest, tokenizer, max_seq_len, cache_root)
@@ -394,9 +396,10 @@ def _report_older_caches(path: Path, digest: str, tokenizer, max_seq_len: int, c
     for version in range(1, TOKENS_VERSION):
         older = cache_root / cache_key(digest, tokenizer, max_seq_len, version)
         if (older / "meta.json").is_file():
-            print(f"{path.name}: not reusing the token cache {older}: it was built by older code (tokens version "
-                  f"{version}; this code tokenizes as version {TOKENS_VERSION}: {TOKENS_CHANGES[TOKENS_VERSION]}); "
-                  "building a new one (delete the old one once no older minisft uses it)", file=sys.stderr, flush=True)
+            print_escaped(f"{path.name}: not reusing the token cache {older}: it was built by older code (tokens "
+                          f"version {version}; this code tokenizes as version {TOKENS_VERSION}: "
+                          f"{TOKENS_CHANGES[TOKENS_VERSION]}); building a new one (delete the old one once no older "
+                          "minisft uses it)", file=sys.stderr)
 
 
 def _remove_cache(cache: Path) -> None:

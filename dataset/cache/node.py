@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from ..formats import DataError
+from ..printable import print_escaped
 from .build import BuildInterrupted, build_or_reuse, interrupts_raise
 from .workers import usable_cores
 
@@ -117,4 +118,4 @@ def _poll(done, waiting: str) -> None:
         now = time.monotonic()
         if now >= next_report:
             next_report = now + WAIT_REPORT_S
-            print(f"{waiting} ({now - start:.0f} s)", flush=True)
+            print_escaped(f"{waiting} ({now - start:.0f} s)")

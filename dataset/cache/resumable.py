@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from ..formats import DataError
+from ..printable import print_escaped
 
 PARTIAL_PREFIX = ".partial-"
 PROGRESS_VERSION = 1
@@ -156,8 +157,8 @@ class PartialBuild:
             if last_report is None or now - last_report >= WAIT_REPORT_S:  # at once, then every WAIT_REPORT_S
                 last_report = now
                 owner = (self.dir / "lock").read_text(encoding="utf-8").strip() or "another process"
-                print(f"waiting for process {owner}, which is building this token cache, {self.target} "
-                      f"({now - start:.0f} s)", file=sys.stderr, flush=True)
+                print_escaped(f"waiting for process {owner}, which is building this token cache, {self.target} "
+                              f"({now - start:.0f} s)", file=sys.stderr)
             time.sleep(WAIT_POLL_S)
         return False
 
@@ -206,8 +207,8 @@ class PartialBuild:
                 self.progress = old
                 self.progress.stopped = None  # running again
             else:
-                print(f"{self.dir}: the partial token cache is shorter than its progress record; starting it again",
-                      file=sys.stderr, flush=True)
+                print_escaped(f"{self.dir}: the partial token cache is shorter than its progress record; starting "
+                              "it again", file=sys.stderr)
         if self.progress is None:
             (self.dir / "progress.json").unlink(missing_ok=True)
             self.progress = Progress(key, data_file, data_digest, count_rows())

@@ -89,6 +89,19 @@ def test_flags_are_checked_as_the_trainer_does_and_an_empty_file_is_warned(mixtu
     assert f"warning: {empty}: data file is empty (training refuses this file)" in result.stdout.splitlines()
 
 
+def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_the_trainers_one_line_before_the_data_is_read(tmp_path):
+    """The trainer's own bound (trainer/model_setup.py): a missing data file is not reached."""
+    from trainer.model_setup import host_memory_bytes
+
+    far = 10**12
+    result = inspect("--data_path", str(tmp_path / "missing.jsonl"), "--max_seq_len", str(far))
+    peak, memory = 4 * far * 96 * 4 / 2**30, host_memory_bytes() / 2**30  # 96: the default model's head_dim
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"error: --max_seq_len {far}: the RoPE tables for {far} positions need {peak:.1f} GiB, more than a quarter of "
+        f"this machine's {memory:.1f} GiB; --max_seq_len is the longest sample in tokens (default 512)"], result.stderr
+    assert result.stdout == ""
+
+
 def save_tokenizer(folder: Path, template_change=None) -> Path:
     folder.mkdir(parents=True)
     tokenizer = load_tokenizer(None)

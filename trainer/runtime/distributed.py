@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.errors import DistributedError, first_line
+from dataset.printable import print_escaped
+from trainer.errors import DistributedError, NodeLaunchError, first_line
 from trainer.runtime.preemption import forward_to
 
 
@@ -73,13 +74,14 @@ def slurm_master_addr() -> str:
 
 
 def pick_device(args, local_rank: int, env=os.environ) -> torch.device:
-    """The device of this process. `--device` is already checked (auto | cpu | cuda | cuda:N)."""
+    """The device of this process. `--device` is already checked (auto | cpu | cuda | cuda:N). A
+    device that cannot be had is refused alike on each process of the node (`NodeLaunchError`)."""
     if args.device not in ("auto", "cuda"):
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise DistributedError(f"--device {args.device} asked for, but CUDA is not available")
+            raise NodeLaunchError(f"--device {args.device} asked for, but CUDA is not available")
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-            raise DistributedError(f"--device {args.device}: only {torch.cuda.device_count()} GPU(s) visible "
+            raise NodeLaunchError(f"--device {args.device}: only {torch.cuda.device_count()} GPU(s) visible "
                                    f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         return device
     if torch.cuda.is_available():
@@ -88,7 +90,7 @@ def pick_device(args, local_rank: int, env=os.environ) -> torch.device:
                                    env.get("CUDA_VISIBLE_DEVICES", "unset"))
         return torch.device("cuda", index)
     if args.device == "cuda":
-        raise DistributedError("--device cuda asked for, but CUDA is not available")
+        raise NodeLaunchError("--device cuda asked for, but CUDA is not available")
     return torch.device("cpu")
 
 
@@ -100,13 +102,15 @@ def gpu_for_local_rank(local_rank: int, local_processes: int | None, visible: in
     process's first visible GPU is its own, whatever its local rank. Otherwise the node's
     `local_processes` (None: the launcher does not say; at least local_rank + 1) share the
     `visible` GPUs, one each, `cuda:local_rank`; more processes than GPUs is refused here, before
-    the process group starts (two ranks on one GPU fail later in NCCL with a misleading error).
+    the process group starts (two ranks on one GPU fail later in NCCL with a misleading error): when
+    the launcher says how many processes the node has, each of them refuses alike (`NodeLaunchError`).
     """
     if per_task:
         return 0
     needed = max(local_processes or 0, local_rank + 1)
     if needed > visible:
-        raise DistributedError(
+        refusal = NodeLaunchError if local_processes is not None else DistributedError
+        raise refusal(
             f"{needed} processes on this node but this process sees {visible} GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={visible_env}): start at most {visible} per node (torchrun --nproc_per_node "
             f"{visible}, srun --ntasks-per-node {visible}), or give each process its own GPU (srun --gpus-per-task 1)"
@@ -157,7 +161,7 @@ def init_distributed(args) -> DistContext:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise DistributedError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
+        raise NodeLaunchError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     try:
         dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None,
@@ -366,6 +370,6 @@ def spawn_local_workers(entry, argv, world_size: int) -> int:
     except mp.ProcessExitedException as error:
         return error.exit_code if error.exit_code and error.exit_code > 0 else 1
     except mp.ProcessRaisedException as error:
-        print(f"error: a worker failed: {first_line(error)}", flush=True)
+        print_escaped(f"error: a worker failed: {first_line(error)}")
         return 1
     return 0

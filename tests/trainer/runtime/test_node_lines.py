@@ -1,0 +1,47 @@
+"""An error that every process of a node meets alike before the process group starts is printed
+once per node, by local rank 0; one that only some processes meet is printed by each of them."""
+
+import re
+
+import pytest
+
+from tests.helpers.trainer_launch import TINY, run_trainer
+from trainer.errors import DistributedError, NodeLaunchError
+from trainer.runtime.distributed import gpu_for_local_rank
+from trainer.runtime.node_lines import prints_for_node
+
+
+def test_local_rank_zero_prints_for_its_node():
+    assert prints_for_node({})  # no launcher: the only process
+    torchrun = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    assert [prints_for_node({**torchrun, "LOCAL_RANK": str(rank), "RANK": str(8 + rank)}) for rank in range(3)] == [
+        True, False, False]
+    assert prints_for_node({"LOCAL_RANK": "1"})  # left in the shell, no launch (as distributed.launch_env reads it)
+    slurm = {"SLURM_NTASKS": "16", "SLURM_PROCID": "9"}
+    assert [prints_for_node({**slurm, "SLURM_LOCALID": str(rank)}) for rank in range(3)] == [True, False, False]
+    assert prints_for_node({"SLURM_NTASKS": "1", "SLURM_LOCALID": "3"})  # one task: not a launch of several
+    # torchrun inside an srun task: torchrun's local rank counts
+    assert not prints_for_node({**slurm, **torchrun, "SLURM_LOCALID": "0", "LOCAL_RANK": "1", "RANK": "1"})
+
+
+def test_only_a_refusal_that_every_process_of_the_node_meets_is_a_node_line():
+    for rank in range(2):  # the launcher says 2 processes: both refuse with the same line
+        with pytest.raises(NodeLaunchError):
+            gpu_for_local_rank(rank, 2, 1, False)
+    # No launcher says how many: local rank 0 does not refuse, local rank 2 does, and prints it itself
+    assert gpu_for_local_rank(0, None, 2, False) == 0
+    with pytest.raises(DistributedError) as refused:
+        gpu_for_local_rank(2, None, 2, False)
+    assert not isinstance(refused.value, NodeLaunchError)
+
+
+@pytest.mark.slow
+def test_a_flag_error_under_torchrun_is_printed_once_and_the_run_exits_2(tmp_path):
+    result = run_trainer([*TINY, "--epochs", "0", "--save_dir", str(tmp_path / "run")], nproc=2, check=False,
+                         timeout=120)
+    output = result.stdout + result.stderr
+    assert output.count("error: --epochs must be >= 1 (got 0)") == 1, output[-3000:]
+    # torchrun's report per worker: 2, or SIGTERM from torchrun once the other worker has exited
+    codes = re.findall(r"exitcode\s*: (\S+) \(pid", output)
+    assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, output[-3000:]
+    assert not (tmp_path / "run").exists()
