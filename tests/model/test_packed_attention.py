@@ -96,3 +96,30 @@ def test_the_varlen_path_compiles_without_a_graph_break(monkeypatch):
     varlen_loss = model(ids, **inputs).loss
     monkeypatch.setattr(packed_attention, "varlen_attn", None)  # the bucketed SDPA path
     assert torch.allclose(varlen_loss, model(ids, **inputs).loss, atol=1e-6)
+
+
+def test_the_varlen_path_compiles_again_at_most_twice_over_changing_documents(monkeypatch):
+    """Packed batches differ in their number of documents (the length of cu_seqlens) and their
+    longest document (an int handed to the kernel): after the first graph, dynamo makes both
+    symbolic instead of compiling each batch again."""
+    from torch._dynamo.testing import CompileCounter
+
+    from model.loss import loss_positions_of
+    from tests.model.test_model import tiny_model
+
+    monkeypatch.setattr(packed_attention, "varlen_attn", varlen_as_an_op)
+    monkeypatch.setattr(packed_attention, "_half_precision_dtype", lambda q: q.dtype)
+    monkeypatch.setattr(packed_attention, "_sm80_or_newer", lambda device_index: True)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = torch.compile(tiny_model().train(), backend=counter)
+    layouts = [[[5, 9, 3], [12, 4], [20]], [[24], [7, 7, 7], [1, 2, 3, 4]], [[10, 10], [3, 3, 3, 3, 3], [23]],
+               [[2] * 12, [16, 8], [9, 9]], [[24], [24], [24]]]
+    frames = []
+    for lengths in layouts:
+        ids, positions = packed_rows(lengths, row_len=24)
+        layout = PackedDocuments(*document_starts(positions), positions.shape)
+        model(ids, position_ids=positions, labels=ids, skip_logits=True, loss_positions=loss_positions_of(ids),
+              packed_layout=layout)
+        frames.append(counter.frame_count)
+    assert frames[0] == 1 and frames[-1] - frames[0] <= 2, frames
