@@ -48,8 +48,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):
         weight = weight.to(x.dtype)
         if x.is_cuda:
-            return F.rms_norm(x, weight.shape, weight, eps)
+            return aten_rms_norm(x, weight, eps)
         return _RMSNormFunction.apply(x, weight, eps)
+
+
+def aten_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """ATen's RMSNorm over the last dimension (fused on CUDA), `weight` in x's dtype."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 class MiniMindRMSNorm(nn.Module):

@@ -46,6 +46,24 @@ def test_forward_and_backward_dispatch_14_ops_where_autograd_s_graph_dispatches_
     assert counts == [14, 20]  # no zero-filled gradients for outputs nothing differentiates
 
 
+def test_aten_s_rms_norm_the_gpu_runs_equals_the_closed_form_in_values_and_gradients():
+    """The call the CUDA path makes (its eps, its normalized dimension), run on the CPU."""
+    from model.rms_norm import aten_rms_norm
+
+    norm = MiniMindRMSNorm(16, 1e-6)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        x, weight, grad = leaves(dtype)
+        x_ref, weight_ref, _ = leaves(dtype)
+        out, ref = aten_rms_norm(x, weight, 1e-6), norm(x_ref, weight_ref)
+        out.backward(grad)
+        ref.backward(grad)
+        for a, b in ((out, ref), (x.grad, x_ref.grad), (weight.grad, weight_ref.grad)):
+            assert torch.allclose(a, b, rtol=tol, atol=tol)
+    x, weight, _ = leaves(torch.float64)
+    small = (1e-3 * x).detach().requires_grad_()  # mean(x^2) near eps: eps is added where the closed form adds it
+    assert torch.allclose(aten_rms_norm(small, weight, 1e-6), norm(small, weight), rtol=1e-12, atol=1e-12)
+
+
 def test_a_cuda_tensor_goes_to_aten_s_rms_norm_in_its_own_dtype():
     """Traced on a fake CUDA device: the norm is one call of `F.rms_norm` (which a CUDA build of
     torch runs as its fused kernel, `_fused_rms_norm`: tests/test_cuda.py counts it), in the
