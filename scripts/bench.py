@@ -53,6 +53,7 @@ COLUMNS = [  # (JSON key, header, number format; text columns have none and are 
     ("pad_fraction", "pad", ".3f"),
     ("gflop_per_loss_token", "GFLOP/loss tok", ".4f"),
     ("mfu", "MFU", ".1%"),
+    ("host_share", "host %", ".0%"),
     ("peak_memory_mib", "peak MiB", ".0f"),
     ("step_memory_mib", "step MiB", ".0f"),
     ("speedup_vs_minimind", "x minimind", ".2f"),
@@ -165,6 +166,7 @@ class ModeRun:
     counts: Counts = dataclasses.field(default_factory=Counts)
     steps: int = 0
     seconds: float = 0.0
+    host_seconds: float = 0.0  # the host's time to issue the timed steps (no sync inside a step)
     warmup_steps: int = 0
     warmup_seconds: float = 0.0  # includes torch.compile's compilation when compiled
     peak_memory_mib: float = 0.0
@@ -224,9 +226,11 @@ def time_steps(mode_run: ModeRun, steps: int, device) -> None:
     timer = DeviceTimer(device)
     synchronize(device)
     timer.start()
+    issue_start = time.perf_counter()
     for _ in range(steps):
         for batch in optimizer_step_once(mode_run.run, mode_run.batches, mode_run.args):
             mode_run.counts.add(batch, full_logits=mode_run.mode == "minimind")
+    mode_run.host_seconds += time.perf_counter() - issue_start
     mode_run.seconds += timer.stop()
     mode_run.steps += steps
 
@@ -257,6 +261,8 @@ def mode_result(mode_run: ModeRun, peak: float) -> dict:
         "pad_fraction": 1 - counts.real_tokens / counts.computed_tokens,
         "gflop_per_loss_token": flops / max(counts.loss_tokens, 1) / 1e9,
         "mfu": mfu(flops, elapsed, peak),
+        # Near 1 on a GPU: the device waited for the host to issue the step (host-bound).
+        "host_share": mode_run.host_seconds / elapsed,
         "peak_memory_mib": mode_run.peak_memory_mib,
         "step_memory_mib": mode_run.step_memory_mib,
         "counts": dataclasses.asdict(counts),
