@@ -370,7 +370,7 @@ def spawn_local_workers(entry, argv, world_size: int) -> int:
             pass
     except mp.ProcessExitedException as error:
         return error.exit_code if error.exit_code and error.exit_code > 0 else 1
-    except mp.ProcessRaisedException as error:
-        print_escaped(f"error: a worker failed: {first_line(error)}")
+    except mp.ProcessRaisedException as error:  # a bug: the worker's traceback, as one process shows it
+        print_escaped("error: a worker failed" + str(error).rstrip(), file=sys.stderr)
         return 1
     return 0
