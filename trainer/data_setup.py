@@ -110,7 +110,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     dataset, mixture, opened = build_mixture(args, tokenizer, augmenter, rank_zero_log(ctx))
     if ctx.rank == 0:  # what is supervised per segment, rows dropped and why, warnings: from a few hundred rows
         print_escaped("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
-                                          drop_empty_think=args.drop_empty_think_ratio > 0)))
+                                                  drop_empty_think=args.drop_empty_think_ratio > 0)))
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order
@@ -168,8 +168,8 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
             why = (f"the file has only {len(samples)} conversations" if len(examples) == len(samples) else
                    f"only {len(examples)} of its {len(samples)} conversations end with a whole assistant turn "
                    "(the others were cut by --max_seq_len)")
-            print_escaped(f"[eval] {name}: {len(examples)} generation prompts of the {args.eval_generate_samples} asked for "
-                  f"(--eval_generate_samples): {why}")
+            print_escaped(f"[eval] {name}: {len(examples)} generation prompts of the {args.eval_generate_samples} "
+                          f"asked for (--eval_generate_samples): {why}")
         tool_turns = sum(bool(example.reference_calls) for example in examples)
         forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
         eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size],

@@ -18,7 +18,8 @@ that way when workers send results often). Here nothing is shared:
   end of its result pipe and raises ``WorkerDied`` in the parent, instead of a wait without end.
 
 An exception raised by the function in a worker is raised again in the parent, with the worker's
-traceback attached as its cause, as ``multiprocessing.Pool`` does.
+traceback attached as its cause, as ``multiprocessing.Pool`` does. How many workers by default:
+one per core this process may run on (``default_num_proc``, from ``usable_cores``).
 """
 
 from __future__ import annotations

@@ -356,7 +356,8 @@ def _spawned_worker(local_rank: int, world_size: int, port: int, entry, argv) ->
 
 
 def spawn_local_workers(entry, argv, world_size: int) -> int:
-    """Seed 004's "method C": run `entry(argv)` in `world_size` local processes; return an exit code.
+    """`--world_size N` without a launcher: run `entry(argv)` in `world_size` local processes; return an
+    exit code.
 
     SIGTERM or SIGINT to this launcher (its pid or its process group) is passed on to the
     workers as SIGTERM: they stop at the next step boundary, save, and exit 0, and so does this."""
@@ -369,7 +370,7 @@ def spawn_local_workers(entry, argv, world_size: int) -> int:
             pass
     except mp.ProcessExitedException as error:
         return error.exit_code if error.exit_code and error.exit_code > 0 else 1
-    except mp.ProcessRaisedException as error:
-        print_escaped(f"error: a worker failed: {first_line(error)}")
+    except mp.ProcessRaisedException as error:  # a bug: the worker's traceback, as one process shows it
+        print_escaped("error: a worker failed" + str(error).rstrip(), file=sys.stderr)
         return 1
     return 0
