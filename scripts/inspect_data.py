@@ -117,8 +117,9 @@ def file_problems(sources) -> list[str]:
 def main() -> int:
     parser = build_parser()
     args = parser.parse_args()
-    if range_problems(parser, args):  # --max_seq_len within the trainer's range
-        fail("; ".join(range_problems(parser, args)))
+    problems = range_problems(parser, args)  # --max_seq_len within the trainer's range
+    if problems:
+        fail("; ".join(problems))
 
     from dataset.inspection.report import inspect_source, report_lines, segment_table
     from dataset.mixture import parse_data_path

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from dataset.printable import print_escaped
 from trainer.errors import DistributedError, NodeLaunchError, first_line
+from trainer.runtime.node_lines import local_rank_from
 from trainer.runtime.preemption import forward_to
 
 
@@ -46,12 +47,11 @@ class DistContext:
 def launch_env(args) -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from the launcher's environment variables."""
     env = os.environ
+    local = local_rank_from(env, args.local_rank)
     if "RANK" in env and "WORLD_SIZE" in env:
-        local = env.get("LOCAL_RANK", args.local_rank if args.local_rank is not None else 0)
-        return int(env["RANK"]), int(local), int(env["WORLD_SIZE"])
+        return int(env["RANK"]), local, int(env["WORLD_SIZE"])
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        local = int(env.get("SLURM_LOCALID", "0"))
         # torch's env:// rendezvous reads these four variables.
         env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(rank), str(world), str(local)
         env.setdefault("MASTER_ADDR", slurm_master_addr())

@@ -15,16 +15,22 @@ import time
 SILENT_LEAVE_AFTER_S = 1.0  # how long the silent processes wait before they exit
 
 
-def prints_for_node(env=os.environ) -> bool:
-    """Whether this process prints the lines its node's processes have alike: local rank 0 as its
-    launcher says (torchrun, torch.distributed.launch and --world_size N: LOCAL_RANK beside RANK and
-    WORLD_SIZE; srun: SLURM_LOCALID), read as `distributed.launch_env` reads it, or a process that
-    no launcher started."""
+def local_rank_from(env=os.environ, flag_local_rank: int | None = None) -> int:
+    """This process's rank on its node as its launcher gives it: torchrun, torch.distributed.launch
+    and --world_size N set LOCAL_RANK beside RANK and WORLD_SIZE (the legacy launcher may pass
+    `--local_rank` instead, `flag_local_rank`); srun with several tasks sets SLURM_LOCALID; a process
+    that no launcher started is 0. `distributed.launch_env` reads the local rank here too."""
     if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env.get("LOCAL_RANK", "0")) == 0
-    if int(env.get("SLURM_NTASKS", "1")) > 1:
-        return int(env.get("SLURM_LOCALID", "0")) == 0
-    return True
+        return int(env.get("LOCAL_RANK", flag_local_rank if flag_local_rank is not None else 0))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return int(env.get("SLURM_LOCALID", "0"))
+    return 0
+
+
+def prints_for_node(env=os.environ) -> bool:
+    """Whether this process prints the lines its node's processes have alike: local rank 0
+    (`local_rank_from`)."""
+    return local_rank_from(env) == 0
 
 
 def print_for_node(message: str) -> None:
