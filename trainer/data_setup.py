@@ -141,16 +141,11 @@ def rank_zero_log(ctx):
     return print_escaped if ctx.rank == 0 else (lambda message: None)
 
 
-def eval_data_paths(args) -> list[str]:
-    """The held-out files of --eval_data_path (comma-separated)."""
-    return held_out_files(args.eval_data_path)
-
-
 def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
     """One EvalSet per held-out file. Each rank evaluates a disjoint slice of every file (no
     padding duplicates) and answers every world_size-th prompt of its generation subset; the
     evaluation sums over ranks."""
-    paths = eval_data_paths(args)
+    paths = held_out_files(args.eval_data_path)
     build_token_caches(paths, args, tokenizer)
     eval_sets = []
     for name, path in zip(eval_set_names(paths), paths):

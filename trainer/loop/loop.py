@@ -5,8 +5,9 @@ over ALL loss tokens of all those micro-batches on all ranks: the ranks first ag
 token count (one small all-reduce of host values, which also carries the "stop now" flag for
 preemption and rank 0's "a save is due" of --save_every_minutes, trainer/loop/save_clock.py),
 each micro-batch contributes `sum of its token losses / global count`, and DDP's gradient
-averaging (FSDP2's reduce-scatter averages the same way) is undone by a factor of world_size. So N ranks x B samples is the same step as 1 rank x N*B, and accumulation is the same
-as a bigger batch. Gradients are all-reduced once per optimizer step (`run.parallel.micro_step`:
+averaging (FSDP2's reduce-scatter averages the same way) is undone by a factor of world_size.
+So N ranks x B samples is the same step as 1 rank x N*B, and accumulation is the same as a
+bigger batch. Gradients are all-reduced once per optimizer step (`run.parallel.micro_step`:
 no_sync, or no reduce-scatter, on the other micro-steps).
 
 Host synchronisation: none in a step between log lines. The counts come from the CPU batches
