@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from dataset.printable import print_escaped
 from trainer.errors import DistributedError, NodeLaunchError, first_line
-from trainer.runtime.node_lines import local_rank_from
+from trainer.runtime.node_lines import LEAVE_AFTER_S, local_rank_from
 from trainer.runtime.preemption import forward_to
 
 
@@ -236,7 +236,6 @@ def peer_failure_message(error: BaseException) -> str:
 ONCE_KEY = "minisft/said-once/rank{}"
 ONCE_WAIT_S = 10.0  # the most a rank waits for the others while a line every rank has is printed once
 ONCE_POLL_S = 0.05
-ONCE_LEAVE_AFTER_S = 1.0  # how long the other ranks stay after rank 0 has seen that they read its line
 
 
 def print_once(message: str) -> None:
@@ -270,7 +269,7 @@ def print_once(message: str) -> None:
             store.set(ONCE_KEY.format(rank), "seen")
             # Rank 0 leaves as soon as it sees that; leave after it: a rank that exits first makes
             # torchrun stop the others with SIGTERM, maybe while rank 0 is still leaving.
-            time.sleep(ONCE_LEAVE_AFTER_S)
+            time.sleep(LEAVE_AFTER_S)
     except RuntimeError:  # the store is gone with rank 0 (which had printed), or never answered
         if not printed:
             print(message, file=sys.stderr, flush=True)

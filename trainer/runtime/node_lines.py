@@ -12,7 +12,9 @@ import os
 import sys
 import time
 
-SILENT_LEAVE_AFTER_S = 1.0  # how long the silent processes wait before they exit
+# How long a process that leaves the printing to another stays before it exits: the first process to
+# exit makes torchrun stop the others, maybe before the printing one has printed or left.
+LEAVE_AFTER_S = 1.0
 
 
 def local_rank_from(env=os.environ, flag_local_rank: int | None = None) -> int:
@@ -35,8 +37,8 @@ def prints_for_node(env=os.environ) -> bool:
 
 def print_for_node(message: str) -> None:
     """Print ``message`` to stderr if this process prints for its node (`prints_for_node`), else
-    wait ``SILENT_LEAVE_AFTER_S``."""
+    wait ``LEAVE_AFTER_S``."""
     if prints_for_node():
         print(message, file=sys.stderr, flush=True)
     else:
-        time.sleep(SILENT_LEAVE_AFTER_S)
+        time.sleep(LEAVE_AFTER_S)
