@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -110,7 +111,7 @@ def wait_for_local_build(status_file: Path, rank: int, path: Path) -> tuple:
 
 def _poll(done, waiting: str) -> None:
     """Poll ``done()`` until it is true; print ``waiting`` with the seconds waited once ``WAIT_FIRST_S``
-    have passed, then every ``WAIT_REPORT_S``."""
+    have passed, then every ``WAIT_REPORT_S``, to stderr as every cache progress line."""
     start = time.monotonic()
     next_report = start + WAIT_FIRST_S
     while not done():
@@ -118,4 +119,4 @@ def _poll(done, waiting: str) -> None:
         now = time.monotonic()
         if now >= next_report:
             next_report = now + WAIT_REPORT_S
-            print_escaped(f"{waiting} ({now - start:.0f} s)")
+            print_escaped(f"{waiting} ({now - start:.0f} s)", file=sys.stderr)

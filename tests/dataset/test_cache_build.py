@@ -476,7 +476,8 @@ def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out
     token_cache.build_cache = slow_build
     node_build.WAIT_REPORT_S = 1.0
     result = {}
-    with open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
+    with (open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out),
+          open(Path(out_dir, f"stderr{rank}.txt"), "w") as err, contextlib.redirect_stderr(err)):
         try:
             node_build.build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 64, Path(cache_dir), "error", 1)
             ds = SFTDataset(data_path, load_tokenizer(None), 64, cache_dir=cache_dir)
@@ -508,7 +509,8 @@ def test_ranks_wait_for_a_build_longer_than_the_process_group_timeout(tmp_path):
     rank0, rank1 = (json.loads((out_dir / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2))
     assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)  # old code: gloo timeout on rank 1
     assert rank0 == rank1 and len(rank0["input_ids"]) == 12
-    assert "rank 1: waiting for local rank 0 to build the token cache" in (out_dir / "stdout1.txt").read_text()
+    assert "rank 1: waiting for local rank 0 to build the token cache" in (out_dir / "stderr1.txt").read_text()
+    assert "waiting" not in (out_dir / "stdout1.txt").read_text()  # cache progress lines go to stderr
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == [".digests"]
 
 

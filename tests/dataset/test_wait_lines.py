@@ -28,7 +28,7 @@ def test_a_builder_waiting_for_a_live_builder_says_so_at_once(tokenizer, tmp_pat
 
 
 def wait_for_status_file(tmp_path, after: float, capsys) -> list[str]:
-    """The lines rank 1 prints while local rank 0 writes its status file ``after`` seconds from now."""
+    """The lines rank 1 prints to stderr while local rank 0 writes its status file ``after`` seconds from now."""
     status = tmp_path / f".build-{after}.json"
 
     def write_later():
@@ -39,7 +39,9 @@ def wait_for_status_file(tmp_path, after: float, capsys) -> list[str]:
     writer.start()
     assert node_build.wait_for_local_build(status, 1, tmp_path / "d.jsonl") == (None, "/cache/key")
     writer.join()
-    return capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr()
+    assert "waiting" not in printed.out  # stderr, with the other cache progress lines
+    return printed.err.splitlines()
 
 
 def test_a_rank_waiting_for_local_rank_0_says_so_once_it_builds(tmp_path, capsys):
