@@ -20,6 +20,7 @@ import dataset.sources as sources
 import dataset.cache.key as digests
 import dataset.cache.node as node_build
 import dataset.cache.build as token_cache
+import dataset.cache.waiting as waiting
 from dataset import DataError, SFTDataset, build_cache_and_open, load_tokenizer
 from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env
 
@@ -314,7 +315,7 @@ def hold_lock(lock: Path, seconds: float) -> subprocess.Popen:
 def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 4)
     monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
-    monkeypatch.setattr(partial_build, "WAIT_REPORT_S", 0.2)
+    monkeypatch.setattr(waiting, "WAIT_REPORT_S", 0.2)
     path = write_rows(tmp_path / "w.jsonl", [chat_line(i) for i in range(12)])
     cache_root = tmp_path / ".cache"
     counting_encoder(monkeypatch, fail_at_chunk=1)
@@ -474,7 +475,7 @@ def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out
         real_build(*args, **kwargs)
 
     token_cache.build_cache = slow_build
-    node_build.WAIT_REPORT_S = 1.0
+    waiting.WAIT_REPORT_S = 1.0
     result = {}
     with (open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out),
           open(Path(out_dir, f"stderr{rank}.txt"), "w") as err, contextlib.redirect_stderr(err)):

@@ -6,6 +6,7 @@ import threading
 import time
 
 import dataset.cache.node as node_build
+from dataset.cache import waiting
 from dataset.cache import build_or_reuse
 from dataset.cache.key import TOKENS_VERSION, cache_key, data_digest
 from dataset.cache.resumable import partial_dir
@@ -45,7 +46,7 @@ def wait_for_status_file(tmp_path, after: float, capsys) -> list[str]:
 
 
 def test_a_rank_waiting_for_local_rank_0_says_so_once_it_builds(tmp_path, capsys):
-    assert node_build.WAIT_FIRST_S == 2.0 and node_build.WAIT_REPORT_S == 30.0
+    assert waiting.WAIT_FIRST_S == 2.0 and waiting.WAIT_REPORT_S == 30.0
     assert wait_for_status_file(tmp_path, 0.5, capsys) == []  # a reused cache is ready before WAIT_FIRST_S
     [line] = wait_for_status_file(tmp_path, 3.0, capsys)  # a build: one line at 2 s, the next only at 32 s
     assert line == "rank 1: waiting for local rank 0 to build the token cache of d.jsonl (2 s)"
