@@ -252,10 +252,14 @@ def device_problem(device: str) -> str | None:
 
 
 def held_out_files(text: str | None) -> list[str]:
-    """The files of --eval_data_path: comma-separated; a path with commas that exists as written is one file."""
-    if text and os.path.exists(text):
-        return [text]
-    return [path for path in (text or "").split(",") if path]
+    """The files of --eval_data_path, split as --data_path's sources are (``dataset.mixture.split_commas``:
+    a path with commas that exists as written is one file). Imported when there is a list to split:
+    the dataset package imports torch, and importing the flags imports none."""
+    if not text:
+        return []
+    from dataset.mixture import split_commas
+
+    return split_commas(text)
 
 
 def held_out_problem(path: str) -> str | None:
