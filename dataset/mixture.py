@@ -76,9 +76,10 @@ def split_weight(part: str) -> tuple[str, str | None]:
     return part, None
 
 
-def spec_parts(text: str) -> list[str]:
-    """The comma-separated sources of ``text``; a path with commas that exists as written (with or
-    without a ``:weight``) is one source."""
+def split_commas(text: str | None) -> list[str]:
+    """The items of a comma-separated list of paths (``--data_path``'s sources, ``--eval_data_path``'s
+    files), each stripped, empty ones dropped; a path with commas that exists as written (with or
+    without a ``:weight``) is one item."""
     text = (text or "").strip()
     if _comma_file(text):
         return [text]
@@ -107,7 +108,7 @@ def _comma_file(part: str) -> str | None:
 def absolute_data_path(text: str) -> str:
     """``--data_path`` with every source's path made absolute and its weight kept (never raises)."""
     parts = []
-    for part in spec_parts(text):
+    for part in split_commas(text):
         path, weight = split_weight(part)
         parts.append(os.path.abspath(path) + (f":{weight}" if weight is not None else ""))
     return ",".join(parts)
@@ -152,7 +153,7 @@ def source_files(spec: str) -> tuple[tuple[Path, ...], tuple[Path, ...]]:
 def parse_data_path(text: str) -> list[Source]:
     """The sources of ``--data_path``; a one-line ``DataError`` for a missing file, an empty
     directory or glob, or a bad weight."""
-    parts = spec_parts(text)
+    parts = split_commas(text)
     if not parts:
         raise DataError("--data_path is empty: give a data file, a directory of shards or a glob")
     specs, weights = [], []

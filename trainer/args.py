@@ -5,7 +5,8 @@ the distributed-training guide in the seed documents are accepted as aliases
 (`--gradient_accumulation_steps`, `--total_steps`, `--train_data_path`, ...).
 Relative paths are relative to the current directory; the defaults point into this repo.
 Every numeric flag declares its range where it is declared (`add_flag`); a value outside it, or a
-flag argparse refuses, stops the start with one line, `error: ...`, and exit status 2.
+flag argparse refuses, stops the start with one line, `error: ...` (its control characters escaped),
+and exit status 2.
 """
 
 import argparse
@@ -66,10 +67,14 @@ def add_flag(group, *names: str, at_least=None, above=None, at_most=None, **kwar
 
 class FlagParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, `error: ...` (exit 2), not the usage first. Every
-    process of a launch parses the same flags: one of each node prints the line."""
+    process of a launch parses the same flags: one of each node prints the line. The line quotes the
+    values given, so it is escaped as every line naming a user's file (`dataset.printable`): a value
+    holding a control character cannot steer the terminal."""
 
     def error(self, message: str) -> NoReturn:
-        print_for_node(f"error: {message}")
+        from dataset.printable import printable  # here, not at the top: the dataset package imports torch
+
+        print_for_node(printable(f"error: {message}"))
         sys.exit(2)
 
 
@@ -252,10 +257,14 @@ def device_problem(device: str) -> str | None:
 
 
 def held_out_files(text: str | None) -> list[str]:
-    """The files of --eval_data_path: comma-separated; a path with commas that exists as written is one file."""
-    if text and os.path.exists(text):
-        return [text]
-    return [path for path in (text or "").split(",") if path]
+    """The files of --eval_data_path, split as --data_path's sources are (``dataset.mixture.split_commas``:
+    a path with commas that exists as written is one file). Imported when there is a list to split:
+    the dataset package imports torch, and importing the flags imports none."""
+    if not text:
+        return []
+    from dataset.mixture import split_commas
+
+    return split_commas(text)
 
 
 def held_out_problem(path: str) -> str | None:

@@ -15,6 +15,7 @@ Inside, named by what each part is:
 * ``resumable``  the build that survives being killed (committed rows, ``progress.json``, the lock)
 * ``workers``    the worker processes (one pipe pair each; a dead worker raises ``WorkerDied``)
 * ``node``       under ``torch.distributed``: local rank 0 builds with every core of the node, the others wait
+* ``waiting``    what a process waiting for another one's build prints, and how often it looks
 * ``finished``   a finished cache: the one check of its files for damage, ``TokenCache`` (opened for reading)
 
 From ``build_or_reuse`` to token ids: ``build`` hands each chunk to ``tokens``, the seam, which

@@ -6,11 +6,10 @@ No collective is held while building (NCCL's watchdog would kill the waiting ran
 process group's timeout): the ranks agree on a nonce and learn who shares a node and its cores
 first (quick: nobody builds yet); local rank 0 builds and writes its outcome (cache path or error)
 to a status file named by the nonce; the others poll for that file, saying so once local rank 0
-has taken ``WAIT_FIRST_S`` seconds (longer than reusing a cache takes), then every
-``WAIT_REPORT_S``. Then the ranks share the outcomes through the store, each polling until every
-node is done (no collective waits on a build), so if any build failed all ranks raise the same
-``DataError``. With NCCL, set the CUDA device before (the
-object collectives need it).
+has taken ``waiting.WAIT_FIRST_S`` seconds (longer than reusing a cache takes), then every
+``waiting.WAIT_REPORT_S``. Then the ranks share the outcomes through the store, each polling until
+every node is done (no collective waits on a build), so if any build failed all ranks raise the
+same ``DataError``. With NCCL, set the CUDA device before (the object collectives need it).
 
 Local rank 0 alone was measured against the node's ranks tokenizing a share of the chunks each
 (2 and 4 ranks, bound to their own cores or not): it built as fast or faster (docs/token_cache.md).
@@ -25,13 +24,9 @@ import time
 from pathlib import Path
 
 from ..formats import DataError
-from ..printable import print_escaped
+from . import waiting
 from .build import BuildInterrupted, build_or_reuse, interrupts_raise
 from .workers import usable_cores
-
-WAIT_FIRST_S = 2.0  # a rank that has waited this long says what for (a reused cache is ready sooner)
-WAIT_REPORT_S = 30.0  # how often a waiting rank prints that it is still waiting
-WAIT_POLL_S = 0.2
 
 
 def build_or_reuse_on_node(
@@ -108,14 +103,10 @@ def wait_for_local_build(status_file: Path, rank: int, path: Path) -> tuple:
     return tuple(json.loads(status_file.read_text(encoding="utf-8")))
 
 
-def _poll(done, waiting: str) -> None:
-    """Poll ``done()`` until it is true; print ``waiting`` with the seconds waited once ``WAIT_FIRST_S``
-    have passed, then every ``WAIT_REPORT_S``."""
-    start = time.monotonic()
-    next_report = start + WAIT_FIRST_S
+def _poll(done, what: str) -> None:
+    """Poll ``done()`` until it is true, saying that it waits for ``what`` once ``WAIT_FIRST_S`` have
+    passed, then every ``WAIT_REPORT_S`` (``waiting``)."""
+    lines = waiting.WaitLines(first_s=waiting.WAIT_FIRST_S)
     while not done():
-        time.sleep(WAIT_POLL_S)
-        now = time.monotonic()
-        if now >= next_report:
-            next_report = now + WAIT_REPORT_S
-            print_escaped(f"{waiting} ({now - start:.0f} s)")
+        time.sleep(waiting.WAIT_POLL_S)
+        lines.say_if_due(lambda: what)

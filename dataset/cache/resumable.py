@@ -41,12 +41,11 @@ import numpy as np
 
 from ..formats import DataError
 from ..printable import print_escaped
+from . import waiting
 
 PARTIAL_PREFIX = ".partial-"
 PROGRESS_VERSION = 1
 COMMIT_S = 2.0  # most seconds of tokenizing a kill may lose
-WAIT_REPORT_S = 30.0  # how often a process waiting for another builder says so (the first time at once)
-WAIT_POLL_S = 0.2
 OFFSETS_BLOCK = 1 << 20  # samples per block when writing offsets.npy
 
 
@@ -132,7 +131,7 @@ class PartialBuild:
     def claim(self) -> bool:
         """Take the lock, waiting while another live process builds this cache. False: the cache
         was finished meanwhile (by that process); nothing to do."""
-        start, last_report = time.monotonic(), None
+        lines = waiting.WaitLines(first_s=0.0)  # the lock holder is known at once
         while not (self.target / "meta.json").is_file():
             with writing(self.dir):
                 self.dir.mkdir(parents=True, exist_ok=True)
@@ -153,14 +152,14 @@ class PartialBuild:
                     self._lock.write(f"{socket.gethostname()}.{os.getpid()}")
                     self._lock.flush()
                 return True
-            now = time.monotonic()
-            if last_report is None or now - last_report >= WAIT_REPORT_S:  # at once, then every WAIT_REPORT_S
-                last_report = now
-                owner = (self.dir / "lock").read_text(encoding="utf-8").strip() or "another process"
-                print_escaped(f"waiting for process {owner}, which is building this token cache, {self.target} "
-                              f"({now - start:.0f} s)", file=sys.stderr)
-            time.sleep(WAIT_POLL_S)
+            lines.say_if_due(lambda: f"waiting for process {self._lock_holder()}, which is building this token "
+                                     f"cache, {self.target}")
+            time.sleep(waiting.WAIT_POLL_S)
         return False
+
+    def _lock_holder(self) -> str:
+        """``host.pid`` of the process that holds the lock, as it wrote it there."""
+        return (self.dir / "lock").read_text(encoding="utf-8").strip() or "another process"
 
     def release(self, stopped: str | None = None) -> None:
         """Commit what is finished, with how the build ``stopped`` (a signal's name or the error), and

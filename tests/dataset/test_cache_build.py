@@ -20,6 +20,7 @@ import dataset.sources as sources
 import dataset.cache.key as digests
 import dataset.cache.node as node_build
 import dataset.cache.build as token_cache
+import dataset.cache.waiting as waiting
 from dataset import DataError, SFTDataset, build_cache_and_open, load_tokenizer
 from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env
 
@@ -314,7 +315,7 @@ def hold_lock(lock: Path, seconds: float) -> subprocess.Popen:
 def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 4)
     monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
-    monkeypatch.setattr(partial_build, "WAIT_REPORT_S", 0.2)
+    monkeypatch.setattr(waiting, "WAIT_REPORT_S", 0.2)
     path = write_rows(tmp_path / "w.jsonl", [chat_line(i) for i in range(12)])
     cache_root = tmp_path / ".cache"
     counting_encoder(monkeypatch, fail_at_chunk=1)
@@ -474,9 +475,10 @@ def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out
         real_build(*args, **kwargs)
 
     token_cache.build_cache = slow_build
-    node_build.WAIT_REPORT_S = 1.0
+    waiting.WAIT_REPORT_S = 1.0
     result = {}
-    with open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out):
+    with (open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out),
+          open(Path(out_dir, f"stderr{rank}.txt"), "w") as err, contextlib.redirect_stderr(err)):
         try:
             node_build.build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 64, Path(cache_dir), "error", 1)
             ds = SFTDataset(data_path, load_tokenizer(None), 64, cache_dir=cache_dir)
@@ -508,7 +510,8 @@ def test_ranks_wait_for_a_build_longer_than_the_process_group_timeout(tmp_path):
     rank0, rank1 = (json.loads((out_dir / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2))
     assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)  # old code: gloo timeout on rank 1
     assert rank0 == rank1 and len(rank0["input_ids"]) == 12
-    assert "rank 1: waiting for local rank 0 to build the token cache" in (out_dir / "stdout1.txt").read_text()
+    assert "rank 1: waiting for local rank 0 to build the token cache" in (out_dir / "stderr1.txt").read_text()
+    assert "waiting" not in (out_dir / "stdout1.txt").read_text()  # cache progress lines go to stderr
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == [".digests"]
 
 

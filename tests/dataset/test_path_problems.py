@@ -109,6 +109,22 @@ def test_a_comma_in_a_file_name(tmp_path):
     assert flags.held_out_files(f"{tmp_path}/x.jsonl,{tmp_path}/y.jsonl") == [f"{tmp_path}/x.jsonl", f"{tmp_path}/y.jsonl"]
 
 
+def test_held_out_files_and_data_sources_split_a_comma_list_alike(tmp_path, capsys):
+    # One rule (dataset.mixture.split_commas) for --data_path and --eval_data_path: a file whose name
+    # holds a comma is one item, a plain list is split and its items stripped.
+    odd = tmp_path / "a,b.jsonl"
+    odd.write_text(ROW + "\n", encoding="utf-8")
+    x, y = tmp_path / "x.jsonl", tmp_path / "y.jsonl"
+    for text, items in ((str(odd), [str(odd)]), (f" {x}, {y},", [str(x), str(y)])):
+        assert flags.held_out_files(text) == mixture.split_commas(text) == items
+        assert parse_args(["--eval_data_path", text]).eval_data_path == absolute_data_path(text) == ",".join(items)
+    # With a ':weight' too the comma file is one item: the held-out file is named, not split at its comma.
+    assert flags.held_out_files(f"{odd}:2") == [f"{odd}:2"]
+    with pytest.raises(SystemExit):
+        parse_args(["--eval_data_path", f"{odd}:2"])
+    assert capsys.readouterr().err.startswith(f"error: --eval_data_path {odd}:2: no such file, but {odd} is one: ")
+
+
 def test_a_number_after_a_colon_is_named(tmp_path, capsys):
     data = tmp_path / "eval.jsonl"
     data.write_text(ROW + "\n", encoding="utf-8")

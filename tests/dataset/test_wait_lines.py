@@ -6,6 +6,7 @@ import threading
 import time
 
 import dataset.cache.node as node_build
+from dataset.cache import waiting
 from dataset.cache import build_or_reuse
 from dataset.cache.key import TOKENS_VERSION, cache_key, data_digest
 from dataset.cache.resumable import partial_dir
@@ -28,7 +29,7 @@ def test_a_builder_waiting_for_a_live_builder_says_so_at_once(tokenizer, tmp_pat
 
 
 def wait_for_status_file(tmp_path, after: float, capsys) -> list[str]:
-    """The lines rank 1 prints while local rank 0 writes its status file ``after`` seconds from now."""
+    """The lines rank 1 prints to stderr while local rank 0 writes its status file ``after`` seconds from now."""
     status = tmp_path / f".build-{after}.json"
 
     def write_later():
@@ -39,11 +40,13 @@ def wait_for_status_file(tmp_path, after: float, capsys) -> list[str]:
     writer.start()
     assert node_build.wait_for_local_build(status, 1, tmp_path / "d.jsonl") == (None, "/cache/key")
     writer.join()
-    return capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr()
+    assert "waiting" not in printed.out  # stderr, with the other cache progress lines
+    return printed.err.splitlines()
 
 
 def test_a_rank_waiting_for_local_rank_0_says_so_once_it_builds(tmp_path, capsys):
-    assert node_build.WAIT_FIRST_S == 2.0 and node_build.WAIT_REPORT_S == 30.0
+    assert waiting.WAIT_FIRST_S == 2.0 and waiting.WAIT_REPORT_S == 30.0
     assert wait_for_status_file(tmp_path, 0.5, capsys) == []  # a reused cache is ready before WAIT_FIRST_S
     [line] = wait_for_status_file(tmp_path, 3.0, capsys)  # a build: one line at 2 s, the next only at 32 s
     assert line == "rank 1: waiting for local rank 0 to build the token cache of d.jsonl (2 s)"

@@ -21,16 +21,18 @@ def test_a_cache_build_longer_than_dist_timeout_on_one_node_fails_nobody(data, t
         [sys.executable, os.path.join(REPO, "tests", "helpers", "slow_cache_build.py"), *args], cwd=REPO,
         env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                       MINISFT_TEST_SLOW_BUILD_RANK="0", MINISFT_TEST_SLOW_BUILD_S="15"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outputs = []
     try:
         for process in processes:
-            outputs.append(process.communicate(timeout=240)[0])
+            outputs.append(process.communicate(timeout=240))
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
     assert [process.returncode for process in processes] == [0, 0], outputs
-    waits = [line for line in outputs[1].splitlines() if line.startswith("rank 1: waiting for the other nodes")]
+    stdout, stderr = outputs[1]
+    waits = [line for line in stderr.splitlines() if line.startswith("rank 1: waiting for the other nodes")]
     assert len(waits) >= 2 * timeout - 2, outputs[1]  # one a second, for longer than the collective timeout
+    assert "waiting" not in stdout  # on stderr, with the other cache progress lines
     assert os.path.isdir(tmp_path / "run" / "model")

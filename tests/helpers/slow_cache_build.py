@@ -11,6 +11,7 @@ sys.path.insert(0, REPO)
 
 if __name__ == "__main__":
     from dataset.cache import node as node_build
+    from dataset.cache import waiting
 
     original = node_build.build_or_reuse
 
@@ -20,7 +21,7 @@ if __name__ == "__main__":
         return original(*args, **kwargs)
 
     node_build.build_or_reuse = slow_build
-    node_build.WAIT_REPORT_S = 1.0
+    waiting.WAIT_REPORT_S = 1.0
 
     import train_full_sft
 

@@ -31,6 +31,18 @@ def test_a_flag_argparse_refuses_is_one_line_too(capsys):
         assert stopped.value.code == 2 and capsys.readouterr().err == message
 
 
+def test_a_flag_error_line_escapes_the_control_characters_of_the_values(capsys):
+    # A value holding an escape sequence or a carriage return is shown escaped, never sent raw to the terminal.
+    for argv, message in ((["--device", "cu\x1b[2Jda"], "error: --device cu\\x1b[2Jda: not supported "),
+                          (["--save_dir", "x\x1b[2J", "a\rb.jsonl"], "error: unrecognized arguments: a\\rb.jsonl\n"),
+                          (["--dtype", "bf\x1b[2J"], "error: argument --dtype: invalid choice: 'bf\\x1b[2J' ")):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(argv)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith(message), err
+        assert not any(char in err for char in "\x1b\r"), err
+
+
 def test_the_range_is_declared_with_the_flag():
     parser = FlagParser()
     add_flag(parser, "--ratio", type=float, default=0.5, at_least=0, at_most=1)
