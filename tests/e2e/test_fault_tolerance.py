@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.malicious_pickle import malicious_checkpoint
 from tests.helpers.trainer_launch import (
     REPO, SCRIPT, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_trainer,
     torchrun_cmd,
@@ -167,21 +168,6 @@ def all_finite(state) -> bool:
     if isinstance(state, (list, tuple)):
         return all(all_finite(value) for value in state)
     return True
-
-
-class RunsCode:
-    """Unpickling this runs a shell command that creates a marker file."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
-
-
-def malicious_checkpoint(path, marker) -> None:
-    """A file that looks like a minisft checkpoint but executes code when unpickled unsafely."""
-    torch.save({"format": "minisft-resume", "format_version": 1, "payload": RunsCode(marker)}, path)
 
 
 # --------------------------------------------------------------------------- uninterrupted runs
