@@ -12,9 +12,9 @@ to B x T tokens and each document is treated as a sequence of its own:
   The padding sits after every real token, so causal attention never lets a real token see it;
   a bucket pads a document to at most twice its length.
 
-Both paths give the same result as the dense document mask: tests/model/test_model.py checks the
-bucketed path against the eager reference, tests/test_cuda.py the varlen kernel against the
-bucketed path (on a GPU). The layout is built on the CPU from `position_ids`, by the collator
+Both paths give the same result as the dense document mask: tests/model/test_packed_attention.py
+checks the bucketed path against the eager reference, tests/test_cuda.py the varlen kernel against
+the bucketed path (on a GPU). The layout is built on the CPU from `position_ids`, by the collator
 (dataset/collate.py, where the batch already is) and handed to the model, so a CUDA forward
 never waits for the GPU; it is shared by every layer (the SDPA buckets are built only when that
 path runs, on the CPU too). A model called without it builds it itself from `position_ids`,

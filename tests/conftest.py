@@ -1,9 +1,10 @@
-"""Fixtures shared by the end-to-end trainer tests."""
+"""Fixtures shared by the test folders: the GPU option, demo conversations, and an overfitted tiny model."""
 
 import os
 
 import pytest
 
+from tests.helpers.overfitted import overfitted_model
 from tests.helpers.trainer_launch import GPUS_OPTION, REPO, hide_gpus
 
 
@@ -28,3 +29,9 @@ def data(tmp_path_factory):
     (folder / "train.jsonl").write_text("".join(lines[:96]), encoding="utf-8")
     (folder / "eval.jsonl").write_text("".join(lines[-16:]), encoding="utf-8")
     return folder
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """tests/helpers/overfitted.py's model, built once for the tests of the scripts and of loading a model path."""
+    return overfitted_model(tmp_path_factory)

@@ -57,7 +57,7 @@ def test_two_gloo_ranks_on_one_gpu_equal_one_process_with_double_batch(data, tmp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
     from model import packed_attention
-    from tests.model.test_model import packed_rows, tiny_model
+    from tests.helpers.tiny_model import packed_rows, tiny_model
 
     ids, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40], [33, 2, 1, 1]], row_len=40)
     ids, positions = ids.cuda(), positions.cuda()
@@ -94,7 +94,7 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
     the collator's precomputed loss positions and packed layout; for a mixture the per-source
     losses of trainer/loop/source_losses.py): any host sync raises."""
     from dataset import SFTCollator
-    from tests.model.test_model import packed_rows, tiny_model
+    from tests.helpers.tiny_model import packed_rows, tiny_model
     from dataset import model_inputs
     from trainer.loop.source_losses import SourceLosses
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.e2e.test_fault_tolerance import Launcher, metric_rows, wait_until
 from tests.helpers.trainer_launch import (
-    GPUS_OPTION, REPO, checkpoint_at, clean_env, final_weights, flags, hide_gpus, run_trainer, train_losses,
+    GPUS_OPTION, REPO, checkpoint_at, clean_env, final_weights, flags, hide_gpus, metric_rows, run_trainer, train_losses,
+    wait_until,
 )
 from trainer.args import parse_args
 from trainer.errors import DistributedError
@@ -22,13 +22,6 @@ from trainer.errors import LoggingError
 from trainer.run_logger import check_wandb_login
 
 STEPS = ["--batch_size", "4", "--max_steps", "10", "--save_interval", "5", "--keep_last", "10"]
-
-
-@pytest.fixture
-def launcher(tmp_path):
-    launcher = Launcher(tmp_path)
-    yield launcher
-    launcher.stop_all()
 
 
 def last_line(text: str) -> str:

@@ -1,4 +1,4 @@
-"""Run by tests/model/test_model.py in a fresh process (a miscompiled kernel may corrupt the heap):
+"""Run by tests/model/test_compile.py in a fresh process (a miscompiled kernel may corrupt the heap):
 a tiny model compiled with trainer.model_setup.compile_model, on packed and padded batches of
 three lengths (so torch.compile recompiles with dynamic shapes), gives the eager loss and
 gradients. Prints the largest differences as JSON."""

@@ -7,7 +7,7 @@
 The faults come from the environment (torchrun's workers and the equivalence tool's runs inherit it):
 
 - MINISFT_FAULT_NAN_STEPS="3,4,5": the loss of those optimizer steps (numbered from 1, as in the
-  logs) is NaN (tests/e2e/test_fault_tolerance.py);
+  logs) is NaN (tests/e2e/test_non_finite_loss.py);
 - MINISFT_FAULT_LOCAL_MEAN=1: the classic normalisation bug, every rank divides its token loss
   by its OWN loss-token count instead of the step's global count, so DDP averages per-rank means
   and N ranks x B no longer equal 1 rank x N*B (tests/scripts/test_verify_equivalence.py).

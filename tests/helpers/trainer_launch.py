@@ -2,9 +2,11 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -87,3 +89,78 @@ def assert_weights_equal(a: dict, b: dict, atol: float | None = None) -> None:
 def train_losses(save_dir: str) -> dict[int, float]:
     rows = [json.loads(line) for line in open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8")]
     return {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}
+
+
+class Launcher:
+    """Starts trainer processes in their own session (so a signal can reach a whole job) and
+    kills whatever is still running when the test ends."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.processes = []
+
+    def start(self, args, name, nproc=1, launcher=None, env=None) -> subprocess.Popen:
+        if launcher is None:
+            launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+        with open(self.folder / f"{name}.out", "w") as out, open(self.folder / f"{name}.err", "w") as err:
+            process = subprocess.Popen([*launcher, SCRIPT, *args], cwd=REPO, env=env or clean_env(), stdout=out,
+                                       stderr=err, start_new_session=True)
+        process.name = name
+        self.processes.append(process)
+        return process
+
+    def output(self, process) -> tuple[str, str]:
+        return ((self.folder / f"{process.name}.out").read_text(), (self.folder / f"{process.name}.err").read_text())
+
+    def wait(self, process, timeout=180) -> int:
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{process.name} still running after {timeout}s: {self.output(process)}") from None
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def wait_until(condition, process, launcher, timeout=120.0, what="the condition"):
+    """Poll `condition` every few milliseconds; fail if the process exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"{process.name} exited ({process.returncode}) before {what}: {launcher.output(process)}")
+        time.sleep(0.002)
+    raise AssertionError(f"timed out waiting for {what}: {launcher.output(process)}")
+
+
+def metric_rows(save_dir) -> int:
+    try:
+        with open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+            return sum(1 for _ in handle)
+    except FileNotFoundError:
+        return 0
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """{rank: pid} of the trainer processes that a torchrun agent started."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            if parent != agent_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                variables = handle.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        for variable in variables:
+            if variable.startswith(b"RANK="):
+                found[int(variable[5:])] = int(entry)
+    return found

@@ -1,11 +1,12 @@
-"""model/feed_forward.py: the MoE's grouped GEMMs take the dtype of the weights they are given."""
+"""model/feed_forward.py: the MoE's grouped GEMMs take the dtype of their weights; its balance loss is MiniMind's."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from model import feed_forward
 from model.compute_weights import ComputeWeights
-from tests.model.test_model import tiny_model
+from tests.helpers.tiny_model import tiny_model
 
 
 def test_moe_casts_its_tokens_where_grouped_mm_has_no_autocast_rule(monkeypatch):
@@ -31,3 +32,46 @@ def test_moe_casts_its_tokens_where_grouped_mm_has_no_autocast_rule(monkeypatch)
 
     monkeypatch.setattr(feed_forward.F, "grouped_mm", grouped_mm_without_autocast)
     assert torch.equal(run(), expected)
+
+
+def test_moe_aux_loss_positive_and_every_expert_gets_gradient():
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2).train()
+    ids = torch.randint(0, 97, (4, 16))
+    out = model(ids, labels=ids)
+    assert out.aux_loss.item() > 0
+    (out.loss + out.aux_loss).backward()
+    for layer in model.model.layers:
+        assert layer.mlp.gate.weight.grad.abs().sum() > 0
+        for expert in layer.mlp.experts:
+            assert expert.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_moe_balance_loss_is_minimind_sequence_wise_skips_pads_and_splits_over_rows_exactly():
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1,
+                       num_hidden_layers=1).train()
+    torch.manual_seed(4)
+    ids = torch.randint(3, 97, (4, 10))
+    # MiniMind's seq_aux formula, written out for unpadded rows
+    gate, experts, k = model.model.layers[0].mlp.gate, 4, 2
+    captured = {}
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda mod, args, out: captured.update(x=args[0]))
+    whole = model(ids).aux_loss
+    hook.remove()
+    scores = gate(captured["x"]).softmax(-1)  # [B, T, E]
+    top = scores.topk(k, dim=-1).indices.view(4, -1)
+    ce = torch.zeros(4, experts).scatter_add_(1, top, torch.ones(4, 10 * k)).div_(10 * k / experts)
+    minimind = (ce * scores.mean(dim=1)).sum(dim=1).mean() * 0.1
+    assert whole.item() == pytest.approx(minimind.item(), rel=1e-6)
+    # pads (token_mask 0) count nothing: a right-padded row has the balance of the row alone
+    padded = torch.cat([ids[:1, :6], torch.zeros(1, 4, dtype=torch.long)], dim=1)
+    mask = (torch.arange(10) < 6).long().unsqueeze(0)
+    assert model(padded, token_mask=mask).aux_loss.item() == pytest.approx(model(ids[:1, :6]).aux_loss.item(), rel=1e-6)
+    # split over micro-batches with the global row count: the same loss and gradient as one batch
+    grads = []
+    for parts in ([ids], [ids[:1], ids[1:]]):
+        model.zero_grad()
+        total = sum(model(part, num_sequences_in_batch=4).aux_loss for part in parts)
+        total.backward()
+        grads.append(gate.weight.grad.clone())
+        assert total.item() == pytest.approx(whole.item(), rel=1e-6)
+    assert torch.allclose(grads[0], grads[1], atol=1e-8, rtol=1e-6)

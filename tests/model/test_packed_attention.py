@@ -1,4 +1,5 @@
-"""model/packed_attention.py: the varlen kernel is called in the keywords of the installed torch.
+"""model/packed_attention.py: packed rows attend within their documents, and the varlen kernel is called
+in the keywords of the installed torch.
 
 torch's `varlen_attn` changed its signature between releases (2.10: `is_causal`; 2.11: keyword
 `window_size`, no GQA; later: `window_size` and `enable_gqa`). Each signature is stood in for by
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from model import packed_attention
 from model.packed_attention import PackedDocuments, causal_varlen_attn, document_starts
-from tests.model.test_model import packed_rows
+from tests.helpers.tiny_model import packed_rows, tiny_model
 
 
 def reference(q, k, v, cu, causal, gqa):
@@ -78,7 +79,6 @@ def test_the_varlen_path_compiles_without_a_graph_break(monkeypatch):
     stood in for on the CPU (a custom op for the kernel, a GPU's capability and half precision),
     the rest of the forward is the model's own. The bucketed path runs outside the graph."""
     from model.loss import loss_positions_of
-    from tests.model.test_model import tiny_model
 
     monkeypatch.setattr(packed_attention, "varlen_attn", varlen_as_an_op)
     monkeypatch.setattr(packed_attention, "_half_precision_dtype", lambda q: q.dtype)
@@ -105,7 +105,6 @@ def test_the_varlen_path_compiles_again_at_most_twice_over_changing_documents(mo
     from torch._dynamo.testing import CompileCounter
 
     from model.loss import loss_positions_of
-    from tests.model.test_model import tiny_model
 
     monkeypatch.setattr(packed_attention, "varlen_attn", varlen_as_an_op)
     monkeypatch.setattr(packed_attention, "_half_precision_dtype", lambda q: q.dtype)
@@ -123,3 +122,51 @@ def test_the_varlen_path_compiles_again_at_most_twice_over_changing_documents(mo
               packed_layout=layout)
         frames.append(counter.frame_count)
     assert frames[0] == 1 and frames[-1] - frames[0] <= 2, frames
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_packed_row_gives_each_document_its_own_logits(flash_attn):
+    model = tiny_model(flash_attn=flash_attn)
+    torch.manual_seed(2)
+    doc_a, doc_b = torch.randint(3, 97, (6,)), torch.randint(3, 97, (4,))
+    row = torch.cat([doc_a, doc_b, torch.zeros(2, dtype=torch.long)]).unsqueeze(0)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 0, 0]])
+    packed = model(row, position_ids=positions).logits[0]
+    assert torch.allclose(packed[:6], model(doc_a.unsqueeze(0)).logits[0], atol=1e-5)
+    assert torch.allclose(packed[6:10], model(doc_b.unsqueeze(0)).logits[0], atol=1e-5)
+
+
+def test_packed_attention_matches_the_dense_document_mask_in_values_and_gradients():
+    # Lengths spread over several power-of-two buckets, a row that is one document, pad tails.
+    ids, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40], [33, 2, 1, 1], [7, 7, 7, 7, 7]], row_len=40)
+    reference, packed = tiny_model(flash_attn=False).train(), tiny_model(flash_attn=True).train()
+    assert packed.model.layers[0].self_attn.use_sdpa and not reference.model.layers[0].self_attn.use_sdpa
+    results = []
+    for model in (reference, packed):
+        out = model(ids, position_ids=positions, labels=ids)
+        out.loss.backward()
+        results.append((out.logits, out.loss, [p.grad for p in model.parameters()]))
+    (ref_logits, ref_loss, ref_grads), (logits, loss, grads) = results
+    assert torch.allclose(logits, ref_logits, atol=1e-5)
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    for ref_grad, grad in zip(ref_grads, grads):
+        assert torch.allclose(grad, ref_grad, atol=1e-5)
+
+
+def test_packed_attention_builds_no_dense_mask_and_pads_a_bucket_at_most_twofold():
+    from model.packed_attention import PackedDocuments
+
+    _, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40]], row_len=40)
+    layout = PackedDocuments.from_position_ids(positions)
+    assert layout.cu_seqlens.tolist() == [0, 1, 3, 6, 15, 32, 37, 38, 39, 40, 80]
+    assert layout.max_length == 40
+    # (0,1]: the three 1-token pads and the 1-token document; (1,2]; (2,4]; (4,8]; (8,16]; (16,32]; (32,64]
+    buckets, rows = layout.buckets
+    shapes = [tuple(index.shape) for index in buckets]
+    assert shapes == [(4, 1), (1, 2), (1, 3), (1, 5), (1, 9), (1, 17), (1, 40)]
+    assert len(rows) == 80 and len(set(rows.tolist())) == 80  # one padded-output row per token
+    start = 0
+    for index in buckets:
+        real = int(((rows >= start) & (rows < start + index.numel())).sum())
+        assert index.numel() <= 2 * real
+        start += index.numel()

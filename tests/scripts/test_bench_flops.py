@@ -5,7 +5,7 @@ import torch
 
 import scripts._bench_flops as flops
 from scripts._bench_flops import causal_pairs, datasheet_for, mfu, model_flops, peak_flops
-from tests.model.test_model import tiny_model
+from tests.helpers.tiny_model import tiny_model
 
 
 @pytest.mark.parametrize("device_name, sheet, bf16_tflops", [

@@ -8,7 +8,7 @@ import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
 from scripts.bench_memory import held_bytes, main, materialise, run
-from tests.model.test_model import tiny_model
+from tests.helpers.tiny_model import tiny_model
 
 TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 

@@ -125,7 +125,7 @@ def test_a_failed_background_write_stops_the_run_at_the_next_save_or_at_the_end(
 
 
 def test_the_inference_copy_is_a_plain_model_on_the_host():
-    from tests.model.test_model import tiny_model
+    from tests.helpers.tiny_model import tiny_model
 
     live = tiny_model()
     copy = host_model(live.config, to_host({k: v.to(torch.bfloat16) for k, v in live.state_dict().items()}), live)

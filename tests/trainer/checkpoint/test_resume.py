@@ -187,7 +187,7 @@ def test_the_host_copy_of_a_gpu_state_holds_no_cuda_tensor():
     a fake `cuda` device: every tensor in it is on the CPU."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tests.model.test_model import tiny_model
+    from tests.helpers.tiny_model import tiny_model
     from trainer.checkpoint.background import to_host
 
     shapes = {key: (value.shape, value.dtype) for key, value in tiny_model().state_dict().items()}

@@ -18,7 +18,7 @@ import torch
 from dataset import SFTCollator
 from tests.helpers.host_reads import HostReads
 from tests.helpers.trainer_launch import REPO, clean_env, torchrun_cmd
-from tests.model.test_model import tiny_model
+from tests.helpers.tiny_model import tiny_model
 from trainer.errors import TrainingError
 from trainer.loop import loop
 from trainer.loop.loop import evaluate_and_select, log_interval, save, settle, take_step

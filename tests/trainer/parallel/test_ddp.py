@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.trainer_launch import free_port
-from tests.model.test_model import tiny_model
+from tests.helpers.tiny_model import tiny_model
 from trainer.parallel.ddp import wrap_for_distributed
 from trainer.runtime.distributed import DistContext
 

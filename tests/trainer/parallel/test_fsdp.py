@@ -12,9 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.e2e.test_fault_tolerance import Launcher, wait_until, worker_pids
-from tests.helpers.trainer_launch import (REPO, assert_weights_equal, checkpoint_at, clean_env, flags, run_trainer,
-                                         train_losses)
+from tests.helpers.trainer_launch import (Launcher, REPO, assert_weights_equal, checkpoint_at, clean_env, flags,
+                                         run_trainer, train_losses, wait_until, worker_pids)
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dataset.rendering import load_tokenizer
-from tests.model.test_model import tiny_model
+from tests.helpers.tiny_model import tiny_model
 from trainer import data_setup
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data

@@ -1,0 +1,39 @@
+"""A full or unwritable disk: one line, before training or at the failed save, and the previous checkpoint kept."""
+
+import resource
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers.fault_checks import ONE_PROCESS, all_finite, checkpoint_names, digest, last_line
+from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer, wait_until
+from trainer.checkpoint.resume import load_resume_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def test_an_unwritable_save_dir_fails_before_training(data, tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    save_dir = tmp_path / "a_file" / "run"
+    result = run_trainer(flags(data, save_dir, "--max_steps", "2"), check=False)
+    assert result.returncode == 2
+    assert last_line(result.stderr) == f"error: --save_dir {save_dir} is not writable: Not a directory"
+    assert "Traceback" not in result.stderr and "training" not in result.stdout
+
+
+def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(data, launcher, tmp_path):
+    save_dir = tmp_path / "run"
+    process = launcher.start(flags(data, save_dir, *ONE_PROCESS), "disk_full")
+    first = checkpoint_at(save_dir, 2)
+    # once the first save (resume checkpoint + inference weights) is complete
+    wait_until(lambda: f"saved {first}" in launcher.output(process)[0], process, launcher, what="the first save")
+    before = digest(first)
+    limit = 256 * 1024  # well above metrics.jsonl and the logs, well below a 2.8 MB checkpoint
+    resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (limit, limit))
+    assert launcher.wait(process) == 2, launcher.output(process)
+    out, err = launcher.output(process)
+    assert last_line(err) == f"error: could not write {checkpoint_at(save_dir, 4)}: File too large"
+    assert "Traceback" not in err
+    assert checkpoint_names(save_dir) == ["step_00000002.pt"]  # no .tmp leftovers
+    assert digest(first) == before and load_resume_checkpoint(first)["step"] == 2
+    assert all_finite(load_file(save_dir / "model" / "model.safetensors"))

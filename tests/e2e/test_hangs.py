@@ -1,0 +1,47 @@
+"""Hangs: a peer that never joins, or dies in a collective, ends the waiting rank within its timeout."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.helpers.fault_checks import last_line
+from tests.helpers.trainer_launch import clean_env, flags, free_port, metric_rows, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_peer_that_never_arrives_fails_within_dist_timeout(data, launcher, tmp_path):
+    port = free_port()
+    env = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    start = time.monotonic()
+    process = launcher.start([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "10"], "alone",
+                             env=env)
+    assert launcher.wait(process, timeout=120) == 2
+    assert time.monotonic() - start < 60
+    _, err = launcher.output(process)
+    assert last_line(err).startswith(
+        f"error: rank 0: the 2 processes did not all join the process group at 127.0.0.1:{port} within "
+        "--dist_timeout 10s (DistStoreError: Timed out after"
+    )
+    assert "1/2 clients joined" in last_line(err) and "Traceback" not in err
+
+
+def test_a_rank_that_dies_in_a_collective_ends_the_survivor(data, launcher, tmp_path):
+    """No torchrun: nobody tears the survivor down, it must notice by itself."""
+    save_dir = tmp_path / "run"
+    args = [*flags(data, save_dir, "--batch_size", "2", "--max_steps", "20", "--save_interval", "0"),
+            "--dist_timeout", "30"]
+    port = str(free_port())
+    ranks = [launcher.start(args, f"rank{rank}", env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                                                               MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in (0, 1)]
+    wait_until(lambda: metric_rows(save_dir) >= 3, ranks[0], launcher, what="three steps")
+    os.kill(ranks[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    assert launcher.wait(ranks[0], timeout=120) == 1
+    assert time.monotonic() - start < 30 + 30
+    _, err = launcher.output(ranks[0])
+    assert last_line(err).startswith("error: rank 0: a peer process failed or stopped responding (RuntimeError: ")
+    assert "by peer" in last_line(err) and "Traceback" not in err

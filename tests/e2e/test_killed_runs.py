@@ -1,0 +1,133 @@
+"""Runs stopped by a signal (kill -9 of the job or of a rank, elastic restarts, SIGTERM) resume bit-identically."""
+
+import os
+import random
+import signal
+import sys
+import time
+
+import pytest
+
+from tests.helpers.fault_checks import FINAL_STEP, ONE_PROCESS, TWO_PROCESSES, CheckpointWatcher, temporaries
+from tests.helpers.trainer_launch import (
+    assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, metric_rows, run_trainer,
+    torchrun_cmd, wait_until, worker_pids,
+)
+from trainer.checkpoint.resume import load_resume_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigkill_at_random_points_then_from_resume_is_bit_identical(data, reference, launcher, tmp_path):
+    """kill -9 of the whole job: once right inside a checkpoint write, then at seeded random times."""
+    rng = random.Random(20240605)
+    save_dir = tmp_path / "run"
+    args = flags(data, save_dir, *ONE_PROCESS, "--from_resume", "1")
+    kills = ["inside a checkpoint write", "random", "random"]
+    for attempt, point in enumerate(kills):
+        process = launcher.start(args, f"attempt{attempt}")
+        watcher = CheckpointWatcher(save_dir)
+        if point == "inside a checkpoint write":
+            # a .tmp file exists only while a checkpoint is being written; another one is complete
+            wait_until(lambda: watcher.poll() and temporaries(save_dir), process, launcher, what="a checkpoint write")
+        else:
+            target, delay = metric_rows(save_dir) + rng.randint(1, 4), rng.uniform(0.0, 0.3)
+            wait_until(lambda: watcher.poll() and metric_rows(save_dir) >= target, process, launcher,
+                       what=f"{target} metric rows")
+            time.sleep(delay)
+        os.killpg(process.pid, signal.SIGKILL)
+        assert launcher.wait(process) == -signal.SIGKILL
+        if point == "inside a checkpoint write":
+            assert temporaries(save_dir), "the kill did not land inside the write"
+        watcher.assert_undamaged()
+    finished = run_trainer(args)
+    assert "resuming from" in finished.stdout
+    assert temporaries(save_dir) == []  # the killed write's leftover was cleaned up
+    assert load_resume_checkpoint(checkpoint_at(save_dir, FINAL_STEP))["step"] == FINAL_STEP
+    assert_weights_equal(final_weights(save_dir), final_weights(reference))
+
+
+def test_torchrun_job_survives_a_killed_rank_and_a_sigterm(data, reference_two, launcher, tmp_path):
+    """kill -9 of one rank (torchrun tears down the rest), resume; SIGTERM to all workers, resume."""
+    rng = random.Random(7)
+    save_dir = tmp_path / "run"
+    args = flags(data, save_dir, *TWO_PROCESSES, "--from_resume", "1")
+
+    job = launcher.start(args, "killed_rank", nproc=2)
+    watcher = CheckpointWatcher(save_dir)
+    wait_until(watcher.poll, job, launcher, what="the first checkpoint")
+    time.sleep(rng.uniform(0.0, 0.3))
+    os.kill(worker_pids(job.pid)[1], signal.SIGKILL)
+    assert launcher.wait(job) != 0
+    watcher.assert_undamaged()
+
+    job = launcher.start(args, "sigterm", nproc=2)
+    rows = metric_rows(save_dir)
+    wait_until(lambda: metric_rows(save_dir) >= rows + 2, job, launcher, what="two more steps")
+    for pid in worker_pids(job.pid).values():
+        os.kill(pid, signal.SIGTERM)
+    assert launcher.wait(job) == 0
+    out, _ = launcher.output(job)
+    assert "resuming from" in out and "stopped after SIGTERM; continue with --from_resume 1" in out
+    stopped_at = int(out.split("SIGTERM received: stopping at step ")[1].split()[0])
+    assert stopped_at < FINAL_STEP
+    assert load_resume_checkpoint(checkpoint_at(save_dir, stopped_at))["step"] == stopped_at
+
+    run_trainer(args, nproc=2)
+    assert_weights_equal(final_weights(save_dir), final_weights(reference_two))
+
+
+def test_elastic_restart_resumes_from_the_latest_checkpoint(data, reference_two, launcher, tmp_path):
+    save_dir = tmp_path / "run"
+    job = launcher.start(flags(data, save_dir, *TWO_PROCESSES, "--from_resume", "1"), "elastic",
+                         launcher=torchrun_cmd(2, "--max-restarts", "2"))
+    wait_until(lambda: os.path.exists(checkpoint_at(save_dir, 2)), job, launcher, what="the first checkpoint")
+    os.kill(worker_pids(job.pid)[1], signal.SIGKILL)  # a worker, not the agent
+    assert launcher.wait(job) == 0, launcher.output(job)
+    out, _ = launcher.output(job)
+    assert "resuming from" in out
+    assert_weights_equal(final_weights(save_dir), final_weights(reference_two))
+
+
+@pytest.mark.parametrize("shared_store", ["shared agent store", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"])
+def test_two_node_elastic_restart_with_c10d_rendezvous(data, reference_two, launcher, tmp_path, shared_store):
+    """Two torchrun agents (two "nodes" of one process each) with the c10d rendezvous, as in a
+    multi-node job: a worker killed on node 1 makes both agents restart their workers (only
+    node 1 counts it as a restart), and the new group resumes from the latest checkpoint."""
+    save_dir, port = tmp_path / "run", free_port()
+    extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if shared_store.startswith("TORCH_") else {}
+    args = flags(data, save_dir, *TWO_PROCESSES, "--from_resume", "1")
+    agents = []
+    for node in (0, 1):
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "minisft-test",
+                    "--max-restarts", "2"]
+        agents.append(launcher.start(args, f"node{node}", launcher=torchrun, env=clean_env(**extra)))
+    wait_until(lambda: os.path.exists(checkpoint_at(save_dir, 2)), agents[0], launcher, what="the first checkpoint")
+    os.kill(next(iter(worker_pids(agents[1].pid).values())), signal.SIGKILL)
+    for agent in agents:
+        assert launcher.wait(agent) == 0, launcher.output(agent)
+    out = launcher.output(agents[0])[0] + launcher.output(agents[1])[0]
+    err = launcher.output(agents[0])[1] + launcher.output(agents[1])[1]
+    assert "resuming from" in out
+    # The shared store works here because the survivor's worker fails at once too (so both
+    # agents count the restart); the note recommends the fresh-store setting all the same.
+    assert ("warning: torchrun on several nodes with --max-restarts" in err) == (not extra)
+    assert_weights_equal(final_weights(save_dir), final_weights(reference_two))
+
+
+def test_sigterm_saves_and_exits_zero_with_dataloader_workers(data, reference, launcher, tmp_path):
+    save_dir = tmp_path / "run"
+    args = flags(data, save_dir, *ONE_PROCESS, "--from_resume", "1", "--num_workers", "2")
+    process = launcher.start(args, "sigterm")
+    wait_until(lambda: metric_rows(save_dir) >= 3, process, launcher, what="three steps")
+    os.killpg(process.pid, signal.SIGTERM)  # the trainer and its DataLoader workers, like a scheduler does
+    assert launcher.wait(process) == 0, launcher.output(process)
+    out, err = launcher.output(process)
+    assert "Traceback" not in err
+    stopped_at = int(out.split("SIGTERM received: stopping at step ")[1].split()[0])
+    assert 3 <= stopped_at < FINAL_STEP
+    assert f"saved {checkpoint_at(save_dir, stopped_at)}" in out
+    resumed = run_trainer(args)
+    assert f"training {FINAL_STEP} optimizer steps from step {stopped_at}" in resumed.stdout
+    assert_weights_equal(final_weights(save_dir), final_weights(reference))

@@ -1,0 +1,54 @@
+"""Non-finite losses: a bad step is skipped, too many in a row stop the run with the last good weights saved."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.fault_checks import all_finite, last_line
+from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, clean_env, flags, run_trainer
+from trainer.checkpoint.resume import load_resume_checkpoint
+
+pytestmark = pytest.mark.slow
+
+FAULTY_TRAINER = os.path.join(REPO, "tests", "helpers", "faults.py")  # the trainer with MINISFT_FAULT_* planted
+
+
+def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, tmp_path):
+    save_dir = tmp_path / "run"
+    env = clean_env(MINISFT_FAULT_NAN_STEPS="2,4,5,6")
+    result = run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "10", "--save_interval", "1",
+                               "--keep_last", "20", "--max_bad_steps", "3"), script=FAULTY_TRAINER, env=env,
+                         check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert last_line(result.stderr) == (
+        f"error: 3 optimizer steps in a row had a non-finite loss or gradient norm (last at step 6); stopped. "
+        f"The last good weights are saved in {save_dir}"
+    )
+    assert "Traceback" not in result.stderr
+    assert ("warning: step 2 had a non-finite loss or gradient norm: optimizer step skipped (1 in a row, 1 in total)"
+            in result.stdout)
+    saved = {step: load_resume_checkpoint(checkpoint_at(save_dir, step)) for step in range(1, 7)}
+    # an isolated bad step: neither the weights nor the optimizer moved, and training went on
+    assert_weights_equal(saved[2]["model"], saved[1]["model"])
+    assert all(torch.equal(saved[2]["optimizer"]["state"][i]["exp_avg"], saved[1]["optimizer"]["state"][i]["exp_avg"])
+               for i in saved[1]["optimizer"]["state"])
+    assert not torch.equal(saved[3]["model"]["lm_head.weight"], saved[2]["model"]["lm_head.weight"])
+    # three in a row: the run stopped and saved the last good state (that of step 3)
+    assert_weights_equal(saved[6]["model"], saved[3]["model"])
+    assert saved[6]["step"] == 6 and saved[6]["skipped_steps"] == 4
+    assert [saved[step]["bad_steps_in_a_row"] for step in range(1, 7)] == [0, 1, 0, 1, 2, 3]
+    # the count survives a resume: two bad steps saved at step 5, one more after it stops the run
+    resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "4", "--max_steps", "10",
+                                "--max_bad_steps", "3", "--resume_from", checkpoint_at(save_dir, 5)),
+                          script=FAULTY_TRAINER, env=clean_env(MINISFT_FAULT_NAN_STEPS="6"), check=False)
+    assert resumed.returncode == 1 and "(last at step 6)" in last_line(resumed.stderr), resumed.stderr[-2000:]
+    assert not os.path.exists(checkpoint_at(save_dir, 7))
+    rows = {row["step"]: row for row in map(json.loads, open(save_dir / "metrics.jsonl", encoding="utf-8"))}
+    assert [rows[step]["skipped_steps"] for step in range(1, 6)] == [0, 1, 1, 2, 3]
+    assert [rows[step]["loss"] is None for step in range(1, 6)] == [False, True, False, True, True]
+    # no NaN in any weights file
+    assert all(all_finite(state) for state in saved.values())
+    assert all_finite(load_file(save_dir / "model" / "model.safetensors"))

@@ -1,0 +1,143 @@
+"""model/modeling_minimind.py: padding, attention kinds, generation with a KV cache, save and load, training."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from model import MiniMindConfig
+from tests.helpers.tiny_model import tiny_model
+
+
+def test_lm_head_is_tied_to_embedding():
+    model = tiny_model()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_right_padding_does_not_change_real_token_logits():
+    model = tiny_model()
+    torch.manual_seed(1)
+    short, long = torch.randint(3, 97, (5,)), torch.randint(3, 97, (9,))
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    batch[0, :5], batch[1] = short, long
+    mask = torch.zeros(2, 9, dtype=torch.long)
+    mask[0, :5], mask[1] = 1, 1
+    alone = model(short.unsqueeze(0)).logits[0]
+    padded_masked = model(batch, attention_mask=mask).logits
+    padded_unmasked = model(batch).logits  # right padding + causal: the mask is not even needed
+    assert torch.allclose(padded_masked[0, :5], alone, atol=1e-5)
+    assert torch.allclose(padded_unmasked[0, :5], alone, atol=1e-5)
+    assert torch.allclose(padded_masked[1], model(long.unsqueeze(0)).logits[0], atol=1e-5)
+    assert torch.isfinite(padded_masked).all()
+
+
+def test_eager_and_sdpa_attention_agree():
+    ids = torch.randint(0, 97, (2, 12))
+    sdpa = tiny_model(flash_attn=True)(ids).logits
+    eager = tiny_model(flash_attn=False)(ids).logits
+    assert torch.allclose(sdpa, eager, atol=1e-5)
+
+
+def test_greedy_generate_with_and_without_kv_cache_is_identical():
+    model = tiny_model()
+    prompt = torch.randint(3, 97, (2, 7))
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with_cache = model.generate(prompt, use_cache=True, **kwargs)
+    without = model.generate(prompt, use_cache=False, **kwargs)
+    assert with_cache.shape == (2, 19)
+    assert torch.equal(with_cache, without)
+
+
+def test_left_padded_batch_generation_matches_single_prompts():
+    model = tiny_model()
+    short, long = torch.randint(3, 97, (4,)), torch.randint(3, 97, (7,))
+    batch = torch.zeros(2, 7, dtype=torch.long)
+    batch[0, 3:], batch[1] = short, long
+    mask = (torch.arange(7) >= 3).long().unsqueeze(0).repeat(2, 1)
+    mask[1] = 1
+    kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    together = model.generate(batch, attention_mask=mask, **kwargs)
+    assert torch.equal(together[0, 7:], model.generate(short.unsqueeze(0), **kwargs)[0, 4:])
+    assert torch.equal(together[1, 7:], model.generate(long.unsqueeze(0), **kwargs)[0, 7:])
+
+
+def test_save_pretrained_then_auto_load_in_fresh_process_gives_equal_logits(tmp_path):
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    ids = torch.randint(0, 97, (2, 9))
+    torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+    # A fresh interpreter that never imports this repo: remote code from the saved directory.
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from transformers import AutoModelForCausalLM
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True).eval()
+        assert type(model).__name__ == "MiniMindForCausalLM"
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        assert torch.equal(model(expected["ids"]).logits, expected["logits"]), "logits differ"
+        print("OK")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("OK")
+
+
+def test_auto_classes_know_minimind_in_process(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path)
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config, MiniMindConfig) and config.hidden_size == 64
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 97, (1, 5))
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    ids = torch.randint(0, 97, (2, 10))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model().train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            assert model.model.layers[0].gradient_checkpointing
+        model(ids, labels=ids).loss.backward()
+        grads.append(model.model.layers[0].mlp.up_proj.weight.grad.clone())
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_dense_and_moe_models_train_on_a_tiny_batch(use_moe):
+    model = tiny_model(use_moe=use_moe).train()
+    torch.manual_seed(3)
+    ids = torch.randint(3, 97, (4, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        out = model(ids, labels=ids)
+        (out.loss + out.aux_loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_autocast_forward_and_backward(dtype):
+    model = tiny_model().train()
+    ids = torch.randint(0, 97, (2, 8))
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        out = model(ids, labels=ids)
+    assert out.logits.dtype == dtype
+    out.loss.backward()
+    grad = model.model.embed_tokens.weight.grad
+    assert grad is not None and grad.dtype == torch.float32 and torch.isfinite(grad).all()
+    assert torch.isfinite(out.loss)

@@ -1,0 +1,13 @@
+"""scripts/chat.py, eval_sft.py and plot_loss.py: bad input is one `error:` line and exit 2."""
+
+from tests.helpers.overfitted import script
+
+
+def test_bad_input_gives_one_line_error_and_exit_2(trained, tmp_path):
+    missing = script("chat.py", "--model_path", str(tmp_path / "nope"), "--prompt", "hi", "--device", "cpu")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ") and "does not exist" in missing.stderr
+    assert missing.stderr.count("\n") == 1
+    bad_flag = script("eval_sft.py", "--model_path", str(trained["run_dir"]), "--batch_size", "zero")
+    assert bad_flag.returncode == 2 and bad_flag.stderr.startswith("error: ") and bad_flag.stderr.count("\n") == 1
+    no_metrics = script("plot_loss.py", "--metrics", str(tmp_path / "run"), "--out", str(tmp_path / "x.png"))
+    assert no_metrics.returncode == 2 and no_metrics.stderr == f"error: {tmp_path / 'run'}: metrics file not found\n"

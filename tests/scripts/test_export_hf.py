@@ -1,0 +1,148 @@
+"""scripts/export_hf.py: a remote-code export loads in a fresh process, `--out_dir .`, never into a training run."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from model import MiniMindConfig, MiniMindForCausalLM
+from tests.helpers.overfitted import REPO, script
+from trainer.weights.inference import load_model_for_inference
+from trainer.weights.read import read_weights
+
+
+FRESH_LOAD = textwrap.dedent("""
+    import importlib.util, os, sys, torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    assert all(os.path.abspath(p or ".") != sys.argv[3] for p in sys.path), sys.path
+    assert importlib.util.find_spec("trainer") is None  # this repo is not importable here
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Sum of 2 and 3?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    torch.save({"ids": ids, "logits": logits, "module": type(model).__module__}, sys.argv[2])
+""")
+
+
+def test_export_loads_in_a_fresh_process_with_equal_logits(trained, tmp_path):
+    out_dir = tmp_path / "export"
+    result = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir),
+                    "--format", "remote-code")
+    assert result.returncode == 0, result.stderr
+    names = {p.name for p in out_dir.iterdir()}
+    assert {"config.json", "model.safetensors", "configuration_minimind.py", "modeling_minimind.py",
+            "packed_attention.py", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert "auto_map" in json.loads((out_dir / "config.json").read_text())
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HOME"] = str(tmp_path / "hf_home")
+    (tmp_path / "load.py").write_text(FRESH_LOAD)
+    fresh = subprocess.run([sys.executable, "load.py", str(out_dir), "fresh.pt", str(REPO)], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    loaded = torch.load(tmp_path / "fresh.pt", weights_only=True)
+    assert loaded["module"].startswith("transformers_modules")  # the exported code, not this repo's
+    with torch.no_grad():
+        ours = trained["model"](loaded["ids"]).logits
+    assert torch.equal(loaded["logits"], ours)
+
+    again = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir))
+    assert again.returncode == 2 and "--overwrite" in again.stderr
+
+
+def test_export_into_the_current_directory(trained, tmp_path):
+    """`--out_dir .` (no name of its own) writes into the current directory, which stays the same directory."""
+    here = tmp_path / "here"
+    here.mkdir()
+    inode = here.stat().st_ino
+    result = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", cwd=here)
+    assert result.returncode == 0, result.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in here.iterdir()}
+    assert here.stat().st_ino == inode and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    assert torch.equal(load_model_for_inference(here).state_dict()["model.norm.weight"],
+                       trained["model"].state_dict()["model.norm.weight"])
+    again = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", cwd=here)
+    assert again.returncode == 2
+    assert again.stderr == f"error: --out_dir {here} is not empty (pass --overwrite to replace it)\n"
+    (here / "stale.txt").write_text("from before")
+    replaced = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", "--overwrite",
+                      cwd=here)
+    assert replaced.returncode == 0, replaced.stderr
+    assert not (here / "stale.txt").exists() and (here / "model.safetensors").is_file()
+    assert here.stat().st_ino == inode and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+
+
+def test_export_never_writes_into_a_training_run(tmp_path):
+    """A run's --save_dir (checkpoints/, metrics.jsonl or .lock) and everything inside it are refused, with or
+    without --overwrite, naming the pid of a trainer that holds the run's lock (a real process here)."""
+    torch.manual_seed(0)
+    source = tmp_path / "source"
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               num_key_value_heads=2))
+    model.save_pretrained(source)
+    run = tmp_path / "area" / "run"
+    for folder in ("checkpoints", "best", "model"):
+        (run / folder).mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002.pt").write_bytes(b"resume state")
+    (run / "best" / "best.json").write_text("{}")
+    model.save_pretrained(run / "model")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
+
+    def export(out_dir, *extra):
+        return script("export_hf.py", "--model_path", str(source), "--out_dir", str(out_dir), "--overwrite", *extra)
+
+    fresh = tmp_path / "fresh"  # a trainer that has just started: nothing but its lock yet
+    fresh.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from trainer.checkpoint.save_dir import SaveDirLock; "
+         f"locks = [SaveDirLock(path).acquire() for path in {[str(run), str(fresh)]!r}]; print('locked', flush=True); "
+         "sys.stdin.read()"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        refused = export(fresh)
+        assert refused.returncode == 2 and refused.stderr == (
+            f"error: --out_dir {fresh} is {fresh}, the --save_dir of a training run in progress (pid {holder.pid}); "
+            "export to a directory outside it\n")
+        assert os.listdir(fresh) == [".lock"]
+        refused = export(run)
+        assert refused.returncode == 2 and refused.stderr == (
+            f"error: --out_dir {run} is {run}, the --save_dir of a training run in progress (pid {holder.pid}); "
+            "export to a directory outside it\n")
+        refused = export(run / "checkpoints")
+        assert refused.returncode == 2 and refused.stderr.startswith(
+            f"error: --out_dir {run / 'checkpoints'} is inside {run}, the --save_dir of a training run in progress "
+            f"(pid {holder.pid})")
+    finally:
+        holder.communicate("", timeout=30)
+    cases = {  # the trainer has ended: still its files
+        run: f"error: --out_dir {run} is the training run directory {run} (it has checkpoints/ or "
+             "metrics.jsonl), whose files an export must not replace; choose a directory outside it\n",
+        run / "checkpoints": f"error: --out_dir {run / 'checkpoints'} is inside the training run directory {run} (",
+        run / "best": f"error: --out_dir {run / 'best'} is inside the training run's {run / 'best'}, which the run's ",
+        run / "new": f"error: --out_dir {run / 'new'} is inside the training run directory {run} (",
+        run.parent: f"error: --out_dir {run.parent} holds the training run directory {run}, which --overwrite would "
+                    "delete; choose another directory\n",
+    }
+    for out_dir, message in cases.items():
+        refused = export(out_dir)
+        assert refused.returncode == 2 and refused.stderr.startswith(message), refused.stderr
+        assert refused.stderr.count("\n") == 1
+    refused = export(run, "--format", "minimind")
+    assert refused.returncode == 2 and refused.stderr.startswith(f"error: --out_dir {run} is the training run directory")
+    assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file() and path.name != ".lock"} == before
+    assert (run / ".lock").is_file() and not (run / "new").exists()
+    assert sorted(p.name for p in run.parent.iterdir()) == ["run"]  # no staging folder left
+    # what an export into the run once left at its top never hides the run's model/
+    torch.manual_seed(1)
+    MiniMindForCausalLM(model.config).save_pretrained(run)
+    for loaded in (load_model_for_inference(run).state_dict(), read_weights(str(run)).state):
+        assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"],
+                           model.state_dict()["model.layers.0.self_attn.q_proj.weight"])

@@ -1,0 +1,70 @@
+"""scripts/plot_loss.py: the last line of each step, the latest run of a file, the PNG and its curves."""
+
+import json
+
+import pytest
+
+
+def metric_lines(steps, loss_offset=0.0, kind="train"):
+    for step in steps:
+        if kind == "train":
+            yield {"kind": "train", "step": step, "epoch": 0, "loss": 5.0 - 0.01 * step + loss_offset,
+                   "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1000.0 + step, "time": float(step)}
+        else:
+            yield {"kind": "eval", "step": step, "eval_loss": 4.0 - 0.01 * step + loss_offset}
+
+
+def test_dedupe_keeps_the_last_line_of_each_step():
+    from scripts.plot_loss import dedupe_metrics
+
+    crashed = [*metric_lines(range(1, 16)), *metric_lines([10], kind="eval")]
+    resumed = [*metric_lines(range(11, 21), loss_offset=1.0), *metric_lines([10, 20], kind="eval", loss_offset=1.0)]
+    curves = dedupe_metrics(crashed + resumed)
+    assert [r["step"] for r in curves["train"]] == list(range(1, 21))
+    assert [r["step"] for r in curves["eval"]] == [10, 20]
+    by_step = {r["step"]: r["loss"] for r in curves["train"]}
+    assert by_step[10] == pytest.approx(4.9) and by_step[11] == pytest.approx(5.89)  # resumed values win
+    assert curves["eval"][0]["eval_loss"] == pytest.approx(4.9)
+
+
+def test_plot_draws_the_latest_run_of_a_file_two_runs_wrote_unless_asked(tmp_path, capsys, monkeypatch):
+    import scripts.plot_loss as plot_loss
+
+    first = [{**row, "run_id": "a"} for row in metric_lines(range(1, 11))]
+    second = [{**row, "run_id": "b"} for row in metric_lines(range(1, 6), loss_offset=2.0)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + second))
+    drawn = {}
+    monkeypatch.setattr(plot_loss, "plot", lambda curves, out, title: drawn.update(curves) or [])
+    assert plot_loss.main(["--metrics", str(tmp_path)]) == 0
+    assert [(r["step"], r["run_id"]) for r in drawn["train"]] == [(step, "b") for step in range(1, 6)]
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "note: plotted run b (5 of 15 lines); 1 other run(s) in this file are left out (--runs all plots every line)")
+    assert plot_loss.main(["--metrics", str(tmp_path), "--runs", "all"]) == 0
+    assert [r["step"] for r in drawn["train"]] == list(range(1, 11))
+
+
+def test_plot_writes_a_png_and_rejects_empty_metrics(tmp_path, capsys):
+    from scripts.plot_loss import main
+
+    lines = [*metric_lines(range(1, 31)), *metric_lines([10, 20, 30], kind="eval"), *metric_lines(range(21, 41))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["--metrics", str(tmp_path), "--out", str(tmp_path / "loss.png")]) == 0
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SystemExit) as done:
+        main(["--metrics", str(tmp_path / "empty.jsonl"), "--out", str(tmp_path / "x.png")])
+    assert done.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_plot_draws_per_source_train_losses_per_file_eval_curves_and_accuracies(tmp_path):
+    from scripts.plot_loss import dedupe_metrics, plot
+
+    train = [{**row, "loss/general": 5.0, "loss/tools": 4.0} for row in metric_lines(range(1, 11))]
+    evals = [{"kind": "eval", "step": s, "eval_loss": 4.0, "eval_loss/a": 4.1, "eval_loss/b": 3.9,
+              "eval_token_accuracy": 0.1 * s, "eval_exact_match/a": 0.0, "eval_loss_tokens": 90,
+              "best_metric": "eval_loss", "best_step": 5, "new_best": s == 5} for s in (5, 10)]
+    labels = plot(dedupe_metrics(train + evals), tmp_path / "loss.png", "t")
+    assert labels == ["train loss", "train loss/general", "train loss/tools", "eval loss", "eval loss/a",
+                      "eval loss/b", "eval token accuracy", "eval exact match/a"]
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")

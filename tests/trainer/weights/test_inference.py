@@ -1,0 +1,67 @@
+"""trainer/weights/inference.py: every kind of model path loads the same weights and tokenizer; bad files are refused."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.errors import ModelLoadError
+from trainer.weights.inference import load_model_for_inference, load_tokenizer_for_model
+
+
+@pytest.mark.parametrize("kind", ["run_dir", "hf_dir", "checkpoint", "safetensors"])
+def test_every_path_kind_loads_the_same_weights(trained, kind):
+    loaded = load_model_for_inference(trained[kind])
+    assert not loaded.training
+    expected = trained["model"].state_dict()
+    state = loaded.state_dict()
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert load_tokenizer_for_model(trained[kind]).chat_template == trained["tokenizer"].chat_template
+
+
+def test_tokenizer_comes_from_the_checkpoint_args(trained, tmp_path):
+    tokenizer_dir = tmp_path / "tok"
+    trained["tokenizer"].save_pretrained(tokenizer_dir)
+    state = torch.load(trained["checkpoint"], weights_only=True)
+    state["args"]["tokenizer_path"] = str(tokenizer_dir)
+    torch.save(state, tmp_path / "step.pt")
+    assert Path(load_tokenizer_for_model(tmp_path / "step.pt").name_or_path) == tokenizer_dir
+    assert Path(load_tokenizer_for_model(trained["hf_dir"]).name_or_path) == trained["hf_dir"]
+
+
+class Malicious:
+    marker = None
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_bad_files_raise_one_line_model_load_errors(trained, tmp_path):
+    good = trained["checkpoint"].read_bytes()
+    (tmp_path / "truncated.pt").write_bytes(good[: len(good) // 2])
+    (tmp_path / "zeros.pt").write_bytes(bytes(4096))
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"weights": torch.ones(2)}, tmp_path / "other.pt")
+    marker = tmp_path / "PWNED"
+    Malicious.marker = str(marker)
+    torch.save({"format": "minisft-resume", "model": Malicious()}, tmp_path / "evil.pt")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 100)
+    (tmp_path / "config.json").write_text((trained["hf_dir"] / "config.json").read_text())
+    cases = {
+        "missing.pt": "does not exist",
+        "truncated.pt": "corrupt or truncated",
+        "zeros.pt": "corrupt or truncated",
+        "empty.pt": "empty",
+        "other.pt": "not a minisft resume checkpoint",
+        "evil.pt": "refused to load",
+        "bad.safetensors": "corrupt or truncated safetensors",
+    }
+    for name, message in cases.items():
+        with pytest.raises(ModelLoadError, match=message) as info:
+            load_model_for_inference(tmp_path / name)
+        assert "\n" not in str(info.value) and name in str(info.value)
+    assert not marker.exists()
+    with pytest.raises(ModelLoadError, match="refused to load"):
+        load_tokenizer_for_model(tmp_path / "evil.pt")
+    assert not marker.exists()
