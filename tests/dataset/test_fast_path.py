@@ -27,11 +27,6 @@ DEMO_FILES = sorted(glob.glob(str(ROOT / "dataset" / "demo" / "*.jsonl")))
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
-
-
-@pytest.fixture(scope="module")
 def demo_conversations():
     return [parse_line(line) for path in DEMO_FILES for line in open(path, encoding="utf-8") if line.strip()]
 

@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from dataset import load_tokenizer
 from dataset.formats import Conversation
 from dataset.rendering import encode_with_template, render, special_token_texts
 from dataset.tokens import encode_conversations
@@ -22,11 +21,6 @@ def conversation(arguments) -> Conversation:
                          {"role": "assistant", "content": "", "tool_calls": [call]},
                          {"role": "tool", "content": "sunny"},
                          {"role": "assistant", "content": "Sunny."}], TOOLS)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
 
 
 def expected_ids(tokenizer, text: str, data: list[str]) -> list[int]:
