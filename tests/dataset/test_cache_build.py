@@ -1,5 +1,5 @@
-"""Building a token cache (dataset/cache/build.py): its progress lines, and a build stopped by a
-signal or a killed worker (real signals to real processes)."""
+"""Building a token cache (dataset/cache/build.py): its progress lines, a parallel build equal to the
+serial one, and a build stopped by a signal or a killed worker (real signals to real processes)."""
 
 import json
 import multiprocessing
@@ -10,12 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dataset.cache.build as token_cache
-from dataset import build_cache_and_open
+from dataset import DataError, build_cache_and_open
 from tests.helpers.cache_checks import partials
-from tests.helpers.chat_rows import chat_line, write_rows
+from tests.helpers.chat_rows import chat_line, make_chat, write_lines, write_rows
 from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env
 
 
@@ -27,6 +28,20 @@ def test_build_prints_progress_with_rate_and_eta(tokenizer, tmp_path, monkeypatc
     assert [line.split(": ")[1].split(" rows")[0] for line in lines] == ["5/12", "10/12", "12/12"]
     assert all(" rows/s, elapsed " in line and ", ETA " in line for line in lines)
     assert lines[-1].endswith("ETA 0 s")
+
+
+def test_parallel_build_equals_serial_build(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "CHUNK_LINES", 7)
+    rows = [make_chat(i) for i in range(40)]
+    rows[23] = '{"broken'
+    path = write_lines(tmp_path / "data.jsonl", rows)
+    serial = build_cache_and_open(path, tokenizer, 128, num_proc=1, cache_dir=tmp_path / "serial", bad_data="skip")
+    parallel = build_cache_and_open(path, tokenizer, 128, num_proc=2, cache_dir=tmp_path / "parallel", bad_data="skip")
+    assert len(parallel) == len(serial) == 39 and parallel.num_skipped == 1
+    assert np.array_equal(np.asarray(parallel.tokens), np.asarray(serial.tokens))
+    assert np.array_equal(np.asarray(parallel.loss_mask), np.asarray(serial.loss_mask))
+    with pytest.raises(DataError, match=f"{path}:24: invalid JSON"):
+        build_cache_and_open(path, tokenizer, 128, num_proc=2, cache_dir=tmp_path / "strict")
 
 
 BIG_ROWS = 80_000  # long enough to tokenize that the signal lands mid-build on a fast machine

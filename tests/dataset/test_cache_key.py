@@ -1,11 +1,50 @@
-"""What names a token cache (dataset/cache/key.py): an unchanged file is found without hashing it
-again, a changed one is hashed again, also after a same-size edit with its mtime kept."""
+"""What names a token cache (dataset/cache/key.py): a cache is reused without tokenizing while its
+file, tokenizer and ``max_seq_len`` stay, and built again when one changes; an unchanged file is
+found without hashing it again, a changed one is hashed again, also after a same-size edit with its
+mtime kept."""
 
 import os
 
+import numpy as np
+
 import dataset.cache.key as digests
-from dataset import build_cache_and_open
-from tests.helpers.chat_rows import chat_line, write_rows
+from dataset import build_cache_and_open, load_tokenizer
+from tests.helpers.chat_rows import chat_line, make_chat, write_lines, write_rows
+from tests.helpers.templates import make_alt_tokenizer
+
+
+def test_cache_is_reused_without_tokenizing_and_rebuilt_on_changes(tokenizer, tmp_path, monkeypatch):
+    path = write_lines(tmp_path / "data.jsonl", [make_chat(i) for i in range(20)])
+    first = build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert first.cache_path.parent == tmp_path / ".cache"
+    assert first.tokens.dtype == np.uint16
+    assert np.asarray(first.offsets).dtype == np.int64 and len(first.offsets) == 21
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the tokenizer was called")
+
+    with monkeypatch.context() as patch:
+        for name in ("__call__", "encode", "apply_chat_template"):
+            patch.setattr(type(tokenizer), name, no_tokenizing)
+        second = build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert second.cache_path == first.cache_path
+    assert all(np.array_equal(first[i]["input_ids"], second[i]["input_ids"]) for i in range(20))
+
+    changed_len = build_cache_and_open(path, tokenizer, 96, num_proc=1)
+    assert changed_len.cache_path != first.cache_path
+
+    other_tokenizer = load_tokenizer(make_alt_tokenizer(tmp_path / "alt_tok"))
+    changed_tok = build_cache_and_open(path, other_tokenizer, 128, num_proc=1)
+    assert changed_tok.cache_path != first.cache_path
+
+    write_lines(path, [make_chat(i) for i in range(21)])
+    changed_data = build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert changed_data.cache_path != first.cache_path and len(changed_data) == 21
+
+    explicit = build_cache_and_open(path, tokenizer, 128, cache_dir=tmp_path / "elsewhere", num_proc=1)
+    assert explicit.cache_path.parent == tmp_path / "elsewhere"
+    cache_dirs = sorted(p.name for p in (tmp_path / ".cache").iterdir() if p.name != ".digests")
+    assert len(cache_dirs) == 4 and not any(name.startswith(".tmp") for name in cache_dirs)
 
 
 def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashed(tokenizer, tmp_path, monkeypatch):

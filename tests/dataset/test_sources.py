@@ -1,6 +1,6 @@
 """Reading data files (dataset/sources.py): a ``.jsonl.gz`` or ``.parquet`` file gives the cache of
-the jsonl of the same rows (parquet structs, nulls and columns not read included); a damaged file
-or a value JSON has no type for is one line."""
+the jsonl of the same rows (parquet structs, nulls and columns not read included); a missing, empty
+or damaged file, a folder, a JSON array or a value JSON has no type for is one line."""
 
 import gzip
 import json
@@ -12,7 +12,7 @@ import pytest
 import dataset.cache.build as token_cache
 import dataset.sources as sources
 from dataset import DataError, SFTDataset, build_cache_and_open
-from tests.helpers.chat_rows import chat_line, write_rows
+from tests.helpers.chat_rows import chat_line, make_chat, write_lines, write_rows
 
 
 def cache_arrays(ds: SFTDataset) -> list[np.ndarray]:
@@ -39,6 +39,28 @@ def test_gzip_bad_row_and_corrupt_gzip_are_one_line_errors(tokenizer, tmp_path):
     truncated.write_bytes(gzip.compress(("\n".join(chat_line(i) for i in range(200)) + "\n").encode())[:300])
     with pytest.raises(DataError, match=f"^{truncated}: not a readable gzip file"):
         build_cache_and_open(truncated, tokenizer, 64, num_proc=1)
+
+
+def test_missing_and_empty_files(tokenizer, tmp_path):
+    with pytest.raises(DataError, match="data file not found"):
+        build_cache_and_open(tmp_path / "nope.jsonl", tokenizer, 128)
+    (tmp_path / "empty.jsonl").write_text("\n \n", encoding="utf-8")
+    with pytest.raises(DataError, match="empty.jsonl: data file is empty"):
+        build_cache_and_open(tmp_path / "empty.jsonl", tokenizer, 128)
+    with pytest.raises(DataError, match="no usable samples"):
+        build_cache_and_open(write_lines(tmp_path / "bad.jsonl", ["{"]), tokenizer, 128, bad_data="skip", num_proc=1)
+
+
+def test_data_file_problems_are_named(tokenizer, tmp_path):
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(DataError, match="folder: is a directory"):
+        build_cache_and_open(tmp_path / "folder", tokenizer, 128)
+    (tmp_path / "array.json").write_text(json.dumps([make_chat(1), make_chat(2)], indent=1), encoding="utf-8")
+    with pytest.raises(DataError, match=r"array\.json: is one JSON array, not JSON Lines"):
+        build_cache_and_open(tmp_path / "array.json", tokenizer, 128)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (json.dumps(make_chat(1)) + "\n" + json.dumps(make_chat(2)) + "\n").encode())
+    assert len(build_cache_and_open(bom, tokenizer, 128, num_proc=1)) == 2
 
 
 def test_parquet_file_gives_the_same_cache_as_the_jsonl_file(tokenizer, tmp_path, monkeypatch):

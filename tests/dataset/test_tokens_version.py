@@ -26,10 +26,10 @@ GOLDEN_ROWS = Path(__file__).with_name("golden_rows.jsonl")
 GOLDEN_MAX_SEQ_LEN = 512
 # TOKENS_VERSION -> (fingerprint of the shipped tokenizer, sha256 of the samples of golden_rows.jsonl).
 # 2 and 3 gave the same samples with the tokenizer shipped until 2026-11-24 (fingerprint fd9a7e13...,
-# samples 4e2daa39...; the golden rows hold none of what 3 changed, see test_data.py and test_sources.py);
-# 3 is recorded with today's tokenizer (Qwen2's pre-tokenizer). 3 and 4 give the same samples: the
-# golden rows spell no special token in a JSON key, and the shipped tokenizer's pieces are proven
-# (4's changes are tested in test_special_keys.py and test_pieces.py).
+# samples 4e2daa39...; the golden rows hold none of what 3 changed, see test_tools_and_reasoning.py,
+# test_formats.py and test_sources.py); 3 is recorded with today's tokenizer (Qwen2's pre-tokenizer).
+# 3 and 4 give the same samples: the golden rows spell no special token in a JSON key, and the
+# shipped tokenizer's pieces are proven (4's changes are tested in test_special_keys.py and test_pieces.py).
 GOLDEN = {
     2: ("fd9a7e13ec188e2401fb6696d2abaf6af75ae32a57d520bc5d0221437c708346",
         "4e2daa391d9bdc6c815a29c0010ea2981cc8f6c324da597d5562ed208761cd2e"),
