@@ -1,5 +1,5 @@
 """The shape of the code: no import cycle among the project's modules (imports inside functions
-count too), and no module over 450 lines: the packages, scripts/ and train_full_sft.py."""
+count too), and no module over 450 lines: the packages, scripts/, train_full_sft.py and tests/."""
 
 import ast
 from pathlib import Path
@@ -84,9 +84,22 @@ def test_the_cycle_finder_finds_a_cycle_through_an_import_inside_a_function(tmp_
     assert find_cycle(graph) == ["a", "b", "a"]
 
 
+def over_the_limit(paths) -> dict[str, int]:
+    """The line count of each of ``paths`` that has more than MAX_LINES lines, by its path in the repository."""
+    return {str(path.relative_to(REPO)): lines for path in paths
+            if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+
+
 def test_no_module_of_the_packages_scripts_or_the_training_script_is_over_450_lines():
     modules = project_modules()
     assert {"train_full_sft", "scripts.bench", "trainer.args"} <= set(modules)  # every kind is measured
-    long = {str(path.relative_to(REPO)): lines for path in modules.values()
-            if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = over_the_limit(modules.values())
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_module_of_the_tests_is_over_450_lines():
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    assert {"tests/conftest.py", "tests/helpers/trainer_launch.py", "tests/trainer/checkpoint/test_resume.py"} <= {
+        str(path.relative_to(REPO)) for path in tests}  # the test folders and their helpers are measured
+    long = over_the_limit(tests)
+    assert not long, f"test modules over {MAX_LINES} lines: {long}"

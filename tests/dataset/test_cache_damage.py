@@ -6,15 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataset import DataError, SFTDataset, build_cache_and_open, load_tokenizer
+from dataset import DataError, SFTDataset, build_cache_and_open
 from dataset.cache import TokenCache
 
 FILES = ("tokens.bin", "loss_mask.bin", "offsets.npy", "meta.json")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
 
 
 def built_cache(tokenizer, tmp_path: Path) -> tuple[Path, dict[str, bytes]]:

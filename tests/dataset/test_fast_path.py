@@ -20,15 +20,10 @@ from dataset.chatml_encoder import ChatMLEncoder as ChunkEncoder
 from dataset.formats import Conversation, LineError, parse_line
 from dataset.rendering import encode_with_template as encode_conversation
 from dataset.rendering import load_tokenizer
-from tests.dataset.test_data import ALT_TEMPLATE, THINK_TEMPLATE, make_alt_tokenizer
+from tests.helpers.templates import ALT_TEMPLATE, THINK_TEMPLATE, make_alt_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_FILES = sorted(glob.glob(str(ROOT / "dataset" / "demo" / "*.jsonl")))
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import dataset.inspection.report as data_report
 from dataset import encode_conversation, load_tokenizer
@@ -55,11 +54,6 @@ TOOL_CHAT_PIECES = [
     ("think block", "<think>\n\n</think>\n\n"), ("reply", "Velm."), ("end-of-turn", "<|im_end|>"), ("template", "\n"),
 ]
 SUPERVISED_SEGMENTS = {"think block", "reply", "tool call", "end-of-turn"}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
 
 
 def count(tokenizer, text: str) -> int:

@@ -18,17 +18,18 @@ import pytest
 
 import dataset.cache.key as digests
 import dataset.cache.build as token_cache
-from dataset import SFTDataset, build_cache_and_open, load_tokenizer
+from dataset import SFTDataset, build_cache_and_open
 from dataset.rendering import tokenizer_fingerprint
+from tests.helpers.chat_rows import chat_line, write_rows
 
 GOLDEN_ROWS = Path(__file__).with_name("golden_rows.jsonl")
 GOLDEN_MAX_SEQ_LEN = 512
 # TOKENS_VERSION -> (fingerprint of the shipped tokenizer, sha256 of the samples of golden_rows.jsonl).
 # 2 and 3 gave the same samples with the tokenizer shipped until 2026-11-24 (fingerprint fd9a7e13...,
-# samples 4e2daa39...; the golden rows hold none of what 3 changed, see tests/dataset/test_data.py);
-# 3 is recorded with today's tokenizer (Qwen2's pre-tokenizer). 3 and 4 give the same samples: the
-# golden rows spell no special token in a JSON key, and the shipped tokenizer's pieces are proven
-# (4's changes are tested in test_special_keys.py and test_pieces.py).
+# samples 4e2daa39...; the golden rows hold none of what 3 changed, see test_tools_and_reasoning.py,
+# test_formats.py and test_sources.py); 3 is recorded with today's tokenizer (Qwen2's pre-tokenizer).
+# 3 and 4 give the same samples: the golden rows spell no special token in a JSON key, and the
+# shipped tokenizer's pieces are proven (4's changes are tested in test_special_keys.py and test_pieces.py).
 GOLDEN = {
     2: ("fd9a7e13ec188e2401fb6696d2abaf6af75ae32a57d520bc5d0221437c708346",
         "4e2daa391d9bdc6c815a29c0010ea2981cc8f6c324da597d5562ed208761cd2e"),
@@ -37,11 +38,6 @@ GOLDEN = {
     4: ("610e7d212f2ed5cb529da75396ffff44777e24f2cc8aefd1b814fad4d846dfd7",
         "ddc8c067954c13767fa1809188df8fa90904b2fe6fcf40e15c081990c2599b2f"),
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(None)
 
 
 def samples_digest(ds: SFTDataset) -> str:
@@ -129,3 +125,15 @@ def test_a_cache_that_records_another_tokens_version_is_built_again(tokenizer, t
     assert json.loads((again.cache_path / "meta.json").read_text(encoding="utf-8"))["tokens_version"] == \
         token_cache.TOKENS_VERSION
     assert [p.name for p in again.cache_path.parent.iterdir() if p.name.startswith(".removed-")] == []
+
+
+def test_a_cache_built_by_the_parser_before_its_fixes_is_not_reused(tokenizer, tmp_path, monkeypatch):
+    # Version 2 parsed '<think>' tags, NaN and parquet nulls otherwise: its caches hold other tokens.
+    path = write_rows(tmp_path / "a.jsonl", [chat_line(i) for i in range(3)])
+    with monkeypatch.context() as patch:
+        patch.setattr(token_cache, "TOKENS_VERSION", 2)
+        old = build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path
+    built = []
+    real_build = token_cache.build_cache
+    monkeypatch.setattr(token_cache, "build_cache", lambda *args: built.append(args) or real_build(*args))
+    assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path != old and built

@@ -10,10 +10,11 @@ from dataset.cache import waiting
 from dataset.cache import build_or_reuse
 from dataset.cache.key import TOKENS_VERSION, cache_key, data_digest
 from dataset.cache.resumable import partial_dir
-from tests.dataset.test_cache_build import chat_line, hold_lock, tokenizer, write_rows  # noqa: F401 - a fixture
+from tests.helpers.cache_checks import hold_lock
+from tests.helpers.chat_rows import chat_line, write_rows
 
 
-def test_a_builder_waiting_for_a_live_builder_says_so_at_once(tokenizer, tmp_path, capsys):  # noqa: F811
+def test_a_builder_waiting_for_a_live_builder_says_so_at_once(tokenizer, tmp_path, capsys):
     path = write_rows(tmp_path / "w.jsonl", [chat_line(i) for i in range(4)])
     cache_root = tmp_path / "cache"
     target = cache_root / cache_key(data_digest(path, cache_root), tokenizer, 64, TOKENS_VERSION)

@@ -335,7 +335,7 @@ def test_a_full_disk_or_a_file_size_limit_during_the_export_is_one_line_naming_t
     import resource
     import shutil
 
-    from tests.dataset.test_cache_build import can_mount_a_private_tmpfs
+    from tests.helpers.private_tmpfs import can_mount_a_private_tmpfs
 
     export(models["shipped"]["path"], tmp_path / "whole", "f32")
     assert (tmp_path / "whole" / "model-f32.gguf").stat().st_size > 2 * 256 * 1024

@@ -1,0 +1,44 @@
+"""MiniMind's two augmentations (dataset/augment.py): the text MiniMind trains on, drawn per seed,
+epoch and index, over a cache that does not depend on them."""
+
+from dataset import PackedSFTDataset, build_cache_and_open
+from tests.helpers.chat_rows import CALL_TEXT, CHAT, EMPTY_THINK, TOOL_CHAT_MINIMIND, make_chat, write_lines
+
+
+def test_augmentations_equal_minimind_text_and_are_drawn_per_seed_epoch_index(tokenizer, tmp_path):
+    from dataset import ChatAugmenter
+    from dataset.augment import SYSTEM_PROMPTS
+
+    rows = [{"conversations": CHAT[1:]}, {"conversations": CHAT}, TOOL_CHAT_MINIMIND]
+    path = write_lines(tmp_path / "a.jsonl", rows)
+    always = ChatAugmenter(tokenizer, seed=3, system_prompt_ratio=1.0, drop_empty_think_ratio=1.0)
+    ds = build_cache_and_open(path, tokenizer, 1024, num_proc=1, augmenter=always)
+    prompt = SYSTEM_PROMPTS[always.draw(0, 0)[0]]
+    # MiniMind: a system message in front, the rendered text without empty think blocks.
+    text = tokenizer.apply_chat_template([{"role": "system", "content": prompt}] + CHAT[1:], tokenize=False)
+    item = ds[0]
+    assert item["input_ids"].tolist() == tokenizer(text.replace(EMPTY_THINK, ""), add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode([t for t in item["labels"] if t != -100]) == "5<|im_end|>维尔姆<|im_end|>"
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False).replace(EMPTY_THINK, "")  # has a system prompt
+    assert ds[1]["input_ids"].tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+    tool_item = ds[2]  # has tools: no system prompt added; the reasoning block stays
+    assert tokenizer.decode([t for t in tool_item["labels"] if t != -100]) == (
+        f"<think>\nLook it up.\n</think>\n\n{CALL_TEXT}<|im_end|>Velm<|im_end|>"
+    )
+
+    many = write_lines(tmp_path / "many.jsonl", [make_chat(i) for i in range(200)])
+    half = build_cache_and_open(many, tokenizer, 128, num_proc=1, augmenter=ChatAugmenter(tokenizer, 7, 0.5, 0.5))
+    plain = build_cache_and_open(many, tokenizer, 128, num_proc=1)
+    assert half.cache_path == plain.cache_path  # the cache does not depend on augmentations
+    epoch0 = [half[i]["input_ids"].tolist() for i in range(200)]
+    with_system = sum(ids[:3] != plain[i]["input_ids"].tolist()[:3] for i, ids in enumerate(epoch0))
+    without_think = sum(len(ids) < len(plain[i]["input_ids"]) + 0 and ids[:3] == plain[i]["input_ids"].tolist()[:3]
+                        for i, ids in enumerate(epoch0))
+    assert 70 < with_system < 130 and 20 < without_think < 80
+    again = build_cache_and_open(many, tokenizer, 128, num_proc=1, augmenter=ChatAugmenter(tokenizer, 7, 0.5, 0.5))
+    assert [again[i]["input_ids"].tolist() for i in range(200)] == epoch0
+    half.set_epoch(1)
+    epoch1 = [half[i]["input_ids"].tolist() for i in range(200)]
+    assert sum(a != b for a, b in zip(epoch0, epoch1)) > 50
+    packed = PackedSFTDataset(half, 128)
+    assert all(len(packed[r]["input_ids"]) <= 128 for r in range(len(packed)))

@@ -1,0 +1,88 @@
+"""What names a token cache (dataset/cache/key.py): a cache is reused without tokenizing while its
+file, tokenizer and ``max_seq_len`` stay, and built again when one changes; an unchanged file is
+found without hashing it again, a changed one is hashed again, also after a same-size edit with its
+mtime kept."""
+
+import os
+
+import numpy as np
+
+import dataset.cache.key as digests
+from dataset import build_cache_and_open, load_tokenizer
+from tests.helpers.chat_rows import chat_line, make_chat, write_lines, write_rows
+from tests.helpers.templates import make_alt_tokenizer
+
+
+def test_cache_is_reused_without_tokenizing_and_rebuilt_on_changes(tokenizer, tmp_path, monkeypatch):
+    path = write_lines(tmp_path / "data.jsonl", [make_chat(i) for i in range(20)])
+    first = build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert first.cache_path.parent == tmp_path / ".cache"
+    assert first.tokens.dtype == np.uint16
+    assert np.asarray(first.offsets).dtype == np.int64 and len(first.offsets) == 21
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the tokenizer was called")
+
+    with monkeypatch.context() as patch:
+        for name in ("__call__", "encode", "apply_chat_template"):
+            patch.setattr(type(tokenizer), name, no_tokenizing)
+        second = build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert second.cache_path == first.cache_path
+    assert all(np.array_equal(first[i]["input_ids"], second[i]["input_ids"]) for i in range(20))
+
+    changed_len = build_cache_and_open(path, tokenizer, 96, num_proc=1)
+    assert changed_len.cache_path != first.cache_path
+
+    other_tokenizer = load_tokenizer(make_alt_tokenizer(tmp_path / "alt_tok"))
+    changed_tok = build_cache_and_open(path, other_tokenizer, 128, num_proc=1)
+    assert changed_tok.cache_path != first.cache_path
+
+    write_lines(path, [make_chat(i) for i in range(21)])
+    changed_data = build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert changed_data.cache_path != first.cache_path and len(changed_data) == 21
+
+    explicit = build_cache_and_open(path, tokenizer, 128, cache_dir=tmp_path / "elsewhere", num_proc=1)
+    assert explicit.cache_path.parent == tmp_path / "elsewhere"
+    cache_dirs = sorted(p.name for p in (tmp_path / ".cache").iterdir() if p.name != ".digests")
+    assert len(cache_dirs) == 4 and not any(name.startswith(".tmp") for name in cache_dirs)
+
+
+def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashed(tokenizer, tmp_path, monkeypatch):
+    path = write_rows(tmp_path / "k.jsonl", [chat_line(i) for i in range(6)])
+    first = build_cache_and_open(path, tokenizer, 64, num_proc=1)
+    hashed = []
+    real_digest = digests.file_digest
+    monkeypatch.setattr(digests, "file_digest", lambda p: hashed.append(p) or real_digest(p))
+    assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
+    assert hashed == []  # the old code read the whole file at every start
+    stat = path.stat()
+    changed = path.read_bytes().replace(b"What is 0", b"What is 9", 1)  # same size; mtime restored below
+    path.write_bytes(changed)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = build_cache_and_open(path, tokenizer, 64, num_proc=1)
+    assert hashed == [path] and second.cache_path != first.cache_path
+    assert digests.data_digest(path, path.parent / ".cache") == real_digest(path)
+
+
+def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noticed(tokenizer, tmp_path):
+    """What `rsync -a`, `cp -p` or `touch -r` leave: other bytes, the same size and mtime. The edit lies
+    between two of the cheap key's sampled blocks of a file over 1 MiB; the old key (size, mtime,
+    sampled blocks) took the file for the old one and reused the stale cache and digest."""
+    path = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(14_000)])
+    size = path.stat().st_size
+    assert size > 1.2 * digests.SAMPLED_BLOCKS * digests.SAMPLED_BLOCK_BYTES  # gaps between the blocks
+    first = build_cache_and_open(path, tokenizer, 64, num_proc=1)
+    old_digest = digests.data_digest(path, path.parent / ".cache")
+    stat = path.stat()
+    gap_start = size // digests.SAMPLED_BLOCKS + digests.SAMPLED_BLOCK_BYTES  # after block 1, before block 2
+    data = bytearray(path.read_bytes())
+    at = data.index(b"plus 1?", gap_start) - 2  # the last digit of "What is N plus 1?"
+    assert gap_start < at < 2 * size // digests.SAMPLED_BLOCKS
+    data[at] = ord("7") if data[at] != ord("7") else ord("3")
+    with open(path, "r+b") as f:  # in place: same inode, same size
+        f.write(data)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    assert digests.data_digest(path, path.parent / ".cache") == digests.file_digest(path) != old_digest
+    second = build_cache_and_open(path, tokenizer, 64, num_proc=1)
+    assert second.cache_path != first.cache_path

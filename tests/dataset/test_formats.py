@@ -1,0 +1,123 @@
+"""Data lines parsed into conversations (dataset/formats.py): the three input formats give one
+sample; a bad line (NaN and Infinity, invalid UTF-8 included) is one line naming ``file:line``,
+skipped and counted with ``bad_data="skip"``."""
+
+import json
+
+import pytest
+
+from dataset import DataError, build_cache_and_open
+from tests.helpers.chat_rows import CHAT, EMPTY_THINK, make_chat, write_lines
+
+
+SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def test_three_input_formats_give_identical_samples(tokenizer, tmp_path):
+    minimind = {"conversations": CHAT}
+    sharegpt = {"conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in CHAT]}
+    openai = {"messages": CHAT, "id": "extra keys are ignored"}
+    items = []
+    for name, row in [("minimind", minimind), ("sharegpt", sharegpt), ("openai", openai)]:
+        ds = build_cache_and_open(write_lines(tmp_path / f"{name}.jsonl", [row]), tokenizer, 512, num_proc=1)
+        items.append(ds[0])
+    for item in items[1:]:
+        assert item["input_ids"].tolist() == items[0]["input_ids"].tolist()
+        assert item["labels"].tolist() == items[0]["labels"].tolist()
+
+
+BAD_LINES = [
+    ('{"conversations": [', "invalid JSON"),
+    ('["not", "an", "object"]', "expected a JSON object"),
+    ('{"text": "no conversation"}', "missing 'conversations' or 'messages'"),
+    ('{"conversations": []}', "empty conversation"),
+    ('{"conversations": "hello"}', "must be a list"),
+    ('{"conversations": [{"role": "robot", "content": "beep"}]}', "unknown role 'robot'"),
+    ('{"conversations": [{"role": "user"}]}', "has no 'content'"),
+    ('{"conversations": [{"role": "user", "content": 5}]}', "non-string 'content'"),
+    ('{"conversations": [{"content": "who?"}]}', "has no 'role'"),
+    ('{"conversations": ["just text"]}', "message 1 must be a JSON object"),
+    ('{"conversations": [{"from": "human", "value": 3}]}', "non-string"),
+    ('{"conversations": [{"role": "user", "content": "Hi"}]}', "conversation has no assistant message"),
+    ('{"conversations": [{"role": "user", "content": "Hi", "images": ["a.png"]}, {"role": "assistant", "content": "x"}]}',
+     "message 1 (user) has a key 'images' that would not be rendered"),
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x", "reasoning": "r"}]}',
+     "message 2 (assistant) has a key 'reasoning' that would not be rendered"),
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": "{bad"}]}]}', "tool call 1 'arguments' is a string but not valid JSON"),
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"function": {"name": "f", "arguments": {}, "strict": true}}]}]}', "['strict'] that would not be rendered"),
+    ('{"conversations": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}',
+     "content part of type 'image_url'"),
+    ('{"conversations": [{"role": "system", "content": "s", "tools": "not json"}, {"role": "user", "content": "q"}]}',
+     "message 1 'tools' is a string but not valid JSON"),
+    ('{"conversations": [{"role": "user", "content": "\\ud83d"}, {"role": "assistant", "content": "x"}]}',
+     "lone surrogate"),
+    ('{"conversations": ' + "[" * 200_000 + "]" * 200_000 + "}", "JSON nested too deeply"),
+]
+
+
+@pytest.mark.parametrize("bad_line, problem", BAD_LINES)
+def test_bad_line_reports_file_and_line(tokenizer, tmp_path, bad_line, problem):
+    path = write_lines(tmp_path / "bad.jsonl", [make_chat(1), make_chat(2), "", bad_line, make_chat(3)])
+    with pytest.raises(DataError) as info:
+        build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    message = str(info.value)
+    assert message.startswith(f"{path}:4: ")
+    assert problem in message
+    assert "\n" not in message
+    assert isinstance(info.value, ValueError)
+    skipped = build_cache_and_open(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
+    assert len(skipped) == 3 and skipped.num_skipped == 1
+
+
+NOT_JSON_LINES = [
+    # NaN in tool-call arguments given as an object
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": {"x": NaN}}]}]}', "invalid JSON (NaN is not a JSON value)"),
+    # Infinity inside tool-call arguments given as a JSON string
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": "{\\"x\\": Infinity}"}]}]}',
+     "tool call 1 'arguments' is a string but not valid JSON (Infinity is not a JSON value)"),
+    # -Infinity inside a tools JSON string
+    ('{"tools": "[{\\"type\\": \\"function\\", \\"function\\": {\\"name\\": \\"f\\", \\"max\\": -Infinity}}]",'
+     ' "conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}',
+     "'tools' is a string but not valid JSON (-Infinity is not a JSON value)"),
+    # a number beyond the float range, which Python reads as infinity
+    ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'
+     ' "tool_calls": [{"name": "f", "arguments": {"x": 1e999}}]}]}', "the number 1e999 is out of range"),
+]
+
+
+@pytest.mark.parametrize("bad_line, problem", NOT_JSON_LINES)
+def test_nan_and_infinity_are_not_json_and_make_the_line_bad(tokenizer, tmp_path, bad_line, problem):
+    json.loads(bad_line)  # Python's json module accepts every one of these lines
+    path = write_lines(tmp_path / "nan.jsonl", [make_chat(1), bad_line, make_chat(2)])
+    with pytest.raises(DataError) as info:
+        build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert str(info.value).startswith(f"{path}:2: ") and problem in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+    skipped = build_cache_and_open(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
+    assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
+def test_skip_mode_keeps_good_samples_and_reports(tokenizer, tmp_path, capsys):
+    rows = [make_chat(1), BAD_LINES[0][0], make_chat(2), BAD_LINES[5][0], make_chat(3)]
+    path = write_lines(tmp_path / "mixed.jsonl", rows)
+    ds = build_cache_and_open(path, tokenizer, 128, bad_data="skip", num_proc=1)
+    assert len(ds) == 3 and ds.num_skipped == 2 and ds.num_dropped == 0
+    answers = [tokenizer.decode([t for t in ds[i]["labels"] if t != -100]) for i in range(3)]
+    assert answers == [f"{EMPTY_THINK}{n}<|im_end|>" for n in (2, 3, 4)]
+    printed = capsys.readouterr().out
+    assert "skipped 2 bad lines" in printed and f"{path}:2:" in printed
+    # The same cache loaded in "error" mode still raises for the first bad line.
+    with pytest.raises(DataError, match=f"{path}:2: invalid JSON"):
+        build_cache_and_open(path, tokenizer, 128, num_proc=1)
+
+
+def test_invalid_utf8_line_is_reported(tokenizer, tmp_path):
+    path = write_lines(tmp_path / "data.jsonl", [make_chat(1), make_chat(2)])
+    with path.open("ab") as f:
+        f.write(b'{"conversations": [{"role": "user", "content": "\xff"}]}\n')
+    with pytest.raises(DataError, match=f"{path}:3: invalid UTF-8"):
+        build_cache_and_open(path, tokenizer, 128, num_proc=1)
