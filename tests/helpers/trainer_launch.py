@@ -1,5 +1,7 @@
 """Helpers for tests that run `train_full_sft.py` in real processes (python, torchrun)."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -64,6 +66,25 @@ def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: 
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def run_trainer_in_process(args: list[str]) -> subprocess.CompletedProcess:
+    """`python train_full_sft.py ARGS` (`sys.exit(main())`) run in this process: its exit status, stdout and
+    stderr, without a process start (torch's import). For refusals, not for runs that train: the SIGTERM and
+    SIGINT handlers that main() leaves installed when it stops early are put back."""
+    import train_full_sft
+
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = train_full_sft.main(list(args))
+    except SystemExit as stop:  # parse_args' refusals
+        code = stop.code
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    return subprocess.CompletedProcess(["train_full_sft.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def final_weights(save_dir: str) -> dict:

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.helpers.trainer_launch import flags, run_trainer
+from tests.helpers.trainer_launch import flags, run_trainer, run_trainer_in_process
 
 
 def test_a_resume_checkpoint_wins_over_from_weight_and_the_log_says_so(data, tmp_path):
@@ -84,8 +84,8 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
     del state["tokenizer"]
     torch.save(state, step_1)
     shutil.move(str(tok), str(tmp_path / "moved"))
-    gone = run_trainer(flags(data, tmp_path / "next", "--max_steps", "1", "--cache_dir", str(tmp_path / "cache"),
-                             *base), check=False)
+    gone = run_trainer_in_process(flags(data, tmp_path / "next", "--max_steps", "1", "--cache_dir",
+                                        str(tmp_path / "cache"), *base))
     assert gone.returncode == 2 and gone.stderr.strip().splitlines() == [
         f"error: resume checkpoint {step_1}: the tokenizer its run recorded, {tok}, is gone; give --tokenizer_path "
         "DIR (that tokenizer or a copy of it)"]
@@ -139,8 +139,8 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
     for extra, message in ((["--dtype", "float16"], "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"),
                            (["--save_weight", "../x"], "error: --save_weight ../x: a name for the .pth file inside "
                                                        "--save_dir (e.g. full_sft), not a path")):
-        refused = run_trainer([*flags(data, tmp_path / "other", "--cache_dir", str(tmp_path / "cache")), *extra],
-                              check=False)
+        refused = run_trainer_in_process([*flags(data, tmp_path / "other", "--cache_dir", str(tmp_path / "cache")),
+                                          *extra])
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [message]
         assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "x_32.pth")
 
