@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from dataset import ResumableDistributedSampler, load_tokenizer
-from tests.helpers.trainer_launch import REPO, TINY, checkpoint_at, clean_env, flags, run_trainer
+from tests.helpers.trainer_launch import (
+    REPO, TINY, checkpoint_at, clean_env, flags, run_trainer, run_trainer_in_process,
+)
 from trainer import run_identity
 from trainer.args import parse_args
 from trainer.checkpoint.resume import find_resume_checkpoint, load_resume_checkpoint
@@ -256,12 +258,11 @@ def test_damaged_checkpoints_or_a_fresh_run_never_replace_the_runs_model(data, t
     before = hashlib.sha256(weights.read_bytes()).hexdigest()
     for name in os.listdir(save_dir / "checkpoints"):
         os.truncate(save_dir / "checkpoints" / name, 1000)
-    damaged = run_trainer(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--from_resume", "1"),
-                          check=False)
+    damaged = run_trainer_in_process(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--from_resume", "1"))
     assert damaged.returncode == 2
     assert damaged.stderr.strip().splitlines()[-1].startswith(
         f"error: none of the 2 resume checkpoint(s) in {save_dir / 'checkpoints'} can be read")
-    fresh = run_trainer(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--seed", "5"), check=False)
+    fresh = run_trainer_in_process(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--seed", "5"))
     assert fresh.returncode == 2
     assert fresh.stderr.strip().splitlines()[-1] == (
         f"error: --save_dir {save_dir} holds another run (checkpoints/ or model/): continue it with --from_resume 1, "
