@@ -123,12 +123,10 @@ def test_resume_with_another_seed_or_data_file_is_refused(data, two_rank_run, tm
         "data": ([*flags(data, tmp_path / "data", "--batch_size", "4"), "--data_path", str(small), *resume],
                  "error: cannot resume: --data_path content differs from the checkpoint's run (checkpoint "),
     }
-    processes = {name: subprocess.Popen([sys.executable, os.path.join(REPO, "train_full_sft.py"), *argv], cwd=REPO,
-                                        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for name, (argv, _) in cases.items()}
-    for name, process in processes.items():
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 2, (name, err)
+    for name, (argv, _) in cases.items():
+        refused = run_trainer_in_process(argv)
+        out, err = refused.stdout, refused.stderr
+        assert refused.returncode == 2, (name, err)
         line = err.strip().splitlines()[-1]
         assert line.startswith(cases[name][1]), line
         assert "Traceback" not in err and "training" not in out
