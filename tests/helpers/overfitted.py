@@ -39,11 +39,12 @@ def script(name: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
 
 def script_in_process(name: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
     """`scripts/<name> ARGS` run as its `__main__` runs it (`run_main(main)`), in this process and in `cwd`:
-    the exit status, stdout and stderr that `script` gives, without a process start (torch's import)."""
+    the exit status, stdout and stderr that `script` gives, without a process start (torch's import). The
+    working directory and the environment are put back, as a process leaves them."""
     from scripts._common import run_main
 
     main = importlib.import_module(f"scripts.{name.removesuffix('.py')}").main
-    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    out, err, here, environ = io.StringIO(), io.StringIO(), os.getcwd(), dict(os.environ)
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -52,6 +53,8 @@ def script_in_process(name: str, *args: str, cwd=REPO) -> subprocess.CompletedPr
         code = stop.code
     finally:
         os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
     return subprocess.CompletedProcess([name, *args], code, out.getvalue(), err.getvalue())
 
 
