@@ -14,12 +14,16 @@ from tests.helpers.trainer_launch import (
 
 pytestmark = pytest.mark.slow
 
+# Adam's first steps divide by |gradient|: an element whose gradient is ~1e-8 turns float
+# reassociation noise into visible weight differences. A warmup keeps those below 1e-5.
+STEPS = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", "--warmup_steps", "10"]
+
 
 @pytest.fixture(scope="module")
 def one_process_batch_8(data, tmp_path_factory):
-    """One process, batch 8, 3 steps: the run that the 2-process launch styles must equal."""
+    """One process, batch 8, STEPS: the run that 2 ranks x 4, accumulation and every launch style must equal."""
     save_dir = tmp_path_factory.mktemp("single")
-    run_trainer(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--save_interval", "0"))
+    run_trainer(flags(data, save_dir, "--batch_size", "8", *STEPS))
     return save_dir
 
 
@@ -31,22 +35,19 @@ def one_step_run(data, tmp_path_factory):
     return save_dir
 
 
-def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(data, tmp_path):
-    # Adam's first steps divide by |gradient|: an element whose gradient is ~1e-8 turns float
-    # reassociation noise into visible weight differences. A warmup keeps those below 1e-5.
-    steps = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", "--warmup_steps", "10"]
-    run_trainer(flags(data, tmp_path / "one", "--batch_size", "8", *steps))
-    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *steps), nproc=2)
-    run_trainer(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *steps))
-    one = final_weights(tmp_path / "one")
+def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(
+        data, one_process_batch_8, tmp_path):
+    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *STEPS), nproc=2)
+    run_trainer(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *STEPS))
+    one = final_weights(one_process_batch_8)
     assert_weights_equal(final_weights(tmp_path / "two"), one, atol=1e-5)
     assert_weights_equal(final_weights(tmp_path / "accum"), one, atol=1e-5)
-    losses = train_losses(tmp_path / "one")
+    losses = train_losses(one_process_batch_8)
     for other in ("two", "accum"):
         for step, loss in train_losses(tmp_path / other).items():
             assert loss == pytest.approx(losses[step], abs=1e-5)
     # the training changed the weights (the equality above is not trivial)
-    initial = torch.load(checkpoint_at(tmp_path / "one", 3), weights_only=True)
+    initial = torch.load(checkpoint_at(one_process_batch_8, 3), weights_only=True)
     assert initial["step"] == 3 and initial["samples_in_epoch"] == 24
 
 
@@ -70,7 +71,7 @@ def test_the_equivalence_runs_split_batches_of_unequal_loss_token_counts(data):
 
 @pytest.mark.parametrize("style", ["legacy_launch", "self_spawn", "slurm"])
 def test_other_launch_styles_train_the_same_as_one_process(data, one_process_batch_8, tmp_path, style):
-    args = flags(data, tmp_path / style, "--batch_size", "4", "--max_steps", "3", "--save_interval", "0")
+    args = flags(data, tmp_path / style, "--batch_size", "4", *STEPS)
     if style == "legacy_launch":  # passes --local-rank to each worker
         run_trainer(args, launcher=[sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
                                     "--master_addr", "127.0.0.1", "--master_port", str(free_port())])
@@ -142,7 +143,7 @@ def test_two_torchrun_agents_as_two_nodes_train_together(data, one_process_batch
     for node in (0, 1):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                     "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
-        args = flags(data, tmp_path / "nodes", "--batch_size", "4", "--max_steps", "3", "--save_interval", "0")
+        args = flags(data, tmp_path / "nodes", "--batch_size", "4", *STEPS)
         procs.append(subprocess.Popen([*launcher, os.path.join(REPO, "train_full_sft.py"), *args], cwd=REPO,
                                       env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
