@@ -67,7 +67,8 @@ def test_the_report_of_a_mixture_names_the_dropped_rows_and_what_looks_wrong(mix
 
 def test_terminal_view_on_request(mixture):
     tools, _ = mixture
-    result = inspect("--data_path", str(tools), "--max_seq_len", "1024", "--rows", "2", "--samples", "1", "--terminal")
+    result = inspect_here("--data_path", str(tools), "--max_seq_len", "1024", "--rows", "2", "--samples", "1",
+                          "--terminal")
     assert result.returncode == 0, result.stderr
     assert "\x1b[38;5;16;48;5;221m" in result.stdout and "↵" in result.stdout
     assert "tokens per segment (supervised): system" in result.stdout
