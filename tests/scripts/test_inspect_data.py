@@ -29,7 +29,7 @@ def inspect(*args: str) -> subprocess.CompletedProcess:
 
 
 def inspect_here(*args: str) -> subprocess.CompletedProcess:
-    """`inspect`'s result from inspect_data.main in this process: for what the script prints, not how it exits."""
+    """`inspect`'s result (exit status, stdout, stderr) from inspect_data.main, run in this process."""
     return script_in_process("inspect_data.py", *args)
 
 
