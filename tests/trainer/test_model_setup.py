@@ -62,7 +62,8 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
 
     tok = custom_tokenizer(tmp_path / "tok")
     run = tmp_path / "run"
-    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tok)))
+    run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tok)),
+                           check=True)
     step_1 = checkpoint_at(run, 1)
     base = ["--from_weight", step_1, "--save_dir", str(tmp_path / "next")]
     tokenizer, path, messages = tokenizer_of(base)
@@ -126,7 +127,8 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
     left says so; the last line names model/ and the next command; --dtype float16 on a CPU and a
     --save_weight path are refused before the data is read."""
     run = tmp_path / "run"
-    first = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--fsdp", "1", "--backend", "gloo"))
+    first = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--fsdp", "1", "--backend",
+                                         "gloo"), check=True)  # main() in this process: its lines are checked
     lines = first.stdout.splitlines()
     assert "warning: --fsdp 1 in one process: there is nothing to shard over, the model trains unsharded (start " \
            "several processes with torchrun or --world_size N to shard it)" in lines
@@ -134,7 +136,8 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
     assert ("warning: --warmup_steps 10 is longer than the run's 2 optimizer steps: the learning rate ends at 0.0006, "
             "below --learning_rate 0.003") in lines
     assert lines[-1] == f"done: the model is in {run / 'model'}; talk to it with: python scripts/chat.py --model_path {run}"
-    again = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--from_resume", "1"))
+    again = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--from_resume", "1"),
+                                   check=True)
     assert ("nothing left to train: the checkpoint is at step 2 and the run ends at step 2 (--epochs 1, --max_steps 2); "
             "raise --epochs or --max_steps to train further") in again.stdout.splitlines()
     for extra, message in ((["--dtype", "float16"], "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"),
