@@ -16,7 +16,7 @@ import torch
 
 from dataset import load_tokenizer
 from dataset.cache import TOKENS_VERSION
-from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env, run_trainer, run_trainer_in_process
+from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env, run_trainer_in_process
 from trainer import run_identity
 from trainer.args import parse_args
 from trainer.checkpoint.resume import load_resume_checkpoint
@@ -195,13 +195,16 @@ def test_a_moved_byte_identical_data_file_resumes_and_a_changed_one_is_refused(t
     first = tmp_path / "a.jsonl"
     first.write_text(demo_rows(0, 40), encoding="utf-8")
     common = [*TINY, "--batch_size", "2", "--save_interval", "2", "--cache_dir", str(tmp_path / "cache")]
-    run_trainer([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "whole"), "--max_steps", "4"])
-    run_trainer([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "run"), "--max_steps", "2"])
+    # one-process runs, all in this process (train_full_sft.main, one torch thread): compared bit for bit
+    run_trainer_in_process([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "whole"), "--max_steps",
+                            "4"], check=True)
+    run_trainer_in_process([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "run"), "--max_steps",
+                            "2"], check=True)
     moved = tmp_path / "elsewhere" / "b.jsonl"
     moved.parent.mkdir()
     shutil.move(first, moved)
-    resumed = run_trainer([*common, "--data_path", str(moved), "--save_dir", str(tmp_path / "run"), "--max_steps", "4",
-                           "--from_resume", "1"])
+    resumed = run_trainer_in_process([*common, "--data_path", str(moved), "--save_dir", str(tmp_path / "run"),
+                                      "--max_steps", "4", "--from_resume", "1"], check=True)
     assert "training 4 optimizer steps from step 2" in resumed.stdout
     assert_weights_equal(final_weights(str(tmp_path / "run")), final_weights(str(tmp_path / "whole")))
     moved.write_text(demo_rows(1, 41), encoding="utf-8")
