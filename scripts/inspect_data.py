@@ -114,9 +114,9 @@ def file_problems(sources) -> list[str]:
     return problems
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     problems = range_problems(parser, args)  # --max_seq_len within the trainer's range
     if problems:
         fail("; ".join(problems))

@@ -254,7 +254,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default="dataset/demo")
     parser.add_argument("--train-size", type=int, default=7000)
@@ -262,7 +262,7 @@ def main() -> None:
     parser.add_argument("--tool-train-size", type=int, default=4000)
     parser.add_argument("--tool-eval-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1234)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

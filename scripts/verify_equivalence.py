@@ -393,10 +393,6 @@ def report(plan: Plan, facts: tuple[str, str], tolerance: float | None) -> int:
 def execute(plan: Plan, runs: list[Variant], args, tool, outputs: dict) -> int:
     """Run `runs` in order; 0, or the exit code to end with (the error is printed)."""
     for variant in runs:
-        if variant.resumes and not os.path.exists(checkpoint_at(plan.work / variant.resumes.kind, plan.resume_step)):
-            print(f"error: {variant.resumes.name} ended before step {plan.resume_step} (too little data for "
-                  "this global batch): lower --resume_step, --max_steps or --batch_size", file=sys.stderr)
-            return 2
         if plan.is_main:
             print(f"running {variant.name} ...", flush=True)
         code, output, seconds = run_variant(plan, variant, args, tool.timeout)
@@ -404,6 +400,11 @@ def execute(plan: Plan, runs: list[Variant], args, tool, outputs: dict) -> int:
         if code == 0:
             if plan.is_main:
                 print(f"  done in {seconds:.1f} s", flush=True)
+            resumed = any(later.resumes == variant for later in runs)  # checked at once: no run in between
+            if resumed and not os.path.exists(checkpoint_at(plan.work / variant.kind, plan.resume_step)):
+                print(f"error: {variant.name} ended before step {plan.resume_step} (too little data for "
+                      "this global batch): lower --resume_step, --max_steps or --batch_size", file=sys.stderr)
+                return 2
             continue
         if code == 2 and (variant.nproc == 1 or plan.world):
             print(error_line(output), file=sys.stderr)  # the trainer's one-line user error

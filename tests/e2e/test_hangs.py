@@ -16,14 +16,14 @@ def test_a_peer_that_never_arrives_fails_within_dist_timeout(data, launcher, tmp
     port = free_port()
     env = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start = time.monotonic()
-    process = launcher.start([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "10"], "alone",
+    process = launcher.start([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "4"], "alone",
                              env=env)
     assert launcher.wait(process, timeout=120) == 2
     assert time.monotonic() - start < 60
     _, err = launcher.output(process)
     assert last_line(err).startswith(
         f"error: rank 0: the 2 processes did not all join the process group at 127.0.0.1:{port} within "
-        "--dist_timeout 10s (DistStoreError: Timed out after"
+        "--dist_timeout 4s (DistStoreError: Timed out after"
     )
     assert "1/2 clients joined" in last_line(err) and "Traceback" not in err
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.trainer_launch import (
-    GPUS_OPTION, REPO, checkpoint_at, clean_env, final_weights, flags, hide_gpus, metric_rows, run_trainer, train_losses,
-    wait_until,
+    GPUS_OPTION, REPO, checkpoint_at, clean_env, final_weights, flags, hide_gpus, metric_rows, run_trainer,
+    run_trainer_in_process, train_losses, wait_until,
 )
 from trainer.args import parse_args
 from trainer.errors import DistributedError
@@ -172,16 +172,17 @@ def test_peer_failures_are_recognised_without_swallowing_bugs(tmp_path):
 
 
 def test_an_oserror_from_a_bug_keeps_its_traceback_and_a_named_file_gets_one_line(data, tmp_path):
-    # metrics.jsonl that cannot be written: the user's to fix, one line, exit 2.
+    # metrics.jsonl that cannot be written: the user's to fix, one line, exit 2 (main() in this process, as for
+    # the next case: how main() ends is checked; the traceback and exit 1 of a bug need the real process).
     (tmp_path / "run" / "metrics.jsonl").mkdir(parents=True)
-    result = run_trainer(flags(data, tmp_path / "run", "--batch_size", "4", "--max_steps", "1"), check=False)
+    result = run_trainer_in_process(flags(data, tmp_path / "run", "--batch_size", "4", "--max_steps", "1"))
     assert result.returncode == 2
     assert last_line(result.stderr) == f"error: could not write {tmp_path / 'run' / 'metrics.jsonl'}: Is a directory"
     assert "Traceback" not in result.stderr
     # A --cache_dir that is a file: the OS names the user's path, one line, exit 2.
     (tmp_path / "cache").write_text("not a folder")
-    result = run_trainer(flags(data, tmp_path / "cached", "--max_steps", "1", "--cache_dir", str(tmp_path / "cache")),
-                         check=False)
+    result = run_trainer_in_process(flags(data, tmp_path / "cached", "--max_steps", "1", "--cache_dir",
+                                          str(tmp_path / "cache")))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert last_line(result.stderr).startswith(f"error: {tmp_path / 'cache'}")
     # An OSError raised by our own code (here: a tokenizer call breaking mid-run) is a bug: traceback, exit 1.

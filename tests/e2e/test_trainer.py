@@ -14,23 +14,40 @@ from tests.helpers.trainer_launch import (
 
 pytestmark = pytest.mark.slow
 
+# Adam's first steps divide by |gradient|: an element whose gradient is ~1e-8 turns float
+# reassociation noise into visible weight differences. A warmup keeps those below 1e-5.
+STEPS = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", "--warmup_steps", "10"]
 
-def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(data, tmp_path):
-    # Adam's first steps divide by |gradient|: an element whose gradient is ~1e-8 turns float
-    # reassociation noise into visible weight differences. A warmup keeps those below 1e-5.
-    steps = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", "--warmup_steps", "10"]
-    run_trainer(flags(data, tmp_path / "one", "--batch_size", "8", *steps))
-    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *steps), nproc=2)
-    run_trainer(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *steps))
-    one = final_weights(tmp_path / "one")
+
+@pytest.fixture(scope="module")
+def one_process_batch_8(data, tmp_path_factory):
+    """One process, batch 8, STEPS: the run that 2 ranks x 4, accumulation and every launch style must equal."""
+    save_dir = tmp_path_factory.mktemp("single")
+    run_trainer(flags(data, save_dir, "--batch_size", "8", *STEPS))
+    return save_dir
+
+
+@pytest.fixture(scope="module")
+def one_step_run(data, tmp_path_factory):
+    """One process, batch 4, 1 step: the checkpoint that the refused resumes start from."""
+    save_dir = tmp_path_factory.mktemp("one_step")
+    run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "1"))
+    return save_dir
+
+
+def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(
+        data, one_process_batch_8, tmp_path):
+    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *STEPS), nproc=2)
+    run_trainer(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *STEPS))
+    one = final_weights(one_process_batch_8)
     assert_weights_equal(final_weights(tmp_path / "two"), one, atol=1e-5)
     assert_weights_equal(final_weights(tmp_path / "accum"), one, atol=1e-5)
-    losses = train_losses(tmp_path / "one")
+    losses = train_losses(one_process_batch_8)
     for other in ("two", "accum"):
         for step, loss in train_losses(tmp_path / other).items():
             assert loss == pytest.approx(losses[step], abs=1e-5)
     # the training changed the weights (the equality above is not trivial)
-    initial = torch.load(checkpoint_at(tmp_path / "one", 3), weights_only=True)
+    initial = torch.load(checkpoint_at(one_process_batch_8, 3), weights_only=True)
     assert initial["step"] == 3 and initial["samples_in_epoch"] == 24
 
 
@@ -53,8 +70,8 @@ def test_the_equivalence_runs_split_batches_of_unequal_loss_token_counts(data):
 
 
 @pytest.mark.parametrize("style", ["legacy_launch", "self_spawn", "slurm"])
-def test_other_launch_styles_train_the_same_as_one_process(data, tmp_path, style):
-    args = flags(data, tmp_path / style, "--batch_size", "4", "--max_steps", "3", "--save_interval", "0")
+def test_other_launch_styles_train_the_same_as_one_process(data, one_process_batch_8, tmp_path, style):
+    args = flags(data, tmp_path / style, "--batch_size", "4", *STEPS)
     if style == "legacy_launch":  # passes --local-rank to each worker
         run_trainer(args, launcher=[sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
                                     "--master_addr", "127.0.0.1", "--master_port", str(free_port())])
@@ -70,8 +87,7 @@ def test_other_launch_styles_train_the_same_as_one_process(data, tmp_path, style
         outputs = [p.communicate(timeout=180)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outputs
         assert "2 process(es) x batch 4" in outputs[0]
-    run_trainer(flags(data, tmp_path / "single", "--batch_size", "8", "--max_steps", "3", "--save_interval", "0"))
-    assert_weights_equal(final_weights(tmp_path / style), final_weights(tmp_path / "single"), atol=1e-5)
+    assert_weights_equal(final_weights(tmp_path / style), final_weights(one_process_batch_8), atol=1e-5)
 
 
 def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):
@@ -121,13 +137,13 @@ def test_wandb_offline_run_is_continued_after_resume(data, tmp_path):
     assert torch.load(checkpoint_at(tmp_path, 4), weights_only=True)["wandb_run_id"] in run_ids
 
 
-def test_two_torchrun_agents_as_two_nodes_train_together(data, tmp_path):
+def test_two_torchrun_agents_as_two_nodes_train_together(data, one_process_batch_8, tmp_path):
     port = free_port()
     procs = []
     for node in (0, 1):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                     "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
-        args = flags(data, tmp_path / "nodes", "--batch_size", "4", "--max_steps", "3", "--save_interval", "0")
+        args = flags(data, tmp_path / "nodes", "--batch_size", "4", *STEPS)
         procs.append(subprocess.Popen([*launcher, os.path.join(REPO, "train_full_sft.py"), *args], cwd=REPO,
                                       env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
@@ -138,8 +154,7 @@ def test_two_torchrun_agents_as_two_nodes_train_together(data, tmp_path):
         raise AssertionError("the two agents did not finish: " + " | ".join(p.communicate()[0][-2000:] for p in procs))
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "2 process(es) x batch 4" in outputs[0]
-    run_trainer(flags(data, tmp_path / "single", "--batch_size", "8", "--max_steps", "3", "--save_interval", "0"))
-    assert_weights_equal(final_weights(tmp_path / "nodes"), final_weights(tmp_path / "single"), atol=1e-5)
+    assert_weights_equal(final_weights(tmp_path / "nodes"), final_weights(one_process_batch_8), atol=1e-5)
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])
@@ -195,10 +210,9 @@ def test_only_rank_zero_writes_files(data, tmp_path):
     assert rank1 == []
 
 
-def test_checkpoint_of_another_hidden_size_is_refused(data, tmp_path):
-    run_trainer(flags(data, tmp_path / "a", "--batch_size", "4", "--max_steps", "1"))
+def test_checkpoint_of_another_hidden_size_is_refused(data, one_step_run, tmp_path):
     other = [*flags(data, tmp_path / "b", "--batch_size", "4", "--max_steps", "2"), "--hidden_size", "64",
-             "--resume_from", checkpoint_at(tmp_path / "a", 1)]
+             "--resume_from", checkpoint_at(one_step_run, 1)]
     result = run_trainer(other, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
@@ -208,9 +222,8 @@ def test_checkpoint_of_another_hidden_size_is_refused(data, tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_truncated_checkpoint_is_refused_with_a_clear_message(data, tmp_path):
-    run_trainer(flags(data, tmp_path / "a", "--batch_size", "4", "--max_steps", "1"))
-    path = checkpoint_at(tmp_path / "a", 1)
+def test_truncated_checkpoint_is_refused_with_a_clear_message(data, one_step_run, tmp_path):
+    path = checkpoint_at(one_step_run, 1)
     content = open(path, "rb").read()
     broken = tmp_path / "broken.pt"
     broken.write_bytes(content[: len(content) // 2])

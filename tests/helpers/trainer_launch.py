@@ -1,5 +1,7 @@
 """Helpers for tests that run `train_full_sft.py` in real processes (python, torchrun)."""
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -64,6 +66,32 @@ def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: 
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def run_trainer_in_process(args: list[str], check: bool = False) -> subprocess.CompletedProcess:
+    """`python train_full_sft.py ARGS` (`sys.exit(main())`) run in this process: its exit status, stdout and
+    stderr, without a process start (torch's import). For refusals and for one-process runs whose process is
+    not what a test checks. As in `run_trainer`'s processes (OMP_NUM_THREADS=1) torch uses one thread; the
+    thread count and the SIGTERM and SIGINT handlers (main() leaves its own when it stops early) are put back.
+    `check`: a failed run fails the test with its output, as `run_trainer` does."""
+    import train_full_sft
+
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    threads = torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = train_full_sft.main(list(args))
+    except SystemExit as stop:  # parse_args' refusals
+        code = stop.code
+    finally:
+        torch.set_num_threads(threads)
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    if check and code != 0:
+        raise AssertionError(f"trainer failed ({code}):\n{out.getvalue()[-3000:]}\n{err.getvalue()[-5000:]}")
+    return subprocess.CompletedProcess(["train_full_sft.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def final_weights(save_dir: str) -> dict:

@@ -4,14 +4,15 @@ import json
 
 import pytest
 
-from tests.helpers.bench_launch import run_bench
+from tests.helpers.overfitted import script_in_process
 
 
 def test_prep_compares_our_preparation_with_minimind_s_on_plain_and_tool_rows(tmp_path):
     """Both data sets, every way timed, the same token ids and masks as MiniMind's way (but for its
     newline after each end of turn), no speed target asserted here."""
     json_out = tmp_path / "prep.json"
-    completed = run_bench("bench_prep.py", "--rows", "60", "--max_seq_len", "1024", "--json_out", str(json_out))
+    completed = script_in_process("bench_prep.py", "--rows", "60", "--max_seq_len", "1024", "--json_out",
+                                  str(json_out))  # its main, in this process
     assert completed.returncode == 0, completed.stderr
     lines = completed.stdout.splitlines()
     assert lines[-1].startswith("summary: ours / minimind rows per core: plain ") and " tool " in lines[-1]

@@ -5,8 +5,6 @@ conversation fits the demo command's context."""
 
 import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ from dataset.demo_tools import run_tool
 from dataset.formats import parse_row
 from dataset.rendering import load_tokenizer
 from dataset.tokens import encode_conversation
+from tests.helpers.overfitted import script_in_process
 from tests.helpers.trainer_launch import REPO
 
 DEMO = Path(REPO) / "dataset" / "demo"
@@ -44,8 +43,7 @@ def tool_conversations(name: str) -> list[list[dict]]:
 
 @pytest.mark.slow
 def test_make_demo_data_writes_the_bundled_files_byte_for_byte(tmp_path):
-    done = subprocess.run([sys.executable, "scripts/make_demo_data.py", "--out-dir", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    done = script_in_process("make_demo_data.py", "--out-dir", str(tmp_path))  # its main, in this process
     assert done.returncode == 0, done.stderr
     for name in ("sft_train.jsonl", "sft_eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name

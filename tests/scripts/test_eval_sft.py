@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dataset import encode_conversation
-from tests.helpers.overfitted import CONVERSATIONS, script
+from tests.helpers.overfitted import CONVERSATIONS, script, script_in_process
 
 
 def hand_loss(model, tokenizer) -> tuple[float, int]:
@@ -49,8 +49,8 @@ def test_eval_counts_right_answers_per_task_where_rows_name_one(trained, tmp_pat
     data.write_text("\ufeff" + "".join(json.dumps({"conversations": c, **({"task": t} if t else {})}) + "\n"
                                        for c, t in rows), encoding="utf-8")
     out = tmp_path / "result.json"
-    result = script("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(data),
-                    "--json_out", str(out), "--device", "cpu")
+    result = script_in_process("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(data),
+                               "--json_out", str(out), "--device", "cpu")
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
     assert (report["num_correct"], report["num_replies"]) == (4, 5)
@@ -79,8 +79,8 @@ def test_eval_reads_jsonl_gz_and_parquet_as_training_does(trained, tmp_path):
     assert results[0]["exact_match"] == 1.0 and results[0]["by_task"] == {"fact": {"right": 2, "total": 2},
                                                                           "sum": {"right": 1, "total": 1}}
     assert json.dumps(results[1]) == json.dumps(results[2]) == json.dumps(results[0])  # NaN tool-call accuracy
-    result = script("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(tmp_path / "e.parquet"),
-                    "--device", "cpu")
+    result = script_in_process("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path",
+                               str(tmp_path / "e.parquet"), "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["by_task"] == results[0]["by_task"]
 

@@ -9,7 +9,7 @@ import textwrap
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
-from tests.helpers.overfitted import REPO, script
+from tests.helpers.overfitted import REPO, script, script_in_process
 from trainer.weights.inference import load_model_for_inference
 from trainer.weights.read import read_weights
 
@@ -52,7 +52,7 @@ def test_export_loads_in_a_fresh_process_with_equal_logits(trained, tmp_path):
         ours = trained["model"](loaded["ids"]).logits
     assert torch.equal(loaded["logits"], ours)
 
-    again = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir))
+    again = script_in_process("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir))
     assert again.returncode == 2 and "--overwrite" in again.stderr
 
 
@@ -67,12 +67,12 @@ def test_export_into_the_current_directory(trained, tmp_path):
     assert here.stat().st_ino == inode and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
     assert torch.equal(load_model_for_inference(here).state_dict()["model.norm.weight"],
                        trained["model"].state_dict()["model.norm.weight"])
-    again = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", cwd=here)
+    again = script_in_process("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", cwd=here)
     assert again.returncode == 2
     assert again.stderr == f"error: --out_dir {here} is not empty (pass --overwrite to replace it)\n"
     (here / "stale.txt").write_text("from before")
-    replaced = script("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".", "--overwrite",
-                      cwd=here)
+    replaced = script_in_process("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", ".",
+                                 "--overwrite", cwd=here)
     assert replaced.returncode == 0, replaced.stderr
     assert not (here / "stale.txt").exists() and (here / "model.safetensors").is_file()
     assert here.stat().st_ino == inode and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
@@ -95,8 +95,8 @@ def test_export_never_writes_into_a_training_run(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     before = {path: path.read_bytes() for path in run.rglob("*") if path.is_file()}
 
-    def export(out_dir, *extra):
-        return script("export_hf.py", "--model_path", str(source), "--out_dir", str(out_dir), "--overwrite", *extra)
+    def export(out_dir, *extra, run=script_in_process):  # the refusals of export_hf.main, as its __main__ runs it
+        return run("export_hf.py", "--model_path", str(source), "--out_dir", str(out_dir), "--overwrite", *extra)
 
     fresh = tmp_path / "fresh"  # a trainer that has just started: nothing but its lock yet
     fresh.mkdir()
@@ -107,7 +107,7 @@ def test_export_never_writes_into_a_training_run(tmp_path):
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        refused = export(fresh)
+        refused = export(fresh, run=script)  # the real command: its exit status and stderr
         assert refused.returncode == 2 and refused.stderr == (
             f"error: --out_dir {fresh} is {fresh}, the --save_dir of a training run in progress (pid {holder.pid}); "
             "export to a directory outside it\n")

@@ -17,6 +17,7 @@ from dataset.mixture import parse_data_path
 from dataset.inspection.segments import SEGMENTS
 from dataset.inspection.token_view import HIGHLIGHT
 from tests.dataset.test_inspect import TOOL_CHAT, check_page, demo_rows, write_rows
+from tests.helpers.overfitted import script_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
@@ -25,6 +26,11 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stab
 def inspect(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "inspect_data.py"), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def inspect_here(*args: str) -> subprocess.CompletedProcess:
+    """`inspect`'s result (exit status, stdout, stderr) from inspect_data.main, run in this process."""
+    return script_in_process("inspect_data.py", *args)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,8 @@ def test_the_report_of_a_mixture_names_the_dropped_rows_and_what_looks_wrong(mix
 
 def test_terminal_view_on_request(mixture):
     tools, _ = mixture
-    result = inspect("--data_path", str(tools), "--max_seq_len", "1024", "--rows", "2", "--samples", "1", "--terminal")
+    result = inspect_here("--data_path", str(tools), "--max_seq_len", "1024", "--rows", "2", "--samples", "1",
+                          "--terminal")
     assert result.returncode == 0, result.stderr
     assert "\x1b[38;5;16;48;5;221m" in result.stdout and "↵" in result.stdout
     assert "tokens per segment (supervised): system" in result.stdout
@@ -71,7 +78,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     for args, message in ((["--data_path", str(tmp_path / "missing.jsonl")], "missing.jsonl: data file not found"),
                           (["--from_weight", str(tmp_path / "none")], "--from_weight"),
                           (["--max_seq_len", "0"], "--max_seq_len must be >= 2 (got 0)")):
-        result = inspect(*args)
+        result = (inspect if "missing.jsonl" in message else inspect_here)(*args)  # one as the real command
         assert result.returncode == 2 and result.stderr.startswith("error: ") and message in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
 
@@ -79,12 +86,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 def test_flags_are_checked_as_the_trainer_does_and_an_empty_file_is_warned(mixture, tmp_path):
     tools, _ = mixture
     for flag, value in (("--max_seq_len", "1"), ("--rows", "-1"), ("--samples", "-2")):
-        result = inspect("--data_path", str(tools), flag, value)
+        result = inspect_here("--data_path", str(tools), flag, value)
         assert result.returncode == 2 and result.stderr.strip().splitlines() == [
             f"error: {flag} must be >= {2 if flag == '--max_seq_len' else 0} (got {value})"]
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"")
-    result = inspect("--data_path", f"{tools},{empty}")
+    result = inspect_here("--data_path", f"{tools},{empty}")
     assert result.returncode == 0, result.stderr
     assert f"warning: {empty}: data file is empty (training refuses this file)" in result.stdout.splitlines()
 
@@ -118,23 +125,24 @@ def test_a_tokenizer_differing_from_the_weights_one_is_flagged(tmp_path):
     weights = save_tokenizer(tmp_path / "weights", ("# Tools", "# Functions"))
     (weights / "config.json").write_text("{}")
     assert AutoTokenizer.from_pretrained(str(weights)).chat_template != load_tokenizer(None).chat_template
-    result = inspect("--tokenizer_path", str(shipped), "--from_weight", str(weights), "--rows", "5", "--samples", "0")
+    result = inspect_here("--tokenizer_path", str(shipped), "--from_weight", str(weights), "--rows", "5", "--samples",
+                          "0")
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("warning: --tokenizer_path"))
     assert f"differs from the tokenizer saved with --from_weight's weights ({weights}): chat template (first at" in line
     same = save_tokenizer(tmp_path / "run" / "model")
     (same / "config.json").write_text("{}")
-    result = inspect("--tokenizer_path", str(shipped), "--from_weight", str(tmp_path / "run"), "--rows", "5",
-                     "--samples", "0")
+    result = inspect_here("--tokenizer_path", str(shipped), "--from_weight", str(tmp_path / "run"), "--rows", "5",
+                          "--samples", "0")
     assert "is the tokenizer saved with --from_weight's weights (same fingerprint)" in result.stdout
     assert "warning: --tokenizer_path" not in result.stdout
-    result = inspect("--from_weight", str(weights), "--rows", "5", "--samples", "0")  # as training: the weights' own
+    result = inspect_here("--from_weight", str(weights), "--rows", "5", "--samples", "0")  # as training: the weights' own
     assert f"tokenizer: {weights} (saved with the weights, " in result.stdout and "warning: --tokenizer_path" not in result.stdout
     state_dict = tmp_path / "full_sft_512.pth"
     import torch
 
     torch.save({"x": torch.ones(1)}, state_dict)
-    result = inspect("--from_weight", str(state_dict), "--rows", "5", "--samples", "0")
+    result = inspect_here("--from_weight", str(state_dict), "--rows", "5", "--samples", "0")
     assert "has no tokenizer saved with it; training uses the shipped one" in result.stdout
 
 
@@ -176,7 +184,7 @@ def test_the_html_page_parses_and_shows_highlighted_tokens_in_a_browser(tmp_path
     pages = {}
     for samples in (0, 2):
         pages[samples] = tmp_path / f"page{samples}.html"
-        result = inspect("--data_path", str(chats), "--samples", str(samples), "--html", str(pages[samples]))
+        result = inspect_here("--data_path", str(chats), "--samples", str(samples), "--html", str(pages[samples]))
         assert result.returncode == 0 and f"wrote {pages[samples]} ({samples} samples)" in result.stdout, result.stderr
     report = inspect_source(parse_data_path(str(chats))[0], load_tokenizer(None), 512, samples=2)
     check_page(pages[2].read_text(encoding="utf-8"), report.samples)

@@ -207,3 +207,4 @@ def test_too_little_data_for_the_resume_step_is_a_user_error(data, tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip() == ("error: 1 process x batch 4 (reference) ended before step 4 (too little data for "
                                    "this global batch): lower --resume_step, --max_steps or --batch_size")
+    assert f"running {ONE[1]}" not in done.stdout  # said right after the run that ended early, none run in between

@@ -5,22 +5,23 @@ import os
 
 import pytest
 
-from tests.helpers.trainer_launch import flags, run_trainer
+from tests.helpers.trainer_launch import flags, run_trainer, run_trainer_in_process
 
 
 def test_a_resume_checkpoint_wins_over_from_weight_and_the_log_says_so(data, tmp_path):
+    # one-process runs whose printed lines are checked: train_full_sft.main in this process
     run = tmp_path / "run"
-    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--save_interval", "1"))
+    run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--save_interval", "1"), check=True)
     other = tmp_path / "other"  # weights of the same architecture, saved elsewhere
-    run_trainer(flags(data, other, "--batch_size", "8", "--max_steps", "1", "--seed", "7"))
-    resumed = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "3", "--from_resume", "1",
-                                "--from_weight", str(other / "model")))
+    run_trainer_in_process(flags(data, other, "--batch_size", "8", "--max_steps", "1", "--seed", "7"), check=True)
+    resumed = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "3", "--from_resume", "1",
+                                           "--from_weight", str(other / "model")), check=True)
     lines = [line for line in resumed.stdout.splitlines() if line.startswith("weights: ")]
     assert lines == [f"weights: those of the resume checkpoint (step 2); --from_weight {other / 'model'} is ignored: "
                      "the resume checkpoint's weights win"]
     # --from_resume 1 with no checkpoint yet: a fresh run from those weights, and the line says that instead
-    fresh = run_trainer(flags(data, tmp_path / "fresh", "--batch_size", "8", "--max_steps", "1", "--from_resume", "1",
-                              "--from_weight", str(other / "model")))
+    fresh = run_trainer_in_process(flags(data, tmp_path / "fresh", "--batch_size", "8", "--max_steps", "1",
+                                         "--from_resume", "1", "--from_weight", str(other / "model")), check=True)
     assert [line for line in fresh.stdout.splitlines() if line.startswith("weights: ")] == [
         f"weights: qwen3 model {other / 'model'}"]
     assert os.path.isdir(tmp_path / "fresh" / "model")
@@ -61,7 +62,8 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
 
     tok = custom_tokenizer(tmp_path / "tok")
     run = tmp_path / "run"
-    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tok)))
+    run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tok)),
+                           check=True)
     step_1 = checkpoint_at(run, 1)
     base = ["--from_weight", step_1, "--save_dir", str(tmp_path / "next")]
     tokenizer, path, messages = tokenizer_of(base)
@@ -125,7 +127,8 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
     left says so; the last line names model/ and the next command; --dtype float16 on a CPU and a
     --save_weight path are refused before the data is read."""
     run = tmp_path / "run"
-    first = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--fsdp", "1", "--backend", "gloo"))
+    first = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--fsdp", "1", "--backend",
+                                         "gloo"), check=True)  # main() in this process: its lines are checked
     lines = first.stdout.splitlines()
     assert "warning: --fsdp 1 in one process: there is nothing to shard over, the model trains unsharded (start " \
            "several processes with torchrun or --world_size N to shard it)" in lines
@@ -133,14 +136,15 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
     assert ("warning: --warmup_steps 10 is longer than the run's 2 optimizer steps: the learning rate ends at 0.0006, "
             "below --learning_rate 0.003") in lines
     assert lines[-1] == f"done: the model is in {run / 'model'}; talk to it with: python scripts/chat.py --model_path {run}"
-    again = run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--from_resume", "1"))
+    again = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--from_resume", "1"),
+                                   check=True)
     assert ("nothing left to train: the checkpoint is at step 2 and the run ends at step 2 (--epochs 1, --max_steps 2); "
             "raise --epochs or --max_steps to train further") in again.stdout.splitlines()
     for extra, message in ((["--dtype", "float16"], "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"),
                            (["--save_weight", "../x"], "error: --save_weight ../x: a name for the .pth file inside "
                                                        "--save_dir (e.g. full_sft), not a path")):
-        refused = run_trainer([*flags(data, tmp_path / "other", "--cache_dir", str(tmp_path / "cache")), *extra],
-                              check=False)
+        refused = run_trainer_in_process([*flags(data, tmp_path / "other", "--cache_dir", str(tmp_path / "cache")),
+                                          *extra])
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [message]
         assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "x_32.pth")
 

@@ -16,7 +16,7 @@ import torch
 
 from dataset import load_tokenizer
 from dataset.cache import TOKENS_VERSION
-from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env, run_trainer
+from tests.helpers.trainer_launch import REPO, SCRIPT, TINY, clean_env, run_trainer_in_process
 from trainer import run_identity
 from trainer.args import parse_args
 from trainer.checkpoint.resume import load_resume_checkpoint
@@ -124,7 +124,7 @@ def test_a_glob_grown_during_the_run_is_refused_on_resume_naming_the_new_file(tm
     saved = load_resume_checkpoint(os.path.join(save_dir, "checkpoints", sorted(os.listdir(save_dir / "checkpoints"))[-1]))
     recorded = run_identity.RunIdentity.from_dict(saved["sample_stream"]["identity"])
     assert [Path(file.path).name for file in recorded.sources[0].files] == ["part-0.jsonl", "part-1.jsonl"]
-    result = run_trainer([*argv, "--from_resume", "1"], check=False)
+    result = run_trainer_in_process([*argv, "--from_resume", "1"])
     assert result.returncode == 2, result.stderr
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: cannot resume: --data_path content differs from the checkpoint's run (checkpoint "
@@ -195,18 +195,22 @@ def test_a_moved_byte_identical_data_file_resumes_and_a_changed_one_is_refused(t
     first = tmp_path / "a.jsonl"
     first.write_text(demo_rows(0, 40), encoding="utf-8")
     common = [*TINY, "--batch_size", "2", "--save_interval", "2", "--cache_dir", str(tmp_path / "cache")]
-    run_trainer([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "whole"), "--max_steps", "4"])
-    run_trainer([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "run"), "--max_steps", "2"])
+    # one-process runs, all in this process (train_full_sft.main, one torch thread): compared bit for bit
+    run_trainer_in_process([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "whole"), "--max_steps",
+                            "4"], check=True)
+    run_trainer_in_process([*common, "--data_path", str(first), "--save_dir", str(tmp_path / "run"), "--max_steps",
+                            "2"], check=True)
     moved = tmp_path / "elsewhere" / "b.jsonl"
     moved.parent.mkdir()
     shutil.move(first, moved)
-    resumed = run_trainer([*common, "--data_path", str(moved), "--save_dir", str(tmp_path / "run"), "--max_steps", "4",
-                           "--from_resume", "1"])
+    resumed = run_trainer_in_process([*common, "--data_path", str(moved), "--save_dir", str(tmp_path / "run"),
+                                      "--max_steps", "4", "--from_resume", "1"], check=True)
     assert "training 4 optimizer steps from step 2" in resumed.stdout
     assert_weights_equal(final_weights(str(tmp_path / "run")), final_weights(str(tmp_path / "whole")))
     moved.write_text(demo_rows(1, 41), encoding="utf-8")
-    changed = run_trainer([*common, "--data_path", str(moved), "--save_dir", str(tmp_path / "run"), "--max_steps", "6",
-                           "--resume_from", str(tmp_path / "run" / "checkpoints" / "step_00000002.pt")], check=False)
+    changed = run_trainer_in_process([*common, "--data_path", str(moved), "--save_dir", str(tmp_path / "run"),
+                                      "--max_steps", "6", "--resume_from",
+                                      str(tmp_path / "run" / "checkpoints" / "step_00000002.pt")])
     assert changed.returncode == 2, changed.stderr
     digest = run_identity.RunIdentity.from_dict(load_resume_checkpoint(str(
         tmp_path / "run" / "checkpoints" / "step_00000002.pt"))["sample_stream"]["identity"]).sources[0].files[0].digest

@@ -66,12 +66,12 @@ def test_the_first_loss_after_a_resume_says_it_averages_only_the_steps_since(dat
     import json
     import os
 
-    from tests.helpers.trainer_launch import flags, run_trainer
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
 
-    run = tmp_path / "run"
+    run = tmp_path / "run"  # one-process runs checked by their lines and metrics: main() in this process
     common = ["--batch_size", "8", "--log_interval", "4"]
-    run_trainer(flags(data, run, *common, "--max_steps", "3"))  # a checkpoint of step 3
-    resumed = run_trainer(flags(data, run, *common, "--max_steps", "8", "--from_resume", "1"))
+    run_trainer_in_process(flags(data, run, *common, "--max_steps", "3"), check=True)  # a checkpoint of step 3
+    resumed = run_trainer_in_process(flags(data, run, *common, "--max_steps", "8", "--from_resume", "1"), check=True)
     lines = [line for line in resumed.stdout.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["4/8", "8/8"]
     assert lines[0].endswith(" | loss over 1 step since the resume at step 3")

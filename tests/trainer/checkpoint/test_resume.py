@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from dataset import ResumableDistributedSampler, load_tokenizer
-from tests.helpers.trainer_launch import REPO, TINY, checkpoint_at, clean_env, flags, run_trainer
+from tests.helpers.trainer_launch import (
+    REPO, TINY, checkpoint_at, clean_env, flags, run_trainer, run_trainer_in_process,
+)
 from trainer import run_identity
 from trainer.args import parse_args
 from trainer.checkpoint.resume import find_resume_checkpoint, load_resume_checkpoint
@@ -99,8 +101,8 @@ def test_real_two_rank_checkpoint_resumed_on_other_global_batches_covers_the_epo
 
 @pytest.mark.slow
 def test_resume_with_a_changed_batch_size_trains_the_rest_of_the_epoch(data, two_rank_run, tmp_path):
-    resumed = run_trainer(flags(data, tmp_path, "--batch_size", "6", "--save_interval", "0",
-                                "--resume_from", checkpoint_at(two_rank_run, 3)))
+    resumed = run_trainer_in_process(flags(data, tmp_path, "--batch_size", "6", "--save_interval", "0",
+                                           "--resume_from", checkpoint_at(two_rank_run, 3)), check=True)
     assert "finishing epoch 1 in the checkpoint's order (length groups of 8; now 6)" in resumed.stdout
     last = 3 + -(-(samples_in(data) - 24) // 6)  # the rest of the epoch in batches of 6
     assert f"training {last} optimizer steps from step 3" in resumed.stdout
@@ -121,12 +123,10 @@ def test_resume_with_another_seed_or_data_file_is_refused(data, two_rank_run, tm
         "data": ([*flags(data, tmp_path / "data", "--batch_size", "4"), "--data_path", str(small), *resume],
                  "error: cannot resume: --data_path content differs from the checkpoint's run (checkpoint "),
     }
-    processes = {name: subprocess.Popen([sys.executable, os.path.join(REPO, "train_full_sft.py"), *argv], cwd=REPO,
-                                        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for name, (argv, _) in cases.items()}
-    for name, process in processes.items():
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 2, (name, err)
+    for name, (argv, _) in cases.items():
+        refused = run_trainer_in_process(argv)
+        out, err = refused.stdout, refused.stderr
+        assert refused.returncode == 2, (name, err)
         line = err.strip().splitlines()[-1]
         assert line.startswith(cases[name][1]), line
         assert "Traceback" not in err and "training" not in out
@@ -256,12 +256,11 @@ def test_damaged_checkpoints_or_a_fresh_run_never_replace_the_runs_model(data, t
     before = hashlib.sha256(weights.read_bytes()).hexdigest()
     for name in os.listdir(save_dir / "checkpoints"):
         os.truncate(save_dir / "checkpoints" / name, 1000)
-    damaged = run_trainer(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--from_resume", "1"),
-                          check=False)
+    damaged = run_trainer_in_process(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--from_resume", "1"))
     assert damaged.returncode == 2
     assert damaged.stderr.strip().splitlines()[-1].startswith(
         f"error: none of the 2 resume checkpoint(s) in {save_dir / 'checkpoints'} can be read")
-    fresh = run_trainer(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--seed", "5"), check=False)
+    fresh = run_trainer_in_process(flags(data, save_dir, "--batch_size", "8", "--max_steps", "3", "--seed", "5"))
     assert fresh.returncode == 2
     assert fresh.stderr.strip().splitlines()[-1] == (
         f"error: --save_dir {save_dir} holds another run (checkpoints/ or model/): continue it with --from_resume 1, "
@@ -329,10 +328,10 @@ def test_a_save_dir_reached_through_a_symlink_into_a_runs_model_dir_is_seen(tmp_
 @pytest.mark.slow
 def test_a_rollback_keeps_the_new_line_and_sets_the_old_one_aside(data, tmp_path):
     common = ["--batch_size", "8", "--save_interval", "1", "--keep_last", "3"]
-    run_trainer(flags(data, tmp_path, *common, "--max_steps", "6"))
+    run_trainer_in_process(flags(data, tmp_path, *common, "--max_steps", "6"), check=True)  # main() in this process
     old = {step: load_resume_checkpoint(checkpoint_at(tmp_path, step)) for step in (5, 6)}
-    rollback = run_trainer(flags(data, tmp_path, *common, "--max_steps", "5", "--learning_rate", "1e-3",
-                                 "--resume_from", checkpoint_at(tmp_path, 4)))
+    rollback = run_trainer_in_process(flags(data, tmp_path, *common, "--max_steps", "5", "--learning_rate", "1e-3",
+                                            "--resume_from", checkpoint_at(tmp_path, 4)), check=True)
     [folder] = os.listdir(tmp_path / "set_aside")
     aside = tmp_path / "set_aside" / folder
     assert (f"resuming at step 4 while later checkpoints exist: moved step_00000005.pt, step_00000006.pt to {aside} "
@@ -342,7 +341,7 @@ def test_a_rollback_keeps_the_new_line_and_sets_the_old_one_aside(data, tmp_path
     assert new_line != old[5]["run_id"]
     for step in (5, 6):
         assert load_resume_checkpoint(str(aside / "checkpoints" / f"step_{step:08d}.pt"))["run_id"] == old[5]["run_id"]
-    again = run_trainer(flags(data, tmp_path, *common, "--max_steps", "5", "--from_resume", "1"))
+    again = run_trainer_in_process(flags(data, tmp_path, *common, "--max_steps", "5", "--from_resume", "1"), check=True)
     assert f"resuming from {checkpoint_at(tmp_path, 5)} (step 5" in again.stdout
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
     assert [(row["step"], row["run_id"] == new_line) for row in rows if row["kind"] == "train"][-2:] == [

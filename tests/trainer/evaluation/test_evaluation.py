@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer
+from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer, run_trainer_in_process
 from trainer.evaluation.evaluate import last_assistant_turn, loss_and_accuracy_sums
 from trainer.evaluation.selection import improves, metric_mode, update_selection
 
@@ -87,10 +87,11 @@ def eval_rows(save_dir):
 def test_best_dir_holds_the_weights_of_the_best_step_and_metrics_record_it(data, tmp_path):
     (tmp_path / "b.jsonl").write_text("".join(open(data / "train.jsonl", encoding="utf-8").readlines()[:6]))
     eval_paths = f"{data / 'eval.jsonl'},{tmp_path / 'b.jsonl'}"
-    run_trainer(flags(data, tmp_path / "run", "--batch_size", "8", "--max_steps", "6", "--eval_interval", "1",
-                      "--save_interval", "1", "--keep_last", "10", "--save_dtype", "float32", "--learning_rate",
-                      "2e-2", "--eval_data_path", eval_paths, "--keep_best", "eval_token_accuracy/b",
-                      "--eval_generate_samples", "3", "--eval_max_new_tokens", "4"))
+    run_trainer_in_process(flags(data, tmp_path / "run", "--batch_size", "8", "--max_steps", "6", "--eval_interval",
+                                 "1", "--save_interval", "1", "--keep_last", "10", "--save_dtype", "float32",
+                                 "--learning_rate", "2e-2", "--eval_data_path", eval_paths, "--keep_best",
+                                 "eval_token_accuracy/b", "--eval_generate_samples", "3", "--eval_max_new_tokens", "4"),
+                           check=True)
     evals, _ = eval_rows(tmp_path / "run")
     assert [row["step"] for row in evals] == [1, 2, 3, 4, 5, 6]
     for row in evals:
@@ -253,13 +254,13 @@ def test_two_process_evaluation_equals_one_process(data, tmp_path):
 def test_a_resumed_run_keeps_comparing_against_the_best_of_the_run_before(data, tmp_path):
     common = ["--batch_size", "8", "--max_steps", "6", "--eval_interval", "1", "--eval_data_path",
               str(data / "eval.jsonl"), "--keep_best", "eval_loss", "--learning_rate", "3e-2", "--warmup_steps", "0"]
-    run_trainer(flags(data, tmp_path / "run", *common, "--save_interval", "3"))
+    run_trainer_in_process(flags(data, tmp_path / "run", *common, "--save_interval", "3"), check=True)
     full, _ = eval_rows(tmp_path / "run")
     old_best = (tmp_path / "run" / "best" / "best.json").read_text()
     assert json.loads(old_best)["step"] > 3  # the loss falls fast: the best is after the step resumed below
     # A rollback to step 3 in the same directory: a new line of training with the best of step 3's state.
-    run_trainer(flags(data, tmp_path / "run", *common, "--save_interval", "0",
-                      "--resume_from", checkpoint_at(tmp_path / "run", 3)))
+    run_trainer_in_process(flags(data, tmp_path / "run", *common, "--save_interval", "0",
+                                 "--resume_from", checkpoint_at(tmp_path / "run", 3)), check=True)
     resumed = eval_rows(tmp_path / "run")[0][len(full):]
     fields = ("step", "eval_loss", "best_value", "best_step", "new_best")
     assert [[row[k] for k in fields] for row in resumed] == [[row[k] for k in fields] for row in full[3:]]
@@ -276,12 +277,13 @@ def test_a_resumed_run_keeps_comparing_against_the_best_of_the_run_before(data, 
 def test_a_resume_with_another_keep_best_metric_starts_the_selection_afresh(data, tmp_path):
     run = tmp_path / "run"
     common = ["--batch_size", "8", "--eval_interval", "1", "--eval_data_path", str(data / "eval.jsonl")]
-    run_trainer(flags(data, run, *common, "--max_steps", "2", "--keep_best", "eval_loss"))
+    run_trainer_in_process(flags(data, run, *common, "--max_steps", "2", "--keep_best", "eval_loss"), check=True)
     old_best = json.loads((run / "best" / "best.json").read_text())
     # Token accuracy (about 0.1) compared with the best eval loss (about 8) would never "improve":
     # patience 1 stopped the run at its first evaluation, and best/ kept the eval_loss model.
-    resumed = run_trainer(flags(data, run, *common, "--max_steps", "4", "--from_resume", "1",
-                                "--keep_best", "eval_token_accuracy", "--early_stop_patience", "1"))
+    resumed = run_trainer_in_process(flags(data, run, *common, "--max_steps", "4", "--from_resume", "1",
+                                           "--keep_best", "eval_token_accuracy", "--early_stop_patience", "1"),
+                                     check=True)
     evals, _ = eval_rows(run)
     after = [row for row in evals if row["step"] > 2]
     assert after[0]["step"] == 3 and after[0]["new_best"] and after[0]["best_metric"] == "eval_token_accuracy"
@@ -349,9 +351,9 @@ def test_a_tokenizer_whose_eos_is_not_the_end_of_turn_token_keeps_its_generation
 
     # In a run: the held-out answers are generated and judged, and model/ stops at both tokens.
     run = tmp_path / "run"
-    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tmp_path / "tok"),
-                      "--eval_data_path", str(data / "eval.jsonl"), "--eval_generate_samples", "2",
-                      "--eval_max_new_tokens", "2"))
+    run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path",
+                                 str(tmp_path / "tok"), "--eval_data_path", str(data / "eval.jsonl"),
+                                 "--eval_generate_samples", "2", "--eval_max_new_tokens", "2"), check=True)
     evals, _ = eval_rows(run)
     assert "eval_exact_match" in evals[-1] or "eval_tool_call_accuracy" in evals[-1]
     assert json.loads((run / "model" / "generation_config.json").read_text())["eos_token_id"] == [im_end, endoftext]

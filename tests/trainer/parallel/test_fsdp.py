@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers.overfitted import script_in_process
 from tests.helpers.trainer_launch import (Launcher, REPO, assert_weights_equal, checkpoint_at, clean_env, flags,
                                          run_trainer, train_losses, wait_until, worker_pids)
 from trainer.checkpoint.resume import load_resume_checkpoint
@@ -235,9 +236,12 @@ def test_chat_eval_and_export_read_a_sharded_checkpoint(data, fsdp_run, tmp_path
 
     chat = script("chat.py", "--model_path", sharded, "--prompt", "Hi", "--temperature", "0", "--max_new_tokens", "4")
     assert chat.returncode == 0 and chat.stderr == "", chat.stderr
-    evaluated = script("eval_sft.py", "--model_path", str(no_model), "--data_path", str(data / "eval.jsonl"))
+    # eval_sft.py and export_hf.py as their __main__ runs them, in this process
+    evaluated = script_in_process("eval_sft.py", "--model_path", str(no_model), "--data_path", str(data / "eval.jsonl"),
+                                  "--device", "cpu")
     assert evaluated.returncode == 0 and '"num_conversations": 16' in evaluated.stdout, evaluated.stderr
-    exported = script("export_hf.py", "--model_path", sharded, "--out_dir", str(tmp_path / "export"))
+    exported = script_in_process("export_hf.py", "--model_path", sharded, "--out_dir", str(tmp_path / "export"),
+                                 "--device", "cpu")
     assert exported.returncode == 0, exported.stderr
     assert_weights_equal(load_file(tmp_path / "export" / "model.safetensors"), saved)
 

@@ -7,7 +7,7 @@ import pytest
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from tests.helpers.tiny_weights import RUN, SHAPES, demo_slices, setup
-from tests.helpers.trainer_launch import run_trainer
+from tests.helpers.trainer_launch import run_trainer_in_process
 from trainer.args import parse_args
 from trainer.errors import ConfigError
 from trainer.model_setup import read_initial_weights
@@ -57,8 +57,8 @@ def test_explicit_flags_and_bare_use_wandb():
 
 @pytest.mark.slow
 def test_the_trainer_refuses_a_contradicting_flag_in_one_line(qwen3_dirs, data, tmp_path):
-    result = run_trainer([*RUN, "--from_weight", str(qwen3_dirs["dense"]), "--num_key_value_heads", "4",
-                          "--data_path", str(data / "eight.jsonl"), "--save_dir", str(tmp_path)], check=False)
+    result = run_trainer_in_process([*RUN, "--from_weight", str(qwen3_dirs["dense"]), "--num_key_value_heads", "4",
+                                     "--data_path", str(data / "eight.jsonl"), "--save_dir", str(tmp_path)])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: flags contradict the --from_weight architecture (qwen3 model {qwen3_dirs['dense']}): "

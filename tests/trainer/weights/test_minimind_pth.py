@@ -1,14 +1,12 @@
 """MiniMind .pth state dicts (trainer/weights/read.py, write.py): the --from_weight name, fp16, the export."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
+from tests.helpers.overfitted import script_in_process
 from tests.helpers.tiny_weights import RUN, demo_slices, setup, whole_file_batch
-from tests.helpers.trainer_launch import REPO, assert_weights_equal, run_trainer, train_losses
+from tests.helpers.trainer_launch import assert_weights_equal, run_trainer, train_losses
 from trainer.errors import CheckpointError
 from trainer.weights.inference import load_model_for_inference
 
@@ -51,9 +49,8 @@ def test_minimind_fp16_pth_without_lm_head_round_trips(data, tmp_path, tokenizer
     assert train_losses(run)[1] == pytest.approx(expected, rel=1e-5)
 
     export = tmp_path / "minimind_out"
-    done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(run), "--out_dir", str(export),
-                           "--format", "minimind", "--save_weight", "full_sft"], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    done = script_in_process("export_hf.py", "--model_path", str(run), "--out_dir", str(export), "--format", "minimind",
+                             "--save_weight", "full_sft")
     assert done.returncode == 0, done.stderr
     assert "MiniMindConfig(hidden_size=32, num_hidden_layers=2, use_moe=False, num_attention_heads=4, " \
            "num_key_value_heads=2, head_dim=8)" in done.stdout

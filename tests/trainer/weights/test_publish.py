@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from tests.helpers.overfitted import script_in_process
 from tests.helpers.tiny_weights import demo_slices
 from tests.helpers.trainer_launch import REPO, SCRIPT, clean_env, run_trainer
 
@@ -46,8 +47,7 @@ def test_model_best_and_exported_files_get_the_mode_of_the_umask(kept_best_run, 
     export = tmp_path / "export"
     previous = os.umask(UMASK)
     try:
-        done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(kept_best_run), "--out_dir",
-                               str(export)], cwd=REPO, capture_output=True, text=True, timeout=300)
+        done = script_in_process("export_hf.py", "--model_path", str(kept_best_run), "--out_dir", str(export))
     finally:
         os.umask(previous)
     assert done.returncode == 0, done.stderr

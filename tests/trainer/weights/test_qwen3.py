@@ -11,6 +11,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from dataset import build_cache_and_open
 from model import MiniMindConfig, MiniMindForCausalLM
+from tests.helpers.overfitted import script_in_process
 from tests.helpers.tiny_weights import MOE, RUN, SHAPES, demo_slices, whole_file_batch
 from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
 from tests.helpers.trainer_launch import train_losses
@@ -129,8 +130,7 @@ def test_qwen3_fine_tune_first_loss_equals_transformers_and_exports_without_remo
     assert train_losses(run)[1] == pytest.approx(expected, rel=1e-5)
 
     export = tmp_path / "export"
-    done = subprocess.run([sys.executable, "scripts/export_hf.py", "--model_path", str(run), "--out_dir", str(export)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = script_in_process("export_hf.py", "--model_path", str(run), "--out_dir", str(export))
     assert done.returncode == 0, done.stderr
     (tmp_path / "load.py").write_text(FRESH_LOAD)
     env = {k: v for k, v in clean_env().items() if k != "PYTHONPATH"}
