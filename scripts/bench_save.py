@@ -135,10 +135,13 @@ def measure(options) -> list[tuple[str, float, float, float, float]]:
 
     device = resolve_device(options.device)
     work = tempfile.mkdtemp(prefix="minisft-bench-save-", dir=options.work_dir)
+    real_resume_state = saves.resume_state
     try:
         run = build(options, device, work)
         run.args.steps = options.steps
-        saves.resume_state = resume_content  # a Run without data: only the tensors of the resume state
+        # A Run without data: only the tensors of the resume state; the trainer's own function is put
+        # back afterwards, for a training run later in the same process (this one's caller).
+        saves.resume_state = resume_content
         parameters = sum(p.numel() for p in run.raw_model.parameters())
         generator = torch.Generator().manual_seed(1)
         row = torch.randint(0, run.raw_model.config.vocab_size, (1, options.seq_len), generator=generator).to(device)
@@ -159,6 +162,7 @@ def measure(options) -> list[tuple[str, float, float, float, float]]:
             rows.append((kind, elapsed, elapsed - base, *(statistics.median(r[i] for r in runs) for i in (1, 2))))
         return rows
     finally:
+        saves.resume_state = real_resume_state
         shutil.rmtree(work, ignore_errors=True)
 
 

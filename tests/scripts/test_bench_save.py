@@ -3,6 +3,7 @@
 import pytest
 
 from scripts import bench_save
+from trainer.loop import saves, state
 
 TINY = ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2",
         "--steps", "2", "--seq_len", "8", "--repeats", "1", "--device", "cpu"]
@@ -17,6 +18,7 @@ def test_the_bench_times_no_save_a_synchronous_and_a_background_save(tmp_path, c
     assert list(rows) == ["no", "synchronous", "background"] and rows["no"][1] == 0.0
     assert rows["synchronous"][2] == rows["synchronous"][3] > 0  # the loop waited for the whole save
     assert list(tmp_path.iterdir()) == []  # its files are removed
+    assert saves.resume_state is state.resume_state  # a later run in this process saves its whole state
 
 
 def test_too_few_steps_are_refused(capsys):
