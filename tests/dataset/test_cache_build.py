@@ -81,7 +81,7 @@ def test_signal_to_the_group_while_tokenizing_ends_the_trainer_promptly(tmp_path
     try:
         os.killpg(process.pid, signum)
         sent = time.monotonic()
-        _, stderr = process.communicate(timeout=60)  # the old code waited forever for lost chunks
+        _, stderr = process.communicate(timeout=60)  # a build that lost chunks does not wait for them forever
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -54,7 +54,7 @@ def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashe
     real_digest = digests.file_digest
     monkeypatch.setattr(digests, "file_digest", lambda p: hashed.append(p) or real_digest(p))
     assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
-    assert hashed == []  # the old code read the whole file at every start
+    assert hashed == []  # a start with the file unchanged reads none of its bytes
     stat = path.stat()
     changed = path.read_bytes().replace(b"What is 0", b"What is 9", 1)  # same size; mtime restored below
     path.write_bytes(changed)
@@ -66,8 +66,8 @@ def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashe
 
 def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noticed(tokenizer, tmp_path):
     """What `rsync -a`, `cp -p` or `touch -r` leave: other bytes, the same size and mtime. The edit lies
-    between two of the cheap key's sampled blocks of a file over 1 MiB; the old key (size, mtime,
-    sampled blocks) took the file for the old one and reused the stale cache and digest."""
+    between two of the cheap key's sampled blocks of a file over 1 MiB; a key of size, mtime and
+    sampled blocks alone would take it for the unedited file and reuse the stale cache and digest."""
     path = write_rows(tmp_path / "big.jsonl", [chat_line(i) for i in range(14_000)])
     size = path.stat().st_size
     assert size > 1.2 * digests.SAMPLED_BLOCKS * digests.SAMPLED_BLOCK_BYTES  # gaps between the blocks

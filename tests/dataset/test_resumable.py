@@ -75,7 +75,7 @@ def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cac
 
     encoded = counting_encoder(monkeypatch)
     resumed = build_cache_and_open(path, tokenizer, 64, cache_dir=cache_root, num_proc=1, bad_data="skip")
-    assert sum(encoded) == 23 - 15  # the old code encoded all 23 again
+    assert sum(encoded) == 23 - 15  # only the rows after the committed 15 are encoded, not all 23
     assert ("continuing cache build at row 15 of 23 (r.jsonl: the rows before were tokenized by an earlier run, "
             "which stopped: RuntimeError: injected failure)") in capsys.readouterr().err
     assert resumed.cache_path.name == whole.cache_path.name
@@ -85,8 +85,8 @@ def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cac
 
 def test_a_restart_says_resuming_only_after_an_interrupted_build(tokenizer, tmp_path, monkeypatch, capsys):
     """A build stopped by a bad row (--bad_data error) was not interrupted: its restart in skip mode
-    continues after the committed rows and says why the earlier run stopped. The old code said
-    "resuming ... interrupted run" for every restart. A SIGTERM is an interruption."""
+    continues after the committed rows and says why the earlier run stopped. Only the restart of an
+    interrupted build says "resuming ... interrupted run"; a SIGTERM is an interruption."""
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 5)
     monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
     lines = [chat_line(i) for i in range(23)]

@@ -96,7 +96,7 @@ def test_a_cache_built_by_older_code_is_not_reused(tokenizer, tmp_path, capsys):
     capsys.readouterr()
 
     ds = build_cache_and_open(data, tokenizer, 64, bad_data="skip", cache_dir=cache_root, num_proc=1)
-    assert ds.cache_path != stale  # the old code reused it: every label -100
+    assert ds.cache_path != stale  # reusing it would make every label -100
     assert all(np.array_equal(ds[i]["labels"], fresh[i]["labels"]) for i in range(len(fresh)))
     assert (f"d.jsonl: not reusing the token cache {stale}: it was built by older code (tokens version 1; this "
             f"code tokenizes as version {token_cache.TOKENS_VERSION}: ") in capsys.readouterr().err

@@ -140,7 +140,7 @@ def test_export_never_writes_into_a_training_run(tmp_path):
     assert {path: path.read_bytes() for path in run.rglob("*") if path.is_file() and path.name != ".lock"} == before
     assert (run / ".lock").is_file() and not (run / "new").exists()
     assert sorted(p.name for p in run.parent.iterdir()) == ["run"]  # no staging folder left
-    # what an export into the run once left at its top never hides the run's model/
+    # a model saved at the run's top (what an export into the run would leave) never hides the run's model/
     torch.manual_seed(1)
     MiniMindForCausalLM(model.config).save_pretrained(run)
     for loaded in (load_model_for_inference(run).state_dict(), read_weights(str(run)).state):
