@@ -1,11 +1,8 @@
 """A tiny model overfitted on three conversations, saved in every form a model path can take, and a way to run
 the user scripts (scripts/chat.py, eval_sft.py, export_hf.py, plot_loss.py) on it."""
 
-import contextlib
 import importlib
-import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +13,7 @@ from safetensors.torch import save_file
 
 from dataset import SFTCollator, encode_conversation, load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
+from tests.helpers.in_process import run_in_process
 
 REPO = Path(__file__).resolve().parents[2]
 CONVERSATIONS = [
@@ -39,23 +37,11 @@ def script(name: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
 
 def script_in_process(name: str, *args: str, cwd=REPO) -> subprocess.CompletedProcess:
     """`scripts/<name> ARGS` run as its `__main__` runs it (`run_main(main)`), in this process and in `cwd`:
-    the exit status, stdout and stderr that `script` gives, without a process start (torch's import). The
-    working directory and the environment are put back, as a process leaves them."""
+    the exit status, stdout and stderr that `script` gives (tests/helpers/in_process.py)."""
     from scripts._common import run_main
 
     main = importlib.import_module(f"scripts.{name.removesuffix('.py')}").main
-    out, err, here, environ = io.StringIO(), io.StringIO(), os.getcwd(), dict(os.environ)
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_main(lambda: main(list(args)))
-    except SystemExit as stop:
-        code = stop.code
-    finally:
-        os.chdir(here)
-        os.environ.clear()
-        os.environ.update(environ)
-    return subprocess.CompletedProcess([name, *args], code, out.getvalue(), err.getvalue())
+    return run_in_process([name, *args], lambda: run_main(lambda: main(list(args))), cwd=cwd)
 
 
 def greedy(model, tokenizer, messages) -> str:

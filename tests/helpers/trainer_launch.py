@@ -1,7 +1,5 @@
 """Helpers for tests that run `train_full_sft.py` in real processes (python, torchrun)."""
 
-import contextlib
-import io
 import json
 import os
 import signal
@@ -11,6 +9,8 @@ import sys
 import time
 
 import torch
+
+from tests.helpers.in_process import run_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "train_full_sft.py")
@@ -70,28 +70,15 @@ def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: 
 
 def run_trainer_in_process(args: list[str], check: bool = False) -> subprocess.CompletedProcess:
     """`python train_full_sft.py ARGS` (`sys.exit(main())`) run in this process: its exit status, stdout and
-    stderr, without a process start (torch's import). For refusals and for one-process runs whose process is
-    not what a test checks. As in `run_trainer`'s processes (OMP_NUM_THREADS=1) torch uses one thread; the
-    thread count and the SIGTERM and SIGINT handlers (main() leaves its own when it stops early) are put back.
+    stderr (tests/helpers/in_process.py). For refusals and for one-process runs whose process is not what a
+    test checks. As in `run_trainer`'s processes (OMP_NUM_THREADS=1) torch uses one thread.
     `check`: a failed run fails the test with its output, as `run_trainer` does."""
     import train_full_sft
 
-    handlers = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
-    threads = torch.get_num_threads()
-    out, err = io.StringIO(), io.StringIO()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = train_full_sft.main(list(args))
-    except SystemExit as stop:  # parse_args' refusals
-        code = stop.code
-    finally:
-        torch.set_num_threads(threads)
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
-    if check and code != 0:
-        raise AssertionError(f"trainer failed ({code}):\n{out.getvalue()[-3000:]}\n{err.getvalue()[-5000:]}")
-    return subprocess.CompletedProcess(["train_full_sft.py", *args], code, out.getvalue(), err.getvalue())
+    result = run_in_process(["train_full_sft.py", *args], lambda: train_full_sft.main(list(args)), threads=1)
+    if check and result.returncode != 0:
+        raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
 
 
 def final_weights(save_dir: str) -> dict:
