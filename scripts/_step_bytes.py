@@ -214,13 +214,15 @@ class ByteCounter(TorchDispatchMode):
         return out
 
     def record(self, func, args, kwargs, out) -> None:
-        inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        mutated = [t for arg, value in zip(func._schema.arguments, args)
-                   if arg.alias_info is not None and arg.alias_info.is_write for t in _tensors(value)]
+        given = {arg.name: value for arg, value in zip(func._schema.arguments, args)} | kwargs
+        schema = {arg.name: arg for arg in func._schema.arguments}
+        mutated = _tensors([value for name, value in given.items()
+                            if schema[name].alias_info is not None and schema[name].alias_info.is_write])
+        unread = _tensors([value for name, value in given.items() if schema[name].is_out])
         if func in OVERWRITES:
-            inputs = [t for t in inputs if all(t is not m for m in mutated)]
-        elif _factory(func):
-            inputs = []
+            unread += mutated
+        inputs = [] if _factory(func) else [t for t in _tensors((args, kwargs)) if all(t is not u for u in unread)]
+        outputs = _tensors(out)
         written = outputs + [t for t in mutated if all(t is not o for o in outputs)]
         traffic = self.groups[func.name().removeprefix("aten::").removeprefix("minisft_trace::")]
         traffic.calls += 1
@@ -259,18 +261,24 @@ class ByteCounter(TorchDispatchMode):
 # --------------------------------------------------------------------------- the trainer's step
 
 
-def fake_parameters(model: torch.nn.Module, mode: FakeTensorMode) -> None:
-    """Every parameter and buffer of `model` replaced by a fake tensor of its shape (tied ones stay tied)."""
+def fake_parameters(model: torch.nn.Module, mode: FakeTensorMode, device: str = "cpu") -> None:
+    """Every parameter and buffer of `model` replaced by a fake tensor of its shape on `device`
+    (tied parameters stay tied)."""
     fakes: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None:
                 if id(param) not in fakes:
-                    fakes[id(param)] = torch.nn.Parameter(mode.from_tensor(param.detach()), param.requires_grad)
+                    fakes[id(param)] = torch.nn.Parameter(fake(param), param.requires_grad)
                 module._parameters[name] = fakes[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
-                module._buffers[name] = mode.from_tensor(buffer)
+                module._buffers[name] = fake(buffer)
 
 
 def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1) -> ByteCounter:
