@@ -48,6 +48,13 @@ ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.
                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                torch.ops.aten.new_empty_strided.default}  # write nothing
 OVERWRITES = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
+# Ops that read of their first input only the elements they pick (at most the output's size) ...
+GATHERS = {torch.ops.aten.gather.default, torch.ops.aten.index_select.default, torch.ops.aten.index.Tensor,
+           torch.ops.aten.embedding.default}
+# ... and in-place ops that touch of their first input only as many elements as their index or source has.
+SCATTERS = {torch.ops.aten.scatter_add_.default, torch.ops.aten.scatter_.src, torch.ops.aten.scatter_.value,
+            torch.ops.aten.index_add_.default, torch.ops.aten.index_put_.default, torch.ops.aten.index_copy_.default,
+            torch.ops.aten.index_fill_.int_Scalar}
 
 
 # --------------------------------------------------------------------------- the fused RMSNorm
@@ -226,8 +233,15 @@ class ByteCounter(TorchDispatchMode):
         written = outputs + [t for t in mutated if all(t is not o for o in outputs)]
         traffic = self.groups[func.name().removeprefix("aten::").removeprefix("minisft_trace::")]
         traffic.calls += 1
-        read = sum(map(tensor_bytes, inputs))
-        write = 0 if func in ALLOCATIONS else sum(map(tensor_bytes, written))
+        sizes = {id(t): tensor_bytes(t) for t in inputs + written}
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if func in GATHERS:
+            sizes[id(first)] = min(sizes[id(first)], sum(map(tensor_bytes, outputs)))
+        elif func in SCATTERS:
+            touched = max(t.numel() for t in _tensors((args[1:], kwargs)))
+            sizes[id(first)] = min(sizes[id(first)], touched * first.element_size())
+        read = sum(sizes[id(t)] for t in inputs)
+        write = 0 if func in ALLOCATIONS else sum(sizes[id(t)] for t in written)
         flops = self.flops(func, args, kwargs, out)
         traffic.read += read
         traffic.written += write
