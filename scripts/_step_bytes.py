@@ -4,10 +4,12 @@ of its GPU time (scripts/step_figures.py --bytes prints them).
 Every op dispatched in the forward, the backward, the gradient clipping and the fused AdamW step
 is counted with the bytes of its tensor inputs (read) and of its outputs and mutated inputs
 (written); views move nothing and are left out, an allocation (`empty`) writes nothing, and a
-tensor broadcast from fewer elements (an `expand`) is read at the size of its storage. FLOPs are
-torch.utils.flop_counter's formulas (GEMMs, SDPA), grouped GEMMs as in _dispatch_counts.py, and
-for the varlen attention kernel 4 FLOPs per causal (query, key) pair, head and head dimension
-forward and 10 backward (FlashAttention's backward recomputes the scores: five GEMMs). The
+tensor broadcast from fewer elements (an `expand`) is read at the size of its storage, a gather
+reads the elements it picks, a scatter touches as many as its source holds. FLOPs are
+torch.utils.flop_counter's formulas (GEMMs), grouped GEMMs as in _dispatch_counts.py, and for
+FlashAttention (varlen and SDPA's) 4 FLOPs per computed (query, key) pair, head and head dimension
+forward and 10 backward (its backward recomputes the scores: five GEMMs); a causal kernel
+computes the pairs of the lower triangle, per document of a packed row. The
 roofline of one op is max(bytes / HBM bandwidth, FLOPs / tensor-core peak), summed over the
 ops: a lower bound on the GPU time of the step, which a kernel reaches only at full bandwidth or
 full tensor-core use.
@@ -48,6 +50,12 @@ ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.
                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                torch.ops.aten.new_empty_strided.default}  # write nothing
 OVERWRITES = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
+# SDPA's FlashAttention kernels, CUDA's and the CPU's (the default path, rows without packing):
+# FLOPs counted as for the varlen kernel, causal blocks skipped.
+SDPA_FLASH = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+              torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 # Ops that read of their first input only the elements they pick (at most the output's size) ...
 GATHERS = {torch.ops.aten.gather.default, torch.ops.aten.index_select.default, torch.ops.aten.index.Tensor,
            torch.ops.aten.embedding.default}
@@ -251,10 +259,15 @@ class ByteCounter(TorchDispatchMode):
     def flops(self, func, args, kwargs, out) -> int:
         if func is torch.ops.aten._grouped_mm.default:
             return grouped_mm_flops(args[0].shape, args[1].shape, out_shape=out.shape)
+        per_pair = 10 if "backward" in func.name() else 4
         if func.namespace == "torch_attn":  # varlen FlashAttention: q [N, H, D]
             heads, head_dim = args[0].shape[1], args[0].shape[2]
-            per_pair = 10 if "backward" in func.name() else 4
             return per_pair * self.attention_pairs * heads * head_dim
+        if func in SDPA_FLASH:  # q [B, H, T, D], k [B, H_kv, S, D], then dropout_p and is_causal
+            given = {arg.name: value for arg, value in zip(func._schema.arguments, args)} | kwargs
+            (batch, heads, length, head_dim), keys = given["query"].shape, given["key"].shape[2]
+            pairs = length * (length + 1) // 2 if given["is_causal"] else length * keys
+            return per_pair * batch * pairs * heads * head_dim
         if func is torch.ops.aten.matmul.default:  # the LM loss's body, below autograd: not decomposed
             return 2 * out.numel() * args[0].shape[-1]
         formula = flop_registry.get(func._overloadpacket)

@@ -139,3 +139,12 @@ def test_step_figures_bytes_prints_every_op_of_a_step(capsys, tmp_path):
     assert forward["calls"] == backward["calls"] == 2 and 2 * backward["flops"] == 5 * forward["flops"] > 0
     assert "roll" in groups and "cat" in groups
     assert 0 < result["roofline_ms"]
+
+
+def test_flash_attention_flops_count_the_causal_pairs_only():
+    q = torch.ones(1, 2, 4, 8, requires_grad=True)  # 1 row of 4 tokens: 10 causal pairs, 2 heads of 8
+    with ByteCounter() as counter:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    forward = counter.groups["_scaled_dot_product_flash_attention_for_cpu"].flops
+    backward = counter.groups["_scaled_dot_product_flash_attention_for_cpu_backward"].flops
+    assert (forward, backward) == (4 * 10 * 2 * 8, 10 * 10 * 2 * 8)
