@@ -206,11 +206,12 @@ class OpTraffic:
 
 class ByteCounter(TorchDispatchMode):
     """Bytes read and written, FLOPs and the roofline time of every op dispatched inside, by op name
-    (`groups`). The chunked LM loss's custom ops are counted as the ops their bodies run."""
+    (`groups`), or with `by_shapes` by op name and the shapes and dtypes of its tensor inputs. The
+    chunked LM loss's custom ops are counted as the ops their bodies run."""
 
-    def __init__(self, bandwidth: float = HBM_BYTES_PER_S, peak: float = TENSOR_FLOPS_PER_S):
+    def __init__(self, bandwidth: float = HBM_BYTES_PER_S, peak: float = TENSOR_FLOPS_PER_S, by_shapes: bool = False):
         super().__init__()
-        self.bandwidth, self.peak = bandwidth, peak
+        self.bandwidth, self.peak, self.by_shapes = bandwidth, peak, by_shapes
         self.groups: dict[str, OpTraffic] = collections.defaultdict(OpTraffic)
         self.attention_pairs = 0  # causal pairs of the varlen attention calls (`cuda_kernel_choices`)
         self.layout_pairs: dict[int, int] = {}  # id of a micro-batch's PackedDocuments -> its causal pairs
@@ -239,7 +240,10 @@ class ByteCounter(TorchDispatchMode):
         inputs = [] if _factory(func) else [t for t in _tensors((args, kwargs)) if all(t is not u for u in unread)]
         outputs = _tensors(out)
         written = outputs + [t for t in mutated if all(t is not o for o in outputs)]
-        traffic = self.groups[func.name().removeprefix("aten::").removeprefix("minisft_trace::")]
+        name = func.name().removeprefix("aten::").removeprefix("minisft_trace::")
+        if self.by_shapes:
+            name += " " + " ".join(f"{list(t.shape)}:{str(t.dtype).removeprefix('torch.')}" for t in inputs)
+        traffic = self.groups[name]
         traffic.calls += 1
         sizes = {id(t): tensor_bytes(t) for t in inputs + written}
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -308,7 +312,7 @@ def fake_parameters(model: torch.nn.Module, mode: FakeTensorMode, device: str = 
                 module._buffers[name] = fake(buffer)
 
 
-def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1) -> ByteCounter:
+def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: bool = False) -> ByteCounter:
     """One optimizer step of the trainer for these flags, traced as described in the module
     docstring, after `warmup_steps` uncounted ones (the first creates AdamW's moments)."""
     from scripts._bench_flops import causal_pairs
@@ -321,7 +325,7 @@ def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1) -> ByteCounter
     fake_parameters(run.parallel.model, mode)
     run.optimizer = build_optimizer(run.parallel.model, run.args, torch.device("cuda"))  # fused, as on a GPU
     batches = micro_batch_stream(run)
-    counter = ByteCounter()
+    counter = ByteCounter(by_shapes=by_shapes)
     for step in range(warmup_steps + 1):
         micro_batches = [next(batches) for _ in range(run.args.accumulation_steps)]
         totals = agree_on_step(run, micro_batches)  # host values of the real batches
@@ -336,11 +340,11 @@ def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1) -> ByteCounter
 def roofline_table(counter: ByteCounter, top: int = 15) -> list[str]:
     """Lines: the `top` op names by roofline time, then the whole step."""
     rows = sorted(counter.groups.items(), key=lambda item: -item[1].seconds)
-    lines = [f"{'op':<34} {'calls':>6} {'GB read':>9} {'GB written':>10} {'GFLOP':>9} {'est ms':>8}"]
+    lines = [f"{'calls':>6} {'GB read':>9} {'GB written':>10} {'GFLOP':>9} {'est ms':>8}  op"]
 
     def line(name: str, t: OpTraffic) -> str:
-        return (f"{name:<34} {t.calls:>6} {t.read / 1e9:>9.2f} {t.written / 1e9:>10.2f} {t.flops / 1e9:>9.0f} "
-                f"{t.seconds * 1e3:>8.2f}")
+        return (f"{t.calls:>6} {t.read / 1e9:>9.2f} {t.written / 1e9:>10.2f} {t.flops / 1e9:>9.0f} "
+                f"{t.seconds * 1e3:>8.2f}  {name}")
 
     lines += [line(name, traffic) for name, traffic in rows[:top]]
     rest = OpTraffic()

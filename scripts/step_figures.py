@@ -41,6 +41,8 @@ def build_parser() -> ArgumentParser:
                         help="instead: bytes each op reads and writes per optimizer step and a roofline estimate of "
                              "its time on an H100 (fake tensors, the CUDA kernel choices)")
     parser.add_argument("--top", type=int, default=15, help="with --bytes: the ops shown one by one")
+    parser.add_argument("--by_shapes", action="store_true",
+                        help="with --bytes: one row per op and shapes and dtypes of its tensor inputs")
     parser.add_argument("--measured_ms", type=float, default=None,
                         help="with --bytes: a step time measured on an H100 at these flags, printed against the estimate")
     return parser
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
 
 
 def print_bytes(flags: list[str], options) -> int:
-    counter = measure_bytes(flags, options.warmup_steps)
+    counter = measure_bytes(flags, options.warmup_steps, options.by_shapes)
     total = counter.total
     if options.json:
         groups = {name: vars(traffic) for name, traffic in counter.groups.items()}

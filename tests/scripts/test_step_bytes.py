@@ -148,3 +148,11 @@ def test_flash_attention_flops_count_the_causal_pairs_only():
     forward = counter.groups["_scaled_dot_product_flash_attention_for_cpu"].flops
     backward = counter.groups["_scaled_dot_product_flash_attention_for_cpu_backward"].flops
     assert (forward, backward) == (4 * 10 * 2 * 8, 10 * 10 * 2 * 8)
+
+
+def test_by_shapes_keeps_calls_of_one_op_on_other_shapes_apart():
+    with ByteCounter(by_shapes=True) as counter:
+        torch.ones(2, 3, dtype=torch.bfloat16) * 2
+        torch.ones(4) * 2
+    assert {name: t.bytes for name, t in counter.groups.items() if name.startswith("mul")} == {
+        "mul.Tensor [2, 3]:bfloat16": 24, "mul.Tensor [4]:float32": 32}
