@@ -50,6 +50,7 @@ ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.
                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                torch.ops.aten.new_empty_strided.default}  # write nothing
 OVERWRITES = {torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}
+FUSED_ADAM = {torch.ops.aten._fused_adamw_.default, torch.ops.aten._fused_adam_.default}
 # SDPA's FlashAttention kernels, CUDA's and the CPU's (the default path, rows without packing):
 # FLOPs counted as for the varlen kernel, causal blocks skipped.
 SDPA_FLASH = {torch.ops.aten._scaled_dot_product_flash_attention.default,
@@ -234,6 +235,8 @@ class ByteCounter(TorchDispatchMode):
         schema = {arg.name: arg for arg in func._schema.arguments}
         mutated = _tensors([value for name, value in given.items()
                             if schema[name].alias_info is not None and schema[name].alias_info.is_write])
+        if func in FUSED_ADAM and given.get("grad_scale") is None:  # grads are written only to unscale them
+            mutated = [t for t in mutated if all(t is not g for g in given["grads"])]
         unread = _tensors([value for name, value in given.items() if schema[name].is_out])
         if func in OVERWRITES:
             unread += mutated

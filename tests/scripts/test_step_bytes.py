@@ -156,3 +156,14 @@ def test_by_shapes_keeps_calls_of_one_op_on_other_shapes_apart():
         torch.ones(4) * 2
     assert {name: t.bytes for name, t in counter.groups.items() if name.startswith("mul")} == {
         "mul.Tensor [2, 3]:bfloat16": 24, "mul.Tensor [4]:float32": 32}
+
+
+def test_fused_adamw_reads_four_tensors_a_parameter_and_writes_three():
+    param = torch.nn.Parameter(torch.zeros(10))
+    param.grad = torch.ones(10)
+    optimizer = torch.optim.AdamW([param], fused=True)
+    optimizer.step()  # creates the moments
+    with ByteCounter() as counter:
+        optimizer.step()
+    adamw = counter.groups["_fused_adamw_"]
+    assert (adamw.read, adamw.written) == (4 * 40 + 4, 3 * 40)  # and the step counter; the gradient is not unscaled
