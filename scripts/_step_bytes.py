@@ -41,7 +41,7 @@ from torch.utils.flop_counter import flop_registry
 
 import model.packed_attention as packed_attention
 import model.rms_norm as rms_norm_module
-from model.loss import lm_loss_backward, lm_loss_forward
+from model.loss import lm_loss_chunks, lm_loss_gradient_chunks
 from scripts._dispatch_counts import VIEW_LIKE, grouped_mm_flops
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM datasheet: HBM3
@@ -216,8 +216,8 @@ class ByteCounter(TorchDispatchMode):
         self.groups: dict[str, OpTraffic] = collections.defaultdict(OpTraffic)
         self.attention_pairs = 0  # causal pairs of the varlen attention calls (`cuda_kernel_choices`)
         self.layout_pairs: dict[int, int] = {}  # id of a micro-batch's PackedDocuments -> its causal pairs
-        self.expanded = {torch.ops.minisft.lm_loss_forward.default: lm_loss_forward._init_fn,
-                         torch.ops.minisft.lm_loss_backward.default: lm_loss_backward._init_fn}
+        self.expanded = {torch.ops.minisft.lm_loss_forward.default: lm_loss_chunks,
+                         torch.ops.minisft.lm_loss_backward.default: lm_loss_gradient_chunks}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
