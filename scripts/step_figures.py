@@ -85,7 +85,7 @@ def print_bytes(flags: list[str], options) -> int:
                           "roofline_ms": total.seconds * 1e3}))
         return 0
     print(f"trainer flags: {' '.join(flags)}")
-    print(f"one optimizer step after {options.warmup_steps} warm-up, fake tensors, the CUDA kernel choices; "
+    print(f"one eager optimizer step after {options.warmup_steps} warm-up, fake tensors, the CUDA kernel choices; "
           f"roofline per op = max(bytes / {HBM_BYTES_PER_S / 1e12:.2f} TB/s, FLOPs / "
           f"{TENSOR_FLOPS_PER_S / 1e12:.1f} TFLOP/s), an estimate, not a GPU measurement")
     print("\n".join(roofline_table(counter, options.top)))
