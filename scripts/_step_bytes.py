@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -135,8 +136,9 @@ def _flash_varlen_as_on_sm80(q: torch.Tensor) -> bool:
 
 @contextlib.contextmanager
 def cuda_kernel_choices(counter: ByteCounter | None = None):
-    """The model's kernel choices as on an sm80+ GPU while inside: the RMSNorm as one fused op,
-    packed rows through the varlen FlashAttention op (its causal pairs told to `counter`)."""
+    """The step's kernel choices as on an sm80+ GPU while inside: the RMSNorm as one fused op,
+    packed rows through the varlen FlashAttention op (its causal pairs told to `counter`),
+    gradient clipping with the foreach kernels."""
     real_attend = packed_attention.PackedDocuments.attend
 
     def attend(documents, q, k, v, dropout):
@@ -144,7 +146,10 @@ def cuda_kernel_choices(counter: ByteCounter | None = None):
             counter.attention_pairs = counter.layout_pairs[id(documents)]
         return real_attend(documents, q, k, v, dropout)
 
+    # Fake tensors are no type the foreach kernels take, so clipping would loop over the parameters.
+    clip_with_foreach_kernels = functools.partial(torch.nn.utils.clip_grad_norm_, foreach=True)
     patches = [(rms_norm_module, "_RMSNormFunction", _FusedRMSNormAsOnCuda),
+               (torch.nn.utils, "clip_grad_norm_", clip_with_foreach_kernels),
                (packed_attention, "_half_precision_dtype", _half_precision_as_on_cuda),
                (packed_attention, "_flash_varlen_available", _flash_varlen_as_on_sm80),
                (packed_attention.PackedDocuments, "attend", attend)]

@@ -134,6 +134,7 @@ def test_step_figures_bytes_prints_every_op_of_a_step(capsys, tmp_path):
     groups = result["groups"]
     assert result["bytes"] == sum(g["read"] + g["written"] for g in groups.values())
     assert groups["_fused_adamw_"]["calls"] == 2  # one per parameter group, as on a GPU
+    assert groups["_foreach_norm.Scalar"]["calls"] == groups["_foreach_mul_.Tensor"]["calls"] == 1  # clipping
     assert groups["_fused_rms_norm"]["calls"] == groups["_fused_rms_norm_backward"]["calls"] == 2 * 4 + 1
     forward, backward = groups["torch_attn::_varlen_attn"], groups["torch_attn::_varlen_attn_backward"]
     assert forward["calls"] == backward["calls"] == 2 and 2 * backward["flops"] == 5 * forward["flops"] > 0
