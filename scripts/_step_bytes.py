@@ -22,9 +22,10 @@ one), so the backward of a fake-cuda step cannot be traced on such a build. On a
 model would choose its CPU kernels: the RMSNorm's hand-written backward instead of ATen's fused
 CUDA kernel (`_fused_rms_norm`, which a CPU build does not have, so it is stood in for by ops of
 the same inputs and outputs) and SDPA over document buckets instead of FlashAttention's varlen
-kernel. Autocast is the CPU's; the model casts its GEMM inputs itself and runs its norms with
-autocast off, so no op changes dtype between the two (tests/scripts/test_step_bytes.py compares
-the forward with one traced on a fake cuda device).
+kernel; and fake tensors are no type the foreach kernels take, so gradient clipping would loop
+over the parameters. Autocast is the CPU's; the model casts its GEMM inputs itself and runs its
+norms with autocast off, so no op changes dtype between the two (tests/scripts/test_step_bytes.py
+compares the forward with one traced on a fake cuda device).
 """
 
 from __future__ import annotations
@@ -146,7 +147,6 @@ def cuda_kernel_choices(counter: ByteCounter | None = None):
             counter.attention_pairs = counter.layout_pairs[id(documents)]
         return real_attend(documents, q, k, v, dropout)
 
-    # Fake tensors are no type the foreach kernels take, so clipping would loop over the parameters.
     clip_with_foreach_kernels = functools.partial(torch.nn.utils.clip_grad_norm_, foreach=True)
     patches = [(rms_norm_module, "_RMSNormFunction", _FusedRMSNormAsOnCuda),
                (torch.nn.utils, "clip_grad_norm_", clip_with_foreach_kernels),
@@ -208,6 +208,11 @@ class OpTraffic:
     @property
     def bytes(self) -> int:
         return self.read + self.written
+
+    def add(self, other: OpTraffic) -> OpTraffic:
+        for key in ("calls", "read", "written", "flops", "seconds"):
+            setattr(self, key, getattr(self, key) + getattr(other, key))
+        return self
 
 
 class ByteCounter(TorchDispatchMode):
@@ -289,11 +294,7 @@ class ByteCounter(TorchDispatchMode):
     def total(self) -> OpTraffic:
         total = OpTraffic()
         for traffic in self.groups.values():
-            total.calls += traffic.calls
-            total.read += traffic.read
-            total.written += traffic.written
-            total.flops += traffic.flops
-            total.seconds += traffic.seconds
+            total.add(traffic)
         return total
 
 
@@ -355,11 +356,11 @@ def roofline_table(counter: ByteCounter, top: int = 15) -> list[str]:
                 f"{t.seconds * 1e3:>8.2f}  {name}")
 
     lines += [line(name, traffic) for name, traffic in rows[:top]]
-    rest = OpTraffic()
-    for _, traffic in rows[top:]:
-        for key in ("calls", "read", "written", "flops", "seconds"):
-            setattr(rest, key, getattr(rest, key) + getattr(traffic, key))
-    lines.append(line(f"({len(rows) - top} other ops)", rest))
+    if len(rows) > top:
+        rest = OpTraffic()
+        for _, traffic in rows[top:]:
+            rest.add(traffic)
+        lines.append(line(f"({len(rows) - top} other ops)", rest))
     lines.append(line("step", counter.total))
     return lines
 
