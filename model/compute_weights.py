@@ -46,6 +46,11 @@ class ComputeWeights:
             first = piece[0]
             self.views[id(first)] = values.view(first.shape) if len(piece) == 1 else values.view(-1, first.shape[-1])
 
+    @property
+    def casts(self) -> bool:
+        """Whether the parameters are cast (a group is then one piece: `stacked`, one GEMM in `linear`)."""
+        return self.flat is not None
+
     def __call__(self, param: torch.Tensor) -> torch.Tensor:
         return param if self.flat is None else self.views[id(param)]
 

@@ -24,8 +24,43 @@ class MiniMindMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: ComputeWeights) -> torch.Tensor:
         """`weights`: the enclosing block's parameters in the compute dtype (gate and up: one GEMM)."""
-        gate, up = weights.linear(x, self.gate_proj, self.up_proj)
-        return self.dropout(weights.linear(F.silu(gate) * up, self.down_proj)[0])
+        if weights.casts:
+            hidden = swiglu(F.linear(x, weights.stacked([self.gate_proj.weight, self.up_proj.weight])))
+        else:
+            gate, up = weights.linear(x, self.gate_proj, self.up_proj)
+            hidden = F.silu(gate) * up
+        return self.dropout(weights.linear(hidden, self.down_proj)[0])
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of one [..., 2I] GEMM output, gate first. Its gradient is one [..., 2I]
+    tensor whose halves the two products write, where autograd's backward of a split would
+    concatenate them (a pass over the widest activation of the block); the same products as
+    autograd's, bit for bit. Under torch.compile the expression itself (inductor fuses it; Dynamo
+    does not trace the strided `out=` writes)."""
+    if torch.compiler.is_compiling():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return _SwiGLU.apply(gate_up)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate_up, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate_up, activated = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_gate_up = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        torch.mul(grad, activated, out=grad_up)
+        return grad_gate_up
 
 
 class MiniMindMoE(nn.Module):
@@ -89,8 +124,8 @@ class MiniMindMoE(nn.Module):
         gate_up = gate_up.view(self.num_experts, -1, hidden).transpose(1, 2)  # [E, H, 2I]
         down = down.view(self.num_experts, hidden, -1).transpose(1, 2)  # [E, I, H]
         # grouped_mm has no autocast rule on every torch (2.11 CUDA): the tokens take the weights' dtype here
-        gate, up = F.grouped_mm(tokens[slot_tokens].to(gate_up.dtype), gate_up, offs=ends).chunk(2, dim=-1)
-        expert_out = F.grouped_mm(F.silu(gate) * up, down, offs=ends)
+        gated = swiglu(F.grouped_mm(tokens[slot_tokens].to(gate_up.dtype), gate_up, offs=ends))
+        expert_out = F.grouped_mm(gated, down, offs=ends)
         routing = top_probs.reshape(-1)[order].unsqueeze(1).to(expert_out.dtype)
         expert_out = self.dropout(expert_out) * routing
         return torch.zeros_like(tokens, dtype=expert_out.dtype).index_add_(0, slot_tokens, expert_out)

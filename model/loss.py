@@ -41,6 +41,12 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 @torch.library.custom_op("minisft::lm_loss_forward", mutates_args=())
 def lm_loss_forward(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
                     keep_per_token: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`lm_loss_chunks` as one op."""
+    return lm_loss_chunks(hidden, weight, targets, chunk_tokens, keep_per_token)
+
+
+def lm_loss_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                   keep_per_token: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum, one log-sum-exp per token, per-token values or an empty tensor): the per-token buffer
     only when asked for (the trainer's per-source losses); the sum is the same either way, bit for bit."""
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -67,6 +73,13 @@ def _lm_loss_forward_shapes(hidden, weight, targets, chunk_tokens, keep_per_toke
 @torch.library.custom_op("minisft::lm_loss_backward", mutates_args=())
 def lm_loss_backward(grad_total: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                      log_norms: torch.Tensor, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lm_loss_gradient_chunks` as one op."""
+    return lm_loss_gradient_chunks(grad_total, hidden, weight, targets, log_norms, chunk_tokens)
+
+
+def lm_loss_gradient_chunks(grad_total: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                            targets: torch.Tensor, log_norms: torch.Tensor,
+                            chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of the sum for hidden and weight; each chunk's logits are recomputed:
     softmax - one_hot(target) is the gradient of the logits, never stored whole."""
     grad_hidden = torch.empty_like(hidden)

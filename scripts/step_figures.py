@@ -5,12 +5,14 @@ also graph breaks and recompiles. Device-independent figures, measured on the CP
     python scripts/step_figures.py --packing 1
     python scripts/step_figures.py --use_moe 1
     python scripts/step_figures.py --use_compile 1 --steps 12 --compile_backend eager
+    python scripts/step_figures.py --bytes --packing 1 --max_seq_len 2048 --batch_size 32 --measured_ms 172
 
 Every flag this script does not know is the trainer's own (train_full_sft.py --help); the
 defaults differ only in --batch_size 4 and --dtype bfloat16 (CPU autocast). The step is
 trainer/loop/loop.optimizer_step with the trainer's model, loader and fused AdamW (the CUDA
-choice); what is counted is described in scripts/_dispatch_counts.py. docs/benchmarks.md records
-the figures.
+choice); what is counted is described in scripts/_dispatch_counts.py. With --bytes: the bytes each
+op reads and writes in GPU memory and a roofline estimate of the step's GPU time, traced with fake
+tensors (scripts/_step_bytes.py; seconds for any batch). docs/benchmarks.md records the figures.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import ArgumentParser  # noqa: E402
 from scripts._dispatch_counts import measure, span  # noqa: E402
+from scripts._step_bytes import HBM_BYTES_PER_S, TENSOR_FLOPS_PER_S, measure_bytes, roofline_table  # noqa: E402
 
 DEFAULT_TRAINER_FLAGS = {"--batch_size": "4", "--dtype": "bfloat16"}
 
@@ -34,6 +37,14 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend with --use_compile 1 (eager: the same graphs, compiled fast)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    parser.add_argument("--bytes", action="store_true",
+                        help="instead: bytes each op reads and writes per optimizer step and a roofline estimate of "
+                             "its time on an H100 (fake tensors, the CUDA kernel choices)")
+    parser.add_argument("--top", type=int, default=15, help="with --bytes: the ops shown one by one")
+    parser.add_argument("--by_shapes", action="store_true",
+                        help="with --bytes: one row per op and shapes and dtypes of its tensor inputs")
+    parser.add_argument("--measured_ms", type=float, default=None,
+                        help="with --bytes: a step time measured on an H100 at these flags, printed against the estimate")
     return parser
 
 
@@ -48,6 +59,8 @@ def main(argv=None) -> int:
     if options.warmup_steps < 1 or options.steps < 1:
         build_parser().error("--warmup_steps and --steps must be at least 1")
     flags = trainer_argv(unknown)
+    if options.bytes:
+        return print_bytes(flags, options)
     figures = measure(flags, options.warmup_steps, options.steps, options.compile_backend)
     if options.json:
         print(json.dumps({"flags": flags, **vars(figures)}))
@@ -60,6 +73,25 @@ def main(argv=None) -> int:
     if figures.frames is not None:
         print(f"torch.compile ({options.compile_backend}): graph breaks {figures.graph_breaks}, frames compiled "
               f"{figures.frames}, recompiles after the first step {figures.recompiles}")
+    return 0
+
+
+def print_bytes(flags: list[str], options) -> int:
+    counter = measure_bytes(flags, options.warmup_steps, options.by_shapes)
+    total = counter.total
+    if options.json:
+        groups = {name: vars(traffic) for name, traffic in counter.groups.items()}
+        print(json.dumps({"flags": flags, "groups": groups, "bytes": total.bytes, "flops": total.flops,
+                          "roofline_ms": total.seconds * 1e3}))
+        return 0
+    print(f"trainer flags: {' '.join(flags)}")
+    print(f"one eager optimizer step after {options.warmup_steps} warm-up, fake tensors, the CUDA kernel choices; "
+          f"roofline per op = max(bytes / {HBM_BYTES_PER_S / 1e12:.2f} TB/s, FLOPs / "
+          f"{TENSOR_FLOPS_PER_S / 1e12:.1f} TFLOP/s), an estimate, not a GPU measurement")
+    print("\n".join(roofline_table(counter, options.top)))
+    if options.measured_ms:
+        print(f"measured {options.measured_ms:.1f} ms per step: {options.measured_ms / (total.seconds * 1e3):.2f}x "
+              f"the roofline estimate of {total.seconds * 1e3:.1f} ms")
     return 0
 
 

@@ -75,3 +75,41 @@ def test_moe_balance_loss_is_minimind_sequence_wise_skips_pads_and_splits_over_r
         grads.append(gate.weight.grad.clone())
         assert total.item() == pytest.approx(whole.item(), rel=1e-6)
     assert torch.allclose(grads[0], grads[1], atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_equals_autograd_s_silu_times_up_bit_for_bit(dtype):
+    generator = torch.Generator().manual_seed(0)
+    joined = torch.randn(2, 5, 16, generator=generator).to(dtype).requires_grad_()
+    reference = joined.detach().clone().requires_grad_()
+    grad = torch.randn(2, 5, 8, generator=generator).to(dtype)
+    out = feed_forward.swiglu(joined)
+    gate, up = reference.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    out.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(out, expected) and torch.equal(joined.grad, reference.grad)
+
+
+def test_bf16_mlp_gradient_is_written_in_place_not_concatenated():
+    """Traced with fake tensors and the CUDA kernel choices (scripts/_step_bytes.py): the only
+    concatenations of a dense bf16 training pass are the RoPE sin rows, each block's weight cast
+    and its gradient, and q/k/v's gradient. A concatenated gate/up gradient ([2, 16, 2 x 256]
+    bf16 per block) would add two calls and 65,536 bytes each way."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.loss import loss_positions_of
+    from scripts._step_bytes import ByteCounter, cuda_kernel_choices, fake_parameters
+
+    model = tiny_model()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_parameters(model, mode)
+    ids = torch.randint(3, 90, (2, 16))
+    positions = loss_positions_of(ids)  # on the host, as the collator computes them
+    counter = ByteCounter()
+    with mode, cuda_kernel_choices(counter), counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=ids, skip_logits=True, loss_positions=positions)
+        out.loss.backward()
+    cat = counter.groups["cat"]
+    assert (cat.calls, cat.read, cat.written) == (7, 757_632, 757_632)
+    assert counter.groups["mul.out"].calls == counter.groups["silu_backward.grad_input"].calls == 2
