@@ -8,11 +8,13 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import itertools
 import json
 import os
 import platform
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -265,6 +267,14 @@ def endless_batches(data):
         data.sampler.set_epoch(epoch)
         yield from data.loader
         epoch += 1
+
+
+def ready_batches(data) -> Iterator[dict]:
+    """`endless_batches` with its first micro-batch already fetched: the loader's worker processes
+    are started and their first batch collated before a step is timed, so a timed step never
+    waits for the loader to start."""
+    batches = endless_batches(data)
+    return itertools.chain([next(batches)], batches)
 
 
 def optimizer_step_once(run: Run, batches, args) -> list[dict]:

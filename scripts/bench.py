@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset import IGNORE_INDEX, SFTCollator, build_cache_and_open, load_tokenizer  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
-    DeviceTimer, add_model_flags, add_run_flags, build_run, check_options, comma_list, endless_batches, first_step_seconds,
+    DeviceTimer, add_model_flags, add_run_flags, build_run, check_options, comma_list, first_step_seconds,
     follow_precision_policy, machine_description, memory_in_use_mib, optimizer_step_once, options_record,
-    peak_memory_mib, release_memory, reset_peak_memory, single_process_context, synchronize, trainer_args,
-    write_report,
+    peak_memory_mib, ready_batches, release_memory, reset_peak_memory, single_process_context, synchronize,
+    trainer_args, write_report,
 )
 from scripts._bench_flops import causal_pairs, mfu, model_flops, peak_flops  # noqa: E402
 from scripts._common import ArgumentParser, fail, resolve_device  # noqa: E402
@@ -184,7 +184,7 @@ def prepare_mode(options, tokenizer, ctx, mode: str, dtype_name: str, compiled: 
         data = build_mode_data(args, tokenizer, ctx, mode)
     objective = (lambda model: MiniMindObjective(model, args.accumulation_steps)) if mode == "minimind" else None
     run = build_run(args, tokenizer, ctx, data, dtype, options.vocab_size, mode != "unchunked", objective)
-    mode_run = ModeRun(mode, dtype_name, compiled, args, run, endless_batches(data))
+    mode_run = ModeRun(mode, dtype_name, compiled, args, run, ready_batches(data))
     start = time.perf_counter()
     for _ in range(options.warmup_steps):
         optimizer_step_once(run, mode_run.batches, args)
@@ -201,7 +201,7 @@ def prepare_mode(options, tokenizer, ctx, mode: str, dtype_name: str, compiled: 
     mode_run.step_memory_mib = mode_run.peak_memory_mib - in_use
     # The timed steps start again from the first batch: every variant of a mode (eager and
     # compiled, fp32 and bf16) is timed on the same batches, however long it warmed up.
-    mode_run.batches = endless_batches(data)
+    mode_run.batches = ready_batches(data)
     return mode_run
 
 

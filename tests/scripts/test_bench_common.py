@@ -1,9 +1,9 @@
-"""scripts/_bench_common.py: the device timer (CUDA events on a GPU) and the precision policy."""
+"""scripts/_bench_common.py: the device timer (CUDA events on a GPU), the precision policy, the batches timed."""
 
 import pytest
 import torch
 
-from scripts._bench_common import DeviceTimer, follow_precision_policy
+from scripts._bench_common import DeviceTimer, endless_batches, follow_precision_policy, ready_batches
 
 
 class FakeEvent:
@@ -60,3 +60,37 @@ def test_float32_runs_without_tf32_and_autocast_runs_may_use_it():
         assert torch.backends.cuda.matmul.allow_tf32 is False
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+class LoggedLoader:
+    """A loader of three batches per epoch that logs when an epoch's iteration starts and each batch it hands out."""
+
+    def __init__(self, log):
+        self.log, self.sampler, self.epoch = log, self, None
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.log.append(("start", self.epoch))
+        for index in range(3):
+            self.log.append(("batch", self.epoch, index))
+            yield {"epoch": self.epoch, "index": index}
+
+
+def logged_data(log):
+    loader = LoggedLoader(log)
+    return type("Data", (), {"sampler": loader, "loader": loader})()
+
+
+def test_timed_batches_have_the_loader_started_before_the_first_is_asked_for():
+    """The benchmark times steps from ready_batches: the loader's start (its worker processes on a
+    GPU machine) and its first batch happen when the iterator is made, not inside a timed step;
+    the batches are endless_batches' own, epoch after epoch."""
+    log = []
+    batches = ready_batches(logged_data(log))
+    assert log == [("start", 0), ("batch", 0, 0)]
+    taken = [next(batches) for _ in range(7)]
+    plain = endless_batches(logged_data([]))
+    assert taken == [next(plain) for _ in range(7)] == [
+        {"epoch": epoch, "index": index} for epoch in range(3) for index in range(3)][:7]
