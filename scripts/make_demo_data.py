@@ -52,7 +52,7 @@ from scripts._demo_plain import (  # noqa: E402
     FIELD_OF, GREETINGS, PREFIXES, country_name, is_eval_phrasing, make_eval_sample, make_train_sample, phrasings,
 )
 
-from dataset.demo_tools import COUNTRIES, TOOLS, country_fact, run_tool  # noqa: E402
+from dataset.demo_tools import COUNTRIES, TOOLS, run_tool  # noqa: E402
 from dataset.formats import parse_row  # noqa: E402
 from dataset.rendering import load_tokenizer  # noqa: E402
 from dataset.tokens import encode_conversation  # noqa: E402

@@ -51,7 +51,7 @@ def main(kind: str, report: str) -> None:
         with open(report, "w", encoding="utf-8") as handle:
             json.dump({"steps": steps, "log_line": log_line, "skipped_steps": run.state.skipped_steps,
                        "unchanged_by_skipped_step": unchanged}, handle)
-    del run
+    run = None  # the model and optimizer go before the process group
     dist.barrier()
     dist.destroy_process_group()
 

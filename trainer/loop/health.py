@@ -76,7 +76,7 @@ def read_steps(run, check_weights: bool) -> int | None:
         return None
     values = torch.cat(parts).tolist()
     for index, record in enumerate(pending):
-        finite, counted = values[2 * index], values[2 * index + 1]
+        finite = values[2 * index]
         health.window_finite.append(bool(finite))
         if finite:
             health.applied_since_check.append(record.step)

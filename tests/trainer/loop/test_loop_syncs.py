@@ -9,7 +9,6 @@ torch.cuda.set_sync_debug_mode("error"), is in tests/test_cuda.py."""
 import json
 import os
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
