@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .compute_weights import ComputeWeights
 from .configuration_minimind import MiniMindConfig
@@ -37,7 +38,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     tensor whose halves the two products write, where autograd's backward of a split would
     concatenate them (a pass over the widest activation of the block); the same products as
     autograd's, bit for bit. Under torch.compile the expression itself (inductor fuses it; Dynamo
-    does not trace the strided `out=` writes)."""
+    does not trace the strided `out=` writes). Its gradient is not differentiable again (an `out=`
+    write records no graph): `create_graph=True` gets first-order gradients, a second order an error."""
     if torch.compiler.is_compiling():
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -53,6 +55,7 @@ class _SwiGLU(torch.autograd.Function):
         return activated * up
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         gate_up, activated = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)

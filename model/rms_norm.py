@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -32,6 +33,7 @@ class _RMSNormFunction(torch.autograd.Function):
         return weight * normed
 
     @staticmethod
+    @once_differentiable  # normed and inverse are saved as constants: no second derivative
     def backward(ctx, grad):
         weight, normed, inverse = ctx.saved_tensors
         grad_x = grad_weight = None

@@ -113,3 +113,17 @@ def test_bf16_mlp_gradient_is_written_in_place_not_concatenated():
     cat = counter.groups["cat"]
     assert (cat.calls, cat.read, cat.written) == (7, 757_632, 757_632)
     assert counter.groups["mul.out"].calls == counter.groups["silu_backward.grad_input"].calls == 2
+
+
+def test_swiglu_gradient_with_create_graph_equals_autograd_s_and_refuses_a_second_order():
+    """`backward(create_graph=True)` (a gradient penalty, say) gets autograd's first-order
+    gradients; differentiating them again is refused in one clear error, not computed wrong."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=generator)
+    weight = torch.randn(16, 4, dtype=torch.float64, generator=generator).requires_grad_()
+    got = torch.autograd.grad(feed_forward.swiglu(x @ weight.t()).pow(2).sum(), weight, create_graph=True)[0]
+    gate, up = (x @ weight.t()).chunk(2, dim=-1)
+    expected = torch.autograd.grad((F.silu(gate) * up).pow(2).sum(), weight)[0]
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        got.sum().backward()

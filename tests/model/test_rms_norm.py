@@ -1,6 +1,7 @@
 """model/rms_norm.py: the hand-written backward equals autograd's, in fewer ops; on CUDA, ATen's
 fused kernel."""
 
+import pytest
 import torch
 
 from model.rms_norm import MiniMindRMSNorm
@@ -98,3 +99,15 @@ def test_runs_in_the_input_dtype_under_autocast_and_leaves_frozen_inputs_without
     assert norm.weight.grad.dtype == torch.float32 and x.grad is not None
     frozen = torch.randn(2, 16, requires_grad=False)
     assert not norm(frozen, torch.ones(16)).requires_grad
+
+
+def test_a_second_order_gradient_is_refused_not_computed_wrong():
+    """The closed-form backward treats the forward's normed values as constants: its gradient is
+    not the second derivative, so differentiating it again is refused in one clear error."""
+    norm = MiniMindRMSNorm(16, 1e-6)
+    x, weight, _ = leaves(torch.float64)
+    got = torch.autograd.grad(norm(x, weight).pow(2).sum(), (x, weight), create_graph=True)
+    expected = torch.autograd.grad(autograd_rms_norm(x, weight, 1e-6).pow(2).sum(), (x, weight))
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(got, expected))
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        got[0].sum().backward()

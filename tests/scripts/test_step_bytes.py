@@ -42,6 +42,15 @@ def test_counter_counts_bytes_read_and_written_exactly():
     assert counter.total.bytes == sum(t.bytes for t in counter.groups.values())
 
 
+def test_a_scatter_touches_as_many_elements_of_its_target_as_its_source_holds():
+    target, grid = torch.zeros(10, 4), torch.zeros(3, 5)  # 160 and 60 bytes
+    with ByteCounter() as counter:
+        target.index_add_(0, torch.tensor([1, 3]), torch.ones(2, 4))  # 2 rows of 4: 32 bytes each way
+        grid.scatter_add_(1, torch.tensor([[0], [2], [4]]), torch.ones(3, 1))  # 3 elements: 12 bytes
+    got = {name: (t.calls, t.read, t.written) for name, t in counter.groups.items() if name.endswith("_")}
+    assert got == {"index_add_": (1, 32 + 16 + 32, 32), "scatter_add_": (1, 12 + 24 + 12, 12)}
+
+
 FAKE_CUDA_FORWARD = """
 import json, sys
 from tests.scripts.test_step_bytes import forward_groups
