@@ -271,8 +271,9 @@ def endless_batches(data):
 
 def ready_batches(data) -> Iterator[dict]:
     """`endless_batches` with its first micro-batch already fetched: the loader's worker processes
-    are started and their first batch collated before a step is timed, so a timed step never
-    waits for the loader to start."""
+    are started and their first batch collated before a step is timed, so the first timed step
+    does not wait for the loader to start (a later epoch starts its workers inside a step, as in
+    training)."""
     batches = endless_batches(data)
     return itertools.chain([next(batches)], batches)
 

@@ -47,7 +47,8 @@ from model.loss import lm_loss_chunks, lm_loss_gradient_chunks
 from scripts._dispatch_counts import VIEW_LIKE, grouped_mm_flops
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM datasheet: HBM3
-TENSOR_FLOPS_PER_S = 989.4e12  # H100 SXM datasheet: dense bf16 tensor cores
+TENSOR_FLOPS_PER_S = 989.4e12  # H100 SXM datasheet: dense bf16 (and fp16) tensor cores
+FLOAT32_FLOPS_PER_S = 66.9e12  # H100 SXM datasheet: IEEE fp32 (the trainer runs --dtype float32 without TF32)
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                torch.ops.aten.new_empty_strided.default}  # write nothing
@@ -136,15 +137,14 @@ def _flash_varlen_as_on_sm80(q: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def cuda_kernel_choices(counter: ByteCounter | None = None):
+def cuda_kernel_choices(counter: ByteCounter):
     """The step's kernel choices as on an sm80+ GPU while inside: the RMSNorm as one fused op,
     packed rows through the varlen FlashAttention op (its causal pairs told to `counter`),
     gradient clipping with the foreach kernels."""
     real_attend = packed_attention.PackedDocuments.attend
 
     def attend(documents, q, k, v, dropout):
-        if counter is not None:
-            counter.attention_pairs = counter.layout_pairs[id(documents)]
+        counter.attention_pairs = counter.layout_pairs[id(documents)]
         return real_attend(documents, q, k, v, dropout)
 
     clip_with_foreach_kernels = functools.partial(torch.nn.utils.clip_grad_norm_, foreach=True)
@@ -334,7 +334,8 @@ def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: boo
     fake_parameters(run.parallel.model, mode)
     run.optimizer = build_optimizer(run.parallel.model, run.args, torch.device("cuda"))  # fused, as on a GPU
     batches = micro_batch_stream(run)
-    counter = ByteCounter(by_shapes=by_shapes)
+    peak = FLOAT32_FLOPS_PER_S if run.dtype == torch.float32 else TENSOR_FLOPS_PER_S
+    counter = ByteCounter(peak=peak, by_shapes=by_shapes)
     for step in range(warmup_steps + 1):
         micro_batches = [next(batches) for _ in range(run.args.accumulation_steps)]
         totals = agree_on_step(run, micro_batches)  # host values of the real batches

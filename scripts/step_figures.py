@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import ArgumentParser  # noqa: E402
 from scripts._dispatch_counts import measure, span  # noqa: E402
-from scripts._step_bytes import HBM_BYTES_PER_S, TENSOR_FLOPS_PER_S, measure_bytes, roofline_table  # noqa: E402
+from scripts._step_bytes import measure_bytes, roofline_table  # noqa: E402
 
 DEFAULT_TRAINER_FLAGS = {"--batch_size": "4", "--dtype": "bfloat16"}
 
@@ -40,7 +40,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--bytes", action="store_true",
                         help="instead: bytes each op reads and writes per optimizer step and a roofline estimate of "
                              "its time on an H100 (fake tensors, the CUDA kernel choices)")
-    parser.add_argument("--top", type=int, default=15, help="with --bytes: the ops shown one by one")
+    parser.add_argument("--top", type=int, default=None, help="with --bytes: the ops shown one by one (default 15)")
     parser.add_argument("--by_shapes", action="store_true",
                         help="with --bytes: one row per op and shapes and dtypes of its tensor inputs")
     parser.add_argument("--measured_ms", type=float, default=None,
@@ -54,11 +54,27 @@ def trainer_argv(unknown: list[str]) -> list[str]:
     return defaults + unknown
 
 
+def trainer_flag(flags: list[str], name: str) -> str | None:
+    """The value the last `name` (as `name value` or `name=value`) in `flags` gives, else None."""
+    value = None
+    for index, arg in enumerate(flags):
+        if arg == name and index + 1 < len(flags):
+            value = flags[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def main(argv=None) -> int:
     options, unknown = build_parser().parse_known_args(argv)
     if options.warmup_steps < 1 or options.steps < 1:
         build_parser().error("--warmup_steps and --steps must be at least 1")
     flags = trainer_argv(unknown)
+    bytes_only = [name for name in ("top", "by_shapes", "measured_ms") if getattr(options, name) not in (None, False)]
+    if bytes_only and not options.bytes:
+        build_parser().error(f"--{bytes_only[0]} needs --bytes")
+    if options.bytes and trainer_flag(flags, "--use_compile") not in (None, "0"):
+        build_parser().error("--bytes traces the eager step: leave out --use_compile")
     if options.bytes:
         return print_bytes(flags, options)
     figures = measure(flags, options.warmup_steps, options.steps, options.compile_backend)
@@ -82,13 +98,13 @@ def print_bytes(flags: list[str], options) -> int:
     if options.json:
         groups = {name: vars(traffic) for name, traffic in counter.groups.items()}
         print(json.dumps({"flags": flags, "groups": groups, "bytes": total.bytes, "flops": total.flops,
-                          "roofline_ms": total.seconds * 1e3}))
+                          "peak_flops_per_s": counter.peak, "roofline_ms": total.seconds * 1e3}))
         return 0
     print(f"trainer flags: {' '.join(flags)}")
     print(f"one eager optimizer step after {options.warmup_steps} warm-up, fake tensors, the CUDA kernel choices; "
-          f"roofline per op = max(bytes / {HBM_BYTES_PER_S / 1e12:.2f} TB/s, FLOPs / "
-          f"{TENSOR_FLOPS_PER_S / 1e12:.1f} TFLOP/s), an estimate, not a GPU measurement")
-    print("\n".join(roofline_table(counter, options.top)))
+          f"roofline per op = max(bytes / {counter.bandwidth / 1e12:.2f} TB/s, FLOPs / "
+          f"{counter.peak / 1e12:.1f} TFLOP/s), an estimate, not a GPU measurement")
+    print("\n".join(roofline_table(counter, 15 if options.top is None else options.top)))
     if options.measured_ms:
         print(f"measured {options.measured_ms:.1f} ms per step: {options.measured_ms / (total.seconds * 1e3):.2f}x "
               f"the roofline estimate of {total.seconds * 1e3:.1f} ms")

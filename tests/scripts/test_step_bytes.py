@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from scripts._step_bytes import ByteCounter
+from scripts._step_bytes import FLOAT32_FLOPS_PER_S, TENSOR_FLOPS_PER_S, ByteCounter
 from scripts.step_figures import main
 from tests.scripts.test_step_figures import DEMO, TINY
 
@@ -149,6 +150,32 @@ def test_step_figures_bytes_prints_every_op_of_a_step(capsys, tmp_path):
     assert forward["calls"] == backward["calls"] == 2 and 2 * backward["flops"] == 5 * forward["flops"] > 0
     assert "roll" in groups and "cat" in groups
     assert 0 < result["roofline_ms"]
+
+
+def test_a_float32_step_is_set_against_the_fp32_peak(capsys, tmp_path):
+    """--dtype float32 runs IEEE float32 GEMMs (no TF32): its roofline takes the fp32 peak, not the bf16 one."""
+    data = tmp_path / "train.jsonl"
+    with open(DEMO, encoding="utf-8") as source:
+        data.write_text("".join(line for _, line in zip(range(16), source)), encoding="utf-8")
+    peaks = []
+    for dtype in ("float32", "bfloat16"):
+        argv = [*TINY, "--data_path", str(data), "--cache_dir", str(tmp_path / "cache"), "--dtype", dtype, "--bytes", "--json"]
+        assert main(argv) == 0
+        peaks.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak_flops_per_s"])
+    assert peaks == [FLOAT32_FLOPS_PER_S, TENSOR_FLOPS_PER_S] == [66.9e12, 989.4e12]
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--top", "3"], "--top needs --bytes"),
+    (["--by_shapes"], "--by_shapes needs --bytes"),
+    (["--measured_ms", "172"], "--measured_ms needs --bytes"),
+    (["--bytes", "--use_compile", "1"], "--bytes traces the eager step: leave out --use_compile"),
+    (["--bytes", "--use_compile=1"], "--bytes traces the eager step: leave out --use_compile"),
+])
+def test_flags_that_would_do_nothing_are_refused_in_one_line(capsys, argv, line):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: {line} (see ")
 
 
 def test_flash_attention_flops_count_the_causal_pairs_only():
