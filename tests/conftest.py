@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from tests.helpers.overfitted import overfitted_model
 from tests.helpers.trainer_launch import GPUS_OPTION, REPO, hide_gpus
@@ -14,9 +15,23 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """Before any test module is imported: GPUs hidden unless GPUS_OPTION is given."""
+    """Before any test module is imported: GPUs hidden unless GPUS_OPTION is given; an xdist
+    worker takes its share of the cores."""
     if not config.getoption(GPUS_OPTION):
         hide_gpus(os.environ)
+    share_cores(os.environ)
+
+
+def share_cores(environ) -> None:
+    """In an xdist worker (unless OMP_NUM_THREADS is set): torch threads for the tests it runs in
+    its own process, and OMP_NUM_THREADS for the processes it starts, are the cores over the
+    workers, so N workers do not each run a thread per core (a trainer run sets its own 1)."""
+    workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if not workers or "OMP_NUM_THREADS" in environ:
+        return
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
