@@ -191,6 +191,25 @@ def test_the_norm_is_one_fused_kernel_each_way_and_agrees_with_the_cpu_closed_fo
         assert torch.allclose(gpu, cpu, rtol=5e-2, atol=5e-2 * cpu.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_writes_the_gradient_autograd_computes_bit_for_bit(dtype):
+    """model/feed_forward.py's swiglu writes its gradient's halves through `out=` into one strided
+    buffer: on the GPU's kernels too the values are autograd's for silu(gate) * up, for a plain GEMM
+    output and for a transposed one (non-contiguous halves)."""
+    from model.feed_forward import swiglu
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for joined in (torch.randn(64, 96, device="cuda", generator=generator),
+                   torch.randn(96, 64, device="cuda", generator=generator).t()):
+        joined = joined.to(dtype).requires_grad_()
+        reference = joined.detach().clone().requires_grad_()
+        grad = torch.randn(64, 48, device="cuda", generator=generator).to(dtype)
+        swiglu(joined).backward(grad)
+        gate, up = reference.chunk(2, dim=-1)
+        (torch.nn.functional.silu(gate) * up).backward(grad)
+        assert torch.equal(joined.grad, reference.grad)
+
+
 def test_bench_memory_measures_on_the_gpu():
     """scripts/bench_memory.py --device cuda on one GPU: the held bytes are exact, and the
     allocator's peak over the step holds at least them (plus the activations)."""
