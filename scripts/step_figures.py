@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts._common import ArgumentParser  # noqa: E402
 from scripts._dispatch_counts import measure, span  # noqa: E402
 from scripts._step_bytes import measure_bytes, roofline_table  # noqa: E402
+from trainer.args import parse_args  # noqa: E402
 
 DEFAULT_TRAINER_FLAGS = {"--batch_size": "4", "--dtype": "bfloat16"}
 
@@ -54,17 +55,6 @@ def trainer_argv(unknown: list[str]) -> list[str]:
     return defaults + unknown
 
 
-def trainer_flag(flags: list[str], name: str) -> str | None:
-    """The value the last `name` (as `name value` or `name=value`) in `flags` gives, else None."""
-    value = None
-    for index, arg in enumerate(flags):
-        if arg == name and index + 1 < len(flags):
-            value = flags[index + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def main(argv=None) -> int:
     options, unknown = build_parser().parse_known_args(argv)
     if options.warmup_steps < 1 or options.steps < 1:
@@ -73,7 +63,7 @@ def main(argv=None) -> int:
     bytes_only = [name for name in ("top", "by_shapes", "measured_ms") if getattr(options, name) not in (None, False)]
     if bytes_only and not options.bytes:
         build_parser().error(f"--{bytes_only[0]} needs --bytes")
-    if options.bytes and trainer_flag(flags, "--use_compile") not in (None, "0"):
+    if options.bytes and parse_args(flags).use_compile:
         build_parser().error("--bytes traces the eager step: leave out --use_compile")
     if options.bytes:
         return print_bytes(flags, options)

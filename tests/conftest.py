@@ -7,6 +7,7 @@ import torch
 
 from tests.helpers.overfitted import overfitted_model
 from tests.helpers.trainer_launch import GPUS_OPTION, REPO, hide_gpus
+from trainer.data_setup import usable_cpus
 
 
 def pytest_addoption(parser):
@@ -29,7 +30,7 @@ def share_cores(environ) -> None:
     workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if not workers or "OMP_NUM_THREADS" in environ:
         return
-    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    threads = max(1, usable_cpus() // workers)
     environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 

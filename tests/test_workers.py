@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from tests.conftest import share_cores
+from trainer.data_setup import usable_cpus
 
 
 def test_a_worker_gets_the_cores_over_the_workers_and_its_processes_inherit_it(monkeypatch):
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cpus()
     threads = torch.get_num_threads()
     try:
         for workers, expected in ((1, cores), (cores, 1), (4 * cores, 1)):
