@@ -1,5 +1,5 @@
 """What a GPU does in the trainer's step: host syncs, kernels per step, idle gaps, which attention
-kernels run, graph breaks and recompiles under torch.compile.
+kernels run, the GPU time of each aten op, graph breaks and recompiles under torch.compile.
 
     python scripts/profile_step.py --hidden_size 768 --num_hidden_layers 8 --max_seq_len 2048 --mode packed
     python scripts/profile_step.py --mode dynamic --use_compile 1 --trace step.json
@@ -9,7 +9,10 @@ steps under torch.profiler. A host sync is any call that makes the CPU wait for 
 (torch.cuda.set_sync_debug_mode); "GPU busy" is the union of kernel intervals over the wall
 time of the profiled steps, so 1 - busy is the GPU's idle share. Where the GPU idles, the host
 is the bound: the host ops by self CPU time, and the share of the wall time spent inside aten
-ops at all (the rest is Python and the launches' own cost), say where its time goes.
+ops at all (the rest is Python and the launches' own cost), say where its time goes. Where the
+GPU is busy, the ops by their own GPU time (`--op_shapes 1`: split by input shapes) set against
+`scripts/step_figures.py --bytes --by_shapes` for the same flags say which ops run below their
+roofline estimate.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ def parse_options(argv=None):
     add_run_flags(parser, dtypes="bfloat16")
     parser.add_argument("--mode", choices=MODES, default="packed")
     parser.add_argument("--use_compile", type=int, choices=(0, 1), default=0)
-    parser.add_argument("--top", type=int, default=12, help="kernels listed, by GPU time")
+    parser.add_argument("--top", type=int, default=12, help="kernels and ops listed, by GPU time")
+    parser.add_argument("--op_shapes", type=int, choices=(0, 1), default=0,
+                        help="1 = the aten ops' table split by their inputs' shapes (records shapes while profiling)")
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     options = parser.parse_args(argv)
     options.dtypes = options.dtypes.split(",")
@@ -83,6 +88,22 @@ def host_report(averages, steps: int, wall: float, top: int) -> list[str]:
     return lines
 
 
+def gpu_op_report(averages, steps: int, top: int) -> list[str]:
+    """Lines on the GPU's time by the aten op that launched it, from `profile.key_averages()`
+    (grouped by input shape or not): the `top` ops by self GPU time. Set beside `scripts/step_figures.py
+    --bytes [--by_shapes]`, the same step's roofline estimate per op, it says which ops run far
+    below their estimate."""
+    ranked = sorted((e for e in averages if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    with_shapes = any(e.input_shapes for e in ranked)
+    lines = [f"top {top} ops by their own GPU time (ms per step, calls per step"
+             f"{', input shapes' if with_shapes else ''}):"]
+    for event in ranked[:top]:
+        shapes = " ".join(str(shape) for shape in event.input_shapes or [] if shape)
+        line = f"  {event.self_device_time_total / 1e3 / steps:8.3f}  {event.count / steps:6.1f}  {event.key[:60]}"
+        lines.append(f"{line}  {shapes}" if shapes else line)
+    return lines
+
+
 def main(argv=None) -> int:
     options = parse_options(argv)
     device = resolve_device(options.device)
@@ -102,7 +123,8 @@ def main(argv=None) -> int:
     frames_before = counters["frames"]["ok"]
 
     synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, record_shapes=bool(options.op_shapes)) as prof:
         start = time.perf_counter()
         for _ in range(options.steps):
             optimizer_step_once(run, batches, args)
@@ -122,6 +144,8 @@ def main(argv=None) -> int:
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:options.top]
     for name, times in ranked:
         print(f"  {sum(times) / options.steps:8.3f}  {len(times) / options.steps:6.1f}  {name[:100]}")
+    print("\n".join(gpu_op_report(prof.key_averages(group_by_input_shape=bool(options.op_shapes)), options.steps,
+                                   options.top)))
     print("\n".join(host_report(prof.key_averages(), options.steps, wall, options.top)))
     if options.use_compile:
         print(f"torch.compile: graph breaks {sum(counters['graph_break'].values())}, frames compiled "

@@ -3,7 +3,7 @@
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from scripts.profile_step import busy_seconds, host_report
+from scripts.profile_step import busy_seconds, gpu_op_report, host_report
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():
@@ -24,3 +24,20 @@ def test_host_report_lists_ops_by_self_cpu_time_per_step():
     assert calls["aten::mm"] == 2.0  # the largest self time: 4 calls over 2 steps
     first = float(lines[2].split()[0])
     assert first == max(float(line.split()[0]) for line in lines[2:])
+
+
+def test_gpu_op_report_ranks_ops_by_their_own_gpu_time_per_step_with_shapes():
+    from types import SimpleNamespace as Event
+
+    averages = [Event(key="aten::mm", input_shapes=[[64, 8], [8, 16]], count=6, self_device_time_total=3000.0),
+                Event(key="aten::mul", input_shapes=[[64, 16], []], count=4, self_device_time_total=5000.0),
+                Event(key="aten::linear", input_shapes=[[64, 8]], count=6, self_device_time_total=0.0),
+                Event(key="aten::add", input_shapes=[[64, 16], [64, 16]], count=2, self_device_time_total=1000.0)]
+    assert gpu_op_report(averages, steps=2, top=2) == [
+        "top 2 ops by their own GPU time (ms per step, calls per step, input shapes):",
+        "     2.500     2.0  aten::mul  [64, 16]",
+        "     1.500     3.0  aten::mm  [64, 8] [8, 16]",
+    ]
+    without_shapes = [Event(key="aten::mm", input_shapes=[], count=2, self_device_time_total=1000.0)]
+    assert gpu_op_report(without_shapes, steps=1, top=5) == [
+        "top 5 ops by their own GPU time (ms per step, calls per step):", "     1.000     2.0  aten::mm"]
