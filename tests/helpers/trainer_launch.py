@@ -47,7 +47,8 @@ def free_port() -> int:
 def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                           "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    # PYTHONFAULTHANDLER: a process killed by a fatal signal (an abort in C++) prints its threads' Python stacks.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **extra)
     return env
 
 
