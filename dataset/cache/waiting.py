@@ -1,11 +1,12 @@
 """What a process waiting for another one's token-cache build prints, and how often it looks.
 
-Two waits use it: a process that finds another live process building the same cache
+Two waits for a build use it: a process that finds another live process building the same cache
 (``resumable``: its first line at once, the lock holder is known) and a rank waiting for local rank
 0's build or the other nodes' (``node``: its first line after ``WAIT_FIRST_S``, as reusing a cache
-takes less). Each line names what it waits for and the seconds waited, on stderr with every cache
-progress line; then one every ``WAIT_REPORT_S``. The constants are read when a line is due, so a
-test that sets them here changes both waits.
+takes less); the trainer's ranks waiting for rank 0's checkpoint write use it too
+(``trainer.runtime.distributed.rank0_value``). Each line names what it waits for and the seconds
+waited, on stderr with every cache progress line; then one every ``WAIT_REPORT_S``. The constants
+are read when a line is due, so a test that sets them here changes every wait.
 """
 
 from __future__ import annotations

@@ -2,37 +2,24 @@
 wait for it through the store, polling, with a progress line (dataset/cache/node.py)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers.trainer_launch import REPO, clean_env, flags, free_port
+from tests.helpers.trainer_launch import REPO, flags, run_ranks_apart
 
 
 @pytest.mark.slow
 def test_a_cache_build_longer_than_dist_timeout_on_one_node_fails_nobody(data, tmp_path):
     # Two processes as two nodes (each local rank 0 of its own), gloo, --dist_timeout 6; rank 0's build
     # takes 15 s longer, so rank 1 waits more than twice the collective timeout.
-    port, timeout = str(free_port()), 6
+    timeout = 6
     args = [*flags(data, tmp_path / "run", "--batch_size", "2", "--max_steps", "2", "--save_interval", "0",
                    "--cache_dir", str(tmp_path / "cache")), "--dist_timeout", str(timeout)]
-    processes = [subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "tests", "helpers", "slow_cache_build.py"), *args], cwd=REPO,
-        env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                      MINISFT_TEST_SLOW_BUILD_RANK="0", MINISFT_TEST_SLOW_BUILD_S="15"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=240))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    assert [process.returncode for process in processes] == [0, 0], outputs
-    stdout, stderr = outputs[1]
+    ranks = run_ranks_apart(os.path.join(REPO, "tests", "helpers", "slow_cache_build.py"), args, local_ranks=(0, 0),
+                            MINISFT_TEST_SLOW_BUILD_RANK="0", MINISFT_TEST_SLOW_BUILD_S="15")
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks
+    stdout, stderr = ranks[1].stdout, ranks[1].stderr
     waits = [line for line in stderr.splitlines() if line.startswith("rank 1: waiting for the other nodes")]
-    assert len(waits) >= 2 * timeout - 2, outputs[1]  # one a second, for longer than the collective timeout
+    assert len(waits) >= 2 * timeout - 2, ranks[1]  # one a second, for longer than the collective timeout
     assert "waiting" not in stdout  # on stderr, with the other cache progress lines
     assert os.path.isdir(tmp_path / "run" / "model")

@@ -69,6 +69,27 @@ def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: 
     return result
 
 
+def run_ranks_apart(script: str, args: list[str], local_ranks: tuple[int, int], timeout: float = 240,
+                    **env) -> list[subprocess.CompletedProcess]:
+    """Two ranks of one run as two plain processes (RANK, WORLD_SIZE, LOCAL_RANK in their environment,
+    no launcher), each with its own stdout and stderr; `local_ranks` (0, 0): two nodes of one process."""
+    port = str(free_port())
+    processes = [subprocess.Popen(
+        [sys.executable, script, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(local_ranks[rank]), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=port, **env)) for rank in (0, 1)]
+    finished = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=timeout)
+            finished.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    return finished
+
+
 def run_trainer_in_process(args: list[str], check: bool = False) -> subprocess.CompletedProcess:
     """`python train_full_sft.py ARGS` (`sys.exit(main())`) run in this process: its exit status, stdout and
     stderr (tests/helpers/in_process.py). For refusals and for one-process runs whose process is not what a

@@ -170,7 +170,7 @@ def save_best(run: Run) -> None:
         except CheckpointError as failure:
             error = str(failure)
     del weights
-    raise_on_every_rank(error)
+    raise_on_every_rank(error, f"writing {BEST_DIR}/")
 
 
 def evaluate_and_select(run: Run) -> bool:

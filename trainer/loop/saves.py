@@ -18,14 +18,15 @@ import torch
 from trainer.checkpoint.background import copies_done, host_model, to_host
 from trainer.errors import CheckpointError
 from trainer.loop.state import Run, resume_state
-from trainer.runtime.distributed import barrier, broadcast_object
+from trainer.runtime.distributed import barrier, rank0_value
 from trainer.weights.write import publish_inference_weights, save_minimind_copy
 
 
-def raise_on_every_rank(error: str | None) -> None:
+def raise_on_every_rank(error: str | None, what: str) -> None:
     """A write that failed on rank 0 (its one-line reason, or None) is raised on every rank, so no
-    rank waits in the next collective for one that stopped."""
-    error = broadcast_object(error)
+    rank waits in the next collective for one that stopped. The others wait for rank 0's outcome
+    on the store, however long its write takes (`rank0_value`)."""
+    error = rank0_value(error, what)
     if error:
         raise CheckpointError(error)
 
@@ -44,7 +45,7 @@ def save_in_background(run: Run) -> None:
         except CheckpointError as failure:
             error = str(failure)
         content = None
-        raise_on_every_rank(error if main else None)
+        raise_on_every_rank(error if main else None, "starting the checkpoint's shard writes")
     weights = run.parallel.inference_model(save_dtype)  # collective under --fsdp 1 (then a host copy)
     if not main:
         if shards is not None:
@@ -76,7 +77,7 @@ def wait_for_last_write(run: Run) -> None:
     """Every rank waits for its writer (collective); a failed write is raised on every rank with rank
     0's one-line error (a sharded write that failed anywhere failed on rank 0 too)."""
     error = run.writer.wait()
-    raise_on_every_rank(error if run.ctx.is_main else None)
+    raise_on_every_rank(error if run.ctx.is_main else None, "writing the checkpoint")
 
 
 def finish_saves(run: Run) -> None:

@@ -9,6 +9,8 @@ Launchers understood:
 """
 
 import datetime
+import itertools
+import json
 import os
 import re
 import socket
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dataset.cache import waiting
 from dataset.printable import print_escaped
 from trainer.errors import DistributedError, NodeLaunchError, first_line
 from trainer.runtime.node_lines import LEAVE_AFTER_S, local_rank_from
@@ -314,6 +317,29 @@ def all_gather_objects(obj) -> list:
         dist.all_gather_object(gathered, obj)
         return gathered
     return [obj]
+
+
+_RANK0_VALUES = itertools.count()  # every rank calls rank0_value in the same order: the same keys
+
+
+def rank0_value(value, what: str):
+    """Rank 0's `value` (anything JSON holds) on every rank, through the process group's store
+    rather than a collective: rank 0 may come to it long after the others (its checkpoint write
+    on a slow filesystem), and a rank waiting in a collective meets --dist_timeout (under NCCL its
+    watchdog kills it). The others wait for the key, saying on stderr that they wait for rank 0 to
+    finish `what` after `waiting.WAIT_FIRST_S`, then every `waiting.WAIT_REPORT_S`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    store = dist.distributed_c10d._get_default_store()
+    key = f"minisft/rank0-value/{next(_RANK0_VALUES)}"
+    if dist.get_rank() == 0:
+        store.set(key, json.dumps(value))
+        return value
+    lines = waiting.WaitLines(first_s=waiting.WAIT_FIRST_S)
+    while not store.check([key]):
+        time.sleep(waiting.WAIT_POLL_S)
+        lines.say_if_due(lambda: f"rank {dist.get_rank()}: waiting for rank 0 to finish {what}")
+    return json.loads(store.get(key))
 
 
 def broadcast_object(obj, src: int = 0):
