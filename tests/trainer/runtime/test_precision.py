@@ -2,11 +2,13 @@
 flags torch keeps (no GPU needed to see what a CUDA run would be told)."""
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from trainer.errors import ConfigError
+from trainer.parallel import build_parallelism
 from trainer.runtime import distributed
 from trainer.runtime.precision import apply_tf32_policy, resolve_dtype
 
@@ -89,10 +91,6 @@ def test_auto_picks_bfloat16_only_on_a_gpu_with_native_bf16(monkeypatch, native,
 
 
 def test_fsdp_with_auto_on_a_gpu_without_native_bf16_is_told_a_dtype_that_works_there(monkeypatch):
-    from types import SimpleNamespace
-
-    from trainer.parallel import build_parallelism
-
     fake_bf16_support(monkeypatch, native=False)
     dtype = resolve_dtype("auto", torch.device("cuda", 0))
     two = distributed.DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0), backend="nccl")
