@@ -78,9 +78,11 @@ class MiniMindMoE(nn.Module):
     Dispatch: the token slots (token, chosen expert) are sorted by expert, so that each expert's
     tokens lie next to each other, and every expert runs on its own tokens only: one grouped GEMM
     for gate/up of all the experts and one for down (`F.grouped_mm`, the group ends on the
-    device), k/E of the FLOPs of running every expert on every token. On CUDA (Hopper or newer,
-    bf16) the grouped GEMM reads nothing on the host; on the CPU and on older GPUs PyTorch's
-    fallback loops over the groups.
+    device), k/E of the FLOPs of running every expert on every token. PyTorch's grouped kernel, which
+    reads nothing on the host, serves CUDA GPUs of compute capability 9.x or 10.x (H100, H200, B200)
+    with bf16 operands and output. Everywhere else (the CPU, other GPUs such as A100 or RTX 50xx,
+    float16 or float32 operands) its fallback copies the group ends to the host, a sync on a GPU,
+    and loops over the groups.
     """
 
     def __init__(self, config: MiniMindConfig):

@@ -98,6 +98,9 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
     from dataset import model_inputs
     from trainer.loop.source_losses import SourceLosses
 
+    if kind == "moe" and torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("F.grouped_mm's kernel serves bf16 on compute capability 9.x/10.x only; elsewhere torch's "
+                    "fallback (_grouped_mm_fallback) copies the group ends to the host, a sync")
     model = tiny_model(**(dict(use_moe=True, num_experts=4, num_experts_per_tok=2) if kind == "moe" else {}))
     model = model.cuda().train()
     lengths = [[5, 9, 3], [12, 4], [30]] if kind == "packed" else [[17], [16], [30]]
@@ -117,7 +120,7 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
     sources = SourceLosses(["a", "b"], torch.device("cuda:0")) if kind == "mixture" else None
 
     def micro_step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # bf16: the grouped kernel's only dtype
             out = model(**model_inputs(batch, torch.device("cuda:0")), num_items_in_batch=loss_tokens,
                         num_sequences_in_batch=len(items), skip_logits=True,
                         **({"return_token_losses": True} if sources else {}))

@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(loop, "--weight_decay", type=float, default=0.01, at_least=0, help="AdamW weight decay (matrices only)")
     add_flag(loop, "--grad_clip", type=float, default=1.0, at_least=0, help="clip the global gradient norm (0 = off)")
     loop.add_argument("--dtype", choices=DTYPES, default="auto",
-                      help="autocast dtype; auto = bfloat16 on GPU, float32 on CPU")
+                      help="autocast dtype; auto = float32 on CPU; on GPU bfloat16 where native (compute "
+                           "capability 8.0+), else float16")
     loop.add_argument("--tf32", choices=("auto", "0", "1"), default="auto",
                       help="TF32 tensor cores for the float32 matmuls of a CUDA run: auto = with --dtype bfloat16 or "
                            "float16 only (--dtype float32 computes in IEEE float32), 1 = always, 0 = never")

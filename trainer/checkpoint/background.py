@@ -5,8 +5,9 @@ waits only for that copy), and a writer thread writes the files while training g
   states) copied into CPU memory, into the previous save's buffers where they fit; from a GPU into
   pinned memory, copied asynchronously (the writer waits for the copies, the loop does not). The
   copy is what the files hold: later steps change the live tensors, never the copy.
-- `host_model(config, state, source)`: a plain model around such a copy, for the writers of
-  inference weights, which read a model (its config, `state_dict()`, `save_pretrained`).
+- `host_model(config, state, source)`: a plain model around such a copy (and a `to_host` copy of
+  the live model's RoPE tables), for the writers of inference weights, which read a model (its
+  config, `state_dict()`, `save_pretrained`).
 - `BackgroundWriter`: runs one job at a time in a thread; `submit` first waits for the previous
   job, so saves never overlap and the next one writes after the last; `wait` returns the one-line
   reason a job's write failed (a `CheckpointError`), which the caller reports on every rank.
@@ -59,7 +60,9 @@ def copies_done() -> "torch.cuda.Event | None":
 
 def host_model(config, state: dict, source):
     """A MiniMindForCausalLM whose weights are the host tensors `state` (nothing is copied again),
-    with the non-persistent buffers (RoPE tables) of `source`, the live model, on the CPU."""
+    with the non-persistent buffers (RoPE tables) of `source`, the live model, copied by `to_host`:
+    from a GPU queued into pinned memory, so a save never waits here for the GPU's queued work (the
+    writer waits for `copies_done`; the files hold no non-persistent buffer)."""
     from model import MiniMindForCausalLM
 
     with torch.device("meta"):
@@ -70,7 +73,7 @@ def host_model(config, state: dict, source):
             module_name, _, attr = name.rpartition(".")
             owner = plain.get_submodule(module_name) if module_name else plain
             origin = source.get_submodule(module_name) if module_name else source
-            owner.register_buffer(attr, getattr(origin, attr).detach().to("cpu"), persistent=False)
+            owner.register_buffer(attr, to_host(getattr(origin, attr)), persistent=False)
     if plain.config.tie_word_embeddings:
         plain.tie_weights()
     return plain.eval()

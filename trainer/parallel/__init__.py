@@ -51,5 +51,7 @@ def build_parallelism(args, ctx, dtype: torch.dtype) -> Parallelism:
     if not args.fsdp or not ctx.distributed:
         return Replicated(ctx)
     if dtype == torch.float16:
-        raise ConfigError("--fsdp 1 trains in float32 or bfloat16; use --dtype bfloat16 (float16 needs loss scaling)")
+        raise ConfigError("--fsdp 1 trains in float32 or bfloat16, not float16 (it needs loss scaling; --dtype auto "
+                          "picks it on a GPU without native bf16): use --dtype bfloat16 on a GPU with compute "
+                          "capability 8.0 or newer, --dtype float32 on an older one")
     return FullyShardedParallel(ctx, dtype)

@@ -10,9 +10,12 @@ from trainer.errors import ConfigError
 
 
 def resolve_dtype(name: str, device: torch.device, log=print) -> torch.dtype:
+    """`--dtype` for `device`. auto: float32 on a CPU; on a GPU bfloat16 where it has bf16 natively
+    (compute capability 8.0 or newer, or ROCm), else float16: an older GPU (V100, T4, RTX 20xx) has
+    no bf16 tensor cores and no flash or memory-efficient SDPA kernel in bf16, so bf16 is emulated."""
     if name == "auto":
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return torch.bfloat16 if cuda_has_native_bf16() else torch.float16
         return torch.float32
     dtype = getattr(torch, name)
     if dtype == torch.float16 and device.type == "cpu":
@@ -20,7 +23,16 @@ def resolve_dtype(name: str, device: torch.device, log=print) -> torch.dtype:
     if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
         log("warning: --dtype bfloat16 on a CPU without native bf16 (no avx512_bf16 / amx_bf16): emulated, "
             "many times slower than float32 (use --dtype float32 here)")
+    if dtype == torch.bfloat16 and device.type == "cuda" and not cuda_has_native_bf16():
+        log("warning: --dtype bfloat16 on a GPU without native bf16 (compute capability below 8.0): emulated "
+            "(no bf16 tensor cores, no flash attention), much slower than float16 (use --dtype float16 here)")
     return dtype
+
+
+def cuda_has_native_bf16() -> bool:
+    """Whether the current GPU computes in bf16 natively; torch's default answer also counts a GPU
+    that merely emulates it."""
+    return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:

@@ -136,6 +136,33 @@ def test_the_inference_copy_is_a_plain_model_on_the_host():
     assert not torch.equal(copy.model.embed_tokens.weight.float(), live.model.embed_tokens.weight)
 
 
+def test_a_save_makes_no_blocking_copy_to_the_host(tmp_path, monkeypatch):
+    """A blocking copy from a GPU to the host waits for all the GPU's queued work: the save would
+    stall the loop. Every copy the save's enqueue makes goes through `to_host` (asynchronous into
+    pinned memory on a GPU), the RoPE tables of the inference copy too."""
+    gate = Gate()
+    gate.released.set()
+    run = saving_run(tmp_path, monkeypatch, gate)
+    blocking, original = [], torch.Tensor.to
+
+    def recorded_to(tensor, *args, **kwargs):
+        device = kwargs.get("device", args[0] if args and isinstance(args[0], (str, torch.device)) else None)
+        if device is not None and torch.device(device).type == "cpu" and not kwargs.get("non_blocking"):
+            blocking.append(tuple(tensor.shape))
+        return original(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", recorded_to)
+    saves.save_in_background(run)
+    monkeypatch.setattr(torch.Tensor, "to", original)
+    saves.finish_saves(run)
+    assert blocking == []
+    model = run.writer.buffers["weights"]
+    copy = host_model(run.raw_model.config, model, run.raw_model)
+    for name in ("freqs_cos", "freqs_sin"):
+        live = getattr(run.raw_model.model, name)
+        assert torch.equal(getattr(copy.model, name), live) and getattr(copy.model, name).data_ptr() != live.data_ptr()
+
+
 def test_the_next_save_refills_the_host_buffers_of_the_last_one(tmp_path, monkeypatch):
     gate = Gate()
     gate.released.set()

@@ -2,13 +2,15 @@
 flags torch keeps (no GPU needed to see what a CUDA run would be told)."""
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from trainer.errors import ConfigError
+from trainer.parallel import build_parallelism
 from trainer.runtime import distributed
-from trainer.runtime.precision import apply_tf32_policy
+from trainer.runtime.precision import apply_tf32_policy, resolve_dtype
 
 
 @pytest.fixture
@@ -65,3 +67,36 @@ def test_the_trainer_keeps_sdpa_off_cudnn_attention():
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(saved)
+
+
+def fake_bf16_support(monkeypatch, native: bool):
+    """torch.cuda.is_bf16_supported as on a GPU of compute capability 8.0+ (native) or below it (where
+    torch's default, including_emulation=True, still says True)."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
+
+
+@pytest.mark.parametrize(("native", "auto"), [(True, torch.bfloat16), (False, torch.float16)])
+def test_auto_picks_bfloat16_only_on_a_gpu_with_native_bf16(monkeypatch, native, auto):
+    fake_bf16_support(monkeypatch, native)
+    said = []
+    gpu = torch.device("cuda", 0)
+    assert resolve_dtype("auto", gpu, said.append) == auto
+    assert resolve_dtype("float16", gpu, said.append) == torch.float16
+    assert resolve_dtype("float32", gpu, said.append) == torch.float32
+    assert said == []
+    assert resolve_dtype("bfloat16", gpu, said.append) == torch.bfloat16
+    assert said == ([] if native else [
+        "warning: --dtype bfloat16 on a GPU without native bf16 (compute capability below 8.0): emulated "
+        "(no bf16 tensor cores, no flash attention), much slower than float16 (use --dtype float16 here)"])
+
+
+def test_fsdp_with_auto_on_a_gpu_without_native_bf16_is_told_a_dtype_that_works_there(monkeypatch):
+    fake_bf16_support(monkeypatch, native=False)
+    dtype = resolve_dtype("auto", torch.device("cuda", 0))
+    two = distributed.DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0), backend="nccl")
+    with pytest.raises(ConfigError) as refused:
+        build_parallelism(SimpleNamespace(fsdp=1), two, dtype)
+    assert str(refused.value) == (
+        "--fsdp 1 trains in float32 or bfloat16, not float16 (it needs loss scaling; --dtype auto picks it on a "
+        "GPU without native bf16): use --dtype bfloat16 on a GPU with compute capability 8.0 or newer, "
+        "--dtype float32 on an older one")
