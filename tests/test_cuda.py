@@ -213,6 +213,35 @@ def test_swiglu_writes_the_gradient_autograd_computes_bit_for_bit(dtype):
         assert torch.equal(joined.grad, reference.grad)
 
 
+def test_a_background_save_queues_its_copies_and_writes_the_state_of_its_step(tmp_path, monkeypatch):
+    """trainer/loop/saves.py on the GPU: the save reads nothing on the host (its copies to pinned
+    memory are queued), the loop changes the weights in place while the writer waits, and the files
+    hold the weights of the saved step (tests/trainer/checkpoint/test_background.py is the CPU version)."""
+    from tests.trainer.checkpoint.test_background import Gate, saving_run, step
+    from tests.trainer.loop.test_loop_syncs import micro_batches
+    from trainer.checkpoint.save_dir import checkpoint_path
+    from trainer.loop import saves
+
+    gate = Gate()
+    run = saving_run(tmp_path, monkeypatch, gate, torch.device("cuda:0"))
+    step(run, micro_batches(0), 1e-3)
+    at_save = {key: value.detach().cpu() for key, value in run.raw_model.state_dict().items()}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        saves.save_in_background(run)
+        step(run, micro_batches(1), 1e-3)  # queued behind the save's copies; changes the weights in place
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not torch.equal(run.raw_model.model.embed_tokens.weight.cpu(), at_save["model.embed_tokens.weight"])
+    gate.released.set()
+    saves.finish_saves(run)
+    saved = torch.load(checkpoint_path(str(tmp_path), 1), weights_only=True)
+    for key, value in at_save.items():
+        assert torch.equal(saved["model"][key], value), key
+        assert torch.equal(gate.calls[0][key], value), key
+
+
 def test_bench_memory_measures_on_the_gpu():
     """scripts/bench_memory.py --device cuda on one GPU: the held bytes are exact, and the
     allocator's peak over the step holds at least them (plus the activations)."""

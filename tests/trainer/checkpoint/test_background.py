@@ -80,8 +80,8 @@ class Gate:
             raise self.fail_with
 
 
-def saving_run(tmp_path, monkeypatch, gate):
-    run = tiny_run(torch.device("cpu"))
+def saving_run(tmp_path, monkeypatch, gate, device: torch.device = torch.device("cpu")):
+    run = tiny_run(device)
     run.args = SimpleNamespace(**{**vars(run.args), "save_dir": str(tmp_path)}, keep_last=3, save_dtype="float32",
                                save_weight=None)
     run.logger = SimpleNamespace(print=lambda message: None)
