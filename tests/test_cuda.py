@@ -165,6 +165,35 @@ def test_steps_between_log_lines_make_no_host_sync():
     assert run.state.skipped_steps == 2 and run.logger.rows[-1][1]["skipped_steps"] == 2
 
 
+def test_the_loss_batches_of_an_evaluation_make_no_host_sync():
+    """trainer/evaluation's loss and token-accuracy sums on the GPU (padded and packed batches, two
+    padding forwards as a rank with a shorter slice runs them, bf16 autocast): no synchronizing
+    call; the sums are read once afterwards (tests/trainer/evaluation/test_evaluation_syncs.py is
+    the CPU version)."""
+    from tests.trainer.evaluation.test_evaluation_syncs import eval_run
+    from trainer.evaluation.evaluate import loss_and_accuracy_sums
+
+    run = eval_run(padding_forwards=2)
+    device = torch.device("cuda:0")
+    model = run.raw_model.to(device)
+
+    @torch.no_grad()
+    def sums():
+        return torch.stack([loss_and_accuracy_sums(model, eval_set.loader, device, torch.bfloat16, eval_set.forwards)
+                            for eval_set in run.eval_sets])
+
+    first = sums()  # CUDA/cuBLAS initialisation may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = sums()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, first)
+    loss_tokens = [sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in s.loader) for s in run.eval_sets]
+    assert again[:, 1].tolist() == loss_tokens and torch.isfinite(again).all().item()
+
+
 def test_the_norm_is_one_fused_kernel_each_way_and_agrees_with_the_cpu_closed_form():
     """model/rms_norm.py on a GPU: ATen's fused RMSNorm forward and backward, one op each, in bf16,
     with gradients equal to the CPU path's closed form within bf16 rounding."""
