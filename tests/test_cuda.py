@@ -127,13 +127,18 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
         return out
 
     micro_step()  # CUDA/cuBLAS initialisation may synchronise once
+    out = without_host_sync(micro_step)
+    assert torch.isfinite(out.loss).item()
+
+
+def without_host_sync(action):
+    """`action()` under torch.cuda.set_sync_debug_mode("error"): a host sync inside raises."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = micro_step()
+        return action()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.isfinite(out.loss).item()
 
 
 def test_steps_between_log_lines_make_no_host_sync():
@@ -147,15 +152,14 @@ def test_steps_between_log_lines_make_no_host_sync():
     run = tiny_run(torch.device("cuda:0"))
     interval = new_interval(run)
     take_step(run, micro_batches(0), interval, 1e-3)  # CUDA/cuBLAS initialisation, AdamW's state
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def three_steps():
         take_step(run, micro_batches(1), interval, 1e-3)
         with poisoned(run):
             take_step(run, micro_batches(2), interval, 1e-3)
         take_step(run, micro_batches(3), interval, 1e-3)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+
+    without_host_sync(three_steps)
     before = snapshot(run)
     with poisoned(run):
         take_step(run, micro_batches(4), interval, 1e-3)
@@ -183,12 +187,7 @@ def test_the_loss_batches_of_an_evaluation_make_no_host_sync():
                             for eval_set in run.eval_sets])
 
     first = sums()  # CUDA/cuBLAS initialisation may synchronise once
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        again = sums()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    again = without_host_sync(sums)
     assert torch.equal(again, first)
     loss_tokens = [sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in s.loader) for s in run.eval_sets]
     assert again[:, 1].tolist() == loss_tokens and torch.isfinite(again).all().item()
