@@ -61,7 +61,7 @@ def syncing_op(func, args, kwargs) -> str | None:
 
 
 def written(func, args, kwargs) -> list:
-    """The arguments an op writes in place (`self` of `copy_`, `out=`)."""
+    """The arguments an op writes in place (`self` of `copy_`, `out=`, the lists of `_foreach_add_`)."""
     values = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
     return [values.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
@@ -107,7 +107,7 @@ class HostReads(TorchDispatchMode):
                 self.reads.append(f"{name} at {caller()}")
         out = func(*args, **kwargs)
         if tainted:  # what the op returns or writes in place (sums[:3] = marked) is marked
-            for value in [*tree_leaves(out), *written(func, args, kwargs)]:
+            for value in tree_leaves((out, written(func, args, kwargs))):
                 if isinstance(value, torch.Tensor):
                     self.mark(value)
         return out
