@@ -130,13 +130,18 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
         return out
 
     micro_step()  # CUDA/cuBLAS initialisation may synchronise once
+    out = without_host_sync(micro_step)
+    assert torch.isfinite(out.loss).item()
+
+
+def without_host_sync(action):
+    """`action()` under torch.cuda.set_sync_debug_mode("error"): a host sync inside raises."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = micro_step()
+        return action()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.isfinite(out.loss).item()
 
 
 def test_steps_between_log_lines_make_no_host_sync():
@@ -150,15 +155,14 @@ def test_steps_between_log_lines_make_no_host_sync():
     run = tiny_run(torch.device("cuda:0"))
     interval = new_interval(run)
     take_step(run, micro_batches(0), interval, 1e-3)  # CUDA/cuBLAS initialisation, AdamW's state
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def three_steps():
         take_step(run, micro_batches(1), interval, 1e-3)
         with poisoned(run):
             take_step(run, micro_batches(2), interval, 1e-3)
         take_step(run, micro_batches(3), interval, 1e-3)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+
+    without_host_sync(three_steps)
     before = snapshot(run)
     with poisoned(run):
         take_step(run, micro_batches(4), interval, 1e-3)
@@ -166,6 +170,30 @@ def test_steps_between_log_lines_make_no_host_sync():
     assert all(torch.equal(before[key], after[key]) for key in before)  # a skipped step changes nothing
     log_interval(run, interval, torch.zeros((), device="cuda:0"), 1e-3, 10)
     assert run.state.skipped_steps == 2 and run.logger.rows[-1][1]["skipped_steps"] == 2
+
+
+def test_the_loss_batches_of_an_evaluation_make_no_host_sync():
+    """trainer/evaluation's loss and token-accuracy sums on the GPU (padded and packed batches, two
+    padding forwards as a rank with a shorter slice runs them, bf16 autocast): no synchronizing
+    call; the sums are read once afterwards (tests/trainer/evaluation/test_evaluation_syncs.py is
+    the CPU version)."""
+    from tests.trainer.evaluation.test_evaluation_syncs import eval_run
+    from trainer.evaluation.evaluate import loss_and_accuracy_sums
+
+    run = eval_run(padding_forwards=2)
+    device = torch.device("cuda:0")
+    model = run.raw_model.to(device)
+
+    @torch.no_grad()
+    def sums():
+        return torch.stack([loss_and_accuracy_sums(model, eval_set.loader, device, torch.bfloat16, eval_set.forwards)
+                            for eval_set in run.eval_sets])
+
+    first = sums()  # CUDA/cuBLAS initialisation may synchronise once
+    again = without_host_sync(sums)
+    assert torch.equal(again, first)
+    loss_tokens = [sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in s.loader) for s in run.eval_sets]
+    assert again[:, 1].tolist() == loss_tokens and torch.isfinite(again).all().item()
 
 
 def test_the_norm_is_one_fused_kernel_each_way_and_agrees_with_the_cpu_closed_form():

@@ -4,8 +4,10 @@
 buffers or the optimizer's state (so: activations, the loss, gradients, the gradient norm, the
 optimizer's flags, whatever the loop derives from them) and records each place where such a
 tensor is turned into a host value: `.item()`, `bool()`, `int()`, `float()` (aten's
-`_local_scalar_dense`), `.tolist()`, `.numpy()`. On a GPU each of those waits for the device.
-Tensors the host made itself (the CPU batch, the counts computed from it) are not marked.
+`_local_scalar_dense`), `.tolist()`, `.numpy()`, or fed to an op whose result's size depends on
+its values (`nonzero`, indexing by a boolean mask, `masked_select`, `unique`, ...). On a GPU each
+of those waits for the device. Tensors the host made itself (the CPU batch, the counts computed
+from it) are not marked; `mark` marks more (evaluation: what `model_inputs` puts on the device).
 """
 
 import sys
@@ -18,6 +20,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 from tests.helpers.trainer_launch import REPO
 
 HOST_READ_METHODS = ("tolist", "numpy")
+aten = torch.ops.aten
+# Ops that read a value on the host or size their result by the data: each a host sync on a GPU.
+SYNCING_OPS = {
+    aten._local_scalar_dense.default: "item",
+    aten.nonzero.default: "nonzero",
+    aten.masked_select.default: "masked_select",
+    aten._unique.default: "unique",
+    aten._unique2.default: "unique",
+    aten.unique_dim.default: "unique",
+    aten.unique_consecutive.default: "unique",
+    aten.equal.default: "equal",
+    aten.bincount.default: "bincount",
+}
+# Indexing ops that sync when an index is a boolean mask (x[mask], x[mask] = v).
+MASKABLE_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 
 def caller() -> str:
@@ -31,14 +48,32 @@ def caller() -> str:
     return "?"
 
 
+def syncing_op(func, args, kwargs) -> str | None:
+    """What a call of `func` reads on the host, as a read is named, or None."""
+    if func in SYNCING_OPS:
+        return SYNCING_OPS[func]
+    if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+        return "repeat_interleave"
+    if func in MASKABLE_OPS and any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+                                    for index in args[1]):
+        return "index by mask"
+    return None
+
+
+def written(func, args, kwargs) -> list:
+    """The arguments an op writes in place (`self` of `copy_`, `out=`, the lists of `_foreach_add_`)."""
+    values = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+    return [values.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
 class HostReads(TorchDispatchMode):
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
         self.marked = WeakIdKeyDictionary()
         self.reads: list[str] = []
         for tensor in [*model.parameters(), *model.buffers()]:
             self.mark(tensor)
-        for state in optimizer.state.values():
+        for state in optimizer.state.values() if optimizer is not None else []:
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     self.mark(value)
@@ -46,9 +81,10 @@ class HostReads(TorchDispatchMode):
 
     def mark(self, tensor: torch.Tensor) -> None:
         self.marked[tensor] = True
-        local = getattr(tensor, "_local_tensor", None)  # a DTensor's shard
-        if local is not None:
-            self.marked[local] = True
+        # a DTensor's shard; the tensor a view (written in place) looks into
+        for other in (getattr(tensor, "_local_tensor", None), tensor._base):
+            if other is not None:
+                self.marked[other] = True
 
     def is_marked(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and tensor in self.marked
@@ -65,11 +101,13 @@ class HostReads(TorchDispatchMode):
         kwargs = kwargs or {}
         inputs = tree_leaves((args, kwargs))
         tainted = any(self.is_marked(value) for value in inputs)
-        if tainted and func is torch.ops.aten._local_scalar_dense.default:
-            self.reads.append(f"item at {caller()}")
-        out = func(*args, **kwargs)
         if tainted:
-            for value in tree_leaves(out):
+            name = syncing_op(func, args, kwargs)
+            if name:
+                self.reads.append(f"{name} at {caller()}")
+        out = func(*args, **kwargs)
+        if tainted:  # what the op returns or writes in place (sums[:3] = marked) is marked
+            for value in tree_leaves((out, written(func, args, kwargs))):
                 if isinstance(value, torch.Tensor):
                     self.mark(value)
         return out

@@ -28,6 +28,7 @@ import torch
 
 from dataset import IGNORE_INDEX, model_inputs
 from dataset.tool_calls import calls_match, parse_reply
+from model.loss import loss_positions_of
 from trainer.evaluation.selection import METRICS
 from trainer.runtime.distributed import all_reduce_sum
 from trainer.runtime.precision import autocast
@@ -192,25 +193,31 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
 
     The model computes its LM head only at the loss positions (`skip_logits=True`); a hook on
     the head reads those logits for the argmax, so the accuracy costs no second forward. (A
-    change of the model that calls the head elsewhere fails here on the size, loudly.)"""
+    change of the model that calls the head elsewhere fails here on the size, loudly.)
+
+    Nothing is read from the device: the loss positions of the CPU batch (the collator's, else
+    computed from its labels; none in the padding batch) give the count on the host and the
+    targets by index, in the order of the head's rows. The caller reads the sums, once."""
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     captured = []
     hook = model.get_output_embeddings().register_forward_hook(lambda _module, _inputs, output: captured.append(output))
     padding = {"input_ids": torch.zeros((1, 2), dtype=torch.long),
-               "labels": torch.full((1, 2), IGNORE_INDEX, dtype=torch.long)}
+               "labels": torch.full((1, 2), IGNORE_INDEX, dtype=torch.long),
+               "loss_positions": torch.zeros(0, dtype=torch.long)}  # no loss tokens: adds 0 to every sum
     try:
         batches = itertools.chain(loader, itertools.repeat(padding))
         for index, batch in enumerate(batches):
             if index >= max(forwards, len(loader)):
                 break
+            if "loss_positions" not in batch:
+                batch = {**batch, "loss_positions": loss_positions_of(batch["labels"])}
             captured.clear()
             inputs = model_inputs(batch, device)  # the same inputs as training
             with autocast(device, dtype):
                 out = model(**inputs, num_items_in_batch=1, skip_logits=True)
-            targets = inputs["labels"][:, 1:]
-            targets = targets[targets != IGNORE_INDEX]
+            targets = inputs["labels"].reshape(-1)[inputs["loss_positions"] + 1]  # the next token of the row
             totals[0] += out.loss.double()
-            totals[1] += targets.numel()
+            totals[1] += len(batch["loss_positions"])
             # the head's outputs at the loss positions, in order (one call, or one per chunk)
             predicted = torch.cat([logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) for logits in captured]
                                   or [targets])
