@@ -86,6 +86,8 @@ def pick_device(args, local_rank: int, env=os.environ) -> torch.device:
         if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
             raise NodeLaunchError(f"--device {args.device}: only {torch.cuda.device_count()} GPU(s) visible "
                                    f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        if device.type == "cuda" and args.backend != "gloo":
+            refuse_one_gpu_for_the_node(args.device, local_rank, env)
         return device
     if torch.cuda.is_available():
         visible = torch.cuda.device_count()
@@ -95,6 +97,18 @@ def pick_device(args, local_rank: int, env=os.environ) -> torch.device:
     if args.device == "cuda":
         raise NodeLaunchError("--device cuda asked for, but CUDA is not available")
     return torch.device("cpu")
+
+
+def refuse_one_gpu_for_the_node(device: str, local_rank: int, env) -> None:
+    """An explicit `--device cuda[:N]` gives every process of the node the same GPU, which NCCL
+    refuses (with an error that blames the rendezvous): refused here in one line when the node has
+    several processes that do not each see a GPU of their own (srun --gpus-per-task)."""
+    local_processes = processes_on_this_node(env)
+    needed = max(local_processes or 0, local_rank + 1)
+    if needed > 1 and not gpus_given_per_task(env, torch.cuda.device_count()):
+        refusal = NodeLaunchError if local_processes is not None else DistributedError
+        raise refusal(f"--device {device} puts the {needed} processes of this node on one GPU, which NCCL refuses: "
+                      "leave --device out (local rank r takes cuda:r), or use --backend gloo")
 
 
 def gpu_for_local_rank(local_rank: int, local_processes: int | None, visible: int, per_task: bool,

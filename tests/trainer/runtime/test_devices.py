@@ -2,12 +2,14 @@
 line before the process group starts)."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
-from trainer.errors import DistributedError
-from trainer.runtime.distributed import gpu_for_local_rank, gpus_given_per_task, processes_on_this_node
+from trainer.errors import DistributedError, NodeLaunchError
+from trainer.runtime.distributed import gpu_for_local_rank, gpus_given_per_task, pick_device, processes_on_this_node
 
 
 @pytest.mark.parametrize("visible", [1, 2, 8])
@@ -47,6 +49,28 @@ def test_slurm_gpus_per_task_give_every_local_rank_device_0():
     assert processes_on_this_node(shared) == 2 and not gpus_given_per_task(shared, 1)
     with pytest.raises(DistributedError, match="^2 processes on this node but this process sees 1 GPU"):
         gpu_for_local_rank(1, processes_on_this_node(shared), 1, gpus_given_per_task(shared, 1))
+
+
+def test_an_explicit_gpu_for_every_process_of_a_node_is_refused_under_nccl(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    torchrun = {"LOCAL_WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": "2,3"}
+    for backend in ("auto", "nccl"):
+        for rank in (0, 1):  # every process of the node refuses alike, before the rendezvous
+            with pytest.raises(NodeLaunchError) as refused:
+                pick_device(SimpleNamespace(device="cuda:1", backend=backend), rank, torchrun)
+            assert str(refused.value) == ("--device cuda:1 puts the 2 processes of this node on one GPU, which NCCL "
+                                          "refuses: leave --device out (local rank r takes cuda:r), or use --backend gloo")
+    assert pick_device(SimpleNamespace(device="cuda:1", backend="gloo"), 1, torchrun) == torch.device("cuda", 1)
+    alone = {"LOCAL_WORLD_SIZE": "1"}
+    assert pick_device(SimpleNamespace(device="cuda:1", backend="auto"), 0, alone) == torch.device("cuda", 1)
+    assert pick_device(SimpleNamespace(device="auto", backend="auto"), 1, torchrun) == torch.device("cuda", 1)
+    # srun --gpus-per-task 1: each task sees its own GPU as cuda:0
+    per_task = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_GPUS_PER_TASK": "1"}
+    assert pick_device(SimpleNamespace(device="cuda:0", backend="auto"), 1, per_task) == torch.device("cuda", 0)
+    with pytest.raises(DistributedError, match="^--device cuda:0 puts the 2 processes of this node on one GPU") as one:
+        pick_device(SimpleNamespace(device="cuda:0", backend="nccl"), 1, {})  # no launcher says: local rank 1
+    assert type(one.value) is DistributedError  # not known to be alike on the node: every rank prints it
 
 
 def test_processes_on_this_node_from_the_launchers():
