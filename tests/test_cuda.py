@@ -270,6 +270,21 @@ def test_a_background_save_queues_its_copies_and_writes_the_state_of_its_step(tm
         assert torch.equal(gate.calls[0][key], value), key
 
 
+def test_the_gpu_generator_state_goes_through_a_checkpoint_file_and_back(tmp_path):
+    """trainer/runtime/seeding.py on the GPU: this device's generator state, saved as a resume
+    checkpoint holds it (read back with weights_only) and restored, draws the same numbers again."""
+    from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
+
+    device = torch.device("cuda:0")
+    setup_seed(7)
+    torch.rand(5, device=device)  # the state moves away from the seed's
+    torch.save({"rng": capture_rng_state(device)}, tmp_path / "state.pt")
+    first = (torch.rand(64, device=device), torch.nn.functional.dropout(torch.ones(64, device=device), 0.5))
+    restore_rng_state(torch.load(tmp_path / "state.pt", weights_only=True)["rng"], device)
+    again = (torch.rand(64, device=device), torch.nn.functional.dropout(torch.ones(64, device=device), 0.5))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
 def test_bench_memory_measures_on_the_gpu():
     """scripts/bench_memory.py --device cuda on one GPU: the held bytes are exact, and the
     allocator's peak over the step holds at least them (plus the activations)."""
