@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 from ..formats import DataError
@@ -79,14 +78,14 @@ def _gather_when_every_node_is_done(result: tuple, nonce: str, rank: int, world_
     """Every rank's outcome, through the process group's store rather than a collective: a node
     that builds longer than the others (a slower disk, a new machine joining a resumed run) would
     otherwise make their ranks meet the collective timeout (--dist_timeout) while they wait. Each
-    rank sets its own key, then polls until every rank's key is there, saying so (``_poll``)."""
+    rank sets its own key, then polls until every rank's key is there, saying so (``waiting.poll``)."""
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_default_store()
     keys = [f"minisft/cache-build-{nonce}/rank{other}" for other in range(world_size)]
     store.set(keys[rank], json.dumps(result))
     with interrupts_raise():
-        _poll(lambda: store.check(keys), f"rank {rank}: waiting for the other nodes to build the token cache")
+        waiting.poll(lambda: store.check(keys), f"rank {rank}: waiting for the other nodes to build the token cache")
     return [tuple(json.loads(store.get(key))) for key in keys]
 
 
@@ -99,14 +98,7 @@ def _write_status(status_file: Path, result: tuple) -> None:
 
 def wait_for_local_build(status_file: Path, rank: int, path: Path) -> tuple:
     """Local rank 0's outcome, once its status file is there."""
-    _poll(status_file.is_file, f"rank {rank}: waiting for local rank 0 to build the token cache of {Path(path).name}")
+    waiting.poll(status_file.is_file,
+                 f"rank {rank}: waiting for local rank 0 to build the token cache of {Path(path).name}")
     return tuple(json.loads(status_file.read_text(encoding="utf-8")))
 
-
-def _poll(done, what: str) -> None:
-    """Poll ``done()`` until it is true, saying that it waits for ``what`` once ``WAIT_FIRST_S`` have
-    passed, then every ``WAIT_REPORT_S`` (``waiting``)."""
-    lines = waiting.WaitLines(first_s=waiting.WAIT_FIRST_S)
-    while not done():
-        time.sleep(waiting.WAIT_POLL_S)
-        lines.say_if_due(lambda: what)

@@ -19,7 +19,7 @@ from ..printable import print_escaped
 
 WAIT_FIRST_S = 2.0  # a rank that has waited this long says what for (a reused cache is ready sooner)
 WAIT_REPORT_S = 30.0  # how often a waiting process prints that it is still waiting
-WAIT_POLL_S = 0.2  # how often a waiting process looks again
+WAIT_POLL_S = 0.2  # how often a waiting process looks again, at most (`poll` looks sooner at first)
 
 
 class WaitLines:
@@ -36,3 +36,14 @@ class WaitLines:
         if now >= self.next_line:
             self.next_line = now + WAIT_REPORT_S
             print_escaped(f"{waiting()} ({now - self.start:.0f} s)", file=sys.stderr)
+
+
+def poll(done: Callable[[], bool], what: str) -> None:
+    """Look until ``done()`` is true, saying that it waits for ``what`` once ``WAIT_FIRST_S`` have
+    passed, then every ``WAIT_REPORT_S``. The first looks follow each other within milliseconds
+    (an outcome that is nearly there costs no full ``WAIT_POLL_S``), then one every ``WAIT_POLL_S``."""
+    lines, pause = WaitLines(first_s=WAIT_FIRST_S), 0.001
+    while not done():
+        time.sleep(pause)
+        pause = min(2 * pause, WAIT_POLL_S)
+        lines.say_if_due(lambda: what)

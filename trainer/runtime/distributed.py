@@ -100,7 +100,7 @@ def pick_device(args, local_rank: int, env=os.environ) -> torch.device:
 
 
 def refuse_one_gpu_for_the_node(device: str, local_rank: int, env) -> None:
-    """An explicit `--device cuda[:N]` gives every process of the node the same GPU, which NCCL
+    """An explicit `--device cuda:N` gives every process of the node the same GPU, which NCCL
     refuses (with an error that blames the rendezvous): refused here in one line when the node has
     several processes that do not each see a GPU of their own (srun --gpus-per-task)."""
     local_processes = processes_on_this_node(env)
@@ -349,10 +349,7 @@ def rank0_value(value, what: str):
     if dist.get_rank() == 0:
         store.set(key, json.dumps(value))
         return value
-    lines = waiting.WaitLines(first_s=waiting.WAIT_FIRST_S)
-    while not store.check([key]):
-        time.sleep(waiting.WAIT_POLL_S)
-        lines.say_if_due(lambda: f"rank {dist.get_rank()}: waiting for rank 0 to finish {what}")
+    waiting.poll(lambda: store.check([key]), f"rank {dist.get_rank()}: waiting for rank 0 to finish {what}")
     return json.loads(store.get(key))
 
 
