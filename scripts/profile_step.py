@@ -90,10 +90,12 @@ def host_report(averages, steps: int, wall: float, top: int) -> list[str]:
 
 def gpu_op_report(averages, steps: int, top: int) -> list[str]:
     """Lines on the GPU's time by the aten op that launched it, from `profile.key_averages()`
-    (grouped by input shape or not): the `top` ops by self GPU time. Set beside `scripts/step_figures.py
+    (grouped by input shape or not): the `top` ops by self GPU time. The kernels' own entries, which
+    hold the same time again, are left out. Set beside `scripts/step_figures.py
     --bytes [--by_shapes]`, the same step's roofline estimate per op, it says which ops run far
     below their estimate."""
-    ranked = sorted((e for e in averages if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    ops = (e for e in averages if e.device_type == DeviceType.CPU and e.self_device_time_total > 0)  # not kernels
+    ranked = sorted(ops, key=lambda e: -e.self_device_time_total)
     with_shapes = any(e.input_shapes for e in ranked)
     lines = [f"top {top} ops by their own GPU time (ms per step, calls per step"
              f"{', input shapes' if with_shapes else ''}):"]

@@ -1,7 +1,7 @@
 """scripts/profile_step.py: the host-side report (the GPU parts run only on a GPU)."""
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import DeviceType, ProfilerActivity, profile
 
 from scripts.profile_step import busy_seconds, gpu_op_report, host_report
 
@@ -29,15 +29,18 @@ def test_host_report_lists_ops_by_self_cpu_time_per_step():
 def test_gpu_op_report_ranks_ops_by_their_own_gpu_time_per_step_with_shapes():
     from types import SimpleNamespace as Event
 
-    averages = [Event(key="aten::mm", input_shapes=[[64, 8], [8, 16]], count=6, self_device_time_total=3000.0),
-                Event(key="aten::mul", input_shapes=[[64, 16], []], count=4, self_device_time_total=5000.0),
-                Event(key="aten::linear", input_shapes=[[64, 8]], count=6, self_device_time_total=0.0),
-                Event(key="aten::add", input_shapes=[[64, 16], [64, 16]], count=2, self_device_time_total=1000.0)]
+    def op(key, shapes, count, gpu_us, device_type=DeviceType.CPU):
+        return Event(key=key, input_shapes=shapes, count=count, self_device_time_total=gpu_us, device_type=device_type)
+
+    averages = [op("aten::mm", [[64, 8], [8, 16]], 6, 3000.0), op("aten::mul", [[64, 16], []], 4, 5000.0),
+                op("aten::linear", [[64, 8]], 6, 0.0), op("aten::add", [[64, 16], [64, 16]], 2, 1000.0),
+                # a kernel's own entry: the time of the op that launched it, again
+                op("void elementwise_kernel<...>", [], 4, 5000.0, DeviceType.CUDA)]
     assert gpu_op_report(averages, steps=2, top=2) == [
         "top 2 ops by their own GPU time (ms per step, calls per step, input shapes):",
         "     2.500     2.0  aten::mul  [64, 16]",
         "     1.500     3.0  aten::mm  [64, 8] [8, 16]",
     ]
-    without_shapes = [Event(key="aten::mm", input_shapes=[], count=2, self_device_time_total=1000.0)]
+    without_shapes = [op("aten::mm", [], 2, 1000.0)]
     assert gpu_op_report(without_shapes, steps=1, top=5) == [
         "top 5 ops by their own GPU time (ms per step, calls per step):", "     1.000     2.0  aten::mm"]
