@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from trainer.errors import ConfigError
+from trainer.runtime.distributed import all_reduce_sum_on_host
 
 
 def resolve_dtype(name: str, device: torch.device, log=print) -> torch.dtype:
@@ -25,14 +26,18 @@ def resolve_dtype(name: str, device: torch.device, log=print) -> torch.dtype:
             "many times slower than float32 (use --dtype float32 here)")
     if dtype == torch.bfloat16 and device.type == "cuda" and not cuda_has_native_bf16():
         log("warning: --dtype bfloat16 on a GPU without native bf16 (compute capability below 8.0): emulated "
-            "(no bf16 tensor cores, no flash attention), much slower than float16 (use --dtype float16 here)")
+            "(no bf16 tensor cores, no fused attention kernel in bf16), much slower than float16 "
+            "(use --dtype float16 here)")
     return dtype
 
 
 def cuda_has_native_bf16() -> bool:
-    """Whether the current GPU computes in bf16 natively; torch's default answer also counts a GPU
-    that merely emulates it."""
-    return torch.cuda.is_bf16_supported(including_emulation=False)
+    """Whether every rank's GPU computes in bf16 natively (torch's default answer also counts a GPU
+    that merely emulates it). One answer for the run (collective): ranks on GPUs of two generations
+    would otherwise pick two dtypes, and DDP would average loss-scaled float16 gradients with
+    unscaled bf16 ones."""
+    lacking = torch.tensor([0 if torch.cuda.is_bf16_supported(including_emulation=False) else 1])
+    return all_reduce_sum_on_host(lacking).item() == 0
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:

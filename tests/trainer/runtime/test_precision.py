@@ -2,11 +2,14 @@
 flags torch keeps (no GPU needed to see what a CUDA run would be told)."""
 
 import argparse
+import os
+import subprocess
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.helpers.trainer_launch import REPO, clean_env, torchrun_cmd
 from trainer.errors import ConfigError
 from trainer.parallel import build_parallelism
 from trainer.runtime import distributed
@@ -87,7 +90,17 @@ def test_auto_picks_bfloat16_only_on_a_gpu_with_native_bf16(monkeypatch, native,
     assert resolve_dtype("bfloat16", gpu, said.append) == torch.bfloat16
     assert said == ([] if native else [
         "warning: --dtype bfloat16 on a GPU without native bf16 (compute capability below 8.0): emulated "
-        "(no bf16 tensor cores, no flash attention), much slower than float16 (use --dtype float16 here)"])
+        "(no bf16 tensor cores, no fused attention kernel in bf16), much slower than float16 "
+        "(use --dtype float16 here)"])
+
+
+@pytest.mark.slow
+def test_ranks_on_gpus_of_two_generations_agree_on_the_auto_dtype():
+    # two gloo processes, rank 1's GPU without native bf16: both pick float16
+    result = subprocess.run([*torchrun_cmd(2), os.path.join(REPO, "tests", "helpers", "dtype_agreement_check.py")],
+                            cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "picked: torch.float16 torch.float16" in result.stdout.splitlines(), result.stdout
 
 
 def test_fsdp_with_auto_on_a_gpu_without_native_bf16_is_told_a_dtype_that_works_there(monkeypatch):
