@@ -157,6 +157,7 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
             sampler=list(range(ctx.rank, len(dataset), ctx.world_size)),
             collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id),
             num_workers=0,
+            pin_memory=ctx.device.type == "cuda",  # as in training: the copy to the GPU waits for nothing
         )
         examples = generation_examples(samples, args.eval_generate_samples, tokenizer)
         if len(examples) < args.eval_generate_samples and ctx.rank == 0:

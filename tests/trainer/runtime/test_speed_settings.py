@@ -8,7 +8,7 @@ from dataset.rendering import load_tokenizer
 from tests.helpers.tiny_model import tiny_model
 from trainer import data_setup
 from trainer.args import parse_args
-from trainer.data_setup import build_train_data
+from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.runtime.distributed import DistContext
 from trainer.model_setup import build_optimizer
 
@@ -41,7 +41,10 @@ def test_data_loader_uses_workers_and_pinned_memory_on_cuda(data, tmp_path, monk
                                                             processes, workers, pinned):
     monkeypatch.setattr(data_setup, "usable_cpus", lambda: cpus)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-    args = parse_args(["--data_path", str(data / "train.jsonl"), "--cache_dir", str(tmp_path), *flags])
+    args = parse_args(["--data_path", str(data / "train.jsonl"), "--cache_dir", str(tmp_path),
+                       "--eval_data_path", str(data / "eval.jsonl"), *flags])
     loader = build_train_data(args, load_tokenizer(None), context(device)).loader
     assert loader.num_workers == workers
     assert loader.pin_memory is pinned
+    eval_sets = build_eval_sets(args, load_tokenizer(None), context(device))
+    assert [eval_set.loader.pin_memory for eval_set in eval_sets] == [pinned]
