@@ -242,9 +242,11 @@ def test_swiglu_writes_the_gradient_autograd_computes_bit_for_bit(dtype):
 
 
 def test_a_background_save_queues_its_copies_and_writes_the_state_of_its_step(tmp_path, monkeypatch):
-    """trainer/loop/saves.py on the GPU: the save reads nothing on the host (its copies to pinned
-    memory are queued), the loop changes the weights in place while the writer waits, and the files
-    hold the weights of the saved step (tests/trainer/checkpoint/test_background.py is the CPU version)."""
+    """trainer/loop/saves.py on the GPU: the save's copies to pinned memory and its hand-off to the
+    writer read nothing on the host (the checkpoint's content comes from `saving_run`'s stand-in for
+    resume_state: weights and optimizer state), the loop changes the weights in place while the
+    writer waits, and the files hold the weights of the saved step
+    (tests/trainer/checkpoint/test_background.py is the CPU version)."""
     from tests.trainer.checkpoint.test_background import Gate, saving_run, step
     from tests.trainer.loop.test_loop_syncs import micro_batches
     from trainer.checkpoint.save_dir import checkpoint_path

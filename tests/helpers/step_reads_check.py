@@ -65,5 +65,6 @@ def main(kind: str, report: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
 
+
 if __name__ == "__main__":
     main(*sys.argv[1:])
