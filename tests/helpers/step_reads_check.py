@@ -57,7 +57,7 @@ def main(kind: str, report: str) -> None:
     result = check(kind)
     # The model and its optimizer state go before the process group, as in the trainer's step 9:
     # FSDP2's hooks hold reference cycles, and collected only at interpreter exit, after
-    # destroy_process_group, they abort the process now and then.
+    # destroy_process_group, they can abort the process at exit.
     gc.collect()
     if dist.get_rank() == 0:
         with open(report, "w", encoding="utf-8") as handle:
