@@ -103,10 +103,8 @@ def refuse_one_gpu_for_the_node(device: str, local_rank: int, env) -> None:
     """An explicit `--device cuda:N` gives every process of the node the same GPU, which NCCL
     refuses (with an error that blames the rendezvous): refused here in one line when the node has
     several processes that do not each see a GPU of their own (srun --gpus-per-task)."""
-    local_processes = processes_on_this_node(env)
-    needed = max(local_processes or 0, local_rank + 1)
+    needed, refusal = processes_sharing_the_node(local_rank, processes_on_this_node(env))
     if needed > 1 and not gpus_given_per_task(env, torch.cuda.device_count()):
-        refusal = NodeLaunchError if local_processes is not None else DistributedError
         raise refusal(f"--device {device} puts the {needed} processes of this node on one GPU, which NCCL refuses: "
                       "leave --device out (local rank r takes cuda:r), or use --backend gloo")
 
@@ -124,15 +122,24 @@ def gpu_for_local_rank(local_rank: int, local_processes: int | None, visible: in
     """
     if per_task:
         return 0
-    needed = max(local_processes or 0, local_rank + 1)
+    needed, refusal = processes_sharing_the_node(local_rank, local_processes)
     if needed > visible:
-        refusal = NodeLaunchError if local_processes is not None else DistributedError
         raise refusal(
             f"{needed} processes on this node but this process sees {visible} GPU(s) "
             f"(CUDA_VISIBLE_DEVICES={visible_env}): start at most {visible} per node (torchrun --nproc_per_node "
             f"{visible}, srun --ntasks-per-node {visible}), or give each process its own GPU (srun --gpus-per-task 1)"
         )
     return local_rank
+
+
+def processes_sharing_the_node(local_rank: int, local_processes: int | None) -> tuple[int, type[DistributedError]]:
+    """How many processes share this node as far as is known (the launcher's count, else at least
+    local_rank + 1), and what a launch that cannot work with that many raises: `NodeLaunchError`
+    when the launcher says the count (every process of the node refuses alike), else
+    `DistributedError` (only the processes that meet it refuse)."""
+    if local_processes is None:
+        return local_rank + 1, DistributedError
+    return max(local_processes, local_rank + 1), NodeLaunchError
 
 
 def processes_on_this_node(env) -> int | None:
