@@ -146,9 +146,10 @@ def main(argv=None) -> int:
     ranked = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:options.top]
     for name, times in ranked:
         print(f"  {sum(times) / options.steps:8.3f}  {len(times) / options.steps:6.1f}  {name[:100]}")
-    print("\n".join(gpu_op_report(prof.key_averages(group_by_input_shape=bool(options.op_shapes)), options.steps,
-                                   options.top)))
-    print("\n".join(host_report(prof.key_averages(), options.steps, wall, options.top)))
+    averages = prof.key_averages()
+    by_shapes = prof.key_averages(group_by_input_shape=True) if options.op_shapes else averages
+    print("\n".join(gpu_op_report(by_shapes, options.steps, options.top)))
+    print("\n".join(host_report(averages, options.steps, wall, options.top)))
     if options.use_compile:
         print(f"torch.compile: graph breaks {sum(counters['graph_break'].values())}, frames compiled "
               f"{counters['frames']['ok']}, compiled during the profiled steps {counters['frames']['ok'] - frames_before}")
