@@ -42,6 +42,13 @@ def computes(op) -> bool:
     return op.namespace == "aten" and not op.is_view and op not in VIEW_LIKE
 
 
+def written_arguments(func, args, kwargs) -> list:
+    """The arguments op `func` writes in place, by its schema (`self` of `copy_`, `out=`, the lists
+    of `_foreach_add_`); an argument not given is None."""
+    given = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+    return [given.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
 def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     """FLOPs of `aten._grouped_mm` (FlopCounterMode has no formula for it): 2 per multiply-add.
     2D x 2D (the groups split the contracted dimension): 2 * M * S * N; otherwise every output

@@ -44,7 +44,7 @@ from torch.utils.flop_counter import flop_registry
 import model.packed_attention as packed_attention
 import model.rms_norm as rms_norm_module
 from model.loss import lm_loss_chunks, lm_loss_gradient_chunks
-from scripts._dispatch_counts import VIEW_LIKE, grouped_mm_flops
+from scripts._dispatch_counts import VIEW_LIKE, grouped_mm_flops, written_arguments
 
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM datasheet: HBM3
 TENSOR_FLOPS_PER_S = 989.4e12  # H100 SXM datasheet: dense bf16 (and fp16) tensor cores
@@ -243,8 +243,7 @@ class ByteCounter(TorchDispatchMode):
     def record(self, func, args, kwargs, out) -> None:
         given = {arg.name: value for arg, value in zip(func._schema.arguments, args)} | kwargs
         schema = {arg.name: arg for arg in func._schema.arguments}
-        mutated = _tensors([value for name, value in given.items()
-                            if schema[name].alias_info is not None and schema[name].alias_info.is_write])
+        mutated = _tensors(written_arguments(func, args, kwargs))
         if func in FUSED_ADAM and given.get("grad_scale") is None:  # grads are written only to unscale them
             mutated = [t for t in mutated if all(t is not g for g in given["grads"])]
         unread = _tensors([value for name, value in given.items() if schema[name].is_out])

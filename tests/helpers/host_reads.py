@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from scripts._dispatch_counts import written_arguments
 from tests.helpers.trainer_launch import REPO
 
 HOST_READ_METHODS = ("tolist", "numpy")
@@ -60,12 +61,6 @@ def syncing_op(func, args, kwargs) -> str | None:
     return None
 
 
-def written(func, args, kwargs) -> list:
-    """The arguments an op writes in place (`self` of `copy_`, `out=`, the lists of `_foreach_add_`)."""
-    values = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
-    return [values.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-
-
 class HostReads(TorchDispatchMode):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
@@ -107,7 +102,7 @@ class HostReads(TorchDispatchMode):
                 self.reads.append(f"{name} at {caller()}")
         out = func(*args, **kwargs)
         if tainted:  # what the op returns or writes in place (sums[:3] = marked) is marked
-            for value in tree_leaves((out, written(func, args, kwargs))):
+            for value in tree_leaves((out, written_arguments(func, args, kwargs))):
                 if isinstance(value, torch.Tensor):
                     self.mark(value)
         return out
