@@ -306,6 +306,9 @@ def parse_args(argv=None, checks: tuple[Callable[[argparse.Namespace], list[str]
                         "the answers of SAVE_DIR/best/ or model/ with scripts/eval_sft.py instead")
     if args.from_resume and args.resume_from:
         problems.append("use either --from_resume 1 or --resume_from PATH, not both")
+    if not args.eval_data_path:  # evaluation asked for, with nothing to evaluate: said, not skipped
+        problems += [f"--{name} {getattr(args, name)} needs held-out data: give --eval_data_path"
+                     for name in ("eval_interval", "eval_generate_samples") if getattr(args, name)]
     problems += [problem for problem in map(held_out_problem, held_out_files(args.eval_data_path)) if problem]
     for check in checks:
         problems += check(args)

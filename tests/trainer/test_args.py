@@ -95,3 +95,14 @@ def test_the_flags_doc_shows_each_range():
     assert "| `--seed` | `42` | base seed; each rank uses seed + rank (range: 0 to 4294967295) |" in text
     assert "| `--learning_rate` | `0.0005` | peak LR of the cosine schedule (range: > 0) |" in text
     assert "| `--batch_size` | `16` | samples per process per micro-step (range: >= 1) |" in text
+
+
+def test_evaluation_flags_without_held_out_data_are_refused(capsys):
+    # Without --eval_data_path nothing is evaluated: --eval_interval / --eval_generate_samples are refused, not skipped.
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--eval_interval", "5", "--eval_generate_samples", "2"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == ("error: --eval_interval 5 needs held-out data: give --eval_data_path; "
+                                       "--eval_generate_samples 2 needs held-out data: give --eval_data_path\n")
+    assert parse_args(["--eval_interval", "5", "--eval_data_path", str(REPO / "dataset/demo/sft_eval.jsonl")])
+    assert parse_args(["--eval_interval", "0", "--eval_generate_samples", "0"]).eval_data_path is None
