@@ -99,6 +99,14 @@ def loads(text: str):
     return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
 
 
+def decode_line(raw: bytes) -> str:
+    """A raw data line as text, or ``LineError`` naming the first byte that is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise LineError(f"invalid UTF-8 at byte {error.start}") from None
+
+
 def parse_line(line: str) -> Conversation:
     """Parse one jsonl line, or raise ``LineError`` describing what is wrong."""
     return parse_row(load_row(line))

@@ -63,7 +63,7 @@ def build_parser() -> ArgumentParser:
 def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> list[Example]:
     """Parse and encode the file, read as training reads it (``dataset.sources``); a bad line raises ``DataError("file:line: problem")``."""
     from dataset import DataError, encode_conversation
-    from dataset.formats import ROW_KEYS, Conversation, LineError, load_row, parse_row
+    from dataset.formats import ROW_KEYS, Conversation, LineError, decode_line, load_row, parse_row
     from dataset.sources import check_data_file, open_lines
     from dataset.tool_calls import reference_calls
 
@@ -76,7 +76,7 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
         if not raw.strip():
             continue
         try:
-            row = load_row(raw.decode("utf-8"))
+            row = load_row(decode_line(raw))
             conversation = parse_row(row)
             messages = conversation.messages
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -85,8 +85,6 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
             ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
                                             max_seq_len)
             prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
-        except UnicodeDecodeError as error:
-            raise DataError(f"{path}:{number}: invalid UTF-8 at byte {error.start}") from None
         except LineError as error:
             raise DataError(f"{path}:{number}: {error}") from None
         task = row.get("task")

@@ -40,38 +40,41 @@ PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
 EOS_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN]
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte is a token of its own (the byte-level alphabet)
 CHATML_TEMPLATE = (Path(__file__).resolve().parent.parent / "model" / "tokenizer" / "chat_template.jinja").read_text(
     encoding="utf-8"
 )
 
 
 def iter_jsonl_texts(paths: list[Path], chat_template: str = CHATML_TEMPLATE) -> Iterator[str]:
-    """Yield every conversation of MiniMind / ShareGPT / OpenAI jsonl files as the chat template
-    renders it (tools block, think blocks and tool calls included), special tokens removed.
+    """Yield every conversation of MiniMind / ShareGPT / OpenAI data files (read as training reads
+    them: .jsonl, .jsonl.gz, .parquet) as the chat template renders it (tools block, think blocks and
+    tool calls included), special tokens removed.
 
     Trained on the rendered text, the fixed parts of the template (role names, the tools
     preamble, ``<tool_call>`` tags, JSON punctuation) become few tokens.
     """
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    from dataset.formats import DataError, LineError, parse_line
+    from dataset.formats import DataError, LineError, decode_line, parse_line
+    from dataset.sources import check_data_file, open_lines
 
     template = _compile_jinja_template(chat_template)
     for path in paths:
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    conversation = parse_line(line)
-                    text = template.render(messages=conversation.messages, tools=conversation.tools)
-                except LineError as error:
-                    raise DataError(f"{path}:{number}: {error}") from None
-                except Exception as error:  # noqa: BLE001 - the template's raise_exception, a bad role order
-                    raise DataError(f"{path}:{number}: chat template rejected the conversation ({error})") from None
-                for special in SPECIAL_TOKENS:
-                    text = text.replace(special, "\n")
-                yield text
+        check_data_file(path)  # missing, a directory, empty, ...: one line, as training says it
+        for number, line in enumerate(open_lines(path), start=1):  # training's reader: .jsonl, .gz, .parquet
+            if not line.strip():
+                continue
+            try:
+                conversation = parse_line(decode_line(line))
+                text = template.render(messages=conversation.messages, tools=conversation.tools)
+            except LineError as error:
+                raise DataError(f"{path}:{number}: {error}") from None
+            except Exception as error:  # noqa: BLE001 - the template's raise_exception, a bad role order
+                raise DataError(f"{path}:{number}: chat template rejected the conversation ({error})") from None
+            for special in SPECIAL_TOKENS:
+                text = text.replace(special, "\n")
+            yield text
 
 
 def iter_extra_texts() -> Iterator[str]:
@@ -163,11 +166,15 @@ def make_config_portable(config_path: Path, chat_template: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="train_tokenizer.py")
-    parser.add_argument("--data", nargs="+", default=["dataset/demo/sft_train.jsonl"])
+    parser.add_argument("--data", nargs="+", default=["dataset/demo/sft_train.jsonl"],
+                        help="data files as training reads them: .jsonl, .jsonl.gz or .parquet")
     parser.add_argument("--out-dir", required=True,
                         help="a new or empty directory (the shipped one is model/tokenizer: delete it first to replace it)")
     parser.add_argument("--vocab-size", type=int, default=6400)
     args = parser.parse_args(argv)
+    if args.vocab_size < MIN_VOCAB_SIZE:  # the BPE would give MIN_VOCAB_SIZE tokens, not the size asked for
+        fail(f"--vocab-size must be >= {MIN_VOCAB_SIZE}, the 256 bytes and {len(SPECIAL_TOKENS)} special tokens "
+             f"(got {args.vocab_size})")
     out_dir = Path(args.out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         fail(f"--out-dir {out_dir} exists and is not empty (a tokenizer there would be overwritten): choose a new "

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats import DataError, LineError, parse_line
+from ..formats import DataError, LineError, decode_line, parse_line
 from ..printable import print_escaped
 from ..rendering import token_dtype
 from ..sources import check_data_file, open_lines
@@ -245,11 +245,7 @@ def encode_chunk(task: tuple[int, list[bytes], int], encode: Callable) -> dict:
         if not raw_line.strip():
             continue
         try:
-            try:
-                line = raw_line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise LineError(f"invalid UTF-8 at byte {exc.start}") from None
-            conversations.append(parse_line(line))
+            conversations.append(parse_line(decode_line(raw_line)))
             numbers.append(line_number)
         except LineError as exc:
             bad.append((line_number, str(exc)))

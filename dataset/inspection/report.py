@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..formats import LineError, parse_line
+from ..formats import LineError, decode_line, parse_line
 from ..mixture import Source
 from ..rendering import tokenizer_fingerprint
 from ..sources import is_gzip, is_parquet, open_lines
@@ -203,7 +203,7 @@ def inspect_source(source: Source, tokenizer, max_seq_len: int, rows: int = 0, s
             location = f"{path}:{where}" if isinstance(where, int) else f"{path} ({where})"
             report.rows += 1
             try:
-                row = segment_row(tokenizer, parse_line(_decode(raw)), max_seq_len)
+                row = segment_row(tokenizer, parse_line(decode_line(raw)), max_seq_len)
             except LineError as error:
                 report.bad += 1
                 report.first_bad = report.first_bad or f"{location}: {error}"
@@ -215,13 +215,6 @@ def inspect_source(source: Source, tokenizer, max_seq_len: int, rows: int = 0, s
         report.total_rows = None
     report.samples = pick_samples(kept, samples)
     return report
-
-
-def _decode(raw: bytes) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise LineError(f"invalid UTF-8 at byte {error.start}") from None
 
 
 def pick_samples(candidates: list[Sample], count: int) -> list[Sample]:

@@ -137,3 +137,29 @@ def test_train_tokenizer_needs_a_new_out_dir_and_names_a_bad_row_in_one_line(tmp
             run_main(lambda: main(argv))  # as the script runs it
         assert done.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
     assert (shipped / "tokenizer.json").read_bytes() == before and not (tmp_path / "new").exists()
+
+
+def test_train_tokenizer_reads_data_as_training_does_and_refuses_a_vocab_below_the_bytes(tmp_path, capsys):
+    import gzip
+
+    from scripts._common import run_main
+    from scripts.train_tokenizer import main
+
+    row = '{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+    (tmp_path / "a.jsonl").write_text(row, encoding="utf-8")
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(row.encode()))
+    (tmp_path / "bad.jsonl").write_bytes(row.encode() + row.replace("hi", "h\xe9").encode("latin-1"))
+    (tmp_path / "empty.jsonl").write_bytes(b"\n")
+    cases = ((["--data", str(tmp_path / "bad.jsonl")], f"error: {tmp_path / 'bad.jsonl'}:2: invalid UTF-8 at byte 49"),
+             (["--data", str(tmp_path / "empty.jsonl")], f"error: {tmp_path / 'empty.jsonl'}: data file is empty"),
+             (["--vocab-size", "258"], "error: --vocab-size must be >= 259, the 256 bytes and 3 special tokens (got 258)"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as done:
+            run_main(lambda: main([*argv, "--out-dir", str(tmp_path / "refused")]))
+        assert done.value.code == 2 and capsys.readouterr().err.splitlines() == [message]
+    assert not (tmp_path / "refused").exists()
+    for name in ("a.jsonl", "a.jsonl.gz"):  # a .gz file trains the tokenizer its text trains
+        assert main(["--data", str(tmp_path / name), "--out-dir", str(tmp_path / f"{name}.tok"),
+                     "--vocab-size", "300"]) == 0
+    assert (tmp_path / "a.jsonl.gz.tok" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "a.jsonl.tok" / "tokenizer.json").read_bytes()
