@@ -39,7 +39,6 @@ Usage: python scripts/make_demo_data.py [--out-dir dataset/demo] [--train-size 7
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import random
@@ -48,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts._common import ArgumentParser, fail, run_main  # noqa: E402
 from scripts._demo_plain import (  # noqa: E402
     FIELD_OF, GREETINGS, PREFIXES, country_name, is_eval_phrasing, make_eval_sample, make_train_sample, phrasings,
 )
@@ -254,8 +254,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(description=__doc__.splitlines()[0], prog="make_demo_data.py")
     parser.add_argument("--out-dir", default="dataset/demo")
     parser.add_argument("--train-size", type=int, default=7000)
     parser.add_argument("--eval-size", type=int, default=300)
@@ -263,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tool-eval-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
+    for flag in ("train_size", "eval_size", "tool_train_size", "tool_eval_size"):
+        if getattr(args, flag) < 0:
+            fail(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(args, flag)})")
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -277,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(out_dir / "sft_train.jsonl", train)
     write_jsonl(out_dir / "sft_eval.jsonl", evals)
     print(f"wrote {len(train)} train and {len(evals)} eval conversations to {out_dir}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -13,7 +13,7 @@ from dataset.demo_tools import run_tool
 from dataset.formats import parse_row
 from dataset.rendering import load_tokenizer
 from dataset.tokens import encode_conversation
-from tests.helpers.overfitted import script_in_process
+from tests.helpers.overfitted import script, script_in_process
 from tests.helpers.trainer_launch import REPO
 
 DEMO = Path(REPO) / "dataset" / "demo"
@@ -47,6 +47,15 @@ def test_make_demo_data_writes_the_bundled_files_byte_for_byte(tmp_path):
     assert done.returncode == 0, done.stderr
     for name in ("sft_train.jsonl", "sft_eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name
+
+
+def test_make_demo_data_refuses_a_negative_size_or_a_file_as_out_dir_in_one_line(tmp_path):
+    done = script_in_process("make_demo_data.py", "--tool-train-size", "-1", "--out-dir", str(tmp_path / "new"))
+    assert (done.returncode, done.stderr) == (2, "error: --tool-train-size must be >= 0 (got -1)\n")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "file").write_text("x")
+    done = script("make_demo_data.py", "--train-size", "1", "--out-dir", str(tmp_path / "file" / "sub"))  # as run
+    assert (done.returncode, done.stderr) == (2, f"error: {tmp_path / 'file' / 'sub'}: Not a directory\n")
 
 
 @pytest.mark.parametrize("name", ["sft_train.jsonl", "sft_eval.jsonl"])
