@@ -152,13 +152,16 @@ def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainer.weights.write import minimind_unsupported, qwen3_unsupported
+    from trainer.weights.write import minimind_unsupported, pth_prefix_problem, qwen3_unsupported
 
     args = build_parser().parse_args(argv)
     out_dir = Path(os.path.abspath(args.out_dir))  # "." and "dir/.." have no name of their own
     if not out_dir.name:
         fail(f"--out_dir {args.out_dir} is the file system's root: choose a folder")
     if args.format == "minimind":
+        problem = pth_prefix_problem(args.save_weight, "--out_dir")
+        if problem:
+            fail(problem)
         if out_dir.exists() and not out_dir.is_dir():
             fail(f"--out_dir {out_dir} exists and is not a directory")
         refuse_run_dirs(out_dir, overwrite=False)  # only the .pth is replaced, never the folder

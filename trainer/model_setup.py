@@ -12,7 +12,7 @@ from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
 from trainer.weights.tokenizer import resolve_tokenizer
-from trainer.weights.write import minimind_unsupported
+from trainer.weights.write import minimind_unsupported, pth_prefix_problem
 
 # Architecture flags and the config field each sets. With --from_weight the field comes from the
 # weights; a flag the user gave that says otherwise is refused.
@@ -65,9 +65,9 @@ def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniM
     """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them."""
     config = _model_config(args, tokenizer, weights)
     prefix = getattr(args, "save_weight", None)
-    if prefix and (os.path.basename(prefix) != prefix or prefix in (".", "..")):
-        raise ConfigError(f"--save_weight {prefix}: a name for the .pth file inside --save_dir (e.g. full_sft), "
-                          "not a path")
+    problem = pth_prefix_problem(prefix, "--save_dir") if prefix else None  # no prefix: no .pth
+    if problem:
+        raise ConfigError(problem)
     reason = minimind_unsupported(config) if prefix else None
     if reason:
         raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")

@@ -146,3 +146,14 @@ def test_export_never_writes_into_a_training_run(tmp_path):
     for loaded in (load_model_for_inference(run).state_dict(), read_weights(str(run)).state):
         assert torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"],
                            model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_a_minimind_prefix_that_is_a_path_or_empty_is_refused_as_the_trainer_refuses_it(trained, tmp_path):
+    """`--save_weight a/b` would write out_dir/a/b_64.pth, `''` a file named `_64.pth`: refused before loading."""
+    for prefix in ("a/b", "..", ""):
+        done = script_in_process("export_hf.py", "--model_path", str(trained["checkpoint"]), "--format", "minimind",
+                                 "--save_weight", prefix, "--out_dir", str(tmp_path / "out"))
+        shown = prefix or "''"
+        assert (done.returncode, done.stderr) == (2, f"error: --save_weight {shown}: a name for the .pth file inside "
+                                                     "--out_dir (e.g. full_sft), not a path\n")
+    assert not (tmp_path / "out").exists()

@@ -218,6 +218,14 @@ def minimind_pth_name(config: MiniMindConfig, prefix: str) -> str:
     return f"{prefix}_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"
 
 
+def pth_prefix_problem(prefix: str, folder_flag: str) -> str | None:
+    """Why `--save_weight PREFIX` cannot name a MiniMind .pth inside the folder of `folder_flag`
+    (empty, or a path: the file would land elsewhere), or None."""
+    if prefix and os.path.basename(prefix) == prefix and prefix not in (".", ".."):
+        return None
+    return f"--save_weight {prefix or repr(prefix)}: a name for the .pth file inside {folder_flag} (e.g. full_sft), not a path"
+
+
 def minimind_settings(config: MiniMindConfig) -> dict:
     """Keyword arguments MiniMind's MiniMindConfig needs besides hidden_size, num_hidden_layers, use_moe.
 
