@@ -95,6 +95,12 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
     return examples
 
 
+def scored_examples(examples: list[Example]) -> list[Example]:
+    """The examples with an answer token inside --max_seq_len: those the loss counts (the first
+    token is never predicted)."""
+    return [e for e in examples if any(e.loss_mask[1:])]
+
+
 def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size: int) -> tuple[float, int]:
     """(mean CE over all assistant tokens, number of those tokens), token-weighted over every batch."""
     import numpy as np
@@ -104,7 +110,7 @@ def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size
 
     collate = SFTCollator(pad_token_id=pad_token_id)
     total, count = 0.0, 0
-    usable = [e for e in examples if any(e.loss_mask[1:])]  # the first token is never predicted
+    usable = scored_examples(examples)
     for start in range(0, len(usable), batch_size):
         items = []
         for example in usable[start:start + batch_size]:
@@ -206,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model_and_tokenizer(args)
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)  # the model cannot see more
     examples = read_examples(Path(args.data_path), tokenizer, max_seq_len, args.limit)
+    unscored = len(examples) - len(scored_examples(examples))
+    if unscored:  # said, not left out of the loss silently
+        print(f"warning: {unscored} of {len(examples)} conversations keep no answer token within --max_seq_len "
+              f"{max_seq_len}: the loss counts the other {len(examples) - unscored} (raise --max_seq_len to count "
+              "them)", file=sys.stderr)
     result = evaluate(model, tokenizer, examples, args.batch_size, args.max_new_tokens)
     text = json.dumps(result, indent=2)
     if args.json_out:

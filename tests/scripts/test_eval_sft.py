@@ -102,3 +102,16 @@ def test_batched_left_padded_greedy_equals_one_by_one(trained):
     batched = greedy_answers(model, tokenizer, examples, batch_size=3, max_new_tokens=8)
     single = greedy_answers(model, tokenizer, examples, batch_size=1, max_new_tokens=8)
     assert batched == single == [c[-1]["content"] for c in CONVERSATIONS]
+
+
+def test_conversations_whose_answers_max_seq_len_cuts_off_are_named_not_left_out_silently(trained, tmp_path):
+    # --max_seq_len 20: the first conversation's answer starts at token 31, the others' before 20.
+    out = tmp_path / "result.json"
+    done = script_in_process("eval_sft.py", "--model_path", str(trained["checkpoint"]), "--data_path",
+                             str(trained["data"]), "--max_seq_len", "20", "--json_out", str(out), "--device", "cpu")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["warning: 1 of 3 conversations keep no answer token within --max_seq_len 20: "
+                                        "the loss counts the other 2 (raise --max_seq_len to count them)"]
+    masks = [encode_conversation(trained["tokenizer"], messages, 20)[1] for messages in CONVERSATIONS]
+    assert [int(mask[1:].sum()) for mask in masks] == [0, 4, 9]
+    assert json.loads(out.read_text())["num_loss_tokens"] == 13
