@@ -18,6 +18,7 @@ generation continues, until the model answers in text (at most ``MAX_TOOL_ROUNDS
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -44,8 +45,8 @@ def build_parser() -> ArgumentParser:
 
 
 def check_args(args) -> None:
-    if args.temperature < 0:
-        fail(f"--temperature must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):  # nan would decode greedily, inf uniformly
+        fail(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         fail(f"--top_p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:

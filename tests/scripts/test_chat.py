@@ -1,6 +1,6 @@
-"""scripts/chat.py with --prompt prints exactly the answer the model was trained on."""
+"""scripts/chat.py with --prompt prints exactly the answer the model was trained on; a bad --temperature is one line."""
 
-from tests.helpers.overfitted import CONVERSATIONS, script
+from tests.helpers.overfitted import CONVERSATIONS, script, script_in_process
 
 
 def test_chat_prompt_prints_exactly_the_trained_answer(trained):
@@ -9,3 +9,12 @@ def test_chat_prompt_prints_exactly_the_trained_answer(trained):
                     "--temperature", "0", "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout == answer + "\n"
+
+
+def test_a_temperature_that_is_not_a_finite_number_is_refused_before_the_model_loads(tmp_path):
+    # nan decoded greedily (nan > 0 is false) and inf sampled every token uniformly.
+    for value in ("nan", "inf", "-1"):
+        done = script_in_process("chat.py", "--model_path", str(tmp_path / "none"), "--prompt", "hi",
+                                 "--temperature", value)
+        assert (done.returncode, done.stderr) == (2, f"error: --temperature must be a finite number >= 0, got "
+                                                     f"{float(value)}\n")
