@@ -154,8 +154,9 @@ def make_plan(argv: list[str]):
     resume_step = tool.resume_step if tool.resume_step is not None else tool.max_steps // 2
     if not 1 <= resume_step < tool.max_steps:
         fail(f"--resume_step must be between 1 and --max_steps - 1 = {tool.max_steps - 1} (got {resume_step})")
-    if tool.tolerance is not None and not (tool.tolerance > 0 and math.isfinite(tool.tolerance)):
-        fail(f"--tolerance must be a positive number (got {tool.tolerance})")
+    for flag, value in (("tolerance", tool.tolerance), ("timeout", tool.timeout)):  # --timeout 0: every run "fails"
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            fail(f"--{flag} must be a positive number (got {value})")
     nproc = world.size if world else process_count(tool.nproc_per_node)
     rest, _ = drop_flags(rest, ("batch_size", "accumulation_steps"))
     plan = Plan(rest, tool.max_steps, resume_step, [], world)

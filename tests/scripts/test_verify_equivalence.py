@@ -139,6 +139,7 @@ def test_started_by_torchrun_on_two_nodes_it_trains_in_that_world(data, tmp_path
                            "agree; check with --dropout 0"),
     (["--resume_step", "8"], "error: --resume_step must be between 1 and --max_steps - 1 = 7 (got 8)"),
     (["--nproc_per_node", "two"], "error: --nproc_per_node must be auto or a number >= 1 (got 'two')"),
+    (["--timeout", "0"], "error: --timeout must be a positive number (got 0.0)"),
     (["--world_size", "2"], "error: --world_size: give the processes with --nproc_per_node, or start this script "
                             "with torchrun"),
 ])
