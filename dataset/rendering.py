@@ -60,6 +60,8 @@ def load_tokenizer(path: str | Path | None = None):
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as exc:  # noqa: BLE001 - any loading failure becomes one line
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not (directory / "tokenizer.json").is_file():  # transformers' first line then ends in "from one of:"
+            message = "no tokenizer.json in it, and no fast tokenizer could be built from its other files"
         raise DataError(f"{directory}: cannot load tokenizer ({message})") from None
     check_tokenizer(tokenizer, str(directory))
     if tokenizer.pad_token is None:

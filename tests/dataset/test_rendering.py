@@ -96,3 +96,15 @@ def test_truncation_drops_samples_without_loss_tokens(tokenizer, tmp_path, capsy
     kept = ds[1]["labels"]
     assert tokenizer.decode([t for t in kept if t != -100]) == "<think>\n\n</think>\n\nHello! How can I help you?<|im_end|>"
     assert "dropped 1 samples" in capsys.readouterr().out
+
+
+def test_a_tokenizer_directory_without_tokenizer_json_is_named_in_one_line(tmp_path):
+    # transformers' own first line ("Couldn't instantiate the backend tokenizer from one of:") names nothing.
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    (tmp_path / "empty").mkdir()
+    for name in ("config_only", "empty"):
+        with pytest.raises(DataError) as info:
+            load_tokenizer(tmp_path / name)
+        assert str(info.value) == (f"{tmp_path / name}: cannot load tokenizer (no tokenizer.json in it, and no fast "
+                                   "tokenizer could be built from its other files)")
