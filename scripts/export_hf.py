@@ -152,9 +152,15 @@ def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from trainer.args import explicit_flags
     from trainer.weights.write import minimind_unsupported, pth_prefix_problem, qwen3_unsupported
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = explicit_flags(parser, argv)
+    for flag, owner in (("save_weight", "minimind"), ("gguf_type", "gguf")):  # else ignored without a word
+        if flag in given and args.format != owner:
+            fail(f"--{flag} is a flag of --format {owner}, not of --format {args.format}")
     out_dir = Path(os.path.abspath(args.out_dir))  # "." and "dir/.." have no name of their own
     if not out_dir.name:
         fail(f"--out_dir {args.out_dir} is the file system's root: choose a folder")

@@ -157,3 +157,14 @@ def test_a_minimind_prefix_that_is_a_path_or_empty_is_refused_as_the_trainer_ref
         assert (done.returncode, done.stderr) == (2, f"error: --save_weight {shown}: a name for the .pth file inside "
                                                      "--out_dir (e.g. full_sft), not a path\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_flag_of_another_format_is_refused(trained, tmp_path):
+    """`--gguf_type q8_0` without `--format gguf` wrote a Qwen3 directory; `--save_weight` outside minimind did nothing."""
+    for argv, line in ((["--gguf_type", "q8_0"], "error: --gguf_type is a flag of --format gguf, not of --format qwen3"),
+                       (["--format", "gguf", "--save_weight", "x"],
+                        "error: --save_weight is a flag of --format minimind, not of --format gguf")):
+        done = script_in_process("export_hf.py", "--model_path", str(trained["checkpoint"]), *argv,
+                                 "--out_dir", str(tmp_path / "out"))
+        assert (done.returncode, done.stderr) == (2, line + "\n")
+    assert not (tmp_path / "out").exists()
