@@ -34,7 +34,9 @@ from dataset.mixture import absolute_data_path
 from dataset.printable import print_escaped, printable
 from trainer.args import parse_args
 from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint, load_resume_checkpoint
-from trainer.checkpoint.save_dir import SaveDirLock, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir
+from trainer.checkpoint.save_dir import (
+    SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir,
+)
 from trainer.data_setup import build_eval_sets, build_train_data
 from trainer.errors import (
     USER_ERRORS, BuildInterrupted, CheckpointError, NodeLaunchError, TrainingError, names_a_user_path,
@@ -60,7 +62,8 @@ from trainer.runtime.seeding import setup_seed
 
 
 def claim_save_dir(args, ctx):
-    """Rank 0 checks that --save_dir can be written and locks it for this run (another process
+    """Rank 0 checks that --save_dir (and --cache_dir) can be written, before a fresh run with
+    --overwrite 1 sets a previous run aside, and locks --save_dir for this run (another process
     writing there would mix or prune its checkpoints). Returns the lock (None on other ranks)."""
     if not ctx.is_main:
         return None
@@ -69,6 +72,8 @@ def claim_save_dir(args, ctx):
         raise CheckpointError(f"--save_dir {args.save_dir} is inside {run_model}, a run's weights folder that its "
                               "next save replaces: choose a directory outside it")
     ensure_writable_dir(args.save_dir)
+    if args.cache_dir:
+        check_folder_can_be_made(args.cache_dir, "--cache_dir")
     check_wandb_login(args)
     return SaveDirLock(args.save_dir).acquire()
 

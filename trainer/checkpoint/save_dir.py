@@ -75,6 +75,18 @@ def ensure_writable_dir(path: str) -> None:
         raise CheckpointError(f"--save_dir {path} is not writable: {error.strerror or error}") from error
 
 
+def check_folder_can_be_made(path: str, flag: str) -> None:
+    """Fail when `path`, the folder of `flag`, cannot be one: it, or the nearest of its parents that
+    exists, is a file, or cannot be written. Creates nothing: a run refused later leaves no folder."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise CheckpointError(f"{flag} {path} cannot be a folder: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{flag} {path} is not writable: {existing}: permission denied")
+
+
 # --------------------------------------------------------------------------- atomic writes
 
 
