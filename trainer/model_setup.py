@@ -12,7 +12,7 @@ from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
 from trainer.weights.tokenizer import resolve_tokenizer
-from trainer.weights.write import minimind_unsupported, pth_prefix_problem
+from trainer.weights.write import minimind_pth_name, minimind_unsupported, pth_prefix_problem
 
 # Architecture flags and the config field each sets. With --from_weight the field comes from the
 # weights; a flag the user gave that says otherwise is refused.
@@ -71,8 +71,20 @@ def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniM
     reason = minimind_unsupported(config) if prefix else None
     if reason:
         raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")
+    if prefix and args.from_weight not in ("none", ""):
+        check_pth_spares_the_start(args, config, prefix)
     check_position_tables(args, config)
     return config
+
+
+def check_pth_spares_the_start(args, config: MiniMindConfig, prefix: str) -> None:
+    """The run's MiniMind .pth (`--save_weight`) must not be the `--from_weight` file: every save
+    would write over the weights the run starts from (`--from_weight full_sft --save_weight full_sft`)."""
+    target = os.path.join(args.save_dir, minimind_pth_name(config, prefix))
+    start = resolve_minimind_name(args.from_weight, args.save_dir, args.hidden_size, bool(args.use_moe))
+    if os.path.isfile(target) and os.path.samefile(target, start):
+        raise ConfigError(f"--save_weight {prefix} would write over {target}, the --from_weight weights this run "
+                          "starts from: give another --save_weight")
 
 
 def host_memory_bytes() -> int:

@@ -191,3 +191,27 @@ def test_compiled_blocks_run_an_epoch_of_lengths_without_graph_breaks_and_two_re
     assert shapes == {(4, 64), (4, 128), (2, 128)}
     assert dict(counters["graph_break"]) == {}
     assert frames[0] == 1 and frames[-1] - frames[0] <= 2, frames
+
+
+def test_a_save_weight_that_names_the_from_weight_file_is_refused(tmp_path):
+    """`--from_weight pretrain --save_weight pretrain` (or the .pth's path) would write the run's weights over the
+    file it starts from at the first save; refused before the data is read, the file kept."""
+    import torch
+
+    from model import MiniMindConfig, MiniMindForCausalLM
+    from tests.helpers.tiny_weights import setup
+    from trainer.errors import ConfigError
+
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               num_key_value_heads=2))
+    source = tmp_path / "pretrain_32.pth"
+    torch.save(model.state_dict(), source)
+    for name in ("pretrain", str(source)):
+        with pytest.raises(ConfigError) as refused:
+            setup(["--from_weight", name, "--save_weight", "pretrain", "--save_dir", str(tmp_path), "--hidden_size", "32"])
+        assert str(refused.value) == (f"--save_weight pretrain would write over {source}, the --from_weight weights "
+                                      "this run starts from: give another --save_weight")
+    config = setup(["--from_weight", "pretrain", "--save_weight", "full_sft", "--save_dir", str(tmp_path),
+                    "--hidden_size", "32"])
+    assert config.hidden_size == 32
