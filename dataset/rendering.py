@@ -54,6 +54,8 @@ def load_tokenizer(path: str | Path | None = None):
     from transformers import AutoTokenizer
 
     directory = Path(path) if path is not None else DEFAULT_TOKENIZER_DIR
+    if directory.is_file():  # tokenizer.json itself, say: transformers loads a folder
+        raise DataError(f"{directory}: is a file; give the tokenizer's directory ({directory.parent}, which holds it)")
     if not directory.is_dir():
         raise DataError(f"{directory}: tokenizer directory not found")
     try:

@@ -108,3 +108,11 @@ def test_a_tokenizer_directory_without_tokenizer_json_is_named_in_one_line(tmp_p
             load_tokenizer(tmp_path / name)
         assert str(info.value) == (f"{tmp_path / name}: cannot load tokenizer (no tokenizer.json in it, and no fast "
                                    "tokenizer could be built from its other files)")
+
+
+def test_a_tokenizer_file_given_for_its_directory_is_named_as_a_file(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(DataError) as info:
+        load_tokenizer(tmp_path / "tokenizer.json")
+    assert str(info.value) == (f"{tmp_path / 'tokenizer.json'}: is a file; give the tokenizer's directory "
+                               f"({tmp_path}, which holds it)")
