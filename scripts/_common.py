@@ -41,6 +41,28 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="weights dtype for inference")
 
 
+def check_output_file(path: str | None, flag: str) -> None:
+    """Fail at the start, not after the work, when ``flag``'s file ``path`` cannot be written: it is a
+    directory, or a file stands where one of its folders would be (missing folders are created)."""
+    if not path:
+        return
+    target = Path(path).absolute()
+    if target.is_dir():
+        fail(f"{flag} {path} is a directory: give a file name")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        fail(f"{flag} {path}: {folder} is a file, not a folder")
+
+
+def write_output(path: str, text: str) -> None:
+    """Write ``text`` (UTF-8) to the file ``path`` a flag names, creating its missing folders."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text, encoding="utf-8")
+
+
 def resolve_device(name: str):
     """``auto`` -> cuda when available, else cpu; a CUDA device that does not exist is an error."""
     import torch

@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import (  # noqa: E402
-    REPO_DIR, ArgumentParser, add_model_args, fail, load_model_and_tokenizer, prompt_ids, run_main,
+    REPO_DIR, ArgumentParser, add_model_args, check_output_file, fail, load_model_and_tokenizer, prompt_ids, run_main,
+    write_output,
 )
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
@@ -209,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.limit is not None and args.limit < 1:
         fail(f"--limit must be positive, got {args.limit}")
+    check_output_file(args.json_out, "--json_out")
     model, tokenizer = load_model_and_tokenizer(args)
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)  # the model cannot see more
     examples = read_examples(Path(args.data_path), tokenizer, max_seq_len, args.limit)
@@ -220,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluate(model, tokenizer, examples, args.batch_size, args.max_new_tokens)
     text = json.dumps(result, indent=2)
     if args.json_out:
-        out = Path(args.json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n", encoding="utf-8")
+        write_output(args.json_out, text + "\n")
         print(format_table(result))
     else:
         print(format_table(result), file=sys.stderr)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._common import REPO_DIR, ArgumentParser, fail, run_main  # noqa: E402
+from scripts._common import REPO_DIR, ArgumentParser, check_output_file, fail, run_main, write_output  # noqa: E402
 from trainer.args import add_flag, flag_bounds, range_problems  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = range_problems(parser, args)  # --max_seq_len within the trainer's range
     if problems:
         fail("; ".join(problems))
+    for flag in ("html", "json_out"):
+        check_output_file(getattr(args, flag), f"--{flag}")
 
     from dataset.inspection.report import inspect_source, report_lines, segment_table
     from dataset.mixture import parse_data_path
@@ -151,14 +153,14 @@ def main(argv: list[str] | None = None) -> int:
             print(terminal_view(sample, colour))
     if args.html:
         page = html_page(reports, samples, f"minisft data: {args.data_path}", meta + notes)
-        Path(args.html).write_text(page, encoding="utf-8")
+        write_output(args.html, page)
         print(f"wrote {args.html} ({len(samples)} samples)")
     elif not terminal and samples:
         print(f"(pictures of {len(samples)} rows: --html FILE or --terminal)")
     if args.json_out:
         result = {"max_seq_len": args.max_seq_len, "tokenizer": tokenizer_name, "notes": notes,
                   "sources": [report.to_json() for report in reports]}
-        Path(args.json_out).write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_output(args.json_out, json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     return 0
 
 

@@ -115,3 +115,13 @@ def test_conversations_whose_answers_max_seq_len_cuts_off_are_named_not_left_out
     masks = [encode_conversation(trained["tokenizer"], messages, 20)[1] for messages in CONVERSATIONS]
     assert [int(mask[1:].sum()) for mask in masks] == [0, 4, 9]
     assert json.loads(out.read_text())["num_loss_tokens"] == 13
+
+
+def test_a_json_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path):
+    # the model path is never reached: the evaluation is not run only to fail at its end
+    (tmp_path / "a_file").write_text("x")
+    for value, line in ((tmp_path, f"--json_out {tmp_path} is a directory: give a file name"),
+                        (tmp_path / "a_file" / "r.json",
+                         f"--json_out {tmp_path / 'a_file' / 'r.json'}: {tmp_path / 'a_file'} is a file, not a folder")):
+        done = script_in_process("eval_sft.py", "--model_path", str(tmp_path / "none"), "--json_out", str(value))
+        assert (done.returncode, done.stderr) == (2, f"error: {line}\n")

@@ -96,6 +96,20 @@ def test_flags_are_checked_as_the_trainer_does_and_an_empty_file_is_warned(mixtu
     assert f"warning: {empty}: data file is empty (training refuses this file)" in result.stdout.splitlines()
 
 
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_data_is_read_and_folders_are_made(mixture,
+                                                                                                        tmp_path):
+    tools, _ = mixture
+    (tmp_path / "a_file").write_text("x")
+    for flag, value, line in (("--html", tmp_path, f"--html {tmp_path} is a directory: give a file name"),
+                              ("--json_out", tmp_path / "a_file" / "r.json",
+                               f"--json_out {tmp_path / 'a_file' / 'r.json'}: {tmp_path / 'a_file'} is a file, not a folder")):
+        result = inspect_here("--data_path", str(tmp_path / "missing.jsonl"), flag, str(value))  # not reached
+        assert (result.returncode, result.stderr, result.stdout) == (2, f"error: {line}\n", "")
+    result = inspect_here("--data_path", str(tools), "--json_out", str(tmp_path / "new" / "r.json"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "new" / "r.json").read_text(encoding="utf-8"))
+
+
 def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_the_trainers_one_line_before_the_data_is_read(tmp_path):
     """The trainer's own bound (trainer/model_setup.py): a missing data file is not reached."""
     from trainer.model_setup import host_memory_bytes
