@@ -63,6 +63,21 @@ def test_data_file_problems_are_named(tokenizer, tmp_path):
     assert len(build_cache_and_open(bom, tokenizer, 128, num_proc=1)) == 2
 
 
+def test_a_compressed_or_parquet_file_under_a_plain_name_is_named(tmp_path):
+    # read as text, its first line was "invalid UTF-8 at byte 1" / "invalid JSON": the name is what is wrong
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data.jsonl").write_bytes(gzip.compress((json.dumps(make_chat(1)) + "\n").encode()))
+    pq.write_table(pa.Table.from_pylist([make_chat(1)]), tmp_path / "rows.jsonl")
+    for name, kind, suffix, renamed in (("data.jsonl", "gzip-compressed", ".gz", "data.jsonl.gz"),
+                                        ("rows.jsonl", "a parquet file", ".parquet", "rows.parquet")):
+        with pytest.raises(DataError) as info:
+            sources.check_data_file(tmp_path / name)
+        assert str(info.value) == (f"{tmp_path / name}: is {kind}, but its name does not end in {suffix}: "
+                                   f"rename it (e.g. {renamed})")
+
+
 def test_parquet_file_gives_the_same_cache_as_the_jsonl_file(tokenizer, tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
