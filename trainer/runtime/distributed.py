@@ -50,6 +50,7 @@ class DistContext:
 def launch_env(args) -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from the launcher's environment variables."""
     env = os.environ
+    check_launch_variables(env)
     local = local_rank_from(env, args.local_rank)
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), local, int(env["WORLD_SIZE"])
@@ -61,6 +62,25 @@ def launch_env(args) -> tuple[int, int, int]:
         env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
         return rank, local, world
     return 0, 0, 1
+
+
+def check_launch_variables(env) -> None:
+    """The launcher's variables that `launch_env` reads must be whole numbers, the rank below the
+    number of processes: else one line, here, where the rendezvous would wait --dist_timeout for
+    peers that cannot come (RANK=5 of WORLD_SIZE=2) or fail in int()."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+    elif "SLURM_PROCID" in env:
+        rank, world, local = "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
+    else:
+        return
+    for name, least in ((world, 1), (rank, 0), (local, 0)):
+        if name in env and not (env[name].strip().isdigit() and int(env[name]) >= least):
+            raise DistributedError(f"{name}={env[name]!r} in the environment is not a whole number >= {least} "
+                                   "(the launcher sets it: torchrun, srun or your own script)")
+    if world in env and int(env[rank]) >= int(env[world]):
+        raise DistributedError(f"{rank}={env[rank]} is not below {world}={env[world]}: the ranks of {env[world]} "
+                               f"processes are 0 to {int(env[world]) - 1} (the launcher sets them)")
 
 
 def slurm_master_addr() -> str:

@@ -45,3 +45,26 @@ def test_a_flag_error_under_torchrun_is_printed_once_and_the_run_exits_2(tmp_pat
     codes = re.findall(r"exitcode\s*: (\S+) \(pid", output)
     assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, output[-3000:]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+     "RANK=5 is not below WORLD_SIZE=2: the ranks of 2 processes are 0 to 1 (the launcher sets them)"),
+    ({"RANK": "0", "WORLD_SIZE": "x"},
+     "WORLD_SIZE='x' in the environment is not a whole number >= 1 (the launcher sets it: torchrun, srun or your "
+     "own script)"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "-1"},
+     "SLURM_LOCALID='-1' in the environment is not a whole number >= 0 (the launcher sets it: torchrun, srun or "
+     "your own script)"),
+])
+def test_launcher_variables_that_cannot_describe_a_launch_are_one_line_before_any_rendezvous(
+        data, tmp_path, monkeypatch, env, line):
+    # RANK=5 of 2 waited --dist_timeout for peers that cannot come; a word that is not a number was a traceback
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    done = run_trainer_in_process(flags(data, tmp_path / "run", "--dist_timeout", "600"))
+    assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: {line}"])
