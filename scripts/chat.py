@@ -51,6 +51,12 @@ def check_args(args) -> None:
         fail(f"--top_p must be in (0, 1], got {args.top_p}")
     if args.max_new_tokens < 1:
         fail(f"--max_new_tokens must be positive, got {args.max_new_tokens}")
+    if args.seed is not None:  # the trainer's range of --seed, which torch.manual_seed takes
+        from trainer.args import flag_bounds
+
+        problem = flag_bounds("seed").problem("seed", args.seed)
+        if problem:
+            fail(problem)
 
 
 MAX_TOOL_ROUNDS = 5  # generations with tool calls per user message before chat gives up
