@@ -54,6 +54,17 @@ def list_checkpoints(save_dir: str) -> list[str]:
     return [os.path.join(folder, name) for _, name in sorted(found, reverse=True)]
 
 
+def checkpoints_folder_problem(path: str) -> str | None:
+    """`path` is a run's `checkpoints/` folder, given where one model is asked for: what to give
+    instead (one checkpoint, or the run's directory), else None."""
+    run = os.path.dirname(os.path.abspath(path))
+    found = list_checkpoints(run) if os.path.basename(os.path.abspath(path)) == "checkpoints" else []
+    if not found:
+        return None
+    return (f"{path} is a run's folder of resume checkpoints: give one of them ({os.path.basename(found[0])}) "
+            f"or the run's directory {run}")
+
+
 def step_of(path: str) -> int:
     return int(CHECKPOINT_PATTERN.match(os.path.basename(path)).group(1))
 

@@ -25,7 +25,7 @@ import torch
 from model import MiniMindForCausalLM
 
 from dataset import DataError
-from trainer.checkpoint.save_dir import list_checkpoints
+from trainer.checkpoint.save_dir import checkpoints_folder_problem, list_checkpoints
 from trainer.errors import CheckpointError, ConfigError, ModelLoadError
 from trainer.weights.read import build_config, check_torch_file, load_into, model_dir_of, read_weights, saved_tokenizer
 from trainer.weights.tokenizer import of_folder, resolve_tokenizer
@@ -48,9 +48,8 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
         checkpoints = list_checkpoints(str(path))
         if checkpoints:
             return "checkpoint", Path(checkpoints[0])
-        raise ModelLoadError(
-            f"{path}: not a model directory (no config.json), nor a run directory (no model/ or checkpoints/step_*.pt)"
-        )
+        raise ModelLoadError(checkpoints_folder_problem(str(path)) or f"{path}: not a model directory (no "
+                             "config.json), nor a run directory (no model/ or checkpoints/step_*.pt)")
     if path.suffix == ".safetensors":
         return "safetensors", path
     try:

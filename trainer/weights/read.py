@@ -31,6 +31,7 @@ from model import MiniMindConfig
 from trainer.checkpoint import single_file
 from trainer.checkpoint.files import safe_torch_load
 from trainer.checkpoint.resume import load_resume_checkpoint
+from trainer.checkpoint.save_dir import checkpoints_folder_problem
 from trainer.errors import CheckpointError, first_line
 from trainer.weights.tokenizer import OwnTokenizer, of_checkpoint, of_folder
 
@@ -104,7 +105,8 @@ def read_json(path: str) -> dict:
 def _read_directory(folder: str) -> Weights:
     config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
-        raise CheckpointError(f"{folder}: no config.json (not an HF model directory)")
+        raise CheckpointError(checkpoints_folder_problem(folder)
+                              or f"{folder}: no config.json (not an HF model directory)")
     saved = read_json(config_file)
     _check_model_type(saved, folder)
     index = os.path.join(folder, "model.safetensors.index.json")

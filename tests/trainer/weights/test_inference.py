@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.errors import ModelLoadError
+from trainer.errors import CheckpointError, ModelLoadError
 from trainer.weights.inference import load_model_for_inference, load_tokenizer_for_model
 
 
@@ -65,3 +65,18 @@ def test_bad_files_raise_one_line_model_load_errors(trained, tmp_path):
     with pytest.raises(ModelLoadError, match="refused to load"):
         load_tokenizer_for_model(tmp_path / "evil.pt")
     assert not marker.exists()
+
+
+def test_a_runs_checkpoints_folder_names_what_to_give_instead(trained):
+    # it read as "not a model directory (no config.json), nor a run directory", for the loader and --from_weight
+    from trainer.weights.read import read_weights
+
+    folder = trained["checkpoint"].parent
+    line = (f"{folder} is a run's folder of resume checkpoints: give one of them ({trained['checkpoint'].name}) "
+            f"or the run's directory {folder.parent}")
+    with pytest.raises(ModelLoadError) as info:
+        load_model_for_inference(folder)
+    assert str(info.value) == line
+    with pytest.raises(CheckpointError) as info:
+        read_weights(str(folder))
+    assert str(info.value) == line
