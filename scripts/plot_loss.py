@@ -52,7 +52,7 @@ def read_metrics(path: Path) -> list[dict]:
             except json.JSONDecodeError:
                 bad.append(number)
                 continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
+            if is_metrics_line(record):
                 records.append(record)
             else:
                 bad.append(number)
@@ -61,6 +61,13 @@ def read_metrics(path: Path) -> list[dict]:
     if not records:
         fail(f"{path}: no metrics lines (empty file?)")
     return records
+
+
+def is_metrics_line(record) -> bool:
+    """A JSON object with an integer step and, where present, a string kind and run_id (they key the
+    curves and the runs)."""
+    return (isinstance(record, dict) and isinstance(record.get("step"), int)
+            and all(isinstance(record.get(key), (str, type(None))) for key in ("kind", "run_id")))
 
 
 def latest_run(records: list[dict]) -> tuple[list[dict], str | None]:
@@ -130,7 +137,7 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> list[str]:
     speed_axis.plot(*_series(train, "tokens_per_s"), color="tab:red")
     speed_axis.set_ylabel("tokens / s")
     speed_axis.set_xlabel("optimizer step")
-    best = [r for r in evals if isinstance(r.get("best_step"), int)]
+    best = [r for r in evals if isinstance(r.get("best_step"), int) and isinstance(r.get("best_metric"), str)]
     for axis in axes:
         axis.grid(True, alpha=0.3)
         if best:

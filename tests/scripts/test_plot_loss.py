@@ -68,3 +68,17 @@ def test_plot_draws_per_source_train_losses_per_file_eval_curves_and_accuracies(
     assert labels == ["train loss", "train loss/general", "train loss/tools", "eval loss", "eval loss/a",
                       "eval loss/b", "eval token accuracy", "eval exact match/a"]
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_lines_of_json_but_not_of_metrics_are_skipped_and_said(tmp_path, capsys):
+    # a "kind" or "run_id" that is not a string was an unhashable-type traceback; a best_step without its
+    # best_metric a KeyError
+    from scripts.plot_loss import main
+
+    lines = [*metric_lines(range(1, 4)), {"kind": ["train"], "step": 4, "loss": 1.0},
+             {"kind": "train", "step": 5, "loss": 1.0, "run_id": {"a": 1}},
+             {"kind": "eval", "step": 3, "eval_loss": 2.0, "best_step": 3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert main(["--metrics", str(tmp_path), "--out", str(tmp_path / "loss.png")]) == 0
+    assert capsys.readouterr().err == f"warning: {tmp_path / 'metrics.jsonl'}: skipped 2 malformed line(s) (first: line 4)\n"
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
