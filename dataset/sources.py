@@ -157,17 +157,18 @@ BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors write at the sta
 
 def check_data_file(path: Path) -> None:
     """Raise a one-line ``DataError`` if the data file is missing, a directory, a pipe or device
-    (read several times: hashed, counted, tokenized), gzip or parquet under another suffix, one JSON
-    array or document spread over lines (a ``.json`` file must be JSON Lines too), has no non-blank
-    line (a byte order mark alone is said to be one) or lines ended by carriage returns alone."""
+    (read several times: hashed, counted, tokenized), gzip or parquet under another suffix, UTF-16
+    text, one JSON array or document spread over lines (a ``.json`` file must be JSON Lines too),
+    has no non-blank line (a byte order mark alone is said to be one) or lines ended by carriage
+    returns alone."""
     if path.is_dir():
         raise DataError(f"{path}: is a directory; give a .jsonl, .jsonl.gz, .json or .parquet file here (only "
                         "--data_path takes a directory of shards)")
     if not path.is_file():
         raise DataError(f"{path}: {missing_file(path)}")
-    misnamed = _misnamed(path)
-    if misnamed:
-        raise DataError(f"{path}: {misnamed}")
+    unreadable = _unreadable_as_named(path)
+    if unreadable:
+        raise DataError(f"{path}: {unreadable}")
     lines = (line.strip() for line in open_lines(path) if line.strip())
     first = next(lines, b"")
     marked = first == BOM  # a line holding only the mark: its row problem, unless no row follows
@@ -191,11 +192,15 @@ def check_data_file(path: Path) -> None:
         )
 
 
-def _misnamed(path: Path) -> str | None:
-    """Why a gzip or parquet file (by its first bytes) cannot be read under its name, or None: files
-    are read by their suffix, and read as text its first line is "invalid UTF-8" or "invalid JSON"."""
+def _unreadable_as_named(path: Path) -> str | None:
+    """Why a file cannot be read under its name, by its first bytes, or None: gzip or parquet under
+    another suffix (files are read by their suffix), UTF-16 text (what Windows PowerShell's ``>``
+    writes). Read as UTF-8 text, their first line is "invalid UTF-8" or "invalid JSON"."""
     with path.open("rb") as handle:
         head = handle.read(4)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) and not is_gzip(path) and not is_parquet(path):
+        return (f"is UTF-16 text, not UTF-8: convert it, e.g. iconv -f UTF-16 -t UTF-8 {path.name} > "
+                f"{path.stem}.utf8{path.suffix}")
     if head.startswith(b"\x1f\x8b") and not is_gzip(path):
         return f"is gzip-compressed, but its name does not end in .gz: rename it (e.g. {path.name}.gz)"
     if head == b"PAR1" and not is_parquet(path):

@@ -78,6 +78,15 @@ def test_a_compressed_or_parquet_file_under_a_plain_name_is_named(tmp_path):
                                    f"rename it (e.g. {renamed})")
 
 
+def test_a_utf16_file_is_named_as_such(tmp_path):
+    # what Windows PowerShell's > writes: every line was "invalid UTF-8 at byte 0"
+    (tmp_path / "win.jsonl").write_bytes((json.dumps(make_chat(1)) + "\n").encode("utf-16"))
+    with pytest.raises(DataError) as info:
+        sources.check_data_file(tmp_path / "win.jsonl")
+    assert str(info.value) == (f"{tmp_path / 'win.jsonl'}: is UTF-16 text, not UTF-8: convert it, e.g. "
+                               "iconv -f UTF-16 -t UTF-8 win.jsonl > win.utf8.jsonl")
+
+
 def test_parquet_file_gives_the_same_cache_as_the_jsonl_file(tokenizer, tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
