@@ -48,8 +48,8 @@ def load_tokenizer(path: str | Path | None = None):
     """Load a fast HF tokenizer with a chat template (``None``: the shipped ``model/tokenizer``).
 
     Raises a one-line ``DataError`` if the directory is missing, cannot be loaded, is not a fast
-    tokenizer (offsets are needed) or has no chat template. A tokenizer without a pad token gets
-    its eos token as pad token (pads never carry loss).
+    tokenizer (offsets are needed), has no chat template, or names neither a pad nor an eos token.
+    A tokenizer without a pad token gets its eos token as pad token (pads never carry loss).
     """
     from transformers import AutoTokenizer
 
@@ -67,6 +67,9 @@ def load_tokenizer(path: str | Path | None = None):
         raise DataError(f"{directory}: cannot load tokenizer ({message})") from None
     check_tokenizer(tokenizer, str(directory))
     if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise DataError(f"{directory}: the tokenizer names neither a pad_token nor an eos_token (batches are "
+                            "padded with one): set one in its tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

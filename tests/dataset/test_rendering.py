@@ -116,3 +116,20 @@ def test_a_tokenizer_file_given_for_its_directory_is_named_as_a_file(tmp_path):
         load_tokenizer(tmp_path / "tokenizer.json")
     assert str(info.value) == (f"{tmp_path / 'tokenizer.json'}: is a file; give the tokenizer's directory "
                                f"({tmp_path}, which holds it)")
+
+
+def test_a_tokenizer_without_pad_and_eos_tokens_is_refused_when_loaded(tmp_path):
+    # batches are padded with the pad token (else eos): without both the trainer failed in its collator,
+    # after tokenizing the data, with "pad_token_id is required"
+    import json
+
+    tokenizer = load_tokenizer(None)
+    tokenizer.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    for name in ("eos_token", "pad_token", "bos_token", "unk_token"):
+        config.pop(name, None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(DataError) as info:
+        load_tokenizer(tmp_path)
+    assert str(info.value) == (f"{tmp_path}: the tokenizer names neither a pad_token nor an eos_token (batches are "
+                               "padded with one): set one in its tokenizer_config.json")
