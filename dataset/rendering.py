@@ -48,8 +48,9 @@ def load_tokenizer(path: str | Path | None = None):
     """Load a fast HF tokenizer with a chat template (``None``: the shipped ``model/tokenizer``).
 
     Raises a one-line ``DataError`` if the directory is missing, cannot be loaded, is not a fast
-    tokenizer (offsets are needed), has no chat template, or names neither a pad nor an eos token.
-    A tokenizer without a pad token gets its eos token as pad token (pads never carry loss).
+    tokenizer (offsets are needed), has no chat template or one that cannot render a plain exchange,
+    or names neither a pad nor an eos token. A tokenizer without a pad token gets its eos token as
+    pad token (pads never carry loss).
     """
     from transformers import AutoTokenizer
 
@@ -61,11 +62,12 @@ def load_tokenizer(path: str | Path | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as exc:  # noqa: BLE001 - any loading failure becomes one line
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = _first_line(exc)
         if not (directory / "tokenizer.json").is_file():  # transformers' first line then ends in "from one of:"
             message = "no tokenizer.json in it, and no fast tokenizer could be built from its other files"
         raise DataError(f"{directory}: cannot load tokenizer ({message})") from None
     check_tokenizer(tokenizer, str(directory))
+    _check_template_renders(tokenizer, str(directory))
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise DataError(f"{directory}: the tokenizer names neither a pad_token nor an eos_token (batches are "
@@ -80,6 +82,22 @@ def check_tokenizer(tokenizer, name: str = "tokenizer") -> None:
         raise DataError(f"{name}: a fast tokenizer is required (character offsets are used for loss masks)")
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{name}: tokenizer has no chat_template")
+
+
+def _check_template_renders(tokenizer, name: str) -> None:
+    """A chat template's syntax error or ``raise_exception`` on a plain user/assistant exchange is one
+    line when the tokenizer is loaded, not a traceback from wherever the template is first used."""
+    exchange = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        tokenizer.apply_chat_template(exchange, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - jinja's syntax and template errors, each its own class
+        raise DataError(f"{name}: its chat template cannot render a user/assistant exchange "
+                        f"({type(exc).__name__}: {_first_line(exc)})") from None
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an exception's message (the class name if it has none)."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -133,3 +133,18 @@ def test_a_tokenizer_without_pad_and_eos_tokens_is_refused_when_loaded(tmp_path)
         load_tokenizer(tmp_path)
     assert str(info.value) == (f"{tmp_path}: the tokenizer names neither a pad_token nor an eos_token (batches are "
                                "padded with one): set one in its tokenizer_config.json")
+
+
+@pytest.mark.parametrize("template, problem", [
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError: unexpected '}'"),
+    ("{{ raise_exception('roles must alternate user/assistant/user') }}",
+     "TemplateError: roles must alternate user/assistant/user"),
+])
+def test_a_chat_template_that_cannot_render_an_exchange_is_refused_when_loaded(tmp_path, template, problem):
+    # the trainer failed with the template's traceback (from its end-of-turn probe)
+    tokenizer = load_tokenizer(None)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(tmp_path))
+    with pytest.raises(DataError) as info:
+        load_tokenizer(tmp_path)
+    assert str(info.value) == f"{tmp_path}: its chat template cannot render a user/assistant exchange ({problem})"
