@@ -11,6 +11,7 @@ and exit status 2.
 
 import argparse
 import copy
+import glob
 import math
 import os
 import re
@@ -270,7 +271,13 @@ def held_out_files(text: str | None) -> list[str]:
 
 def held_out_problem(path: str) -> str | None:
     """A held-out file given as `FILE:N` where FILE exists: --eval_data_path takes no weight (only
-    --data_path weighs its sources) and no line number."""
+    --data_path weighs its sources) and no line number; or as a glob, which it does not expand."""
+    from dataset.mixture import is_glob  # imported with held_out_files' split: the dataset package imports torch
+
+    matches = sorted(glob.glob(path, recursive=True)) if is_glob(path) and not os.path.exists(path) else []
+    if matches:
+        return (f"--eval_data_path {path}: no such file; held-out files are named one by one, comma-separated "
+                f"(only --data_path reads a glob): {','.join(matches)}")
     head, colon, tail = path.rpartition(":")
     if os.path.exists(path) or not colon or not re.fullmatch(r"[0-9.eE+-]+", tail) or not os.path.isfile(head):
         return None

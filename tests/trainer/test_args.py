@@ -106,3 +106,15 @@ def test_evaluation_flags_without_held_out_data_are_refused(capsys):
                                        "--eval_generate_samples 2 needs held-out data: give --eval_data_path\n")
     assert parse_args(["--eval_interval", "5", "--eval_data_path", str(REPO / "dataset/demo/sft_eval.jsonl")])
     assert parse_args(["--eval_interval", "0", "--eval_generate_samples", "0"]).eval_data_path is None
+
+
+def test_a_glob_in_eval_data_path_is_named_with_the_files_it_matches(tmp_path, capsys):
+    # it read "data file not found" after the training data was tokenized
+    for name in ("b.jsonl", "a.jsonl"):
+        (tmp_path / name).write_text("{}\n")
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--eval_data_path", str(tmp_path / "*.jsonl")])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: --eval_data_path {tmp_path / '*.jsonl'}: no such file; held-out files are named one by one, "
+        f"comma-separated (only --data_path reads a glob): {tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}\n")
