@@ -37,7 +37,7 @@ from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint
 from trainer.checkpoint.save_dir import (
     SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir,
 )
-from trainer.data_setup import build_eval_sets, build_train_data
+from trainer.data_setup import build_eval_sets, build_train_data, check_data_files
 from trainer.errors import (
     USER_ERRORS, BuildInterrupted, CheckpointError, NodeLaunchError, TrainingError, names_a_user_path,
 )
@@ -126,6 +126,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     log = print_escaped if ctx.is_main else (lambda message: None)
     warn_single_process_flags(args, ctx, log)
     dtype = resolve_dtype(args.dtype, ctx.device, log)  # --dtype float16 on a CPU: refused before any data is read
+    check_data_files(args)  # a missing or empty data file: refused before a previous run is set aside
     weights = read_initial_weights(args, log)
     tokenizer, tokenizer_path = load_tokenizer_for_weights(args, weights, log)
     config = build_model_config(args, tokenizer, weights)

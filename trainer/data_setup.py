@@ -17,6 +17,7 @@ from dataset.cache import build_or_reuse_on_node, default_cache_root
 from dataset.inspection.report import training_summary
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, lone_weight_note, parse_data_path
 from dataset.printable import print_escaped
+from dataset.sources import check_data_file
 from trainer.args import held_out_files
 from trainer.evaluation.evaluate import EvalSet, generation_examples
 from trainer.evaluation.selection import eval_set_names
@@ -31,6 +32,15 @@ class TrainData:
     loader: DataLoader
     identity: RunIdentity  # what defines the sample stream, from the data opened here
     source_names: list[str] = field(default_factory=lambda: ["data"])  # of --data_path's sources, in order
+
+
+def check_data_files(args) -> None:
+    """Every --data_path source resolves (files, directories, globs, weights) and every data and
+    held-out file passes `check_data_file` (missing, empty, a folder, ...): a one-line DataError
+    before a previous run is set aside (--overwrite 1) or any data is tokenized."""
+    files = [path for source in parse_data_path(args.data_path) for path in source.files]
+    for path in [*files, *map(Path, held_out_files(args.eval_data_path))]:
+        check_data_file(path)
 
 
 def _worker_ignores_preemption(_worker_id: int) -> None:

@@ -1,0 +1,19 @@
+"""trainer/data_setup.py: the data files are checked before anything is set aside or tokenized."""
+
+from tests.helpers.trainer_launch import flags, run_trainer_in_process
+
+
+def test_a_held_out_file_that_cannot_be_read_fails_before_the_training_data_is_tokenized(data, tmp_path):
+    # a typo in --eval_data_path was found after the training data's token cache was built and after
+    # --overwrite 1 had set the previous run aside
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000002.pt").write_bytes(b"a previous run's checkpoint")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    for held_out, line in ((tmp_path / "evl.jsonl", f"{tmp_path / 'evl.jsonl'}: data file not found"),
+                           (tmp_path / "empty.jsonl", f"{tmp_path / 'empty.jsonl'}: data file is empty")):
+        done = run_trainer_in_process(flags(data, run, "--overwrite", "1", "--cache_dir", str(tmp_path / "cache"),
+                                            "--eval_data_path", str(held_out)))
+        assert (done.returncode, done.stderr.splitlines()[-1:]) == (2, [f"error: {line}"])
+        assert "tokenizing" not in done.stdout + done.stderr and not (tmp_path / "cache").exists()
+        assert not (run / "set_aside").exists() and (run / "checkpoints" / "step_00000002.pt").is_file()
