@@ -35,12 +35,13 @@ class TrainData:
 
 
 def check_data_files(args) -> None:
-    """Every --data_path source resolves (files, directories, globs, weights) and every data and
-    held-out file passes `check_data_file` (missing, empty, a folder, ...): a one-line DataError
-    before a previous run is set aside (--overwrite 1) or any data is tokenized."""
-    files = [path for source in parse_data_path(args.data_path) for path in source.files]
-    for path in [*files, *map(Path, held_out_files(args.eval_data_path))]:
-        check_data_file(path)
+    """Every --data_path source resolves (files, directories, globs, weights) and every held-out file
+    passes `check_data_file` (missing, empty, a folder, ...): a one-line DataError before a previous
+    run is set aside (--overwrite 1) or any data is tokenized. The training files themselves, maybe
+    thousands of shards, are checked as their caches are built."""
+    parse_data_path(args.data_path)
+    for path in held_out_files(args.eval_data_path):
+        check_data_file(Path(path))
 
 
 def _worker_ignores_preemption(_worker_id: int) -> None:
