@@ -119,7 +119,7 @@ def test_a_tokenizer_file_given_for_its_directory_is_named_as_a_file(tmp_path):
 
 
 def test_a_tokenizer_without_pad_and_eos_tokens_is_refused_when_loaded(tmp_path):
-    # batches are padded with the pad token (else eos): without both the trainer failed in its collator,
+    # batches are padded with the pad token (else eos): without both, the trainer would stop in its collator,
     # after tokenizing the data, with "pad_token_id is required"
     import json
 
@@ -141,7 +141,7 @@ def test_a_tokenizer_without_pad_and_eos_tokens_is_refused_when_loaded(tmp_path)
      "TemplateError: roles must alternate user/assistant/user"),
 ])
 def test_a_chat_template_that_cannot_render_an_exchange_is_refused_when_loaded(tmp_path, template, problem):
-    # the trainer failed with the template's traceback (from its end-of-turn probe)
+    # else the template's traceback would stop the trainer (in its end-of-turn probe)
     tokenizer = load_tokenizer(None)
     tokenizer.chat_template = template
     tokenizer.save_pretrained(str(tmp_path))

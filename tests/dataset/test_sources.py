@@ -64,7 +64,7 @@ def test_data_file_problems_are_named(tokenizer, tmp_path):
 
 
 def test_a_compressed_or_parquet_file_under_a_plain_name_is_named(tmp_path):
-    # read as text, its first line was "invalid UTF-8 at byte 1" / "invalid JSON": the name is what is wrong
+    # read as text, its first line is "invalid UTF-8 at byte 1" / "invalid JSON": the name is what is wrong
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -79,7 +79,7 @@ def test_a_compressed_or_parquet_file_under_a_plain_name_is_named(tmp_path):
 
 
 def test_a_utf16_file_is_named_as_such(tmp_path):
-    # what Windows PowerShell's > writes: every line was "invalid UTF-8 at byte 0"
+    # what Windows PowerShell's > writes: read as UTF-8, every line is "invalid UTF-8 at byte 0"
     (tmp_path / "win.jsonl").write_bytes((json.dumps(make_chat(1)) + "\n").encode("utf-16"))
     with pytest.raises(DataError) as info:
         sources.check_data_file(tmp_path / "win.jsonl")

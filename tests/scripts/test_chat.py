@@ -12,7 +12,7 @@ def test_chat_prompt_prints_exactly_the_trained_answer(trained):
 
 
 def test_a_temperature_that_is_not_a_finite_number_is_refused_before_the_model_loads(tmp_path):
-    # nan decoded greedily (nan > 0 is false) and inf sampled every token uniformly.
+    # nan would decode greedily (nan > 0 is false) and inf sample every token uniformly.
     for value in ("nan", "inf", "-1"):
         done = script_in_process("chat.py", "--model_path", str(tmp_path / "none"), "--prompt", "hi",
                                  "--temperature", value)
@@ -21,6 +21,6 @@ def test_a_temperature_that_is_not_a_finite_number_is_refused_before_the_model_l
 
 
 def test_a_seed_outside_the_trainers_range_is_refused_in_one_line(tmp_path):
-    # torch.manual_seed raised "Overflow when unpacking long long" after the model had loaded
+    # torch.manual_seed would raise "Overflow when unpacking long long"
     done = script_in_process("chat.py", "--model_path", str(tmp_path / "none"), "--prompt", "hi", "--seed", str(2**64))
     assert (done.returncode, done.stderr) == (2, f"error: --seed must be <= {2**32 - 1} (got {2**64})\n")

@@ -160,7 +160,8 @@ def test_a_minimind_prefix_that_is_a_path_or_empty_is_refused_as_the_trainer_ref
 
 
 def test_a_flag_of_another_format_is_refused(trained, tmp_path):
-    """`--gguf_type q8_0` without `--format gguf` wrote a Qwen3 directory; `--save_weight` outside minimind did nothing."""
+    """`--gguf_type q8_0` without `--format gguf` would write a Qwen3 directory, and `--save_weight` outside
+    minimind would do nothing."""
     for argv, line in ((["--gguf_type", "q8_0"], "error: --gguf_type is a flag of --format gguf, not of --format qwen3"),
                        (["--format", "gguf", "--save_weight", "x"],
                         "error: --save_weight is a flag of --format minimind, not of --format gguf")):

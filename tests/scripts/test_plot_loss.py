@@ -71,8 +71,8 @@ def test_plot_draws_per_source_train_losses_per_file_eval_curves_and_accuracies(
 
 
 def test_lines_of_json_but_not_of_metrics_are_skipped_and_said(tmp_path, capsys):
-    # a "kind" or "run_id" that is not a string was an unhashable-type traceback; a best_step without its
-    # best_metric a KeyError
+    # a "kind" or "run_id" that is not a string cannot key a curve or a run; a best_step without its
+    # best_metric has no label
     from scripts.plot_loss import main
 
     lines = [*metric_lines(range(1, 4)), {"kind": ["train"], "step": 4, "loss": 1.0},

@@ -109,7 +109,7 @@ def test_evaluation_flags_without_held_out_data_are_refused(capsys):
 
 
 def test_a_glob_in_eval_data_path_is_named_with_the_files_it_matches(tmp_path, capsys):
-    # it read "data file not found" after the training data was tokenized
+    # else the line would be "data file not found", after the training data is tokenized
     for name in ("b.jsonl", "a.jsonl"):
         (tmp_path / name).write_text("{}\n")
     with pytest.raises(SystemExit) as stopped:

@@ -4,8 +4,8 @@ from tests.helpers.trainer_launch import flags, run_trainer_in_process
 
 
 def test_a_held_out_file_that_cannot_be_read_fails_before_the_training_data_is_tokenized(data, tmp_path):
-    # a typo in --eval_data_path was found after the training data's token cache was built and after
-    # --overwrite 1 had set the previous run aside
+    # a typo in --eval_data_path is found before the training data's token cache is built and before
+    # --overwrite 1 sets the previous run aside
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "step_00000002.pt").write_bytes(b"a previous run's checkpoint")

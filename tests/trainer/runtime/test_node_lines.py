@@ -59,7 +59,7 @@ def test_a_flag_error_under_torchrun_is_printed_once_and_the_run_exits_2(tmp_pat
 ])
 def test_launcher_variables_that_cannot_describe_a_launch_are_one_line_before_any_rendezvous(
         data, tmp_path, monkeypatch, env, line):
-    # RANK=5 of 2 waited --dist_timeout for peers that cannot come; a word that is not a number was a traceback
+    # RANK=5 of 2 would wait --dist_timeout for peers that cannot come; int() of a word would be a traceback
     from tests.helpers.trainer_launch import flags, run_trainer_in_process
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):

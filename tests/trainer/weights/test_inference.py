@@ -68,7 +68,7 @@ def test_bad_files_raise_one_line_model_load_errors(trained, tmp_path):
 
 
 def test_a_runs_checkpoints_folder_names_what_to_give_instead(trained):
-    # it read as "not a model directory (no config.json), nor a run directory", for the loader and --from_weight
+    # not "not a model directory (no config.json), nor a run directory": the same line for the loader and --from_weight
     from trainer.weights.read import read_weights
 
     folder = trained["checkpoint"].parent
