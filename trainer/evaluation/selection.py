@@ -56,6 +56,9 @@ def flag_problems(args) -> list[str]:
     paths = held_out_files(args.eval_data_path)
     if not paths:
         return [f"--keep_best {metric} needs held-out data: give --eval_data_path"]
+    if args.early_stop_patience and not args.eval_interval:  # one evaluation: nothing to be patient for
+        return [f"--early_stop_patience {args.early_stop_patience} needs --eval_interval N: with 0 the only "
+                "evaluation is the one at the end"]
     key, _, name = metric.partition("/")
     if key not in METRICS:
         return [f"--keep_best {metric}: unknown metric (use {', '.join(METRICS)}, or KEY/NAME for one held-out file)"]

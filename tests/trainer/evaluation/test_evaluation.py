@@ -153,6 +153,8 @@ def test_keep_best_of_a_metric_the_run_does_not_report_is_a_one_line_error(data,
 @pytest.mark.parametrize("extra, message", [
     (["--keep_best", "eval_loss"], "--keep_best eval_loss needs held-out data: give --eval_data_path"),
     (["--early_stop_patience", "2"], "--early_stop_patience needs --keep_best METRIC (the metric that must improve)"),
+    (["--eval_data_path", "EVAL", "--keep_best", "eval_loss", "--early_stop_patience", "2"],
+     "--early_stop_patience 2 needs --eval_interval N: with 0 the only evaluation is the one at the end"),
     (["--eval_data_path", "EVAL", "--keep_best", "eval_los"],
      "--keep_best eval_los: unknown metric (use eval_loss, eval_token_accuracy, eval_exact_match, "
      "eval_tool_call_accuracy, or KEY/NAME for one held-out file)"),
