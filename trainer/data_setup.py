@@ -34,14 +34,18 @@ class TrainData:
     source_names: list[str] = field(default_factory=lambda: ["data"])  # of --data_path's sources, in order
 
 
-def check_data_files(args) -> None:
+def check_data_files(args, log=print) -> None:
     """Every --data_path source resolves (files, directories, globs, weights) and every held-out file
     passes `check_data_file` (missing, empty, a folder, ...): a one-line DataError before a previous
     run is set aside (--overwrite 1) or any data is tokenized. The training files themselves, maybe
-    thousands of shards, are checked as their caches are built."""
-    parse_data_path(args.data_path)
+    thousands of shards, are checked as their caches are built. A held-out file that is also trained
+    on is said (`log`): its figures measure what the model learned of it."""
+    trained = {os.path.realpath(path) for source in parse_data_path(args.data_path) for path in source.files}
     for path in held_out_files(args.eval_data_path):
         check_data_file(Path(path))
+        if os.path.realpath(path) in trained:
+            log(f"[eval] warning: {path} is held out and also trained on (--data_path): its evaluation measures "
+                "what the model learned of it, not how it does on conversations it has not seen")
 
 
 def _worker_ignores_preemption(_worker_id: int) -> None:

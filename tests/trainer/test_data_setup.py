@@ -17,3 +17,14 @@ def test_a_held_out_file_that_cannot_be_read_fails_before_the_training_data_is_t
         assert (done.returncode, done.stderr.splitlines()[-1:]) == (2, [f"error: {line}"])
         assert "tokenizing" not in done.stdout + done.stderr and not (tmp_path / "cache").exists()
         assert not (run / "set_aside").exists() and (run / "checkpoints" / "step_00000002.pt").is_file()
+
+
+def test_a_held_out_file_that_is_also_training_data_is_said(data, tmp_path):
+    done = run_trainer_in_process(flags(data, tmp_path / "run", "--max_steps", "1", "--eval_data_path",
+                                        str(data / "train.jsonl")), check=True)
+    assert (f"[eval] warning: {data / 'train.jsonl'} is held out and also trained on (--data_path): its evaluation "
+            "measures what the model learned of it, not how it does on conversations it has not seen"
+            ) in done.stdout.splitlines()
+    again = run_trainer_in_process(flags(data, tmp_path / "other", "--max_steps", "1", "--eval_data_path",
+                                         str(data / "eval.jsonl")), check=True)
+    assert "[eval] warning" not in again.stdout
