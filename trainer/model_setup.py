@@ -64,6 +64,7 @@ def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
 def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniMindConfig:
     """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them."""
     config = _model_config(args, tokenizer, weights)
+    check_moe_flags_act(args, config, from_weights=weights is not None)
     prefix = getattr(args, "save_weight", None)
     problem = pth_prefix_problem(prefix, "--save_dir") if prefix else None  # no prefix: no .pth
     if problem:
@@ -75,6 +76,17 @@ def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniM
         check_pth_spares_the_start(args, config, prefix)
     check_position_tables(args, config)
     return config
+
+
+def check_moe_flags_act(args, config: MiniMindConfig, from_weights: bool) -> None:
+    """MoE flags given for a dense model would change nothing: said, not dropped without a word."""
+    given = [flag for flag in MOE_ONLY_FLAGS if flag in getattr(args, "explicit_flags", ())]
+    if given and not config.use_moe:
+        flags = ", ".join(f"--{flag}" for flag in given)
+        act, them = ("acts", "it") if len(given) == 1 else ("act", "them")
+        dense = "the --from_weight weights are dense" if from_weights else "this one is dense"
+        fix = f"leave {them} out" if from_weights else f"give --use_moe 1, or leave {them} out"
+        raise ConfigError(f"{flags} only {act} on a mixture-of-experts model, and {dense}: {fix}")
 
 
 def check_pth_spares_the_start(args, config: MiniMindConfig, prefix: str) -> None:

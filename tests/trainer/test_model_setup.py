@@ -215,3 +215,27 @@ def test_a_save_weight_that_names_the_from_weight_file_is_refused(tmp_path):
     config = setup(["--from_weight", "pretrain", "--save_weight", "full_sft", "--save_dir", str(tmp_path),
                     "--hidden_size", "32"])
     assert config.hidden_size == 32
+
+
+def test_moe_flags_for_a_dense_model_are_refused(tmp_path):
+    """--num_experts / --num_experts_per_tok / --aux_loss_coef act only on a mixture of experts: for a dense model
+    (no --use_moe 1, or dense --from_weight weights) the run would train without them and without a word."""
+    import torch
+
+    from model import MiniMindConfig, MiniMindForCausalLM
+    from tests.helpers.tiny_weights import setup
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        setup(["--num_experts", "8", "--aux_loss_coef", "0.1"])
+    assert str(refused.value) == ("--num_experts, --aux_loss_coef only act on a mixture-of-experts model, and this one "
+                                  "is dense: give --use_moe 1, or leave them out")
+    assert setup(["--num_experts", "8", "--use_moe", "1"]).num_experts == 8
+    torch.manual_seed(0)
+    dense = MiniMindForCausalLM(MiniMindConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               num_key_value_heads=2))
+    torch.save(dense.state_dict(), tmp_path / "dense.pth")
+    with pytest.raises(ConfigError) as refused:
+        setup(["--from_weight", str(tmp_path / "dense.pth"), "--num_experts_per_tok", "2"])
+    assert str(refused.value) == ("--num_experts_per_tok only acts on a mixture-of-experts model, and the --from_weight "
+                                  "weights are dense: leave it out")
