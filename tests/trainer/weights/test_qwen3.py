@@ -14,7 +14,7 @@ from model import MiniMindConfig, MiniMindForCausalLM
 from tests.helpers.overfitted import script_in_process
 from tests.helpers.tiny_weights import MOE, RUN, SHAPES, demo_slices, whole_file_batch
 from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
-from tests.helpers.trainer_launch import train_losses
+from tests.helpers.trainer_launch import run_trainer_in_process, together, train_losses
 from trainer.errors import CheckpointError
 from trainer.weights.inference import load_model_for_inference
 from trainer.weights.read import build_config, clean_state_dict, load_into, read_weights
@@ -156,8 +156,10 @@ def test_qwen3_moe_two_ranks_equal_one_rank_and_resume_is_exact(qwen3_dirs, data
     assert len(build_cache_and_open(data / "train.jsonl", tokenizer, 128)) == 21
     common = [*RUN, "--from_weight", str(qwen3_dirs["moe"]), "--data_path", str(data / "train.jsonl"),
               "--max_steps", "4"]
-    run_trainer([*common, "--batch_size", "8", "--save_interval", "2", "--save_dir", str(tmp_path / "one")])
-    run_trainer([*common, "--batch_size", "4", "--save_interval", "0", "--save_dir", str(tmp_path / "two")], nproc=2)
+    together(lambda: run_trainer_in_process([*common, "--batch_size", "8", "--save_interval", "2", "--save_dir",
+                                             str(tmp_path / "one")], check=True),
+             lambda: run_trainer([*common, "--batch_size", "4", "--save_interval", "0", "--save_dir",
+                                  str(tmp_path / "two")], nproc=2))
     run_trainer([*common, "--batch_size", "8", "--save_interval", "0", "--save_dir", str(tmp_path / "resumed"),
                  "--resume_from", checkpoint_at(tmp_path / "one", 2)])
     one = final_weights(tmp_path / "one")
