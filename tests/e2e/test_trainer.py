@@ -169,7 +169,9 @@ def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
     common = ["--batch_size", "4", "--max_steps", "7", "--dropout", "0.1", "--num_workers", workers,
               "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2",
               "--system_prompt_ratio", "0.5", "--drop_empty_think_ratio", "0.5"]
-    run_trainer(flags(data, tmp_path / "full", *common, "--save_interval", "3"))
+    # in this process, but DataLoader workers are forked from a process of the run's own
+    uninterrupted = run_trainer_in_process if workers == "0" else run_trainer
+    uninterrupted(flags(data, tmp_path / "full", *common, "--save_interval", "3"), check=True)
     # The state a crash after step 3 leaves behind is the step-3 checkpoint: continue from it.
     resumed = run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",
                                 "--resume_from", checkpoint_at(tmp_path / "full", 3)))
@@ -182,7 +184,8 @@ def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
 
 def test_resume_on_a_different_world_size_continues_the_same_sample_stream(data, tmp_path):
     common = ["--max_steps", "6"]
-    run_trainer(flags(data, tmp_path / "full", "--batch_size", "4", *common, "--save_interval", "3"))
+    run_trainer_in_process(flags(data, tmp_path / "full", "--batch_size", "4", *common, "--save_interval", "3"),
+                           check=True)
     # same global batch (2 ranks x 2 = 1 rank x 4), so the same samples and the same mathematics
     resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "2", *common, "--save_interval", "0",
                                 "--resume_from", checkpoint_at(tmp_path / "full", 3)), nproc=2)
