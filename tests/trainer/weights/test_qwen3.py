@@ -120,8 +120,9 @@ FRESH_LOAD = textwrap.dedent("""
 def test_qwen3_fine_tune_first_loss_equals_transformers_and_exports_without_remote_code(qwen3_dirs, data, tmp_path,
                                                                                        tokenizer):
     run = tmp_path / "run"
-    result = run_trainer([*RUN, "--from_weight", str(qwen3_dirs["dense"]), "--data_path", str(data / "eight.jsonl"),
-                          "--batch_size", "8", "--max_steps", "1", "--save_dir", str(run)])
+    result = run_trainer_in_process([*RUN, "--from_weight", str(qwen3_dirs["dense"]), "--data_path",
+                                     str(data / "eight.jsonl"), "--batch_size", "8", "--max_steps", "1", "--save_dir",
+                                     str(run)], check=True)
     assert f"weights: qwen3 model {qwen3_dirs['dense']}" in result.stdout
     assert f"tokenizer: {qwen3_dirs['dense']} (saved with the weights, 6400 tokens)" in result.stdout
     batch = whole_file_batch(data / "eight.jsonl", tokenizer)  # the one step's batch: the whole file
