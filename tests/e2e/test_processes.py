@@ -267,7 +267,7 @@ def test_ctrl_c_saves_at_the_next_step_and_a_second_ctrl_c_stops_now(data, launc
     stopped_at = int(out.split("SIGINT received: stopping at step ")[1].split()[0])
     assert 2 <= stopped_at < 10 and os.path.exists(checkpoint_at(save_dir, stopped_at))
     assert "stopped after SIGINT; continue with --from_resume 1" in out
-    resumed = run_trainer(args)
+    resumed = run_trainer_in_process(args, check=True)
     assert f"training 10 optimizer steps from step {stopped_at}" in resumed.stdout
 
     save_dir = tmp_path / "twice"
