@@ -32,7 +32,7 @@ def one_process_batch_8(data, tmp_path_factory):
 def one_step_run(data, tmp_path_factory):
     """One process, batch 4, 1 step: the checkpoint that the refused resumes start from."""
     save_dir = tmp_path_factory.mktemp("one_step")
-    run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "1"))
+    run_trainer_in_process(flags(data, save_dir, "--batch_size", "4", "--max_steps", "1"), check=True)
     return save_dir
 
 
@@ -222,7 +222,7 @@ def test_only_rank_zero_writes_files(data, tmp_path):
 def test_checkpoint_of_another_hidden_size_is_refused(data, one_step_run, tmp_path):
     other = [*flags(data, tmp_path / "b", "--batch_size", "4", "--max_steps", "2"), "--hidden_size", "64",
              "--resume_from", checkpoint_at(one_step_run, 1)]
-    result = run_trainer(other, check=False)
+    result = run_trainer_in_process(other)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: checkpoint model config differs from the flags: hidden_size (checkpoint 32, flags 64); "
@@ -236,7 +236,7 @@ def test_truncated_checkpoint_is_refused_with_a_clear_message(data, one_step_run
     content = open(path, "rb").read()
     broken = tmp_path / "broken.pt"
     broken.write_bytes(content[: len(content) // 2])
-    result = run_trainer([*flags(data, tmp_path / "b", "--max_steps", "2"), "--resume_from", str(broken)], check=False)
+    result = run_trainer_in_process([*flags(data, tmp_path / "b", "--max_steps", "2"), "--resume_from", str(broken)])
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: resume checkpoint {broken} is corrupt or truncated")
