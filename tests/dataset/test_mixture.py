@@ -13,7 +13,8 @@ import torch
 from dataset import DataError, ResumableDistributedSampler, SFTCollator, load_tokenizer
 from dataset.mixture import EpochMixture, epoch_counts, parse_data_path
 from model import MiniMindConfig, MiniMindForCausalLM
-from tests.helpers.trainer_launch import TINY, checkpoint_at, final_weights, run_trainer
+from tests.helpers.trainer_launch import (TINY, checkpoint_at, final_weights, run_trainer, run_trainer_in_process,
+                                         together)
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
 from trainer.run_logger import format_figure
@@ -301,9 +302,12 @@ def train_rows(save_dir) -> dict[int, dict]:
 
 
 def test_a_mixture_resumes_bit_exactly_and_refuses_a_changed_weight(mixture_data, tmp_path):
-    run_trainer(mixture_flags(mixture_data, tmp_path / "full", (1, 2), "--save_interval", "3"))
-    resumed = run_trainer(mixture_flags(mixture_data, tmp_path / "resumed", (1, 2), "--save_interval", "0",
-                                        "--resume_from", checkpoint_at(tmp_path / "full", 3)))
+    run_trainer_in_process(mixture_flags(mixture_data, tmp_path / "full", (1, 2), "--save_interval", "3"), check=True)
+    refused, resumed = together(
+        lambda: run_trainer_in_process(mixture_flags(mixture_data, tmp_path / "refused", (1, 3), "--resume_from",
+                                                     checkpoint_at(tmp_path / "full", 3))),
+        lambda: run_trainer(mixture_flags(mixture_data, tmp_path / "resumed", (1, 2), "--save_interval", "0",
+                                          "--resume_from", checkpoint_at(tmp_path / "full", 3))))
     assert "[data] mixture per epoch: general 32 of 60 samples (weight 1, 1 file(s)); tools 64 of 36 samples " \
            "(weight 2, 2 file(s))" in resumed.stdout
     full_weights, resumed_weights = final_weights(tmp_path / "full"), final_weights(tmp_path / "resumed")
@@ -322,8 +326,6 @@ def test_a_mixture_resumes_bit_exactly_and_refuses_a_changed_weight(mixture_data
     assert any(line.startswith("step 6/6") and progress in line
                for line in resumed.stdout.splitlines())  # the progress line names the sources' losses
 
-    refused = run_trainer(mixture_flags(mixture_data, tmp_path / "refused", (1, 3), "--resume_from",
-                                        checkpoint_at(tmp_path / "full", 3)), check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1].startswith(
         "error: cannot resume: --data_path weights differs from the checkpoint's run (checkpoint 1,2, now 1,3), "
@@ -335,8 +337,10 @@ def test_a_mixture_resumes_bit_exactly_and_refuses_a_changed_weight(mixture_data
 def test_two_ranks_give_the_same_per_source_losses_and_weights_as_one(mixture_data, tmp_path):
     """The per-source sums are reduced over ranks: 2 ranks x 2 rows report what 1 rank x 4 does."""
     common = ("--max_steps", "3", "--save_interval", "0", "--dropout", "0")
-    run_trainer([*mixture_flags(mixture_data, tmp_path / "one", (1, 2)), *common])
-    run_trainer([*mixture_flags(mixture_data, tmp_path / "two", (1, 2)), *common, "--batch_size", "2"], nproc=2)
+    together(lambda: run_trainer_in_process([*mixture_flags(mixture_data, tmp_path / "one", (1, 2)), *common],
+                                            check=True),
+             lambda: run_trainer([*mixture_flags(mixture_data, tmp_path / "two", (1, 2)), *common, "--batch_size", "2"],
+                                 nproc=2))
     one, two = train_rows(tmp_path / "one"), train_rows(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2, 3]
     for step in one:

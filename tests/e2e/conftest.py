@@ -3,7 +3,7 @@
 import pytest
 
 from tests.helpers.fault_checks import ONE_PROCESS, TWO_PROCESSES
-from tests.helpers.trainer_launch import Launcher, flags, run_trainer
+from tests.helpers.trainer_launch import Launcher, flags, run_trainer, run_trainer_in_process
 
 
 @pytest.fixture
@@ -16,7 +16,7 @@ def launcher(tmp_path):
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("reference_one")
-    run_trainer(flags(data, save_dir, *ONE_PROCESS))
+    run_trainer_in_process(flags(data, save_dir, *ONE_PROCESS), check=True)  # what is checked is its weights
     return save_dir
 
 

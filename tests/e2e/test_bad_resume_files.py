@@ -8,7 +8,8 @@ import torch
 
 from tests.helpers.fault_checks import ONE_PROCESS, last_line
 from tests.helpers.malicious_pickle import malicious_checkpoint
-from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, final_weights, flags, run_trainer
+from tests.helpers.trainer_launch import (REPO, assert_weights_equal, checkpoint_at, final_weights, flags,
+                                         run_trainer_in_process)
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def test_from_resume_falls_back_past_unusable_latest_checkpoints(data, reference
     marker = tmp_path / "code_ran"
     malicious_checkpoint(checkpoint_at(save_dir, 10), marker)
 
-    result = run_trainer(flags(data, save_dir, *ONE_PROCESS, "--from_resume", "1"))
+    result = run_trainer_in_process(flags(data, save_dir, *ONE_PROCESS, "--from_resume", "1"), check=True)
     warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 3
     assert warnings[0] == (

@@ -102,8 +102,9 @@ def test_every_numeric_flag_has_a_range():
 def test_a_learning_rate_that_breaks_the_weights_stops_before_any_nan_is_saved(data, tmp_path):
     # Finite flags, but an update that overflows the weights: the run stops at once (exit 1)
     # and every file it wrote holds finite weights.
-    result = run_trainer(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "4", "--save_interval", "1",
-                               "--learning_rate", "1e20", "--weight_decay", "1e20", "--warmup_steps", "0"), check=False)
+    result = run_trainer_in_process(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "4", "--save_interval",
+                                          "1", "--learning_rate", "1e20", "--weight_decay", "1e20", "--warmup_steps",
+                                          "0"))
     assert result.returncode == 1, result.stderr
     assert last_line(result.stderr).startswith("error: step 1 made the weights non-finite (--learning_rate 1e+20 or --weight_decay 1e+20 too large?)")
     assert "Traceback" not in result.stderr
@@ -267,7 +268,7 @@ def test_ctrl_c_saves_at_the_next_step_and_a_second_ctrl_c_stops_now(data, launc
     stopped_at = int(out.split("SIGINT received: stopping at step ")[1].split()[0])
     assert 2 <= stopped_at < 10 and os.path.exists(checkpoint_at(save_dir, stopped_at))
     assert "stopped after SIGINT; continue with --from_resume 1" in out
-    resumed = run_trainer(args)
+    resumed = run_trainer_in_process(args, check=True)
     assert f"training 10 optimizer steps from step {stopped_at}" in resumed.stdout
 
     save_dir = tmp_path / "twice"

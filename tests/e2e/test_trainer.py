@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.helpers.trainer_launch import (
-    REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_trainer, train_losses,
+    REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_trainer,
+    run_trainer_in_process, together, train_losses,
 )
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,7 @@ STEPS = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", 
 def one_process_batch_8(data, tmp_path_factory):
     """One process, batch 8, STEPS: the run that 2 ranks x 4, accumulation and every launch style must equal."""
     save_dir = tmp_path_factory.mktemp("single")
-    run_trainer(flags(data, save_dir, "--batch_size", "8", *STEPS))
+    run_trainer_in_process(flags(data, save_dir, "--batch_size", "8", *STEPS), check=True)
     return save_dir
 
 
@@ -31,14 +32,15 @@ def one_process_batch_8(data, tmp_path_factory):
 def one_step_run(data, tmp_path_factory):
     """One process, batch 4, 1 step: the checkpoint that the refused resumes start from."""
     save_dir = tmp_path_factory.mktemp("one_step")
-    run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "1"))
+    run_trainer_in_process(flags(data, save_dir, "--batch_size", "4", "--max_steps", "1"), check=True)
     return save_dir
 
 
 def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(
         data, one_process_batch_8, tmp_path):
-    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *STEPS), nproc=2)
-    run_trainer(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *STEPS))
+    together(lambda: run_trainer_in_process(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps",
+                                                  "2", *STEPS), check=True),
+             lambda: run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *STEPS), nproc=2))
     one = final_weights(one_process_batch_8)
     assert_weights_equal(final_weights(tmp_path / "two"), one, atol=1e-5)
     assert_weights_equal(final_weights(tmp_path / "accum"), one, atol=1e-5)
@@ -94,10 +96,14 @@ def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):
     # Autocast is proven by the dtype of the matmul outputs inside the training step, not by the
     # losses differing (on a CPU without native bf16 they can coincide). 2 tiny steps: bf16 is
     # emulated, many times slower, on AVX2-only CPUs.
-    for dtype in ("bfloat16", "float32"):
-        run_trainer(flags(data, tmp_path / dtype, "--batch_size", "4", "--max_steps", "2", "--dtype", dtype),
-                    script=os.path.join(REPO, "tests", "helpers", "record_dtypes.py"),
-                    env=clean_env(MINISFT_DTYPE_REPORT=str(tmp_path / f"{dtype}.json")))
+    def recorded(dtype):
+        return run_trainer(flags(data, tmp_path / dtype, "--batch_size", "4", "--max_steps", "2", "--dtype", dtype),
+                           script=os.path.join(REPO, "tests", "helpers", "record_dtypes.py"),
+                           env=clean_env(MINISFT_DTYPE_REPORT=str(tmp_path / f"{dtype}.json")))
+
+    result, *_ = together(lambda: run_trainer_in_process(flags(data, tmp_path / "fp16", "--max_steps", "1", "--dtype",
+                                                               "float16")),
+                          lambda: recorded("bfloat16"), lambda: recorded("float32"))
     assert json.load(open(tmp_path / "bfloat16.json")) == ["torch.bfloat16"]
     assert json.load(open(tmp_path / "float32.json")) == ["torch.float32"]
     weights = final_weights(tmp_path / "bfloat16")
@@ -105,7 +111,6 @@ def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):
     bf16, fp32 = train_losses(tmp_path / "bfloat16"), train_losses(tmp_path / "float32")
     for step in (1, 2):  # the same training, computed in bf16: close to fp32
         assert abs(bf16[step] - fp32[step]) < 0.02 * fp32[step]
-    result = run_trainer(flags(data, tmp_path / "fp16", "--max_steps", "1", "--dtype", "float16"), check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"
 
@@ -115,8 +120,9 @@ def test_torch_compile_trains_like_eager(data, tmp_path, packing):
     # Length-grouped batches of varying length (dynamic shapes) and packed rows (per-document
     # attention outside the compiled graph): compiled and eager runs follow the same losses.
     common = ["--batch_size", "4", "--max_steps", "4", "--packing", packing, "--save_interval", "0"]
-    run_trainer(flags(data, tmp_path / "eager", *common))
-    result = run_trainer(flags(data, tmp_path / "compiled", *common, "--use_compile", "1"), timeout=600)
+    _, result = together(lambda: run_trainer_in_process(flags(data, tmp_path / "eager", *common), check=True),
+                         lambda: run_trainer(flags(data, tmp_path / "compiled", *common, "--use_compile", "1"),
+                                             timeout=600))
     assert "recompile_limit" not in result.stderr  # would mean it silently fell back to eager
     eager, compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
     assert sorted(eager) == sorted(compiled) == [1, 2, 3, 4]
@@ -163,7 +169,9 @@ def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
     common = ["--batch_size", "4", "--max_steps", "7", "--dropout", "0.1", "--num_workers", workers,
               "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2",
               "--system_prompt_ratio", "0.5", "--drop_empty_think_ratio", "0.5"]
-    run_trainer(flags(data, tmp_path / "full", *common, "--save_interval", "3"))
+    # in this process, but DataLoader workers are forked from a process of the run's own
+    uninterrupted = run_trainer_in_process if workers == "0" else run_trainer
+    uninterrupted(flags(data, tmp_path / "full", *common, "--save_interval", "3"), check=True)
     # The state a crash after step 3 leaves behind is the step-3 checkpoint: continue from it.
     resumed = run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",
                                 "--resume_from", checkpoint_at(tmp_path / "full", 3)))
@@ -176,7 +184,8 @@ def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
 
 def test_resume_on_a_different_world_size_continues_the_same_sample_stream(data, tmp_path):
     common = ["--max_steps", "6"]
-    run_trainer(flags(data, tmp_path / "full", "--batch_size", "4", *common, "--save_interval", "3"))
+    run_trainer_in_process(flags(data, tmp_path / "full", "--batch_size", "4", *common, "--save_interval", "3"),
+                           check=True)
     # same global batch (2 ranks x 2 = 1 rank x 4), so the same samples and the same mathematics
     resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "2", *common, "--save_interval", "0",
                                 "--resume_from", checkpoint_at(tmp_path / "full", 3)), nproc=2)
@@ -213,7 +222,7 @@ def test_only_rank_zero_writes_files(data, tmp_path):
 def test_checkpoint_of_another_hidden_size_is_refused(data, one_step_run, tmp_path):
     other = [*flags(data, tmp_path / "b", "--batch_size", "4", "--max_steps", "2"), "--hidden_size", "64",
              "--resume_from", checkpoint_at(one_step_run, 1)]
-    result = run_trainer(other, check=False)
+    result = run_trainer_in_process(other)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "error: checkpoint model config differs from the flags: hidden_size (checkpoint 32, flags 64); "
@@ -227,7 +236,7 @@ def test_truncated_checkpoint_is_refused_with_a_clear_message(data, one_step_run
     content = open(path, "rb").read()
     broken = tmp_path / "broken.pt"
     broken.write_bytes(content[: len(content) // 2])
-    result = run_trainer([*flags(data, tmp_path / "b", "--max_steps", "2"), "--resume_from", str(broken)], check=False)
+    result = run_trainer_in_process([*flags(data, tmp_path / "b", "--max_steps", "2"), "--resume_from", str(broken)])
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: resume checkpoint {broken} is corrupt or truncated")

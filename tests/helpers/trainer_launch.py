@@ -1,5 +1,6 @@
 """Helpers for tests that run `train_full_sft.py` in real processes (python, torchrun)."""
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -67,6 +68,17 @@ def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: 
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def together(first, *others):
+    """Independent runs at the same time: `first()` in this thread (a `run_trainer_in_process` run
+    needs the main thread, where signal handlers are set), each of `others` in a thread of its own
+    (runs that start their own processes); their results in order. An exception is raised once all
+    have ended."""
+    with concurrent.futures.ThreadPoolExecutor(len(others)) as pool:
+        futures = [pool.submit(call) for call in others]
+        result = first()  # leaving the `with` waits for the others, also after an exception
+        return [result, *(future.result() for future in futures)]
 
 
 def run_ranks_apart(script: str, args: list[str], local_ranks: tuple[int, int], timeout: float = 240,

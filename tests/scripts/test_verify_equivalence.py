@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from scripts.verify_equivalence import compare, drop_flags, variants
+from scripts.verify_equivalence import compare, drop_flags, main, variants
+from tests.helpers.in_process import run_in_process
 from tests.helpers.trainer_launch import REPO, TINY, clean_env, free_port
 
 TOOL = os.path.join(REPO, "scripts", "verify_equivalence.py")
@@ -25,6 +26,17 @@ ONE = ["1 process x batch 4 (reference)", "1 process x batch 2 x accumulation 2"
 def run_tool(*args: str, env=None, launcher=None, timeout: float = 600, tool=(TOOL,)) -> subprocess.CompletedProcess:
     return subprocess.run([*(launcher or [sys.executable]), *tool, *args], cwd=REPO, env=env or clean_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def run_tool_in_process(*args: str, **env) -> subprocess.CompletedProcess:
+    """The check's main() in this process, with `run_tool`'s environment (that its trainer processes
+    inherit): for whole runs whose result is the table, not what the check's own process prints."""
+    def call():
+        os.environ.clear()
+        os.environ.update(clean_env(**env))
+        return main(list(args))
+
+    return run_in_process(["verify_equivalence.py", *args], call, cwd=REPO)
 
 
 def tool_flags(data, work_dir, *extra) -> list[str]:
@@ -63,7 +75,7 @@ def assert_all_within_tolerance(rows: dict, names: list[str]) -> None:
 
 @pytest.mark.slow
 def test_two_processes_one_process_accumulation_and_resume_agree(data, tmp_path):
-    done = run_tool("--nproc_per_node", "2", *tool_flags(data, tmp_path))
+    done = run_tool_in_process("--nproc_per_node", "2", *tool_flags(data, tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     rows = table(done.stdout)
     assert_all_within_tolerance(rows, TWO)

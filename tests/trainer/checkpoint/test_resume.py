@@ -251,7 +251,8 @@ def test_only_unreadable_checkpoints_stop_a_from_resume(tmp_path):
 @pytest.mark.slow
 def test_damaged_checkpoints_or_a_fresh_run_never_replace_the_runs_model(data, tmp_path):
     save_dir = tmp_path / "run"
-    run_trainer(flags(data, save_dir, "--batch_size", "8", "--max_steps", "2", "--save_interval", "1"))
+    run_trainer_in_process(flags(data, save_dir, "--batch_size", "8", "--max_steps", "2", "--save_interval", "1"),
+                           check=True)
     weights = save_dir / "model" / "model.safetensors"
     before = hashlib.sha256(weights.read_bytes()).hexdigest()
     for name in os.listdir(save_dir / "checkpoints"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer, run_trainer_in_process
+from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer, run_trainer_in_process, together
 from trainer.evaluation.evaluate import last_assistant_turn, loss_and_accuracy_sums
 from trainer.evaluation.selection import improves, metric_mode, update_selection
 
@@ -194,8 +194,10 @@ def test_fsdp_evaluation_with_uneven_slices_equals_one_process_and_keeps_the_bes
     # FSDP every forward is a collective; without the padding forward this run hangs).
     common = ["--batch_size", "1", "--max_steps", "2", "--eval_interval", "2", "--save_interval", "0",
               "--eval_data_path", str(data / "eval.jsonl"), "--dist_timeout", "60"]
-    run_trainer(flags(data, tmp_path / "fsdp", *common, "--fsdp", "1", "--keep_best", "eval_loss"), nproc=2)
-    run_trainer(flags(data, tmp_path / "one", *common[2:], "--batch_size", "2", "--max_steps", "2"))
+    together(lambda: run_trainer_in_process(flags(data, tmp_path / "one", *common[2:], "--batch_size", "2",
+                                                  "--max_steps", "2"), check=True),
+             lambda: run_trainer(flags(data, tmp_path / "fsdp", *common, "--fsdp", "1", "--keep_best", "eval_loss"),
+                                 nproc=2))
     (fsdp,), (one,) = eval_rows(tmp_path / "fsdp")[0], eval_rows(tmp_path / "one")[0]
     assert fsdp["eval_loss_tokens"] == one["eval_loss_tokens"]
     assert fsdp["eval_token_accuracy"] == one["eval_token_accuracy"]

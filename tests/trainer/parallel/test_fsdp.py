@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 
 from tests.helpers.overfitted import script_in_process
 from tests.helpers.trainer_launch import (Launcher, REPO, assert_weights_equal, checkpoint_at, clean_env, flags,
-                                         run_trainer, train_losses, wait_until, worker_pids)
+                                         run_trainer, run_trainer_in_process, together, train_losses, wait_until,
+                                         worker_pids)
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -53,8 +54,9 @@ def fsdp_run(data, tmp_path_factory):
 
 def test_fsdp_equals_one_process_and_ddp_and_resumes_a_ddp_checkpoint(data, fsdp_run, tmp_path):
     one, ddp = tmp_path / "one", tmp_path / "ddp"
-    run_trainer(flags(data, one, "--batch_size", "6", *STEPS, "--save_interval", "2"))
-    run_trainer(flags(data, ddp, "--batch_size", "3", *STEPS, "--save_interval", "0"), nproc=2)
+    together(lambda: run_trainer_in_process(flags(data, one, "--batch_size", "6", *STEPS, "--save_interval", "2"),
+                                            check=True),
+             lambda: run_trainer(flags(data, ddp, "--batch_size", "3", *STEPS, "--save_interval", "0"), nproc=2))
     reference = weights(checkpoint_at(one, 4))
     assert os.path.isdir(dcp_at(fsdp_run, 4))  # sharded: one file per rank
     assert sorted(n for n in os.listdir(dcp_at(fsdp_run, 4)) if n.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]

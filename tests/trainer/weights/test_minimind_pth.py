@@ -6,7 +6,7 @@ import torch
 from model import MiniMindConfig, MiniMindForCausalLM
 from tests.helpers.overfitted import script_in_process
 from tests.helpers.tiny_weights import RUN, demo_slices, setup, whole_file_batch
-from tests.helpers.trainer_launch import assert_weights_equal, run_trainer, train_losses
+from tests.helpers.trainer_launch import assert_weights_equal, run_trainer_in_process, train_losses
 from trainer.errors import CheckpointError
 from trainer.weights.inference import load_model_for_inference
 
@@ -38,9 +38,9 @@ def test_minimind_fp16_pth_without_lm_head_round_trips(data, tmp_path, tokenizer
     run.mkdir()
     half = {k: v.half() for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
     torch.save(half, run / "pretrain_32.pth")
-    result = run_trainer([*RUN, "--from_weight", "pretrain", "--hidden_size", "32", "--data_path",
-                          str(data / "eight.jsonl"), "--batch_size", "8", "--max_steps", "1", "--save_dir", str(run),
-                          "--save_weight", "sft"])
+    result = run_trainer_in_process([*RUN, "--from_weight", "pretrain", "--hidden_size", "32", "--data_path",
+                                     str(data / "eight.jsonl"), "--batch_size", "8", "--max_steps", "1", "--save_dir",
+                                     str(run), "--save_weight", "sft"], check=True)
     assert f"weights: MiniMind state dict {run / 'pretrain_32.pth'}" in result.stdout
     start = MiniMindForCausalLM(MiniMindConfig(**layout)).eval()
     start.load_state_dict({**half, "lm_head.weight": half["model.embed_tokens.weight"]})

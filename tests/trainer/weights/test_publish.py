@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.overfitted import script_in_process
 from tests.helpers.tiny_weights import demo_slices
-from tests.helpers.trainer_launch import REPO, SCRIPT, clean_env, run_trainer
+from tests.helpers.trainer_launch import REPO, SCRIPT, clean_env, run_trainer_in_process
 
 data = pytest.fixture(scope="module", name="data")(demo_slices)
 
@@ -34,7 +34,7 @@ def kept_best_run(data, tmp_path_factory):
     run = tmp_path_factory.mktemp("kept_best") / "run"
     previous = os.umask(UMASK)
     try:
-        run_trainer(small_run(data, run, "--max_steps", "2", "--save_interval", "2"))
+        run_trainer_in_process(small_run(data, run, "--max_steps", "2", "--save_interval", "2"), check=True)
     finally:
         os.umask(previous)
     assert json.loads((run / "best" / "best.json").read_text())["step"] == 2

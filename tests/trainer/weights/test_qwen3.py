@@ -14,7 +14,7 @@ from model import MiniMindConfig, MiniMindForCausalLM
 from tests.helpers.overfitted import script_in_process
 from tests.helpers.tiny_weights import MOE, RUN, SHAPES, demo_slices, whole_file_batch
 from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, run_trainer
-from tests.helpers.trainer_launch import train_losses
+from tests.helpers.trainer_launch import run_trainer_in_process, together, train_losses
 from trainer.errors import CheckpointError
 from trainer.weights.inference import load_model_for_inference
 from trainer.weights.read import build_config, clean_state_dict, load_into, read_weights
@@ -120,8 +120,9 @@ FRESH_LOAD = textwrap.dedent("""
 def test_qwen3_fine_tune_first_loss_equals_transformers_and_exports_without_remote_code(qwen3_dirs, data, tmp_path,
                                                                                        tokenizer):
     run = tmp_path / "run"
-    result = run_trainer([*RUN, "--from_weight", str(qwen3_dirs["dense"]), "--data_path", str(data / "eight.jsonl"),
-                          "--batch_size", "8", "--max_steps", "1", "--save_dir", str(run)])
+    result = run_trainer_in_process([*RUN, "--from_weight", str(qwen3_dirs["dense"]), "--data_path",
+                                     str(data / "eight.jsonl"), "--batch_size", "8", "--max_steps", "1", "--save_dir",
+                                     str(run)], check=True)
     assert f"weights: qwen3 model {qwen3_dirs['dense']}" in result.stdout
     assert f"tokenizer: {qwen3_dirs['dense']} (saved with the weights, 6400 tokens)" in result.stdout
     batch = whole_file_batch(data / "eight.jsonl", tokenizer)  # the one step's batch: the whole file
@@ -156,8 +157,10 @@ def test_qwen3_moe_two_ranks_equal_one_rank_and_resume_is_exact(qwen3_dirs, data
     assert len(build_cache_and_open(data / "train.jsonl", tokenizer, 128)) == 21
     common = [*RUN, "--from_weight", str(qwen3_dirs["moe"]), "--data_path", str(data / "train.jsonl"),
               "--max_steps", "4"]
-    run_trainer([*common, "--batch_size", "8", "--save_interval", "2", "--save_dir", str(tmp_path / "one")])
-    run_trainer([*common, "--batch_size", "4", "--save_interval", "0", "--save_dir", str(tmp_path / "two")], nproc=2)
+    together(lambda: run_trainer_in_process([*common, "--batch_size", "8", "--save_interval", "2", "--save_dir",
+                                             str(tmp_path / "one")], check=True),
+             lambda: run_trainer([*common, "--batch_size", "4", "--save_interval", "0", "--save_dir",
+                                  str(tmp_path / "two")], nproc=2))
     run_trainer([*common, "--batch_size", "8", "--save_interval", "0", "--save_dir", str(tmp_path / "resumed"),
                  "--resume_from", checkpoint_at(tmp_path / "one", 2)])
     one = final_weights(tmp_path / "one")

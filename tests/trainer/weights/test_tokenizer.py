@@ -7,7 +7,7 @@ import torch
 
 from dataset import load_tokenizer
 from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
-from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer
+from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer_in_process
 from tests.trainer.test_model_setup import custom_tokenizer, tokenizer_of
 from trainer.errors import ModelLoadError
 from trainer.weights.inference import load_tokenizer_for_model
@@ -20,7 +20,8 @@ def test_a_checkpoint_keeps_its_runs_tokenizer_and_every_entry_point_loads_it(da
 
     tok = custom_tokenizer(tmp_path / "tok")  # the shipped vocabulary with another chat template
     run = tmp_path / "run"
-    run_trainer(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tok)))
+    run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "1", "--tokenizer_path", str(tok)),
+                           check=True)
     theirs = tokenizer_fingerprint(load_tokenizer(tok))
     shipped = tokenizer_fingerprint(load_tokenizer(None))
     state = torch.load(checkpoint_at(run, 1), weights_only=True)
