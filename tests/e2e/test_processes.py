@@ -180,12 +180,13 @@ def test_an_oserror_from_a_bug_keeps_its_traceback_and_a_named_file_gets_one_lin
     assert result.returncode == 2
     assert last_line(result.stderr) == f"error: could not write {tmp_path / 'run' / 'metrics.jsonl'}: Is a directory"
     assert "Traceback" not in result.stderr
-    # A --cache_dir that is a file: the OS names the user's path, one line, exit 2.
+    # A --cache_dir that is a file: named with its flag, one line, exit 2, before any data is read.
     (tmp_path / "cache").write_text("not a folder")
     result = run_trainer_in_process(flags(data, tmp_path / "cached", "--max_steps", "1", "--cache_dir",
                                           str(tmp_path / "cache")))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert last_line(result.stderr).startswith(f"error: {tmp_path / 'cache'}")
+    cache = tmp_path / "cache"
+    assert last_line(result.stderr) == f"error: --cache_dir {cache} cannot be a folder: {cache} is a file"
     # An OSError raised by our own code (here: a tokenizer call breaking mid-run) is a bug: traceback, exit 1.
     script = ("import sys, train_full_sft, dataset\n"
               "def broken(*a, **k): raise OSError(5, 'Input/output error')\n"
