@@ -31,8 +31,12 @@ def local_rank_from(env=os.environ, flag_local_rank: int | None = None) -> int:
 
 def prints_for_node(env=os.environ) -> bool:
     """Whether this process prints the lines its node's processes have alike: local rank 0
-    (`local_rank_from`)."""
-    return local_rank_from(env) == 0
+    (`local_rank_from`). A local rank that is not a number prints: the line is a flag's error, and
+    `distributed.check_launch_variables` names that variable once the flags pass."""
+    try:
+        return local_rank_from(env) == 0
+    except ValueError:
+        return True
 
 
 def print_for_node(message: str) -> None:

@@ -68,3 +68,18 @@ def test_launcher_variables_that_cannot_describe_a_launch_are_one_line_before_an
         monkeypatch.setenv(name, value)
     done = run_trainer_in_process(flags(data, tmp_path / "run", "--dist_timeout", "600"))
     assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: {line}"])
+
+
+def test_a_flag_error_under_a_local_rank_that_is_not_a_number_is_the_flags_line(data, tmp_path, monkeypatch):
+    # the flag error is printed by local rank 0 of each node; a LOCAL_RANK that int() cannot read is not
+    # a reason for a traceback in place of the flag's line (the launch check names it when the flags pass)
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "x"}.items():
+        monkeypatch.setenv(name, value)
+    done = run_trainer_in_process(flags(data, tmp_path / "run", "--epochs", "0"))
+    assert (done.returncode, done.stderr.splitlines()) == (2, ["error: --epochs must be >= 1 (got 0)"])
+    done = run_trainer_in_process(flags(data, tmp_path / "run"))
+    assert (done.returncode, done.stderr.splitlines()) == (2, [
+        "error: LOCAL_RANK='x' in the environment is not a whole number >= 0 (the launcher sets it: torchrun, srun "
+        "or your own script)"])
