@@ -102,6 +102,15 @@ def keys_with_prefix(records: list[dict], prefixes: tuple[str, ...]) -> list[str
     return sorted(found, key=lambda key: ("/" in key, key))
 
 
+def has_a_loss(curves: dict[str, list[dict]]) -> bool:
+    """Whether any train or eval loss curve has a finite point to draw."""
+    for kind, prefix in (("train", "loss"), ("eval", "eval_loss")):
+        records = curves.get(kind, [])
+        if any(_series(records, key)[0] for key in keys_with_prefix(records, (prefix,))):
+            return True
+    return False
+
+
 def plot(curves: dict[str, list[dict]], out: Path, title: str) -> list[str]:
     """Losses (train, any per-source `loss/<source>`, eval and per-file `eval_loss/<name>`), the
     eval accuracies when there are any, learning rate and tokens/s; the best step of --keep_best
@@ -166,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     curves = dedupe_metrics(records)
     if not curves.get("train"):
         fail(f"{path}: no train lines (kind 'train') to plot")
+    if not has_a_loss(curves):  # every interval skipped logs "loss": null
+        fail(f"{path}: no finite loss in its {len(curves['train'])} train lines (every step skipped?): nothing to plot")
     out = Path(args.out) if args.out else path.parent / "loss.png"
     if out.suffix.lower() != ".png":
         fail(f"--out {out}: expected a .png file name")

@@ -82,3 +82,17 @@ def test_lines_of_json_but_not_of_metrics_are_skipped_and_said(tmp_path, capsys)
     assert main(["--metrics", str(tmp_path), "--out", str(tmp_path / "loss.png")]) == 0
     assert capsys.readouterr().err == f"warning: {tmp_path / 'metrics.jsonl'}: skipped 2 malformed line(s) (first: line 4)\n"
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_metrics_without_a_finite_loss_are_one_line_not_an_empty_plot(tmp_path, capsys):
+    # every logged interval skipped (non-finite steps log "loss": null): nothing to draw, said in one line
+    from scripts.plot_loss import main
+
+    lines = [{**line, "loss": None} for line in metric_lines(range(1, 4))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(SystemExit) as done:
+        main(["--metrics", str(tmp_path), "--out", str(tmp_path / "loss.png")])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path / 'metrics.jsonl'}: no finite loss in its 3 train lines (every step skipped?): nothing to plot"]
+    assert not (tmp_path / "loss.png").exists()
