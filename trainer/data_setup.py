@@ -89,11 +89,10 @@ def build_dataset(path, args, tokenizer, augmenter=None, log=print):
     return PackedSFTDataset(dataset, args.max_seq_len) if args.packing else dataset
 
 
-def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, EpochMixture, list]:
-    """The sources of --data_path end to end (one token cache per file; with --packing 1 each
+def build_mixture(args, sources: list, tokenizer, augmenter, log) -> tuple[MixtureDataset, EpochMixture, list]:
+    """The `sources` of --data_path end to end (one token cache per file; with --packing 1 each
     source is packed into rows of its own), the epoch's counts per source, and each source with
     the datasets of its files."""
-    sources = parse_data_path(args.data_path)
     parts, opened, first_index = [], [], 0
     for source in sources:
         files = []
@@ -121,8 +120,9 @@ def build_mixture(args, tokenizer, augmenter, log) -> tuple[MixtureDataset, Epoc
 def build_train_data(args, tokenizer, ctx) -> TrainData:
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
-    build_token_caches([path for source in parse_data_path(args.data_path) for path in source.files], args, tokenizer)
-    dataset, mixture, opened = build_mixture(args, tokenizer, augmenter, rank_zero_log(ctx))
+    sources = parse_data_path(args.data_path)
+    build_token_caches([path for source in sources for path in source.files], args, tokenizer)
+    dataset, mixture, opened = build_mixture(args, sources, tokenizer, augmenter, rank_zero_log(ctx))
     if ctx.rank == 0:  # what is supervised per segment, rows dropped and why, warnings: from a few hundred rows
         print_escaped("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
                                                   drop_empty_think=args.drop_empty_think_ratio > 0)))
