@@ -65,6 +65,14 @@ class PackedDocuments:
         starts, lengths = document_starts(position_ids.detach().cpu())
         return cls(starts, lengths, position_ids.shape).to(position_ids.device)
 
+    def pin_memory(self) -> PackedDocuments:
+        """A copy whose `cu_seqlens` is in page-locked memory; a DataLoader with `pin_memory=True`
+        calls this in its pinning thread, as it pins the batch's tensors."""
+        pinned = copy.copy(self)
+        pinned.__dict__.pop("buckets", None)
+        pinned.cu_seqlens = self.cu_seqlens.pin_memory()
+        return pinned
+
     def to(self, device, non_blocking: bool = True) -> PackedDocuments:
         """A copy whose device tensors are on `device` (asynchronous host-to-device copies)."""
         device = torch.device(device)
@@ -73,7 +81,7 @@ class PackedDocuments:
         moved = copy.copy(self)
         moved.__dict__.pop("buckets", None)  # planned again for the new device when needed
         moved.device = device
-        moved.cu_seqlens = self.cu_seqlens.to(device, non_blocking=non_blocking)
+        moved.cu_seqlens = to_device(self.cu_seqlens, device) if non_blocking else self.cu_seqlens.to(device)
         return moved
 
     @functools.cached_property
@@ -91,12 +99,12 @@ class PackedDocuments:
             real = offsets < lengths[chosen].view(-1, 1)
             index = starts[chosen].view(-1, 1) + offsets
             index = torch.where(real, index, starts[chosen].view(-1, 1))  # pads repeat a real token
-            buckets.append(index.to(device, non_blocking=True))
+            buckets.append(to_device(index, device))
             tokens.append(index[real])
             rows.append(offset + real.reshape(-1).nonzero().squeeze(1))
             offset += index.numel()
         rows_in_token_order = torch.cat(rows)[torch.argsort(torch.cat(tokens))]
-        return buckets, rows_in_token_order.to(device, non_blocking=True)
+        return buckets, to_device(rows_in_token_order, device)
 
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
         """q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], causal within each document.
@@ -130,10 +138,18 @@ class PackedDocuments:
         batch, length = self.shape
         ids = torch.zeros(batch * length, dtype=torch.long)
         ids[self.starts] = 1
-        ids = ids.cumsum(0).view(batch, length).to(self.device, non_blocking=True)  # document number of every token
+        ids = to_device(ids.cumsum(0).view(batch, length), self.device)  # document number of every token
         same = ids.view(batch, 1, length, 1) == ids.view(batch, 1, 1, length)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         return same & causal
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor's copy on `device` that the host does not wait for: to a GPU from page-locked
+    memory (from pageable memory the driver may wait for the stream before it copies)."""
+    if device.type == "cuda" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def causal_varlen_attn(q, k, v, cu_seqlens: torch.Tensor, max_length: int) -> torch.Tensor:

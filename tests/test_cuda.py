@@ -91,12 +91,13 @@ def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
 @pytest.mark.parametrize("kind", ["dense", "packed", "moe", "mixture"])
 def test_a_training_micro_step_makes_no_host_sync(kind):
     """Forward + backward of one micro-batch as trainer/loop.optimizer_step runs it (bf16 autocast,
-    the collator's precomputed loss positions and packed layout; for a mixture the per-source
-    losses of trainer/loop/source_losses.py): any host sync raises."""
+    the collator's precomputed loss positions and packed layout, pinned as the loader pins them;
+    for a mixture the per-source losses of trainer/loop/source_losses.py): any host sync raises."""
     from dataset import SFTCollator
     from tests.helpers.tiny_model import packed_rows, tiny_model
     from dataset import model_inputs
     from trainer.loop.source_losses import SourceLosses
+    from torch.utils.data._utils.pin_memory import pin_memory
 
     if kind == "moe" and torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("F.grouped_mm's kernel serves bf16 on compute capability 9.x/10.x only; elsewhere torch's "
@@ -115,7 +116,9 @@ def test_a_training_micro_step_makes_no_host_sync(kind):
         if kind == "mixture":
             item["source"] = row % 2
         items.append(item)
-    batch = SFTCollator(pad_token_id=0)(items)
+    batch = pin_memory(SFTCollator(pad_token_id=0)(items))  # as the trainer's loader hands it over
+    if kind == "packed":
+        assert batch["packed_layout"].cu_seqlens.is_pinned()
     loss_tokens = int((batch["labels"][:, 1:] != -100).sum())
     sources = SourceLosses(["a", "b"], torch.device("cuda:0")) if kind == "mixture" else None
 

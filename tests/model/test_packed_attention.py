@@ -170,3 +170,52 @@ def test_packed_attention_builds_no_dense_mask_and_pads_a_bucket_at_most_twofold
         real = int(((rows >= start) & (rows < start + index.numel())).sum())
         assert index.numel() <= 2 * real
         start += index.numel()
+
+
+class PinRecorder:
+    """Stands in for page-locked memory on a CPU-only torch: `pin_memory()` returns a copy and
+    remembers it; copies to `cuda` are recorded (with whether their source was such a copy), not made."""
+
+    def __init__(self, monkeypatch):
+        self.pinned, self.copies = set(), []
+        real_to = torch.Tensor.to
+
+        def pin_memory(tensor, *args):
+            copy = tensor.clone()
+            self.pinned.add(copy.data_ptr())
+            return copy
+
+        def to(tensor, device=None, *args, **kwargs):
+            if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+                self.copies.append((tensor.data_ptr() in self.pinned, kwargs.get("non_blocking", False)))
+                return tensor
+            return real_to(tensor, device, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda tensor: tensor.data_ptr() in self.pinned)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+
+
+def test_a_loader_with_pin_memory_pins_the_packed_layout(monkeypatch):
+    """The DataLoader's pinning thread pins `cu_seqlens` with the batch's tensors; the values stay."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    recorder = PinRecorder(monkeypatch)
+    starts, lengths = document_starts(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))
+    layout = PackedDocuments(starts, lengths, (2, 5))
+    pinned = pin_memory({"packed_layout": layout})["packed_layout"]
+    assert pinned.cu_seqlens.data_ptr() in recorder.pinned
+    assert pinned.cu_seqlens.tolist() == layout.cu_seqlens.tolist() == [0, 3, 5, 7, 10]
+    assert (pinned.starts.tolist(), pinned.lengths.tolist(), pinned.shape) == ([0, 3, 5, 7], [3, 2, 2, 3], (2, 5))
+
+
+def test_every_copy_of_the_layout_to_a_gpu_starts_from_page_locked_memory(monkeypatch):
+    """From pageable memory a copy to the GPU may wait for the stream: cu_seqlens, the SDPA
+    buckets' indices and the dense mask's document ids are pinned first, and copied asynchronously."""
+    recorder = PinRecorder(monkeypatch)
+    starts, lengths = document_starts(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))
+    on_gpu = PackedDocuments(starts, lengths, (2, 5)).to("cuda")
+    on_gpu.buckets
+    on_gpu.dense()
+    assert len(recorder.copies) == 1 + 2 + 1 + 1  # cu_seqlens, two buckets, their rows, the document ids
+    assert recorder.copies == [(True, True)] * 5
