@@ -28,6 +28,21 @@ def test_a_peer_that_never_arrives_fails_within_dist_timeout(data, launcher, tmp
     assert "1/2 clients joined" in last_line(err) and "Traceback" not in err
 
 
+def test_a_rank_that_cannot_reach_the_rendezvous_prints_torchs_attempts_without_native_frames(data, launcher, tmp_path):
+    """Nobody listens at MASTER_ADDR:MASTER_PORT: torch logs each attempt with its C++ stack; the
+    run prints the attempts' headlines, then its own line."""
+    port = free_port()
+    env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    process = launcher.start([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "3"], "alone",
+                             env=env)
+    assert launcher.wait(process, timeout=120) == 2
+    _, err = launcher.output(process)
+    assert last_line(err).startswith(
+        f"error: rank 1: the 2 processes did not all join the process group at 127.0.0.1:{port} within "
+        "--dist_timeout 3s (DistNetworkError: ")
+    assert "[c10d]" in err and "frame #" not in err and "Traceback" not in err
+
+
 def test_a_rank_that_dies_in_a_collective_ends_the_survivor(data, launcher, tmp_path):
     """No torchrun: nobody tears the survivor down, it must notice by itself."""
     save_dir = tmp_path / "run"

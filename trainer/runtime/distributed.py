@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from dataset.cache import waiting
 from dataset.printable import print_escaped
 from trainer.errors import DistributedError, NodeLaunchError, first_line
+from trainer.runtime.native_log import native_frames_dropped
 from trainer.runtime.node_lines import LEAVE_AFTER_S, local_rank_from
 from trainer.runtime.preemption import forward_to
 
@@ -208,11 +209,12 @@ def init_distributed(args) -> DistContext:
         raise NodeLaunchError("--backend nccl needs CUDA devices; use --backend gloo on CPU")
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     try:
-        dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None,
-                                **elastic_store(rank, world_size, timeout))
-        # Rendezvous only proves the store is up; a collective proves every peer is here.
-        barrier(device)
-        open_host_group(backend, timeout)
+        with native_frames_dropped():
+            dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None,
+                                    **elastic_store(rank, world_size, timeout))
+            # Rendezvous only proves the store is up; a collective proves every peer is here.
+            barrier(device)
+            open_host_group(backend, timeout)
     except Exception as error:  # noqa: BLE001 - turned into one clear line
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise DistributedError(
