@@ -57,6 +57,13 @@ class LineError(ValueError):
     """A problem with one line; the caller adds the file name and line number."""
 
 
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """The first non-empty line of `error`'s message (at most `limit` characters), else its type:
+    a library's exception as part of one of our one-line errors."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[0][:limit] if lines else type(error).__name__
+
+
 @dataclass
 class Conversation:
     messages: list[dict]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import THINK_CLOSE, THINK_OPEN, Conversation, DataError, LineError
+from .formats import THINK_CLOSE, THINK_OPEN, Conversation, DataError, LineError, first_line
 from .prefix_tokens import encode_text
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "model" / "tokenizer"
@@ -62,7 +62,7 @@ def load_tokenizer(path: str | Path | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as exc:  # noqa: BLE001 - any loading failure becomes one line
-        message = _first_line(exc)
+        message = first_line(exc)
         if not (directory / "tokenizer.json").is_file():  # transformers' first line then ends in "from one of:"
             message = "no tokenizer.json in it, and no fast tokenizer could be built from its other files"
         raise DataError(f"{directory}: cannot load tokenizer ({message})") from None
@@ -92,12 +92,7 @@ def _check_template_renders(tokenizer, name: str) -> None:
         tokenizer.apply_chat_template(exchange, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - jinja's syntax and template errors, each its own class
         raise DataError(f"{name}: its chat template cannot render a user/assistant exchange "
-                        f"({type(exc).__name__}: {_first_line(exc)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    """The first line of an exception's message (the class name if it has none)."""
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+                        f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

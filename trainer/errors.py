@@ -1,6 +1,6 @@
 """Every problem a user can fix (flags, data, paths, checkpoints, the launch, a full disk named by
-path), one class each, the one helper that turns a library's exception into one line, and which
-OSErrors name a path the user gave.
+path), one class each, and which OSErrors name a path the user gave; re-exported from dataset/:
+the data's own errors and `first_line`, which turns a library's exception into part of a line.
 
 `train_full_sft.py` reports a `USER_ERRORS` exception as `error: <message>` and exits with 2 (a
 `TrainingError` with 1); anything else is a bug in our code and keeps its traceback. Each message
@@ -11,6 +11,7 @@ import argparse
 import os
 
 from dataset import BuildInterrupted, DataError, WorkerDied  # noqa: F401 - re-exported: the data's own errors
+from dataset.formats import first_line  # noqa: F401 - re-exported: a library's exception as part of a line
 from dataset.mixture import split_weight
 
 
@@ -49,12 +50,6 @@ class TrainingError(RuntimeError):
 
 
 USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, LoggingError, WorkerDied)
-
-
-def first_line(error: BaseException, limit: int = 300) -> str:
-    """The first non-empty line of `error`'s message (at most `limit` characters), else its type."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0][:limit] if lines else type(error).__name__
 
 
 PATH_FLAGS = ("data_path", "eval_data_path", "tokenizer_path", "save_dir", "resume_from", "cache_dir", "from_weight")

@@ -98,9 +98,6 @@ def check_folder_can_be_made(path: str, flag: str) -> None:
         raise CheckpointError(f"{flag} {path} is not writable: {existing}: permission denied")
 
 
-# --------------------------------------------------------------------------- atomic writes
-
-
 # --------------------------------------------------------------------------- one run per save_dir
 
 
