@@ -85,7 +85,7 @@ class BackgroundWriter:
     def __init__(self):
         self.thread: threading.Thread | None = None
         self.failure: BaseException | None = None
-        self.buffers: dict = {}  # the last host copies, refilled by the next save once written
+        self.buffers: dict = {}  # the last host copies, refilled by the next save once written; its tokenizer
 
     def submit(self, job, ready: "torch.cuda.Event | None" = None) -> str | None:
         """Wait for the previous job (returns its failure, and then does not start `job`), then run
