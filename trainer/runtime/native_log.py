@@ -47,8 +47,11 @@ def native_frames_dropped():
     def forward():
         with os.fdopen(read_end, "rb") as pipe:
             for line in without_native_frames(pipe):
-                while line:
-                    line = line[os.write(real, line):]
+                try:
+                    while line:
+                        line = line[os.write(real, line):]
+                except OSError:  # no stderr to write to: the pipe is still read, so no writer blocks
+                    pass
 
     forwarder = threading.Thread(target=forward, name="native-log-filter", daemon=True)
     forwarder.start()

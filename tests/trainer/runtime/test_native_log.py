@@ -1,7 +1,10 @@
 """trainer/runtime/native_log.py: torch's C++ log lines reach stderr without their native stack frames."""
 
 import os
+import subprocess
+import sys
 
+from tests.helpers.trainer_launch import REPO
 from trainer.runtime.native_log import native_frames_dropped, without_native_frames
 
 ATTEMPT = (
@@ -30,3 +33,19 @@ def test_what_is_written_to_fd_2_within_the_block_comes_out_filtered_and_in_orde
         os.write(2, TIMED_OUT.encode())
     os.write(2, b"after\n")
     assert capfd.readouterr().err == ATTEMPT.splitlines(keepends=True)[0] + TIMED_OUT + "after\n"
+
+
+def test_a_stderr_that_takes_nothing_fails_no_writer_within_the_block():
+    """The real stderr a closed pipe: the forwarder keeps reading its pipe, so 100 KB written to fd 2
+    within the block (more than a pipe holds) neither block the writer nor fail it."""
+    code = (
+        "import os\n"
+        "from trainer.runtime.native_log import native_frames_dropped\n"
+        "read_end, write_end = os.pipe(); os.close(read_end); os.dup2(write_end, 2)\n"
+        "with native_frames_dropped():\n"
+        "    for _ in range(100):\n"
+        "        os.write(2, b'x' * 1023 + b'\\n')\n"
+        "print('done')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (0, "done\n")
