@@ -54,8 +54,11 @@ def save_in_background(run: Run) -> None:
     buffers = run.writer.buffers  # the previous save's copies: written, so free to fill again
     if weights is run.parallel.model:  # the live model: its weights copied, as the resume state
         cast = {key: value.detach().to(save_dtype) for key, value in weights.state_dict().items()}
-        buffers["weights"] = to_host(cast, buffers.get("weights"))
-        weights = host_model(weights.config, buffers["weights"], run.parallel.model)
+        earlier = buffers.get("weights", {})
+        buffers["weights"] = to_host(cast, earlier)
+        if any(value is not earlier.get(key) for key, value in buffers["weights"].items()):
+            buffers["model"] = host_model(weights.config, buffers["weights"], run.parallel.model)
+        weights = buffers["model"]  # around the buffers just filled (a model is built only for new ones)
     if content is not None:
         content = buffers["content"] = to_host(content, buffers.get("content"))
     if "tokenizer" not in buffers:  # the writer's own (a fast tokenizer is not to be shared by threads),

@@ -71,11 +71,13 @@ class Gate:
     thread until released."""
 
     def __init__(self, fail_with: BaseException | None = None):
-        self.released, self.calls, self.tokenizers, self.fail_with = threading.Event(), [], [], fail_with
+        self.released, self.calls, self.models, self.tokenizers = threading.Event(), [], [], []
+        self.fail_with = fail_with
 
     def __call__(self, model, tokenizer, save_dir, dtype):
         self.released.wait(timeout=30)
         self.calls.append({key: value.clone() for key, value in model.state_dict().items()})
+        self.models.append(model)
         self.tokenizers.append(tokenizer)
         if self.fail_with:
             raise self.fail_with
@@ -183,6 +185,7 @@ def test_the_next_save_refills_the_host_buffers_of_the_last_one(tmp_path, monkey
         for key, value in at_save.items():
             assert torch.equal(saved["model"][key], value) and torch.equal(gate.calls[-1][key], value), key
     assert addresses[0] == addresses[1]  # the same memory, filled again
+    assert gate.models[0] is gate.models[1]  # the inference copy around those buffers, built once
     # the writer's tokenizer: a copy of the run's (not shared with the training thread), made once
     assert gate.tokenizers[0] is gate.tokenizers[1] and gate.tokenizers[0] is not run.tokenizer
     assert gate.tokenizers[0].vocab == run.tokenizer.vocab
