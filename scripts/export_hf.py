@@ -52,8 +52,13 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--gguf_type", choices=("f32", "f16", "bf16", "q8_0"), default="f16",
                         help="--format gguf: tensor type of {out_dir}/model-{type}.gguf (docs/weights.md, GGUF)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out_dir (or an existing .pth)")
-    # --dtype (from add_model_args) is the dtype of the exported weights (minimind: always float16).
+    # --dtype (from add_model_args) is the dtype of the exported weights, except where FIXED_DTYPE says.
     return parser
+
+
+# The formats whose weights' dtype --dtype does not set, and what sets it.
+FIXED_DTYPE = {"minimind": "its .pth is always float16, as MiniMind's own",
+               "gguf": "--gguf_type sets the tensor type"}
 
 
 def refuse_run_dirs(out_dir: Path, overwrite: bool) -> None:
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     for flag, owner in (("save_weight", "minimind"), ("gguf_type", "gguf")):  # else ignored without a word
         if flag in given and args.format != owner:
             fail(f"--{flag} is a flag of --format {owner}, not of --format {args.format}")
+    if "dtype" in given and args.format in FIXED_DTYPE:
+        fail(f"--dtype does not apply to --format {args.format}: {FIXED_DTYPE[args.format]}")
     out_dir = Path(os.path.abspath(args.out_dir))  # "." and "dir/.." have no name of their own
     if not out_dir.name:
         fail(f"--out_dir {args.out_dir} is the file system's root: choose a folder")

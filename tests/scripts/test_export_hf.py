@@ -160,11 +160,16 @@ def test_a_minimind_prefix_that_is_a_path_or_empty_is_refused_as_the_trainer_ref
 
 
 def test_a_flag_of_another_format_is_refused(trained, tmp_path):
-    """`--gguf_type q8_0` without `--format gguf` would write a Qwen3 directory, and `--save_weight` outside
-    minimind would do nothing."""
+    """`--gguf_type q8_0` without `--format gguf` would write a Qwen3 directory, `--save_weight` outside
+    minimind would do nothing, and `--dtype` does not set the dtype of a .pth or a GGUF file."""
     for argv, line in ((["--gguf_type", "q8_0"], "error: --gguf_type is a flag of --format gguf, not of --format qwen3"),
                        (["--format", "gguf", "--save_weight", "x"],
-                        "error: --save_weight is a flag of --format minimind, not of --format gguf")):
+                        "error: --save_weight is a flag of --format minimind, not of --format gguf"),
+                       (["--format", "gguf", "--dtype", "bfloat16"],
+                        "error: --dtype does not apply to --format gguf: --gguf_type sets the tensor type"),
+                       (["--format", "minimind", "--dtype", "float32"],
+                        "error: --dtype does not apply to --format minimind: its .pth is always float16, "
+                        "as MiniMind's own")):
         done = script_in_process("export_hf.py", "--model_path", str(trained["checkpoint"]), *argv,
                                  "--out_dir", str(tmp_path / "out"))
         assert (done.returncode, done.stderr) == (2, line + "\n")
