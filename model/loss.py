@@ -54,13 +54,22 @@ def lm_loss_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     per_token = torch.empty(hidden.shape[0] if keep_per_token else 0, dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = start + chunk_tokens
-        logits = (hidden[start:end] @ weight.t()).float()
-        log_norms[start:end] = logits.logsumexp(dim=-1)
+        logits = hidden[start:end] @ weight.t()  # the compute dtype; the fp32 values come from it pass by pass
+        log_norms[start:end] = log_sum_exp(logits)
         losses = log_norms[start:end] - logits.gather(1, targets[start:end, None]).squeeze(1)
         if keep_per_token:
             per_token[start:end] = losses
         total += losses.sum()
     return total, log_norms, per_token
+
+
+def log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(logits.float(), -1), bit for bit (ATen's steps: the row maximum, set to 0
+    where infinite, subtracted before exp; a NaN maximum set to 0 too, its row's sum is NaN either
+    way), without an fp32 copy of `logits`: the subtraction reads them in their own dtype and
+    writes fp32, one pass where `.float()` and logsumexp's own subtraction take two."""
+    maxes = logits.amax(-1, keepdim=True).float().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    return (logits - maxes).exp_().sum(-1).log_().add_(maxes.squeeze(-1))
 
 
 @lm_loss_forward.register_fake
@@ -87,9 +96,11 @@ def lm_loss_gradient_chunks(grad_total: torch.Tensor, hidden: torch.Tensor, weig
     for start in range(0, hidden.shape[0], chunk_tokens):
         end = start + chunk_tokens
         chunk = hidden[start:end]
-        grad_logits = ((chunk @ weight.t()).float() - log_norms[start:end, None]).exp_()  # softmax
+        # softmax: the subtraction reads the logits in the compute dtype and writes fp32 (one pass)
+        grad_logits = torch.sub(chunk @ weight.t(), log_norms[start:end, None]).exp_()
         grad_logits.scatter_add_(1, targets[start:end, None], grad_logits.new_full((len(chunk), 1), -1.0))
-        grad_logits = (grad_logits * grad_total).to(hidden.dtype)
+        # x grad_total in fp32, written straight in the compute dtype: the rounding of a product then a cast
+        grad_logits = torch.mul(grad_logits, grad_total, out=torch.empty_like(grad_logits, dtype=hidden.dtype))
         grad_hidden[start:end] = grad_logits @ weight
         grad_weight += (grad_logits.t() @ chunk).float()
     return grad_hidden, grad_weight.to(weight.dtype)

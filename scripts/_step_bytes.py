@@ -189,6 +189,22 @@ def moves_memory(op) -> bool:
     return op.namespace not in ("prim", "profiler") and not op.is_view and op not in VIEW_LIKE
 
 
+def logsumexp_passes(x: torch.Tensor, dim, keepdim: bool = False) -> torch.Tensor:
+    """aten.logsumexp as ATen computes it, in its separate kernels: the maximum, set to 0 where
+    infinite, subtracted before exp, the sum, its log plus the maximum. Below autograd (inside a
+    custom op) logsumexp reaches the counter as one op, which would count one pass of the four."""
+    maxes = torch.amax(x, dim, keepdim=True)
+    maxes = maxes.masked_fill(maxes.abs() == float("inf"), 0)
+    total = (x - maxes).exp_().sum(dim, keepdim=keepdim)
+    return total.log_().add_(maxes if keepdim else maxes.squeeze(dim))
+
+
+def converts(op, args, out) -> bool:
+    """`aten.to` that made a new tensor (another dtype): a view by its schema, a cast when it runs,
+    as `Tensor.float()` inside the LM loss's custom ops, which are counted below autograd."""
+    return op.overloadpacket is torch.ops.aten.to and out is not args[0]
+
+
 def _factory(op) -> bool:
     """`new_zeros`, `full_like` and the like: their tensor input gives a shape and a dtype, no values."""
     name = op._opname
@@ -227,7 +243,8 @@ class ByteCounter(TorchDispatchMode):
         self.attention_pairs = 0  # causal pairs of the varlen attention calls (`cuda_kernel_choices`)
         self.layout_pairs: dict[int, int] = {}  # id of a micro-batch's PackedDocuments -> its causal pairs
         self.expanded = {torch.ops.minisft.lm_loss_forward.default: lm_loss_chunks,
-                         torch.ops.minisft.lm_loss_backward.default: lm_loss_gradient_chunks}
+                         torch.ops.minisft.lm_loss_backward.default: lm_loss_gradient_chunks,
+                         torch.ops.aten.logsumexp.default: logsumexp_passes}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -236,7 +253,7 @@ class ByteCounter(TorchDispatchMode):
             with self:
                 return body(*args, **kwargs)
         out = func(*args, **kwargs)
-        if moves_memory(func):
+        if moves_memory(func) or converts(func, args, out):
             self.record(func, args, kwargs, out)
         return out
 

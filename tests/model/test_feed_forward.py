@@ -112,7 +112,8 @@ def test_bf16_mlp_gradient_is_written_in_place_not_concatenated():
         out.loss.backward()
     cat = counter.groups["cat"]
     assert (cat.calls, cat.read, cat.written) == (7, 757_632, 757_632)
-    assert counter.groups["mul.out"].calls == counter.groups["silu_backward.grad_input"].calls == 2
+    # one `mul(out=)` per block's gate/up gradient, and one in the LM loss's backward (its one chunk)
+    assert counter.groups["mul.out"].calls - 1 == counter.groups["silu_backward.grad_input"].calls == 2
 
 
 def test_swiglu_gradient_with_create_graph_equals_autograd_s_and_refuses_a_second_order():

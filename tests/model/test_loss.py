@@ -117,3 +117,73 @@ def test_forward_uses_the_collators_loss_positions_and_packed_layout_and_compute
     partial = model(batch["input_ids"], labels=batch["labels"], position_ids=batch["position_ids"], skip_logits=True,
                     loss_positions=half, packed_layout=batch["packed_layout"]).loss
     assert not torch.allclose(partial, plain.loss)
+
+
+def reference_chunks(hidden, weight, targets, chunk_tokens, grad_total):
+    """The loss and its gradients through an fp32 copy of every chunk's logits and torch.logsumexp."""
+    total, log_norms = torch.zeros(()), []
+    grad_hidden, grad_weight = torch.empty_like(hidden), torch.zeros(weight.shape)
+    for start in range(0, len(hidden), chunk_tokens):
+        chunk, chunk_targets = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens, None]
+        logits = (chunk @ weight.t()).float()
+        norms = logits.logsumexp(dim=-1)
+        log_norms.append(norms)
+        total += (norms - logits.gather(1, chunk_targets).squeeze(1)).sum()
+        grad_logits = (logits - norms[:, None]).exp()
+        grad_logits.scatter_add_(1, chunk_targets, grad_logits.new_full((len(chunk), 1), -1.0))
+        grad_logits = (grad_logits * grad_total).to(hidden.dtype)
+        grad_hidden[start:start + chunk_tokens] = grad_logits @ weight
+        grad_weight += (grad_logits.t() @ chunk).float()
+    return total, torch.cat(log_norms), grad_hidden, grad_weight.to(weight.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_loss_chunks_equal_an_fp32_copy_of_the_logits_bit_for_bit(dtype):
+    """The chunks read the logits in the compute dtype and write fp32 in the same pass, where an
+    fp32 copy of them came first: the same loss, log-sum-exps and gradients, bit for bit."""
+    from model.loss import lm_loss_chunks, lm_loss_gradient_chunks
+
+    generator = torch.Generator().manual_seed(3)
+    hidden = (torch.randn(37, 24, generator=generator) * 2).to(dtype)
+    weight = torch.randn(301, 24, generator=generator).to(dtype)
+    targets = torch.randint(0, 301, (37,), generator=generator)
+    grad_total = torch.tensor(0.37)
+    expected = reference_chunks(hidden, weight, targets, 8, grad_total)
+    total, log_norms, _ = lm_loss_chunks(hidden, weight, targets, 8, False)
+    grads = lm_loss_gradient_chunks(grad_total, hidden, weight, targets, log_norms, 8)
+    for got, want in zip((total, log_norms, *grads), expected):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_the_log_sum_exp_of_rows_with_infinities_and_nans_is_torchs():
+    from model.loss import log_sum_exp
+
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[1.0, 2.0, 3.0], [inf, 0.0, 1.0], [-inf, -inf, -inf], [nan, 1.0, 2.0], [-inf, 0.5, 2.0]])
+    for dtype in (torch.bfloat16, torch.float32):
+        got, want = log_sum_exp(rows.to(dtype)), rows.to(dtype).float().logsumexp(-1)
+        assert got.dtype == torch.float32 and torch.equal(got.nan_to_num(nan=7.0), want.nan_to_num(nan=7.0))
+        assert torch.equal(got.isnan(), want.isnan())
+
+
+def test_the_loss_moves_22_bytes_per_bf16_logit_forward_and_28_backward():
+    """Per logit of a bf16 chunk, counted on the custom ops as the GPU step runs them: forward the
+    GEMM's write (2), the row maximum's read (2), one subtraction from bf16 to fp32 (6), exp in place
+    (8), the sum's read (4); backward the GEMM's write and the two GEMMs' reads (6), the subtraction
+    (6), exp (8), the product with the output's gradient written in bf16 (6). An fp32 copy of the
+    logits and torch.logsumexp took 32 and 44; the rest (weight-sized terms) is about 0.1."""
+    from model.loss import lm_loss_backward, lm_loss_forward
+    from scripts._step_bytes import ByteCounter
+
+    tokens, hidden_size, vocab = 64, 4, 100_000
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=generator).bfloat16()
+    weight = torch.randn(vocab, hidden_size, generator=generator).bfloat16()
+    targets = torch.randint(0, vocab, (tokens,), generator=generator)
+    with ByteCounter() as forward:
+        _total, log_norms, _ = lm_loss_forward(hidden, weight, targets, tokens, False)
+    with ByteCounter() as backward:
+        lm_loss_backward(torch.tensor(0.5), hidden, weight, targets, log_norms, tokens)
+    logits = tokens * vocab
+    assert round(forward.total.bytes / logits, 1) == 22.1
+    assert round(backward.total.bytes / logits, 1) == 28.1

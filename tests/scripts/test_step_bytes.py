@@ -31,16 +31,28 @@ def test_counter_counts_bytes_read_and_written_exactly():
         torch.mul(x, x, out=w)  # reads x once, does not read `out`
         x.index_select(0, index)  # reads the 2 picked rows (48 bytes) and the index
         torch.mm(torch.ones(8, 16), torch.ones(16, 4))  # 1,024 FLOPs
+        with torch._C._AutoDispatchBelowAutograd():  # as inside a custom op: `to` itself, not `_to_copy`
+            x.to(torch.float32)  # x itself: nothing
+            x.to(torch.bfloat16)  # a cast: reads 96, writes 48
     got = {name: (t.calls, t.read, t.written, t.flops) for name, t in counter.groups.items()}
     assert got == {
         "mul.Tensor": (1, 96, 96, 0), "add_.Tensor": (1, 192, 96, 0), "empty.memory_format": (1, 0, 0, 0),
         "copy_": (1, 96, 96, 0), "ones": (3, 0, 4 + 512 + 256, 0), "add.Tensor": (1, 100, 96, 0),
         "new_zeros": (1, 0, 12, 0), "mul.out": (1, 96, 96, 0), "index_select": (1, 64, 48, 0),
-        "mm": (1, 768, 128, 1024),
+        "mm": (1, 768, 128, 1024), "to.dtype": (1, 96, 48, 0),
     }
     mm = counter.groups["mm"]
     assert mm.seconds == max(896 / 1e3, 1024 / 1e6)  # the roofline: here bandwidth-bound
     assert counter.total.bytes == sum(t.bytes for t in counter.groups.values())
+
+
+def test_logsumexp_below_autograd_is_counted_as_the_passes_aten_makes():
+    x = torch.randn(3, 5)
+    with ByteCounter() as counter, torch._C._AutoDispatchBelowAutograd():
+        got = x.logsumexp(-1)
+    assert torch.equal(got, x.logsumexp(-1))
+    assert {name: (t.read, t.written) for name, t in counter.groups.items() if t.read > 20} == {
+        "amax": (60, 12), "sub.Tensor": (72, 60), "exp_": (60, 60), "sum.dim_IntList": (60, 12), "add_.Tensor": (24, 12)}
 
 
 def test_a_scatter_touches_as_many_elements_of_its_target_as_its_source_holds():
