@@ -250,3 +250,4 @@ def test_ddp_neither_broadcasts_nor_reduces_the_rope_buffers():
     assert "ignored: ['model.freqs_cos', 'model.freqs_sin']" in result.stdout
     assert "without ignore: rank 1 buffer overwritten by rank 0" in result.stdout
     assert "with ignore: rank 1 buffer kept" in result.stdout
+    assert "gradients: 13 parameters in 1 bucket(s)" in result.stdout  # views of the bucket, no copies beside it

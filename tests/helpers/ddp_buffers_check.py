@@ -3,7 +3,8 @@
 Rank 1 corrupts its copy of `freqs_cos` before wrapping. A plain DDP wrapper broadcasts rank 0's
 buffers at construction (and before each forward), overwriting it; the trainer's wrapper, which
 ignores `model.freqs_cos`/`model.freqs_sin`, leaves it alone through a forward/backward step,
-while the parameters stay in sync (their gradients are still all-reduced).
+while the parameters stay in sync (their gradients are still all-reduced), each gradient a view
+of DDP's bucket after the all-reduce.
 """
 
 import datetime
@@ -49,6 +50,7 @@ def worker(rank: int, port: int) -> None:
     ours = wrap_for_distributed(tiny_model(rank), ctx)
     step(ours)
     kept = bool((ours.module.model.freqs_cos == 7.0).all()) if rank == 1 else None
+    storages = {p.grad.untyped_storage().data_ptr() for p in ours.parameters()}
     grads = ours.module.lm_head.weight.grad.clone()
     gathered = [torch.zeros_like(grads) for _ in range(2)]
     dist.all_gather(gathered, grads)
@@ -58,6 +60,7 @@ def worker(rank: int, port: int) -> None:
             print("without ignore: rank 1 buffer overwritten by rank 0")
         if kept:
             print("with ignore: rank 1 buffer kept")
+        print(f"gradients: {len(list(ours.parameters()))} parameters in {len(storages)} bucket(s)")
         assert torch.equal(gathered[0], gathered[1]), "parameter gradients must still be all-reduced"
         sys.stdout.flush()
     del plain, ours  # free the DDP reducers before their process group (gloo teardown deadlock)
