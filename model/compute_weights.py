@@ -8,8 +8,11 @@ that sit next to each other in the block (q/k/v, gate/up) are then rows of one m
 buffer, and `linear` runs them as one GEMM. The parameters themselves stay separate tensors,
 so every weight format (MiniMind .pth, Qwen3 directories, GGUF, resume checkpoints) is unchanged.
 
-Without a cast to make (fp32 runs, a bf16 model without autocast, FSDP's bf16 parameters) the
-parameters are used as they are, one GEMM each: the same arithmetic as plain `nn.Linear` layers.
+Without a cast to make the parameters are used as they are. In half precision (FSDP's bf16
+parameters, a bf16 model without autocast) each group is still one GEMM, over the concatenation of
+its weights (a few MB per block, where separate GEMMs would read the input once more per weight and
+sum the input's gradients); in fp32 every weight is its own GEMM, the same arithmetic as plain
+`nn.Linear` layers.
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ class ComputeWeights:
     def __init__(self, module: nn.Module, dtype: torch.dtype, groups: list[list[torch.Tensor]] = ()):
         params = list(module.parameters())
         self.flat = None
-        if all(p.dtype == dtype for p in params):
+        casts = any(p.dtype != dtype for p in params)
+        # Whether a group runs as one GEMM: always when cast (a group is then one piece of the
+        # buffer); without a cast only in half precision (fp32 keeps nn.Linear's arithmetic).
+        self.joins_groups = casts or dtype in (torch.bfloat16, torch.float16)
+        if not casts:
             return
         grouped = {id(p) for group in groups for p in group}
         pieces = [list(group) for group in groups] + [[p] for p in params if id(p) not in grouped]
@@ -46,11 +53,6 @@ class ComputeWeights:
             first = piece[0]
             self.views[id(first)] = values.view(first.shape) if len(piece) == 1 else values.view(-1, first.shape[-1])
 
-    @property
-    def casts(self) -> bool:
-        """Whether the parameters are cast (a group is then one piece: `stacked`, one GEMM in `linear`)."""
-        return self.flat is not None
-
     def __call__(self, param: torch.Tensor) -> torch.Tensor:
         return param if self.flat is None else self.views[id(param)]
 
@@ -60,9 +62,9 @@ class ComputeWeights:
         return torch.cat(params) if self.flat is None else self.views[id(params[0])]
 
     def linear(self, x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
-        """x @ W.T for the weight of each of `layers` (no biases): one GEMM for a group when cast,
-        else one each."""
+        """x @ W.T for the weight of each of `layers` (no biases): one GEMM for a group when cast
+        or in half precision (`joins_groups`), else one each."""
         weights = [layer.weight for layer in layers]
-        if self.flat is None or len(weights) == 1:
+        if not self.joins_groups or len(weights) == 1:
             return [F.linear(x, self(w)) for w in weights]
         return list(F.linear(x, self.stacked(weights)).split([w.shape[0] for w in weights], dim=-1))

@@ -25,7 +25,7 @@ class MiniMindMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: ComputeWeights) -> torch.Tensor:
         """`weights`: the enclosing block's parameters in the compute dtype (gate and up: one GEMM)."""
-        if weights.casts:
+        if weights.joins_groups:
             hidden = swiglu(F.linear(x, weights.stacked([self.gate_proj.weight, self.up_proj.weight])))
         else:
             gate, up = weights.linear(x, self.gate_proj, self.up_proj)

@@ -51,6 +51,31 @@ def test_bf16_autocast_casts_each_block_once_and_runs_qkv_and_gate_up_as_one_gem
     assert counter.ops[torch.ops.aten._grouped_mm.default] == (2 * 2 * 3 if use_moe else 0)
 
 
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_bf16_parameters_without_autocast_run_qkv_and_gate_up_as_one_gemm_as_autocast_does(use_moe):
+    """FSDP's bf16 parameters (and a bf16 model) need no cast: the groups still run as one GEMM
+    each, the same GEMMs as fp32 weights under bf16 autocast, so the same loss and the same
+    gradients, bit for bit. fp32 runs every weight on its own (nn.Linear's arithmetic)."""
+    ids = torch.randint(3, 120, (2, 16))
+    autocast, half = tiny(use_moe), tiny(use_moe).to(torch.bfloat16)
+    with torch.no_grad():  # the bf16 model holds the values autocast computes with
+        for target, source in zip(half.parameters(), autocast.parameters()):
+            target.copy_(source.to(torch.bfloat16))
+        for target, source in zip(autocast.parameters(), half.parameters()):
+            target.copy_(source.float())
+    expected = training_pass(autocast, ids, torch.bfloat16)
+    with DispatchCounter() as counter:
+        got = training_pass(half, ids, torch.float32)  # no autocast: the parameters' own dtype
+    assert counter.ops[torch.ops.aten.mm.default] == 2 * (3 if use_moe else 4) * 3
+    assert torch.equal(got.loss, expected.loss)
+    for (name, param), reference in zip(half.named_parameters(), autocast.parameters()):
+        if name != "model.embed_tokens.weight":  # tied to the LM head: its two gradients sum in the weights' dtype
+            assert torch.equal(param.grad, reference.grad.to(torch.bfloat16)), name
+    with DispatchCounter() as fp32:
+        training_pass(tiny(use_moe), ids, torch.float32)
+    assert fp32.ops[torch.ops.aten.mm.default] == 2 * (5 if use_moe else 7) * 3  # q, k, v, o apart
+
+
 def test_bf16_residual_stream_and_norms_stay_in_the_compute_dtype():
     model = tiny()
     seen = []
