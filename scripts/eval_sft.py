@@ -32,6 +32,7 @@ from scripts._common import (  # noqa: E402
     REPO_DIR, ArgumentParser, add_model_args, check_output_file, fail, load_model_and_tokenizer, prompt_ids, run_main,
     write_output,
 )
+from trainer.args import path_value  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
 
@@ -57,7 +58,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=16, help="conversations per forward / generate call")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="most tokens generated per answer")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N conversations")
-    parser.add_argument("--json_out", default=None, help="write the JSON result here (default: stdout)")
+    parser.add_argument("--json_out", default=None, type=path_value, help="write the JSON result here (default: stdout)")
     return parser
 
 

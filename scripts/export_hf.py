@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts._common import (  # noqa: E402
     DTYPES, ArgumentParser, add_model_args, fail, load_model_and_tokenizer, resolve_dtype, run_main,
 )
+from trainer.args import path_value  # noqa: E402
 
 
 FORMATS = ("qwen3", "minimind", "remote-code", "gguf")
@@ -43,7 +44,7 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="export_hf.py")
     add_model_args(parser)
     parser.set_defaults(device="cpu")
-    parser.add_argument("--out_dir", required=True, help="directory to write")
+    parser.add_argument("--out_dir", required=True, type=path_value, help="directory to write")
     parser.add_argument("--format", choices=FORMATS, default="qwen3",
                         help="qwen3: standard Qwen3/Qwen3-MoE dir (no remote code); minimind: MiniMind .pth; "
                              "remote-code: model_type minimind with the model code; gguf: llama.cpp / Ollama file")

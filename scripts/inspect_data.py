@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import REPO_DIR, ArgumentParser, check_output_file, fail, run_main, write_output  # noqa: E402
-from trainer.args import add_flag, flag_bounds, range_problems  # noqa: E402
+from trainer.args import add_flag, flag_bounds, path_value, range_problems  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
 
@@ -45,10 +45,10 @@ def build_parser() -> ArgumentParser:
     add_flag(parser, "--rows", type=int, default=1000, at_least=0,
              help="rows read per source, spread evenly over it (0: all)")
     add_flag(parser, "--samples", type=int, default=3, at_least=0, help="rows shown by --html and --terminal")
-    parser.add_argument("--html", default=None, metavar="FILE", help="write a self-contained HTML page of the samples")
+    parser.add_argument("--html", default=None, type=path_value, metavar="FILE", help="write a self-contained HTML page of the samples")
     parser.add_argument("--terminal", action=argparse.BooleanOptionalAction, default=None,
                         help="print the samples in colour (default: when stdout is a terminal; NO_COLOR: no colour)")
-    parser.add_argument("--json_out", default=None, metavar="FILE", help="write the figures as JSON")
+    parser.add_argument("--json_out", default=None, type=path_value, metavar="FILE", help="write the figures as JSON")
     return parser
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import ArgumentParser, fail, run_main  # noqa: E402
+from trainer.args import path_value  # noqa: E402
 
 
 # Eval keys drawn on the accuracy panel (with their per-file `/<name>` variants).
@@ -27,7 +28,7 @@ ACCURACY_PREFIXES = ("eval_token_accuracy", "eval_exact_match", "eval_tool_call_
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="plot_loss.py")
     parser.add_argument("--metrics", required=True, help="metrics.jsonl, or a run directory (--save_dir) with one")
-    parser.add_argument("--out", default=None, help="PNG to write (default: loss.png next to the metrics file)")
+    parser.add_argument("--out", default=None, type=path_value, help="PNG to write (default: loss.png next to the metrics file)")
     parser.add_argument("--title", default=None, help="figure title (default: the metrics path)")
     parser.add_argument("--runs", choices=("latest", "all"), default="latest",
                         help="latest: only the lines of the run (run_id) of the file's last line; all: every line")

@@ -35,6 +35,7 @@ from transformers import PreTrainedTokenizerFast
 
 from scripts._common import ArgumentParser, fail, run_main  # noqa: E402
 from trainer.weights.gguf import QWEN2_REGEX
+from trainer.args import path_value  # noqa: E402
 
 PAD_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|im_start|>"
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="train_tokenizer.py")
     parser.add_argument("--data", nargs="+", default=["dataset/demo/sft_train.jsonl"],
                         help="data files as training reads them: .jsonl, .jsonl.gz or .parquet")
-    parser.add_argument("--out-dir", required=True,
+    parser.add_argument("--out-dir", required=True, type=path_value,
                         help="a new or empty directory (the shipped one is model/tokenizer: delete it first to replace it)")
     parser.add_argument("--vocab-size", type=int, default=6400)
     args = parser.parse_args(argv)

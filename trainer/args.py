@@ -66,6 +66,14 @@ def add_flag(group, *names: str, at_least=None, above=None, at_most=None, **kwar
     return action
 
 
+def path_value(text: str) -> str:
+    """The argparse type of a flag that names a file or folder: an empty value (an unset shell
+    variable) is refused, where it would mean the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path: give a file or folder")
+    return text
+
+
 class FlagParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, `error: ...` (exit 2), not the usage first. Every
     process of a launch parses the same flags: one of each node prints the line. The line quotes the
@@ -143,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="what to do with a malformed data line")
     add_flag(data, "--num_workers", type=int, default=None, at_least=0,
              help="DataLoader workers; default on CUDA: up to 4 per process, from the spare cores; on CPU 0")
-    data.add_argument("--cache_dir", default=None, help="where the tokenized cache lives; default next to the data")
+    data.add_argument("--cache_dir", default=None, type=path_value, help="where the tokenized cache lives; default next to the data")
     add_flag(data, "--system_prompt_ratio", type=float, default=0.0, at_least=0, at_most=1,
              help="augmentation: this fraction of the samples without a system prompt get a random one, "
                   "drawn per (seed, epoch, sample) (MiniMind: 0.2)")
@@ -203,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="stop (and save) after N evaluations without improvement of --keep_best (0 = off)")
 
     save = parser.add_argument_group("7. saving")
-    save.add_argument("--save_dir", default="out", help="checkpoints/, model/ and metrics.jsonl go here")
+    save.add_argument("--save_dir", default="out", type=path_value, help="checkpoints/, model/ and metrics.jsonl go here")
     add_flag(save, "--save_interval", type=int, default=100, at_least=0,
              help="save every N optimizer steps (0 = only at the end)")
     add_flag(save, "--save_every_minutes", type=float, default=0.0, at_least=0,

@@ -31,6 +31,28 @@ def test_a_flag_argparse_refuses_is_one_line_too(capsys):
         assert stopped.value.code == 2 and capsys.readouterr().err == message
 
 
+def test_an_empty_path_is_refused_where_it_would_mean_the_current_directory(capsys, tmp_path):
+    """`--save_dir "$OUT"` with OUT unset: with `export_hf.py --out_dir "" --overwrite` the current
+    directory would be emptied and the export written there."""
+    from tests.helpers.overfitted import script_in_process
+
+    for flag in ("--save_dir", "--cache_dir"):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args([flag, " "])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == f"error: argument {flag}: an empty path: give a file or folder\n"
+    (tmp_path / "notes.txt").write_text("mine")
+    for name, flag in (("export_hf.py", "--out_dir"), ("inspect_data.py", "--html"), ("inspect_data.py", "--json_out"),
+                       ("eval_sft.py", "--json_out"), ("make_demo_data.py", "--out-dir"), ("plot_loss.py", "--out"),
+                       ("train_tokenizer.py", "--out-dir")):
+        model = ["--model_path", "unread"] if name in ("export_hf.py", "eval_sft.py") else []
+        overwrite = ["--overwrite"] if name == "export_hf.py" else []
+        done = script_in_process(name, *model, flag, "", *overwrite, cwd=tmp_path)
+        assert (done.returncode, done.stderr) == (
+            2, f"error: argument {flag}: an empty path: give a file or folder (see {name} --help)\n"), name
+    assert [path.name for path in tmp_path.iterdir()] == ["notes.txt"]
+
+
 def test_a_flag_error_line_escapes_the_control_characters_of_the_values(capsys):
     # A value holding an escape sequence or a carriage return is shown escaped, never sent raw to the terminal.
     for argv, message in ((["--device", "cu\x1b[2Jda"], "error: --device cu\\x1b[2Jda: not supported "),
