@@ -56,6 +56,17 @@ def check_output_file(path: str | None, flag: str) -> None:
         fail(f"{flag} {path}: {folder} is a file, not a folder")
 
 
+def check_not_an_input(path: str | None, flag: str, inputs) -> None:
+    """Fail when ``flag``'s file ``path`` is one of ``inputs``, the data files the command reads:
+    writing the output would destroy them."""
+    if not path:
+        return
+    target = Path(path).resolve()
+    for source in inputs:
+        if Path(source).resolve() == target:
+            fail(f"{flag} {path} is the data file {source}: writing it would overwrite the data; choose another file")
+
+
 def write_output(path: str, text: str) -> None:
     """Write ``text`` (UTF-8) to the file ``path`` a flag names, creating its missing folders."""
     target = Path(path)

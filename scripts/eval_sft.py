@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import (  # noqa: E402
-    REPO_DIR, ArgumentParser, add_model_args, check_output_file, fail, load_model_and_tokenizer, prompt_ids, run_main,
+    REPO_DIR, ArgumentParser, add_model_args, check_not_an_input, check_output_file, fail, load_model_and_tokenizer,
+    prompt_ids, run_main,
     write_output,
 )
 from trainer.args import path_value  # noqa: E402
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit is not None and args.limit < 1:
         fail(f"--limit must be positive, got {args.limit}")
     check_output_file(args.json_out, "--json_out")
+    check_not_an_input(args.json_out, "--json_out", [args.data_path])
     model, tokenizer = load_model_and_tokenizer(args)
     max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)  # the model cannot see more
     examples = read_examples(Path(args.data_path), tokenizer, max_seq_len, args.limit)

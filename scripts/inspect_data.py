@@ -25,7 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._common import REPO_DIR, ArgumentParser, check_output_file, fail, run_main, write_output  # noqa: E402
+from scripts._common import (  # noqa: E402
+    REPO_DIR, ArgumentParser, check_not_an_input, check_output_file, fail, run_main, write_output,
+)
 from trainer.args import add_flag, flag_bounds, path_value, range_problems  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
@@ -122,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         fail("; ".join(problems))
     for flag in ("html", "json_out"):
         check_output_file(getattr(args, flag), f"--{flag}")
-
     from dataset.inspection.report import inspect_source, report_lines, segment_table
     from dataset.mixture import parse_data_path
     from dataset.inspection.token_view import html_page, terminal_legend, terminal_view
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, tokenizer_name, notes = choose_tokenizer(args)
     check_position_tables(args, tokenizer)
     sources = parse_data_path(args.data_path)
+    for flag in ("html", "json_out"):
+        check_not_an_input(getattr(args, flag), f"--{flag}", [path for source in sources for path in source.files])
     per_source = math.ceil(args.samples / len(sources)) if args.samples else 0
     reports = [inspect_source(source, tokenizer, args.max_seq_len, args.rows, per_source) for source in sources]
     samples = [sample for report in reports for sample in report.samples][: args.samples]

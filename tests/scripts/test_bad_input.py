@@ -11,3 +11,19 @@ def test_bad_input_gives_one_line_error_and_exit_2(trained, tmp_path):
     assert bad_flag.returncode == 2 and bad_flag.stderr.startswith("error: ") and bad_flag.stderr.count("\n") == 1
     no_metrics = script("plot_loss.py", "--metrics", str(tmp_path / "run"), "--out", str(tmp_path / "x.png"))
     assert no_metrics.returncode == 2 and no_metrics.stderr == f"error: {tmp_path / 'run'}: metrics file not found\n"
+
+
+def test_an_output_file_that_is_the_data_file_is_refused_and_the_data_kept(tmp_path):
+    """`--html data.jsonl` (a slip of the tab key) would replace the data with the report."""
+    from tests.helpers.overfitted import script_in_process
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"conversations": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]}\n')
+    for name, args in (("inspect_data.py", ["--data_path", str(data), "--html", str(data)]),
+                       ("inspect_data.py", ["--data_path", str(tmp_path), "--json_out", str(tmp_path / "." / "data.jsonl")]),
+                       ("eval_sft.py", ["--model_path", "unread", "--data_path", str(data), "--json_out", str(data)])):
+        done = script_in_process(name, *args)
+        flag, path = args[-2:]
+        assert (done.returncode, done.stderr) == (2, f"error: {flag} {path} is the data file {data}: "
+                                                     "writing it would overwrite the data; choose another file\n"), name
+    assert data.read_text().startswith('{"conversations"')
