@@ -249,10 +249,16 @@ def make_tool_eval_sample(rng: random.Random) -> dict:
     return {"conversations": messages[: end + 1], "task": task}
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+def jsonl_text(rows: list[dict]) -> str:
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def check_replaceable(path: Path, text: str, overwrite: bool) -> None:
+    """A file already at `path` is replaced only with --overwrite, or when it holds `text` already
+    (the bundled set written again): it may be a user's own data."""
+    if path.exists() and not overwrite and path.read_bytes() != text.encode("utf-8"):
+        fail(f"{path} exists and is not this demo data (your own data?): choose another --out-dir, "
+             "or --overwrite to replace it")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tool-train-size", type=int, default=4000)
     parser.add_argument("--tool-eval-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace sft_train.jsonl / sft_eval.jsonl in --out-dir that hold other data")
     args = parser.parse_args(argv)
     for flag in ("train_size", "eval_size", "tool_train_size", "tool_eval_size"):
         if getattr(args, flag) < 0:
@@ -278,8 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.tool_train_size):  # inserted at random places of the plain conversations
         train.insert(tool_rng.randrange(len(train) + 1), {"conversations": make_tool_sample(tool_rng, "train")})
     evals += [make_tool_eval_sample(tool_rng) for _ in range(args.tool_eval_size)]
-    write_jsonl(out_dir / "sft_train.jsonl", train)
-    write_jsonl(out_dir / "sft_eval.jsonl", evals)
+    files = {out_dir / "sft_train.jsonl": jsonl_text(train), out_dir / "sft_eval.jsonl": jsonl_text(evals)}
+    for path, text in files.items():
+        check_replaceable(path, text, args.overwrite)
+    for path, text in files.items():
+        path.write_text(text, encoding="utf-8")
     print(f"wrote {len(train)} train and {len(evals)} eval conversations to {out_dir}")
     return 0
 

@@ -49,6 +49,22 @@ def test_make_demo_data_writes_the_bundled_files_byte_for_byte(tmp_path):
         assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), name
 
 
+def test_make_demo_data_replaces_other_data_only_with_overwrite_and_rewrites_its_own(tmp_path):
+    mine = '{"conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+    (tmp_path / "sft_train.jsonl").write_text(mine)
+    sizes = ("--train-size", "3", "--eval-size", "2", "--tool-train-size", "1", "--tool-eval-size", "1")
+    done = script_in_process("make_demo_data.py", *sizes, "--out-dir", str(tmp_path))
+    assert (done.returncode, done.stderr) == (2, f"error: {tmp_path / 'sft_train.jsonl'} exists and is not this demo "
+                                                 "data (your own data?): choose another --out-dir, or --overwrite to "
+                                                 "replace it\n")
+    assert [path.name for path in tmp_path.iterdir()] == ["sft_train.jsonl"]
+    assert (tmp_path / "sft_train.jsonl").read_text() == mine
+    for extra in (["--overwrite"], []):  # replaced; then written again over the same bytes, no flag needed
+        done = script_in_process("make_demo_data.py", *sizes, "--out-dir", str(tmp_path), *extra)
+        assert done.returncode == 0, done.stderr
+        assert len((tmp_path / "sft_train.jsonl").read_text().splitlines()) == 4
+
+
 def test_make_demo_data_refuses_a_negative_size_or_a_file_as_out_dir_in_one_line(tmp_path):
     done = script_in_process("make_demo_data.py", "--tool-train-size", "-1", "--out-dir", str(tmp_path / "new"))
     assert (done.returncode, done.stderr) == (2, "error: --tool-train-size must be >= 0 (got -1)\n")
