@@ -134,6 +134,10 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: boo
     moved aside, not deleted. `resuming` (--from_resume 1 finding no checkpoint): a run without a
     checkpoint has nothing to continue, so its best/ and metrics.jsonl are moved aside as well, with a
     line (a restarted job starts afresh instead of appending to them)."""
+    model_dir = os.path.join(save_dir, MODEL_DIR)
+    if os.path.isdir(model_dir) and any(name.endswith(".py") for name in os.listdir(model_dir)):
+        raise CheckpointError(f"--save_dir {save_dir}: its {MODEL_DIR}/ holds Python source (minisft's own package?), "
+                              "not a run's weights, and is never moved: choose another --save_dir")
     previous = [os.path.join(save_dir, name) for name in ("checkpoints", MODEL_DIR, BEST_DIR)
                 if os.path.lexists(os.path.join(save_dir, name))]
     if os.path.isfile(os.path.join(save_dir, "metrics.jsonl")):  # a run's log (anything else fails at its first write)
