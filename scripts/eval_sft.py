@@ -184,6 +184,16 @@ def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new
     }
 
 
+def finite_or_null(value):
+    """`value` with every NaN or infinity (no reply to score, no tool-call turn, an infinite
+    perplexity) as None: JSON has no NaN, and a reader of the file would fail on `NaN`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    return value
+
+
 def format_table(result: dict) -> str:
     from dataset.printable import printable
 
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{max_seq_len}: the loss counts the other {len(examples) - unscored} (raise --max_seq_len to count "
               "them)", file=sys.stderr)
     result = evaluate(model, tokenizer, examples, args.batch_size, args.max_new_tokens)
-    text = json.dumps(result, indent=2)
+    text = json.dumps(finite_or_null(result), indent=2, allow_nan=False)
     if args.json_out:
         write_output(args.json_out, text + "\n")
         print(format_table(result))

@@ -38,6 +38,8 @@ def test_eval_reports_exact_match_and_hand_computed_loss(trained, tmp_path):
     assert report["num_loss_tokens"] == count
     assert report["loss"] == pytest.approx(loss, rel=1e-5)
     assert report["perplexity"] == pytest.approx(math.exp(loss), rel=1e-5)
+    # no tool-call turn to score: null, as JSON has no NaN (strict readers fail on it)
+    assert report["tool_call_accuracy"] is None and "NaN" not in out.read_text()
 
 
 def test_eval_counts_right_answers_per_task_where_rows_name_one(trained, tmp_path):
