@@ -95,11 +95,15 @@ def model_dir_of(folder: str) -> str:
 
 
 def read_json(path: str) -> dict:
+    """The JSON object of a model folder's file (config.json, the safetensors index)."""
     try:
         with open(path, encoding="utf-8") as handle:
-            return json.load(handle)
+            value = json.load(handle)
     except (OSError, json.JSONDecodeError) as error:
         raise CheckpointError(f"cannot read {path}: {error}") from error
+    if not isinstance(value, dict):
+        raise CheckpointError(f"cannot read {path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _read_directory(folder: str) -> Weights:
@@ -255,6 +259,13 @@ def _minimind_fields(saved: dict) -> dict:
     return {k: v for k, v in saved.items() if k not in skip}
 
 
+def rope_theta(value, source: str) -> float:
+    """A config's RoPE base, a positive number (JSON's null, a string or 0 are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CheckpointError(f"{source}: rope_theta must be a positive number, got {value!r}")
+    return float(value)
+
+
 def config_from_qwen3(saved: dict, source: str) -> dict:
     """MiniMindConfig arguments for a Qwen3 / Qwen3-MoE config.json; what does not map is refused."""
     from transformers import Qwen3Config, Qwen3MoeConfig
@@ -281,7 +292,7 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
         num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
         head_dim=hf.head_dim or hf.hidden_size // hf.num_attention_heads, intermediate_size=hf.intermediate_size,
         max_position_embeddings=hf.max_position_embeddings, rms_norm_eps=hf.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", 10000.0)), tie_word_embeddings=bool(hf.tie_word_embeddings),
+        rope_theta=rope_theta(rope.get("rope_theta", 10000.0), source), tie_word_embeddings=bool(hf.tie_word_embeddings),
         initializer_range=hf.initializer_range, use_moe=moe,
     )
     if rope_type == "yarn":

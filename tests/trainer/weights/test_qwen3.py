@@ -170,3 +170,20 @@ def test_qwen3_moe_two_ranks_equal_one_rank_and_resume_is_exact(qwen3_dirs, data
     assert not torch.allclose(one["model.layers.0.mlp.experts.0.up_proj.weight"],
                               initial["model.layers.0.mlp.experts.0.up_proj.weight"])
     assert torch.load(checkpoint_at(tmp_path / "one", 2), weights_only=True)["model_config"]["num_experts_per_tok"] == 2
+
+
+def test_a_config_that_is_not_an_object_or_has_a_null_rope_theta_is_one_clear_error(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = tmp_path / "qwen3"
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=64, **SHAPES)).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_theta"] = None  # at the top level (transformers 4) and in rope_parameters (5)
+    if config.get("rope_parameters"):
+        config["rope_parameters"]["rope_theta"] = None
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"qwen3: rope_theta must be a positive number, got None$"):
+        read_weights(str(folder))
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"config.json: expected a JSON object, got list$"):
+        read_weights(str(folder))
