@@ -20,6 +20,7 @@ class PreemptionFlag:
     def __init__(self):
         self.requested = False
         self.reason = None  # "SIGTERM" or "SIGINT" once requested
+        self.interrupted = False  # a SIGINT came (a second one stops now, whatever came first)
         self._previous = {}
 
     def install(self) -> "PreemptionFlag":
@@ -28,9 +29,11 @@ class PreemptionFlag:
         return self
 
     def _handle(self, signum, frame) -> None:
-        if signum == signal.SIGINT and self.reason == "SIGINT":
-            say("error: interrupted again (Ctrl-C): stopped now, without saving the steps since the last checkpoint")
-            os._exit(EXIT_INTERRUPTED)
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                say("error: interrupted again (Ctrl-C): stopped now, without saving the steps since the last checkpoint")
+                os._exit(EXIT_INTERRUPTED)
+            self.interrupted = True
         self.requested = True
         self.reason = self.reason or signal.Signals(signum).name
         if signum == signal.SIGINT:
