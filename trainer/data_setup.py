@@ -3,6 +3,7 @@ SFT dataset over them (memory-mapped; several weighted sources with `dataset.mix
 resumable distributed sampler and the DataLoaders, the run's identity (trainer/run_identity.py)
 from the data just opened, and the held-out sets."""
 
+import fnmatch
 import math
 import os
 import signal
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
 from dataset.cache import build_or_reuse_on_node, default_cache_root
+from dataset.formats import DataError
 from dataset.inspection.report import training_summary
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, lone_weight_note, parse_data_path
 from dataset.printable import print_escaped
@@ -40,12 +42,24 @@ def check_data_files(args, log=print) -> None:
     run is set aside (--overwrite 1) or any data is tokenized. The training files themselves, maybe
     thousands of shards, are checked as their caches are built. A held-out file that is also trained
     on is said (`log`): its figures measure what the model learned of it."""
-    trained = {os.path.realpath(path) for source in parse_data_path(args.data_path) for path in source.files}
+    sources = parse_data_path(args.data_path)
+    trained = {os.path.realpath(path) for source in sources for path in source.files}
+    for source in sources:
+        if reads_run_log(source.spec, args.save_dir):
+            raise DataError(f"--save_dir {args.save_dir} is where --data_path {source.spec} reads its files: the run's "
+                            "metrics.jsonl would be read as data on resume; choose another --save_dir")
     for path in held_out_files(args.eval_data_path):
         check_data_file(Path(path))
         if os.path.realpath(path) in trained:
             log(f"[eval] warning: {path} is held out and also trained on (--data_path): its evaluation measures "
                 "what the model learned of it, not how it does on conversations it has not seen")
+
+
+def reads_run_log(spec: str, save_dir: str) -> bool:
+    """Whether the data source `spec` (a directory, or a glob over one folder) would read the
+    `metrics.jsonl` a run writes in `save_dir`."""
+    folder, pattern = (spec, "*.jsonl") if os.path.isdir(spec) else os.path.split(spec)
+    return os.path.realpath(folder or ".") == os.path.realpath(save_dir) and fnmatch.fnmatch("metrics.jsonl", pattern)
 
 
 def _worker_ignores_preemption(_worker_id: int) -> None:

@@ -28,3 +28,22 @@ def test_a_held_out_file_that_is_also_training_data_is_said(data, tmp_path):
     again = run_trainer_in_process(flags(data, tmp_path / "other", "--max_steps", "1", "--eval_data_path",
                                          str(data / "eval.jsonl")), check=True)
     assert "[eval] warning" not in again.stdout
+
+
+def test_a_save_dir_that_a_data_source_reads_is_refused_before_anything_is_written(data, tmp_path):
+    """The run writes metrics.jsonl in --save_dir: a directory or glob source there would read it as
+    a data shard (on resume: a line without conversations)."""
+    import shutil
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    shutil.copy(data / "train.jsonl", shards / "part-0.jsonl")
+    for spec in (str(shards), str(shards / "*.jsonl")):
+        done = run_trainer_in_process([*flags(data, shards)[:-4], "--data_path", spec, "--save_dir", str(shards)])
+        assert (done.returncode, done.stderr.splitlines()) == (2, [
+            f"error: --save_dir {shards} is where --data_path {spec} reads its files: the run's metrics.jsonl would "
+            "be read as data on resume; choose another --save_dir"])
+        assert sorted(path.name for path in shards.iterdir()) == [".lock", "part-0.jsonl"]
+    done = run_trainer_in_process([*flags(data, shards)[:-4], "--data_path", str(shards / "part-*.jsonl"),
+                                   "--save_dir", str(shards), "--max_steps", "1"])
+    assert done.returncode == 0, done.stderr  # a glob that cannot match metrics.jsonl
