@@ -31,6 +31,15 @@ def test_a_flag_argparse_refuses_is_one_line_too(capsys):
         assert stopped.value.code == 2 and capsys.readouterr().err == message
 
 
+def test_a_dist_timeout_beyond_a_week_is_refused_not_overflowed(capsys):
+    """1e300 seconds would overflow `datetime.timedelta` (a traceback), and 1e10 fail the rendezvous at once."""
+    for value in ("1e300", "1e10"):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--dist_timeout", value])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == f"error: --dist_timeout must be <= 604800 (got {float(value)!r})\n"
+
+
 def test_an_empty_path_is_refused_where_it_would_mean_the_current_directory(capsys, tmp_path):
     """`--save_dir "$OUT"` with OUT unset: with `export_hf.py --out_dir "" --overwrite` the current
     directory would be emptied and the export written there."""
