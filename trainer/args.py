@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                       help="process-group backend; auto = nccl with CUDA, else gloo")
     add_flag(dist, "--dist_timeout", type=float, default=600.0, above=0, at_most=7 * 24 * 3600,
-             help="seconds a collective (or a missing peer) may block before the run fails (at most a week)")
+             help="seconds a collective (or a missing peer) may block before the run fails")
     dist.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto/cuda: cuda:LOCAL_RANK, or a task's own GPU under srun --gpus-per-task)")
     add_flag(dist, "--world_size", type=int, default=1, at_least=1,
              help="start this many local workers yourself (for machines without torchrun)")

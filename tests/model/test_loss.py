@@ -171,7 +171,7 @@ def test_the_loss_moves_22_bytes_per_bf16_logit_forward_and_28_backward():
     GEMM's write (2), the row maximum's read (2), one subtraction from bf16 to fp32 (6), exp in place
     (8), the sum's read (4); backward the GEMM's write and the two GEMMs' reads (6), the subtraction
     (6), exp (8), the product with the output's gradient written in bf16 (6). An fp32 copy of the
-    logits and torch.logsumexp took 32 and 44; the rest (weight-sized terms) is about 0.1."""
+    logits and torch.logsumexp move 32 and 44; the rest (weight-sized terms) is about 0.1."""
     from model.loss import lm_loss_backward, lm_loss_forward
     from scripts._step_bytes import ByteCounter
 
