@@ -18,8 +18,9 @@ messages may add ``reasoning_content`` (non-empty str, also split out of a leadi
 see ``_split_think``) and ``tool_calls`` (OpenAI form, ``arguments`` always a JSON object); tool
 messages may add ``name`` / ``tool_call_id``. Nothing the data carries is dropped silently: a
 message key we would not render is an error (``LineError``), unless its value is empty/null or it
-is pure metadata (``id``). Top-level keys other than the conversation, ``tools`` and ``system``
-(e.g. ``task``, ``id``) are metadata and ignored.
+is pure metadata (``id``). A line holds one conversation: ``conversations`` and ``messages`` both
+in it is an error, since either could be the one meant. Top-level keys other than the conversation,
+``tools`` and ``system`` (e.g. ``task``, ``id``) are metadata and ignored.
 
 Lines (and JSON strings inside them: ``tools``, tool-call ``arguments``) must be JSON: ``NaN``,
 ``Infinity`` and numbers beyond the float range, which Python's ``json`` would accept, make the
@@ -143,6 +144,9 @@ def load_row(line: str) -> dict:
 
 def parse_row(row: dict) -> Conversation:
     """Normalize one decoded row (see the module docstring)."""
+    if "conversations" in row and "messages" in row:
+        raise LineError("the line has both 'conversations' and 'messages'; keep one of them "
+                        "(a line holds one conversation)")
     if "conversations" in row:
         key = "conversations"
     elif "messages" in row:

@@ -71,6 +71,24 @@ def test_bad_line_reports_file_and_line(tokenizer, tmp_path, bad_line, problem):
     assert len(skipped) == 3 and skipped.num_skipped == 1
 
 
+USER, ANSWER = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
+ONE_ROW_TWO_READINGS = [  # rows that could be read two ways
+    ({"conversations": [USER, ANSWER], "messages": [USER, {"role": "assistant", "content": "Other"}]},
+     "the line has both 'conversations' and 'messages'; keep one of them (a line holds one conversation)"),
+]
+
+
+@pytest.mark.parametrize("row, problem", ONE_ROW_TWO_READINGS)
+def test_a_row_read_two_ways_is_that_lines_error(tokenizer, tmp_path, row, problem):
+    path = write_lines(tmp_path / "two.jsonl", [make_chat(1), row, make_chat(2)])
+    with pytest.raises(DataError) as info:
+        build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert str(info.value) == f"{path}:2: {problem}"
+    assert not list((tmp_path / ".cache").glob("*/meta.json"))  # no finished cache
+    skipped = build_cache_and_open(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
+    assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
 NOT_JSON_LINES = [
     # NaN in tool-call arguments given as an object
     ('{"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "",'

@@ -180,6 +180,24 @@ def test_a_null_in_a_parquet_struct_is_an_absent_key_and_a_json_string_or_map_ke
     assert parsed_rows(parquet("map.parquet", [mapped], schema)) == parsed_rows(jsonl("map.jsonl", [mapped]))
 
 
+def test_a_parquet_row_holding_both_conversation_columns_is_that_rows_error(tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = [make_chat(i)["conversations"] for i in range(3)]
+    rows = [{"conversations": chats[0], "messages": None}, {"conversations": None, "messages": chats[1]},
+            {"conversations": chats[2], "messages": None}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "one.parquet")  # a null column is an absent key
+    jsonl = write_rows(tmp_path / "one.jsonl", [json.dumps({k: v for k, v in row.items() if v}) for row in rows])
+    assert parsed_rows(tmp_path / "one.parquet") == parsed_rows(jsonl)
+    rows[1]["conversations"] = chats[0]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "both.parquet")
+    with pytest.raises(DataError) as info:
+        build_cache_and_open(tmp_path / "both.parquet", tokenizer, 64, num_proc=1)
+    assert str(info.value) == (f"{tmp_path / 'both.parquet'}:2: the line has both 'conversations' and 'messages'; "
+                               "keep one of them (a line holds one conversation)")
+
+
 def test_parquet_columns_the_trainer_does_not_read_do_not_matter(tokenizer, tmp_path):
     import datetime
 
