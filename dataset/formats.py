@@ -350,9 +350,15 @@ def _parse_sharegpt_calls(value, where: str) -> list[dict]:
 
 
 def _normalize_call(call, where: str) -> dict:
-    """Flat ``{name, arguments}`` or nested ``{type, function: {name, arguments}}`` -> nested, arguments an object."""
+    """Flat ``{name, arguments}`` or nested ``{type, function: {name, arguments}}`` -> nested, arguments an object.
+
+    A call in both forms is an error, even when they agree: which one is meant is not guessed."""
     if not isinstance(call, dict):
         raise LineError(f"{where} must be a JSON object")
+    flat = [key for key in ("name", "arguments") if key in call]
+    if flat and "function" in call:
+        raise LineError(f"{where} has {' and '.join(map(repr, flat))} beside a nested 'function'; give the call in "
+                        "one form, flat or nested (both are refused, even when they agree)")
     function = call.get("function", call)
     if not isinstance(function, dict):
         raise LineError(f"{where} 'function' must be a JSON object")

@@ -72,9 +72,24 @@ def test_bad_line_reports_file_and_line(tokenizer, tmp_path, bad_line, problem):
 
 
 USER, ANSWER = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
-ONE_ROW_TWO_READINGS = [  # rows that could be read two ways
+NESTED = {"name": "f", "arguments": {"x": 1}}
+ONE_ROW_TWO_READINGS = [  # rows that could be read two ways (a tool call in both forms: even when they agree)
     ({"conversations": [USER, ANSWER], "messages": [USER, {"role": "assistant", "content": "Other"}]},
      "the line has both 'conversations' and 'messages'; keep one of them (a line holds one conversation)"),
+    ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"name": "g", "arguments": {"x": 2}, "type": "function", "function": NESTED}]}]},
+     "message 2 tool call 1 has 'name' and 'arguments' beside a nested 'function'; give the call in one form, "
+     "flat or nested (both are refused, even when they agree)"),
+    ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [{"name": "f", "function": NESTED}]}]},
+     "message 2 tool call 1 has 'name' beside a nested 'function'; give the call in one form, "
+     "flat or nested (both are refused, even when they agree)"),
+    ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [{**NESTED, "function": NESTED}]}]},
+     "message 2 tool call 1 has 'name' and 'arguments' beside a nested 'function'; give the call in one form, "
+     "flat or nested (both are refused, even when they agree)"),
+    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "function_call", "value": [
+        {"arguments": {"x": 1}, "function": NESTED}]}, {"from": "gpt", "value": "ok"}]},
+     "message 2 tool call 1 has 'arguments' beside a nested 'function'; give the call in one form, "
+     "flat or nested (both are refused, even when they agree)"),
 ]
 
 

@@ -198,6 +198,21 @@ def test_a_parquet_row_holding_both_conversation_columns_is_that_rows_error(toke
                                "keep one of them (a line holds one conversation)")
 
 
+def test_flat_and_nested_tool_calls_in_one_parquet_struct_are_each_one_form(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    nested = openai_tool_row({"a": 1}, {"a": {"type": "integer"}})
+    flat = openai_tool_row({"a": 2}, {"a": {"type": "integer"}})
+    flat["messages"][1]["tool_calls"] = [{"id": "c1", "name": "calc", "arguments": {"a": 2}}]
+    table = pa.Table.from_pylist([nested, flat])  # one struct of calls: name, arguments and function, null where absent
+    assert {"name", "arguments", "function"} <= {field.name for field in table.schema.field("messages").type
+                                                  .value_type.field("tool_calls").type.value_type}
+    pq.write_table(table, tmp_path / "calls.parquet")
+    jsonl = write_rows(tmp_path / "calls.jsonl", [json.dumps(nested), json.dumps(flat)])
+    assert parsed_rows(tmp_path / "calls.parquet") == parsed_rows(jsonl)
+
+
 def test_parquet_columns_the_trainer_does_not_read_do_not_matter(tokenizer, tmp_path):
     import datetime
 
