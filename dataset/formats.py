@@ -18,9 +18,14 @@ messages may add ``reasoning_content`` (non-empty str, also split out of a leadi
 see ``_split_think``) and ``tool_calls`` (OpenAI form, ``arguments`` always a JSON object); tool
 messages may add ``name`` / ``tool_call_id``. Nothing the data carries is dropped silently: a
 message key we would not render is an error (``LineError``), unless its value is empty/null or it
-is pure metadata (``id``). A line holds one conversation: ``conversations`` and ``messages`` both
-in it is an error, since either could be the one meant. Top-level keys other than the conversation,
-``tools`` and ``system`` (e.g. ``task``, ``id``) are metadata and ignored.
+is pure metadata (``id``). A line holds one conversation and a tool call one form: both
+``conversations`` and ``messages`` in a line, or a call's flat ``name``/``arguments`` beside its
+nested ``function``, is an error, since either could be the one meant. A non-empty top-level
+``functions`` (OpenAI's legacy name for tool definitions, entries without the ``{"type":
+"function", "function": ...}`` wrapper of ``tools``) is an error too: its definitions would not be
+rendered, and taking them as ``tools`` would render other text than the same definitions given in
+``tools``. Top-level keys other than the conversation, ``tools`` and ``system`` (e.g. ``task``,
+``id``) are metadata and ignored.
 
 Lines (and JSON strings inside them: ``tools``, tool-call ``arguments``) must be JSON: ``NaN``,
 ``Infinity`` and numbers beyond the float range, which Python's ``json`` would accept, make the
@@ -44,7 +49,8 @@ ROLE_ALIASES = {
 }
 METADATA_KEYS = {"id"}  # message keys that carry no content; ignored
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-ROW_KEYS = ("conversations", "messages", "tools", "system")  # the top-level keys a row is read from
+# The top-level keys a row is read from, and 'functions', read to refuse it (see the module docstring).
+ROW_KEYS = ("conversations", "messages", "tools", "system", "functions")
 # A line ``sources`` yields for a row it cannot turn into JSON (a parquet timestamp, ...): the
 # marker, then the problem. No JSON text starts with a NUL, so no data line can look like it.
 ROW_PROBLEM = "\x00row problem: "
@@ -158,6 +164,9 @@ def parse_row(row: dict) -> Conversation:
         raise LineError(f"'{key}' must be a list, got {type(raw_messages).__name__}")
     if not raw_messages:
         raise LineError("empty conversation")
+    if not _is_empty(row.get("functions")):
+        raise LineError("top-level 'functions' (OpenAI's legacy name for tool definitions) is not read; put the "
+                        """definitions in 'tools', each as {"type": "function", "function": {...}}""")
     tools = _parse_tools(row.get("tools"), "'tools'")
     messages: list[dict] = []
     system = row.get("system")

@@ -54,7 +54,7 @@ def _parquet_rows(path: Path, keys: tuple[str, ...]) -> Iterator[bytes]:
     """Each row of a parquet file as one JSON line, read one record batch at a time.
 
     Only the columns ``keys`` are read (for training ``formats.ROW_KEYS``, the keys a row is read
-    from): other columns (ids, timestamps, images as binary) do not matter, as other keys of a
+    from or refused for): other columns (ids, timestamps, images as binary) do not matter, as other keys of a
     jsonl line do not. A null column or struct field is an absent key (see ``_converter``); a row
     holding a value JSON has no type for is that row's problem (``formats.ROW_PROBLEM``).
     """

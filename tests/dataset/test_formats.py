@@ -73,7 +73,11 @@ def test_bad_line_reports_file_and_line(tokenizer, tmp_path, bad_line, problem):
 
 USER, ANSWER = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
 NESTED = {"name": "f", "arguments": {"x": 1}}
-ONE_ROW_TWO_READINGS = [  # rows that could be read two ways (a tool call in both forms: even when they agree)
+FUNCTIONS = ("top-level 'functions' (OpenAI's legacy name for tool definitions) is not read; put the definitions "
+             """in 'tools', each as {"type": "function", "function": {...}}""")
+# Rows that could be read two ways (a tool call in both forms: even when they agree), or whose tool
+# definitions would not be read.
+ONE_ROW_TWO_READINGS = [
     ({"conversations": [USER, ANSWER], "messages": [USER, {"role": "assistant", "content": "Other"}]},
      "the line has both 'conversations' and 'messages'; keep one of them (a line holds one conversation)"),
     ({"messages": [USER, {"role": "assistant", "content": "", "tool_calls": [
@@ -90,11 +94,14 @@ ONE_ROW_TWO_READINGS = [  # rows that could be read two ways (a tool call in bot
         {"arguments": {"x": 1}, "function": NESTED}]}, {"from": "gpt", "value": "ok"}]},
      "message 2 tool call 1 has 'arguments' beside a nested 'function'; give the call in one form, "
      "flat or nested (both are refused, even when they agree)"),
+    ({"functions": [{"name": "f", "parameters": {"type": "object"}}], "messages": [USER, ANSWER]}, FUNCTIONS),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "functions": [{"name": "f"}],
+      "messages": [USER, ANSWER]}, FUNCTIONS),
 ]
 
 
 @pytest.mark.parametrize("row, problem", ONE_ROW_TWO_READINGS)
-def test_a_row_read_two_ways_is_that_lines_error(tokenizer, tmp_path, row, problem):
+def test_a_row_read_two_ways_or_with_unread_tool_definitions_is_that_lines_error(tokenizer, tmp_path, row, problem):
     path = write_lines(tmp_path / "two.jsonl", [make_chat(1), row, make_chat(2)])
     with pytest.raises(DataError) as info:
         build_cache_and_open(path, tokenizer, 128, num_proc=1)
@@ -102,6 +109,16 @@ def test_a_row_read_two_ways_is_that_lines_error(tokenizer, tmp_path, row, probl
     assert not list((tmp_path / ".cache").glob("*/meta.json"))  # no finished cache
     skipped = build_cache_and_open(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
     assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
+def test_an_empty_functions_key_carries_nothing_and_changes_no_token(tokenizer, tmp_path):
+    items = []
+    for name, row in [("plain", {"messages": CHAT}), ("empty", {"messages": CHAT, "functions": []}),
+                      ("null", {"messages": CHAT, "functions": None})]:
+        items.append(build_cache_and_open(write_lines(tmp_path / f"{name}.jsonl", [row]), tokenizer, 512, num_proc=1)[0])
+    for item in items[1:]:
+        assert item["input_ids"].tolist() == items[0]["input_ids"].tolist()
+        assert item["labels"].tolist() == items[0]["labels"].tolist()
 
 
 NOT_JSON_LINES = [

@@ -213,6 +213,23 @@ def test_flat_and_nested_tool_calls_in_one_parquet_struct_are_each_one_form(tmp_
     assert parsed_rows(tmp_path / "calls.parquet") == parsed_rows(jsonl)
 
 
+def test_a_functions_column_is_read_and_refused_where_a_row_fills_it(tokenizer, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{**make_chat(i), "functions": None} for i in range(3)]
+    rows[1]["functions"] = [{"name": "f", "description": "F."}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "functions.parquet")
+    with pytest.raises(DataError) as info:
+        build_cache_and_open(tmp_path / "functions.parquet", tokenizer, 64, num_proc=1)
+    assert str(info.value) == (
+        f"{tmp_path / 'functions.parquet'}:2: top-level 'functions' (OpenAI's legacy name for tool definitions) is "
+        """not read; put the definitions in 'tools', each as {"type": "function", "function": {...}}""")
+    skipped = build_cache_and_open(tmp_path / "functions.parquet", tokenizer, 64, num_proc=1, bad_data="skip",
+                                   cache_dir=tmp_path / "skip")
+    assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
 def test_parquet_columns_the_trainer_does_not_read_do_not_matter(tokenizer, tmp_path):
     import datetime
 
