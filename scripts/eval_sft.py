@@ -12,7 +12,8 @@
 * tool-call accuracy (conversations whose final turn calls tools): the calls must be the
   reference calls: same names, JSON-equal arguments, any order;
 * by task: rows that carry a ``task`` key (the demo's held-out file does: ``fact_capital``,
-  ``tool_call``, ...) are also counted per task, right / total.
+  ``tool_call``, ...) are also counted per task, right / total; a ``task`` that is not a string is
+  refused with its line.
 
 A ``--max_seq_len`` (or model context) that cuts every conversation before its first answer token
 leaves no loss to compute: refused in one line, as the trainer refuses such a held-out file.
@@ -90,14 +91,16 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             if last == 0:
                 raise LineError("no assistant answer after a prompt")
+            task = row.get("task")  # parquet: null where a row has none
+            if task is not None and not isinstance(task, str):  # by_task counts it under its name
+                raise LineError(f"'task' must be a string, got {type(task).__name__}")
             ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
                                             max_seq_len)
             prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
         except LineError as error:
             raise DataError(f"{path}:{number}: {error}") from None
-        task = row.get("task")
         examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
-                                reference_calls(messages[last]), task if isinstance(task, str) else None))
+                                reference_calls(messages[last]), task))
     if not examples:
         raise DataError(f"{path}: no conversations to evaluate")
     return examples

@@ -156,3 +156,12 @@ def test_a_set_without_a_loss_token_is_one_line_not_a_nan_loss(trained, tmp_path
         2, f"error: {data}: no loss token to evaluate: the model's context of 512 tokens cuts the one conversation "
            "before its first answer token\n")
 
+
+def test_a_task_that_is_not_a_string_is_refused_with_its_line(trained, tmp_path):
+    # left out of by_task silently, the per-task counts would not add up to the rows that name a task
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps({"conversations": c, "task": t}) + "\n"
+                            for c, t in zip(CONVERSATIONS, ("fact", 7, "chat"))), encoding="utf-8")
+    done = script_in_process("eval_sft.py", "--model_path", str(trained["checkpoint"]), "--data_path", str(data),
+                             "--device", "cpu")
+    assert (done.returncode, done.stderr, done.stdout) == (2, f"error: {data}:2: 'task' must be a string, got int\n", "")
