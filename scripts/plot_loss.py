@@ -64,7 +64,7 @@ def read_metrics(path: Path) -> list[dict]:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # JSONDecodeError; an int of over 4300 digits; deep nesting
                 kinds["not_json"] += 1
             else:
                 kind = line_kind(record)

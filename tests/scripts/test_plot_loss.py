@@ -124,3 +124,20 @@ def test_a_file_without_metrics_lines_is_refused_with_what_it_holds(tmp_path, ca
             main(["--metrics", str(tmp_path / name), "--out", str(tmp_path / "x.png")])
         assert (done.value.code, capsys.readouterr().err) == (2, f"error: {tmp_path / name}: {message}\n"), name
 
+
+def test_json_lines_that_python_cannot_decode_are_skipped_and_said_not_a_traceback(tmp_path, capsys, monkeypatch):
+    # json.loads raises RecursionError for nesting deeper than the stack, ValueError for an integer of
+    # over 4300 digits: lines that are not JSON to this reader, as a line cut by a crash is
+    import scripts.plot_loss as plot_loss
+
+    monkeypatch.setattr(plot_loss, "plot", lambda curves, out, title: [])
+    lines = [json.dumps(row) for row in metric_lines(range(1, 4))] + ["[" * 100_000, '{"step": ' + "1" * 5000 + "}"]
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    assert plot_loss.main(["--metrics", str(tmp_path)]) == 0
+    assert capsys.readouterr().err == f"warning: {tmp_path / 'metrics.jsonl'}: skipped 2 malformed line(s) (first: line 4)\n"
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[3:]))
+    with pytest.raises(SystemExit) as done:
+        plot_loss.main(["--metrics", str(tmp_path)])
+    assert (done.value.code, capsys.readouterr().err) == (
+        2, f"error: {tmp_path / 'metrics.jsonl'}: none of its 2 lines is a metrics line (2 not JSON): not a "
+           "metrics.jsonl written by train_full_sft.py\n")
