@@ -12,7 +12,11 @@
 * tool-call accuracy (conversations whose final turn calls tools): the calls must be the
   reference calls: same names, JSON-equal arguments, any order;
 * by task: rows that carry a ``task`` key (the demo's held-out file does: ``fact_capital``,
-  ``tool_call``, ...) are also counted per task, right / total.
+  ``tool_call``, ...) are also counted per task, right / total; a ``task`` that is not a string is
+  refused with its line.
+
+A ``--max_seq_len`` (or model context) that cuts every conversation before its first answer token
+leaves no loss to compute: refused in one line, as the trainer refuses such a held-out file.
 
 Prints a table; the JSON result goes to ``--json_out`` (then the table is on stdout) or to stdout
 (then the table is on stderr).
@@ -33,7 +37,7 @@ from scripts._common import (  # noqa: E402
     prompt_ids, run_main,
     write_output,
 )
-from trainer.args import path_value  # noqa: E402
+from trainer.args import flag_bounds, path_value, range_problems  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
 
@@ -55,7 +59,9 @@ def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="eval_sft.py")
     add_model_args(parser)
     parser.add_argument("--data_path", default=str(DEFAULT_DATA), help="conversations (MiniMind/ShareGPT/OpenAI) in a .jsonl, .jsonl.gz or .parquet file")
-    parser.add_argument("--max_seq_len", type=int, default=1024, help="conversations are truncated to this for the loss")
+    parser.add_argument("--max_seq_len", type=int, default=1024,
+                        help="conversations are truncated to this for the loss (at least 2, as in training: the "
+                             "first token has no label)").bounds = flag_bounds("max_seq_len")
     parser.add_argument("--batch_size", type=int, default=16, help="conversations per forward / generate call")
     parser.add_argument("--max_new_tokens", type=int, default=128, help="most tokens generated per answer")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N conversations")
@@ -85,14 +91,16 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             if last == 0:
                 raise LineError("no assistant answer after a prompt")
+            task = row.get("task")  # parquet: null where a row has none
+            if task is not None and not isinstance(task, str):  # by_task counts it under its name
+                raise LineError(f"'task' must be a string, got {type(task).__name__}")
             ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
                                             max_seq_len)
             prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
         except LineError as error:
             raise DataError(f"{path}:{number}: {error}") from None
-        task = row.get("task")
         examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
-                                reference_calls(messages[last]), task if isinstance(task, str) else None))
+                                reference_calls(messages[last]), task))
     if not examples:
         raise DataError(f"{path}: no conversations to evaluate")
     return examples
@@ -102,6 +110,30 @@ def scored_examples(examples: list[Example]) -> list[Example]:
     """The examples with an answer token inside --max_seq_len: those the loss counts (the first
     token is never predicted)."""
     return [e for e in examples if any(e.loss_mask[1:])]
+
+
+def length_limit(max_seq_len: int, context: int) -> tuple[int, str, str]:
+    """(the tokens of a conversation the loss reads, what sets that number, how to read more: "" where
+    the model's context sets it, as the model cannot see more)."""
+    if max_seq_len < context:
+        return max_seq_len, f"--max_seq_len {max_seq_len}", "raise --max_seq_len"
+    return context, f"the model's context of {context} tokens", ""
+
+
+def check_loss_tokens(path: Path, examples: list[Example], limit: str, remedy: str) -> None:
+    """Fail when no example keeps an answer token: the loss would be 0/0. The trainer refuses such a
+    held-out file too (dataset/cache/build.py: no usable samples); examples that the limit cuts while
+    others keep a token are named in a warning."""
+    scored = len(scored_examples(examples))
+    if not scored:
+        which = (f"all {len(examples)} conversations before their" if len(examples) > 1
+                 else "the one conversation before its")
+        fail(f"{path}: no loss token to evaluate: {limit} cuts {which} first answer token"
+             + (f" ({remedy})" if remedy else ""))
+    if scored < len(examples):  # said, not left out of the loss silently
+        print(f"warning: {len(examples) - scored} of {len(examples)} conversations keep no answer token within "
+              f"{limit}: the loss counts the other {scored}" + (f" ({remedy} to count them)" if remedy else ""),
+              file=sys.stderr)
 
 
 def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size: int) -> tuple[float, int]:
@@ -216,8 +248,12 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    for flag in ("max_seq_len", "batch_size", "max_new_tokens"):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problems = range_problems(parser, args)  # --max_seq_len within the trainer's range
+    if problems:
+        fail("; ".join(problems))
+    for flag in ("batch_size", "max_new_tokens"):
         if getattr(args, flag) < 1:
             fail(f"--{flag} must be positive, got {getattr(args, flag)}")
     if args.limit is not None and args.limit < 1:
@@ -225,13 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     check_output_file(args.json_out, "--json_out")
     check_not_an_input(args.json_out, "--json_out", [args.data_path])
     model, tokenizer = load_model_and_tokenizer(args)
-    max_seq_len = min(args.max_seq_len, model.config.max_position_embeddings)  # the model cannot see more
+    max_seq_len, limit, remedy = length_limit(args.max_seq_len, model.config.max_position_embeddings)
     examples = read_examples(Path(args.data_path), tokenizer, max_seq_len, args.limit)
-    unscored = len(examples) - len(scored_examples(examples))
-    if unscored:  # said, not left out of the loss silently
-        print(f"warning: {unscored} of {len(examples)} conversations keep no answer token within --max_seq_len "
-              f"{max_seq_len}: the loss counts the other {len(examples) - unscored} (raise --max_seq_len to count "
-              "them)", file=sys.stderr)
+    check_loss_tokens(Path(args.data_path), examples, limit, remedy)
     result = evaluate(model, tokenizer, examples, args.batch_size, args.max_new_tokens)
     text = json.dumps(finite_or_null(result), indent=2, allow_nan=False)
     if args.json_out:

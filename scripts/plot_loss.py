@@ -39,29 +39,67 @@ def metrics_file(path: Path) -> Path:
     return path / "metrics.jsonl" if path.is_dir() else path
 
 
+# What a line that is not a metrics line is, in the order a refusal counts them: (one, several).
+LINE_KINDS = {
+    "not_json": ("not JSON", "not JSON"),
+    "not_object": ("JSON value that is not an object", "JSON values that are not objects"),
+    "conversation": ("conversation row", "conversation rows"),
+    "no_step": ('object without an integer "step"', 'objects without an integer "step"'),
+    "bad_key": ('object whose "kind" or "run_id" is not a string',
+                'objects whose "kind" or "run_id" is not a string'),
+    "blank": ("blank", "blank"),
+}
+
+
 def read_metrics(path: Path) -> list[dict]:
-    """All JSON object lines of the file; a malformed line is skipped with a warning (e.g. a crash mid-write)."""
+    """All metrics lines of the file; a malformed line is skipped with a warning (e.g. a crash mid-write).
+    A file without one is refused in one line that says what its lines are."""
     if not path.is_file():
         fail(f"{path}: metrics file not found")
-    records, bad = [], []
+    records, bad, kinds = [], [], dict.fromkeys(LINE_KINDS, 0)
     with path.open("r", encoding="utf-8", errors="replace") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
+                kinds["blank"] += 1
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                bad.append(number)
-                continue
-            if is_metrics_line(record):
-                records.append(record)
+            except (ValueError, RecursionError):  # JSONDecodeError; an int of over 4300 digits; deep nesting
+                kinds["not_json"] += 1
             else:
-                bad.append(number)
+                kind = line_kind(record)
+                if kind is None:
+                    records.append(record)
+                    continue
+                kinds[kind] += 1
+            bad.append(number)
+    if not records:
+        fail(f"{path}: {no_metrics_found(kinds)}")
     if bad:
         print(f"warning: {path}: skipped {len(bad)} malformed line(s) (first: line {bad[0]})", file=sys.stderr)
-    if not records:
-        fail(f"{path}: no metrics lines (empty file?)")
     return records
+
+
+def no_metrics_found(kinds: dict[str, int]) -> str:
+    """What a file without a metrics line holds, from the count of its lines of each LINE_KINDS kind."""
+    total = sum(kinds.values())
+    if not total:
+        return "empty file (0 bytes): no metrics line to plot"
+    found = ", ".join(f"{count} {LINE_KINDS[kind][count > 1]}" for kind, count in kinds.items() if count)
+    lines = f"none of its {total} lines is" if total > 1 else "its one line is not"
+    return f"{lines} a metrics line ({found}): not a metrics.jsonl written by train_full_sft.py"
+
+
+def line_kind(record) -> str | None:
+    """None for a metrics line, else its LINE_KINDS kind. A conversation row is what a data file holds
+    (dataset/formats.py: a `conversations` or `messages` key)."""
+    if is_metrics_line(record):
+        return None
+    if not isinstance(record, dict):
+        return "not_object"
+    if "conversations" in record or "messages" in record:
+        return "conversation"
+    return "no_step" if not isinstance(record.get("step"), int) else "bad_key"
 
 
 def is_metrics_line(record) -> bool:

@@ -127,3 +127,41 @@ def test_a_json_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp
                          f"--json_out {tmp_path / 'a_file' / 'r.json'}: {tmp_path / 'a_file'} is a file, not a folder")):
         done = script_in_process("eval_sft.py", "--model_path", str(tmp_path / "none"), "--json_out", str(value))
         assert (done.returncode, done.stderr) == (2, f"error: {line}\n")
+
+
+def test_a_max_seq_len_that_holds_no_label_is_refused_before_the_model_loads(tmp_path):
+    # one token has no next token to predict: the trainer's bound (>= 2), not a NaN loss with exit 0
+    done = script_in_process("eval_sft.py", "--model_path", str(tmp_path / "none"), "--max_seq_len", "1")
+    assert (done.returncode, done.stderr) == (2, "error: --max_seq_len must be >= 2 (got 1)\n")
+
+
+def test_a_set_without_a_loss_token_is_one_line_not_a_nan_loss(trained, tmp_path):
+    # --max_seq_len 9: the earliest answer token of the three conversations is token 9 (of the third)
+    masks = [encode_conversation(trained["tokenizer"], messages, 9)[1] for messages in CONVERSATIONS]
+    assert [int(mask[1:].sum()) for mask in masks] == [0, 0, 0]
+    out = tmp_path / "result.json"
+    done = script_in_process("eval_sft.py", "--model_path", str(trained["checkpoint"]), "--data_path",
+                             str(trained["data"]), "--max_seq_len", "9", "--json_out", str(out), "--device", "cpu")
+    assert (done.returncode, done.stderr) == (
+        2, f"error: {trained['data']}: no loss token to evaluate: --max_seq_len 9 cuts all 3 conversations before "
+           "their first answer token (raise --max_seq_len)\n")
+    assert not out.exists()
+    # the model's context (512) is what cuts them: raising --max_seq_len cannot help, so it is not advised
+    data = tmp_path / "long.jsonl"
+    long = [{"role": "system", "content": "word " * 600}, *CONVERSATIONS[1]]
+    data.write_text(json.dumps({"conversations": long}) + "\n", encoding="utf-8")
+    done = script_in_process("eval_sft.py", "--model_path", str(trained["checkpoint"]), "--data_path", str(data),
+                             "--device", "cpu")
+    assert (done.returncode, done.stderr) == (
+        2, f"error: {data}: no loss token to evaluate: the model's context of 512 tokens cuts the one conversation "
+           "before its first answer token\n")
+
+
+def test_a_task_that_is_not_a_string_is_refused_with_its_line(trained, tmp_path):
+    # left out of by_task silently, the per-task counts would not add up to the rows that name a task
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("".join(json.dumps({"conversations": c, "task": t}) + "\n"
+                            for c, t in zip(CONVERSATIONS, ("fact", 7, "chat"))), encoding="utf-8")
+    done = script_in_process("eval_sft.py", "--model_path", str(trained["checkpoint"]), "--data_path", str(data),
+                             "--device", "cpu")
+    assert (done.returncode, done.stderr, done.stdout) == (2, f"error: {data}:2: 'task' must be a string, got int\n", "")

@@ -96,3 +96,48 @@ def test_metrics_without_a_finite_loss_are_one_line_not_an_empty_plot(tmp_path, 
     assert capsys.readouterr().err.splitlines() == [
         f"error: {tmp_path / 'metrics.jsonl'}: no finite loss in its 3 train lines (every step skipped?): nothing to plot"]
     assert not (tmp_path / "loss.png").exists()
+
+
+def test_a_file_without_metrics_lines_is_refused_with_what_it_holds(tmp_path, capsys):
+    # one line, exit 2, no warning first: an empty file, or N lines counted by what they are
+    from scripts.plot_loss import main
+
+    conversation = {"conversations": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    files = {
+        "empty.jsonl": ("", "empty file (0 bytes): no metrics line to plot"),
+        "data.jsonl": (json.dumps(conversation) + "\n\n" + json.dumps({"messages": []}) + "\n",
+                       "none of its 3 lines is a metrics line (2 conversation rows, 1 blank): not a metrics.jsonl "
+                       "written by train_full_sft.py"),
+        "result.json": (json.dumps({"loss": 0.5, "by_task": {}}, indent=2) + "\n",
+                        "none of its 4 lines is a metrics line (4 not JSON): not a metrics.jsonl written by "
+                        "train_full_sft.py"),
+        "other.jsonl": ("[1, 2]\n" + json.dumps({"step": "3"}) + "\n" + json.dumps({"step": 3, "kind": 1}) + "\n",
+                        "none of its 3 lines is a metrics line (1 JSON value that is not an object, 1 object without "
+                        "an integer \"step\", 1 object whose \"kind\" or \"run_id\" is not a string): not a "
+                        "metrics.jsonl written by train_full_sft.py"),
+        "blank.jsonl": ("\n", "its one line is not a metrics line (1 blank): not a metrics.jsonl written by "
+                               "train_full_sft.py"),
+    }
+    for name, (text, message) in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        with pytest.raises(SystemExit) as done:
+            main(["--metrics", str(tmp_path / name), "--out", str(tmp_path / "x.png")])
+        assert (done.value.code, capsys.readouterr().err) == (2, f"error: {tmp_path / name}: {message}\n"), name
+
+
+def test_json_lines_that_python_cannot_decode_are_skipped_and_said_not_a_traceback(tmp_path, capsys, monkeypatch):
+    # json.loads raises RecursionError for nesting deeper than the stack, ValueError for an integer of
+    # over 4300 digits: lines that are not JSON to this reader, as a line cut by a crash is
+    import scripts.plot_loss as plot_loss
+
+    monkeypatch.setattr(plot_loss, "plot", lambda curves, out, title: [])
+    lines = [json.dumps(row) for row in metric_lines(range(1, 4))] + ["[" * 100_000, '{"step": ' + "1" * 5000 + "}"]
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    assert plot_loss.main(["--metrics", str(tmp_path)]) == 0
+    assert capsys.readouterr().err == f"warning: {tmp_path / 'metrics.jsonl'}: skipped 2 malformed line(s) (first: line 4)\n"
+    (tmp_path / "metrics.jsonl").write_text("".join(line + "\n" for line in lines[3:]))
+    with pytest.raises(SystemExit) as done:
+        plot_loss.main(["--metrics", str(tmp_path)])
+    assert (done.value.code, capsys.readouterr().err) == (
+        2, f"error: {tmp_path / 'metrics.jsonl'}: none of its 2 lines is a metrics line (2 not JSON): not a "
+           "metrics.jsonl written by train_full_sft.py\n")
