@@ -65,6 +65,12 @@ def resolve_minimind_name(value: str, save_dir: str, hidden_size: int, use_moe: 
 
 def read_weights(path: str) -> Weights:
     """Read any supported weights `path`; a problem is a one-line CheckpointError."""
+    weights = _read_any(path)
+    check_finite(weights)
+    return weights
+
+
+def _read_any(path: str) -> Weights:
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist")
     if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):  # a sharded resume checkpoint (--fsdp 1)
@@ -80,6 +86,17 @@ def read_weights(path: str) -> Weights:
             return _from_config_json(read_json(config_file), state, path, of_folder(os.path.dirname(path)))
         return Weights(state, config_from_shapes(state, path), f"safetensors file {path}")
     return _read_torch_file(path)
+
+
+def check_finite(weights: Weights) -> None:
+    """Weights holding a NaN or an infinity give a NaN loss at the first step and NaN logits: refused
+    when read, naming the tensors, rather than blamed on the learning rate later."""
+    bad = [key for key, value in weights.state.items()
+           if value.is_floating_point() and not bool(torch.isfinite(value).all())]
+    if bad:
+        tensors = f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+        raise CheckpointError(f"{weights.source} holds non-finite values (NaN or inf) in {tensors}: these weights "
+                              "cannot be trained, evaluated or exported")
 
 
 def model_dir_of(folder: str) -> str:

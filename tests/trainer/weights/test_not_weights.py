@@ -50,3 +50,24 @@ def test_only_a_pickle_is_called_malicious_and_other_files_are_told_what_weights
                            str(tmp_path / "run")], cwd=REPO, env=clean_env(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2 and done.stderr == f"error: {expected[config]}\n"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_holding_a_non_finite_value_are_refused_when_read(tmp_path, bad):
+    from model import MiniMindConfig, MiniMindForCausalLM
+    from trainer.errors import ModelLoadError
+
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, intermediate_size=64))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
+    torch.save(state, tmp_path / "pretrain_32.pth")
+    path = tmp_path / "pretrain_32.pth"
+    message = (f"MiniMind state dict {path} holds non-finite values (NaN or inf) in 1 tensor "
+               "(model.layers.1.mlp.down_proj.weight): these weights cannot be trained, evaluated or exported")
+    with pytest.raises(CheckpointError) as caught:  # --from_weight: before any data is tokenized
+        setup(["--from_weight", str(path), "--save_dir", str(tmp_path)])
+    assert str(caught.value) == message
+    with pytest.raises(ModelLoadError) as caught:  # --model_path of chat, eval, export
+        load_model_for_inference(path)
+    assert str(caught.value) == message
