@@ -129,7 +129,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     check_data_files(args, log)  # a missing data source or held-out file: refused before a previous run is set aside
     weights = read_initial_weights(args, log)
     tokenizer, tokenizer_path = load_tokenizer_for_weights(args, weights, log)
-    config = build_model_config(args, tokenizer, weights)
+    config = build_model_config(args, tokenizer, weights, ctx.device)
     saved = locate_resume(args, config, ctx, log)
     if args.resume_from or args.from_resume:
         log_start_weights(args, weights, saved, log)

@@ -6,10 +6,11 @@ import os
 
 import torch
 
-from model import MiniMindConfig, MiniMindForCausalLM
+from model import MiniMindConfig, MiniMindForCausalLM, count_parameters
 from model.modeling_minimind import MiniMindBlock
 from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
+from trainer.runtime.distributed import processes_on_this_node
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
 from trainer.weights.tokenizer import resolve_tokenizer
 from trainer.weights.write import minimind_pth_name, minimind_unsupported, pth_prefix_problem
@@ -61,9 +62,12 @@ def load_tokenizer_for_weights(args, weights: Weights | None, log=print):
     return tokenizer, path
 
 
-def build_model_config(args, tokenizer, weights: Weights | None = None) -> MiniMindConfig:
-    """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them."""
+def build_model_config(args, tokenizer, weights: Weights | None = None,
+                       device: torch.device | None = None) -> MiniMindConfig:
+    """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them and
+    a model the host's memory cannot hold (`device`: where it trains; None: it is not trained here)."""
     config = _model_config(args, tokenizer, weights)
+    check_host_memory(config, device, sharded=bool(getattr(args, "fsdp", 0)))
     check_moe_flags_act(args, config, from_weights=weights is not None)
     prefix = getattr(args, "save_weight", None)
     problem = pth_prefix_problem(prefix, "--save_dir") if prefix else None  # no prefix: no .pth
@@ -101,6 +105,29 @@ def check_pth_spares_the_start(args, config: MiniMindConfig, prefix: str) -> Non
 
 def host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_memory(config: MiniMindConfig, device: torch.device | None, sharded: bool) -> None:
+    """Each process builds the fp32 model in host memory before it moves to its device; training on
+    the CPU unsharded adds the gradients and AdamW's two moments there (16 bytes a parameter). A model
+    that cannot fit even that lower bound would be killed by the OOM killer without a word: refused in
+    one line, before the data is tokenized."""
+    with torch.device("meta"):
+        parameters = count_parameters(MiniMindForCausalLM(config))["total"]
+    processes = processes_on_this_node(os.environ) or 1
+    on_cpu = device is not None and device.type == "cpu" and not sharded
+    needed, memory = parameters * (16 if on_cpu else 4) * processes, host_memory_bytes()
+    if needed <= memory:
+        return
+    if on_cpu:
+        what = " to train on the CPU (fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter)"
+    else:
+        what = ": its fp32 weights, built on the host before they move to the GPU (4 bytes a parameter)"
+    each = f", in each of the node's {processes} processes;" if processes > 1 else ","
+    model = (f"hidden {config.hidden_size} x {config.num_hidden_layers} layers, vocabulary {config.vocab_size}: "
+             f"{parameters / 1e9:.2f} B parameters")
+    raise ConfigError(f"the model ({model}) needs at least {needed / 2**30:.1f} GiB of host memory{what}{each} more "
+                      f"than this machine's {memory / 2**30:.1f} GiB")
 
 
 def check_position_tables(args, config: MiniMindConfig) -> None:

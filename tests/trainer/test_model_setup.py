@@ -239,3 +239,38 @@ def test_moe_flags_for_a_dense_model_are_refused(tmp_path):
         setup(["--from_weight", str(tmp_path / "dense.pth"), "--num_experts_per_tok", "2"])
     assert str(refused.value) == ("--num_experts_per_tok only acts on a mixture-of-experts model, and the --from_weight "
                                   "weights are dense: leave it out")
+
+
+def test_a_model_too_large_for_host_memory_is_one_line_before_tokenizing(data, tmp_path, monkeypatch):
+    import torch
+
+    import trainer.model_setup as model_setup
+    from dataset import load_tokenizer
+    from trainer.args import parse_args
+    from trainer.errors import ConfigError
+
+    monkeypatch.setattr(model_setup, "host_memory_bytes", lambda: 8 << 30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    tokenizer = load_tokenizer(None)
+    wide = parse_args(["--hidden_size", "4096", "--num_attention_heads", "32", "--num_key_value_heads", "8"])
+    # 8 layers of 3 x 4096 x 12928 (SwiGLU) and 4096 x 10240 (q, k, v, o), a 6400 x 4096 embedding: 1.63 B
+    assert model_setup.build_model_config(wide, tokenizer, device=torch.device("cuda", 0)).hidden_size == 4096  # 6.1 GiB
+    with pytest.raises(ConfigError) as refused:
+        model_setup.build_model_config(wide, tokenizer, device=torch.device("cpu"))
+    assert str(refused.value) == ("the model (hidden 4096 x 8 layers, vocabulary 6400: 1.63 B parameters) needs at "
+                                  "least 24.3 GiB of host memory to train on the CPU (fp32 weights, gradients and "
+                                  "AdamW's two moments: 16 bytes a parameter), more than this machine's 8.0 GiB")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError) as refused:  # the fp32 model is built on the host by each process
+        model_setup.build_model_config(wide, tokenizer, device=torch.device("cuda", 0))
+    assert str(refused.value) == ("the model (hidden 4096 x 8 layers, vocabulary 6400: 1.63 B parameters) needs at "
+                                  "least 24.3 GiB of host memory: its fp32 weights, built on the host before they "
+                                  "move to the GPU (4 bytes a parameter), in each of the node's 4 processes; more "
+                                  "than this machine's 8.0 GiB")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    huge = run_trainer(flags(data, tmp_path / "run", "--hidden_size", "1048576", "--cache_dir", str(tmp_path / "cache")),
+                       check=False)
+    assert huge.returncode == 2 and "Traceback" not in huge.stderr
+    assert huge.stderr.strip().splitlines()[-1].startswith("error: the model (hidden 1048576 x 2 layers")
+    assert "GiB of host memory to train on the CPU" in huge.stderr
+    assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "run" / "model")
