@@ -1,12 +1,16 @@
 """A full or unwritable disk: one line, before training or at the failed save, and the previous checkpoint kept."""
 
 import resource
+import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.fault_checks import ONE_PROCESS, all_finite, checkpoint_names, digest, last_line
-from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer, wait_until
+from tests.helpers.trainer_launch import REPO, checkpoint_at, clean_env, flags, run_trainer, wait_until
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -14,11 +18,32 @@ pytestmark = pytest.mark.slow
 
 def test_an_unwritable_save_dir_fails_before_training(data, tmp_path):
     (tmp_path / "a_file").write_text("not a directory")
-    save_dir = tmp_path / "a_file" / "run"
-    result = run_trainer(flags(data, save_dir, "--max_steps", "2"), check=False)
-    assert result.returncode == 2
-    assert last_line(result.stderr) == f"error: --save_dir {save_dir} is not writable: Not a directory"
-    assert "Traceback" not in result.stderr and "training" not in result.stdout
+    for save_dir in (tmp_path / "a_file" / "run", tmp_path / "a_file"):
+        result = run_trainer(flags(data, save_dir, "--max_steps", "2"), check=False)
+        assert result.returncode == 2
+        assert last_line(result.stderr) == f"error: --save_dir {save_dir} cannot be a folder: {tmp_path / 'a_file'} is a file"
+        assert "Traceback" not in result.stderr and "training" not in result.stdout
+    assert (tmp_path / "a_file").read_text() == "not a directory"
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a read-only bind mount")
+@pytest.mark.parametrize("folder", ["checkpoints", "model"])
+def test_a_read_only_folder_of_the_save_dir_fails_before_training(data, tmp_path, folder):
+    save_dir = tmp_path / "run"
+    run_trainer(flags(data, save_dir, "--max_steps", "2"))
+    mounted = save_dir / folder
+    before = {path.name: digest(path) for path in mounted.iterdir()}
+    command = shlex.join([sys.executable, "train_full_sft.py", *flags(data, save_dir, "--max_steps", "4",
+                                                                      "--from_resume", "1")])
+    mount = f"mount --bind {mounted} {mounted} && mount -o remount,bind,ro {mounted}"
+    result = subprocess.run(["unshare", "-Urm", "sh", "-c", f"{mount} && exec {command}"], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=300)
+    if "mount" in result.stderr and result.returncode != 2:
+        pytest.skip(f"this machine refuses a private read-only bind mount: {result.stderr.strip()}")
+    assert result.returncode == 2, result.stderr
+    assert last_line(result.stderr) == f"error: --save_dir {save_dir} is not writable: {mounted}: Read-only file system"
+    assert "Traceback" not in result.stderr and "resuming" not in result.stdout
+    assert {path.name: digest(path) for path in mounted.iterdir()} == before
 
 
 def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(data, launcher, tmp_path):

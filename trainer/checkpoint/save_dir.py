@@ -32,6 +32,7 @@ CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.(pt|dcp)$")
 MODEL_DIR = "model"
 BEST_DIR = "best"
 BEST_FILE = "best.json"
+SAVED_FOLDERS = ("checkpoints", MODEL_DIR, BEST_DIR)  # the folders of a save_dir that saves write into
 
 
 # --------------------------------------------------------------------------- paths
@@ -75,15 +76,25 @@ def new_run_id() -> str:
 
 
 def ensure_writable_dir(path: str) -> None:
-    """Fail before training, not at the first save, when `path` cannot be written."""
+    """Fail before training, not at the first save, when `path` or a folder of it that a save writes
+    into (checkpoints/, model/, best/) cannot be written: a file written and removed in each tells
+    (permission bits do not: a read-only mount refuses root too)."""
+    check_folder_can_be_made(path, "--save_dir")
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_probe.{os.getpid()}")
-        with open(probe, "wb") as handle:
-            handle.write(b"ok")
-        os.remove(probe)
     except OSError as error:
         raise CheckpointError(f"--save_dir {path} is not writable: {error.strerror or error}") from error
+    for folder in [path, *(os.path.join(path, name) for name in SAVED_FOLDERS)]:
+        if not os.path.isdir(folder):
+            continue
+        probe = os.path.join(folder, f".write_probe.{os.getpid()}")
+        try:
+            with open(probe, "wb") as handle:
+                handle.write(b"ok")
+            os.remove(probe)
+        except OSError as error:
+            where = f"{folder}: " if folder != path else ""
+            raise CheckpointError(f"--save_dir {path} is not writable: {where}{error.strerror or error}") from error
 
 
 def check_folder_can_be_made(path: str, flag: str) -> None:
@@ -138,7 +149,7 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: boo
     if os.path.isdir(model_dir) and any(name.endswith(".py") for name in os.listdir(model_dir)):
         raise CheckpointError(f"--save_dir {save_dir}: its {MODEL_DIR}/ holds Python source (minisft's own package?), "
                               "not a run's weights, and is never moved: choose another --save_dir")
-    previous = [os.path.join(save_dir, name) for name in ("checkpoints", MODEL_DIR, BEST_DIR)
+    previous = [os.path.join(save_dir, name) for name in SAVED_FOLDERS
                 if os.path.lexists(os.path.join(save_dir, name))]
     if os.path.isfile(os.path.join(save_dir, "metrics.jsonl")):  # a run's log (anything else fails at its first write)
         previous.append(os.path.join(save_dir, "metrics.jsonl"))
