@@ -60,11 +60,14 @@ def steps_in_epoch(run: Run, epoch: int, start: int) -> int:
 
 
 def count_total_steps(run: Run) -> int:
+    """The steps left in this epoch (from its start index) and in every later one: an epoch's length
+    is the sampler's whole dataset, the same every epoch, so the later ones are counted once and
+    multiplied (a count per epoch would take hours at --epochs 1e10)."""
     state, args = run.state, run.args
-    natural = state.step + sum(
-        steps_in_epoch(run, epoch, state.samples_in_epoch if epoch == state.epoch else 0)
-        for epoch in range(state.epoch, args.epochs)
-    )
+    natural = state.step
+    if state.epoch < args.epochs:
+        natural += steps_in_epoch(run, state.epoch, state.samples_in_epoch)
+        natural += (args.epochs - state.epoch - 1) * steps_in_epoch(run, state.epoch + 1, 0)
     return min(natural, args.max_steps) if args.max_steps else natural
 
 
