@@ -1,11 +1,12 @@
-"""model/rope.py: the RoPE tables are fp32 buffers outside the state dict; YaRN stretches the low frequencies."""
+"""model/rope.py: the RoPE tables are fp32 buffers outside the state dict; YaRN stretches the low
+frequencies; the rotation is the rotate-half form, in 5 passes over q or k each way."""
 
 import math
 
 import pytest
 import torch
 
-from model.rope import precompute_rope_tables
+from model.rope import apply_rope, precompute_rope_tables, rope_rows
 from tests.helpers.tiny_model import tiny_config, tiny_model
 
 
@@ -37,3 +38,69 @@ def test_yarn_scaling_stretches_low_frequencies_only():
     # the fastest frequency is kept, the slowest is interpolated by `factor`
     assert yarn_angle[0].item() == pytest.approx(plain_angle[0].item(), rel=1e-5)
     assert yarn_angle[half - 1].item() == pytest.approx(plain_angle[half - 1].item() / 4.0, rel=1e-4)
+
+
+def rotate_half_reference(x, cos_table, sin_table, positions):
+    """Qwen3's and Llama's expression, on the whole tables: x * cos + rotate_half(x) * sin."""
+    cos, sin = cos_table[positions].unsqueeze(2), sin_table[positions].unsqueeze(2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_inputs(dtype, generator):
+    cos_table, sin_table = precompute_rope_tables(tiny_config())  # head_dim 16 (tests/helpers/tiny_model.py)
+    positions = torch.randint(0, cos_table.shape[0], (2, 7), generator=generator)
+    x = torch.randn(2, 7, 3, cos_table.shape[1], generator=generator, dtype=torch.float64).to(dtype)
+    return x, cos_table, sin_table, positions
+
+
+def test_the_rotation_is_the_rotate_half_expression_and_its_gradient_the_inverse_rotation():
+    generator = torch.Generator().manual_seed(0)
+    x, cos_table, sin_table, positions = rope_inputs(torch.float64, generator)
+    cos, sin = rope_rows(cos_table.double(), sin_table.double(), positions, torch.float64)
+    expected = rotate_half_reference(x, cos_table.double(), sin_table.double(), positions)
+    assert torch.allclose(apply_rope(x, cos, sin), expected, rtol=0, atol=1e-15)
+    assert torch.autograd.gradcheck(lambda v: apply_rope(v, cos, sin), x.clone().requires_grad_())
+    grad = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+    rotated = x.clone().requires_grad_()
+    apply_rope(rotated, cos, sin).backward(grad)
+    # a rotation's transpose is its inverse: the gradient is the output's gradient rotated back
+    # (to the fp32 tables' rounding: cos^2 + sin^2 of their values is 1 within about 1e-7)
+    assert torch.allclose(apply_rope(rotated.grad, cos, sin), grad, rtol=0, atol=1e-6)
+
+
+def test_the_bf16_rotation_is_no_further_from_the_exact_one_than_the_rotate_half_expression():
+    generator = torch.Generator().manual_seed(1)
+    x, cos_table, sin_table, positions = rope_inputs(torch.bfloat16, generator)
+    exact = rotate_half_reference(x.double(), cos_table.double(), sin_table.double(), positions)
+    cos, sin = rope_rows(cos_table, sin_table, positions, torch.bfloat16)
+    expression = rotate_half_reference(x, cos_table.bfloat16(), sin_table.bfloat16(), positions)
+    ours = apply_rope(x, cos, sin)
+    assert ours.dtype == torch.bfloat16
+    assert (ours.double() - exact).abs().max() <= (expression.double() - exact).abs().max()
+
+
+def test_the_rotation_moves_5_passes_of_its_input_each_way():
+    """Counted by the step's byte counter (scripts/_step_bytes.py): forward, one product with cos
+    (read x, write the result) and one fused multiply-add per half in place (read x's other half,
+    read and write the result's half): 5 passes over x; the backward the same over the gradient.
+    The rotate-half expression makes 4 ops and 9 passes each way."""
+    from scripts._step_bytes import ByteCounter
+
+    generator = torch.Generator().manual_seed(2)
+    x, cos_table, sin_table, positions = rope_inputs(torch.bfloat16, generator)
+    cos, sin = rope_rows(cos_table, sin_table, positions, torch.bfloat16)
+    x.requires_grad_()
+    grad = torch.ones_like(x)
+    forward, backward = ByteCounter(), ByteCounter()
+    with forward:
+        out = apply_rope(x, cos, sin)
+    with backward:
+        out.backward(grad)
+    table = cos.numel() * 2  # one half table of bf16 rows: cos read once, sin twice
+    for counter in (forward, backward):
+        read = sum(group.read for group in counter.groups.values())
+        written = sum(group.written for group in counter.groups.values())
+        calls = {name: group.calls for name, group in counter.groups.items()}
+        assert calls == {"mul.Tensor": 1, "addcmul_": 2}
+        assert (read, written) == (3 * x.numel() * 2 + 3 * table, 2 * x.numel() * 2)

@@ -160,7 +160,8 @@ def test_step_figures_bytes_prints_every_op_of_a_step(capsys, tmp_path):
     assert groups["_fused_rms_norm"]["calls"] == groups["_fused_rms_norm_backward"]["calls"] == 2 * 4 + 1
     forward, backward = groups["torch_attn::_varlen_attn"], groups["torch_attn::_varlen_attn_backward"]
     assert forward["calls"] == backward["calls"] == 2 and 2 * backward["flops"] == 5 * forward["flops"] > 0
-    assert "roll" in groups and "cat" in groups
+    assert groups["addcmul_"]["calls"] == 2 * 2 * 2 * 2  # RoPE: 2 layers x q, k x 2 per rotation x both ways
+    assert "roll" not in groups and "cat" in groups
     assert 0 < result["roofline_ms"]
 
 
