@@ -59,13 +59,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Eagerly one autograd node: each way, one product with cos and a fused multiply-add per half,
     in place: 3 kernels and 5 passes over x where the rotate-half expression makes 4 and 9 (a roll,
-    two products, a sum); its backward keeps no copy of x. Under torch.compile the expression, which inductor
-    fuses into one kernel (Dynamo does not trace the `out=` writes)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    if torch.compiler.is_compiling():
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return _Rotation.apply(x, cos, sin)
+    two products, a sum); its backward keeps no copy of x. torch.compile traces the node whole and
+    inductor fuses each way into one kernel."""
+    return _Rotation.apply(x, cos.unsqueeze(2), sin.unsqueeze(2))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
