@@ -289,6 +289,23 @@ def test_the_gpu_generator_state_goes_through_a_checkpoint_file_and_back(tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+def test_a_step_out_of_gpu_memory_is_one_line_naming_the_flags(data, tmp_path):
+    """GPU 0 capped at 16 MiB (tests/helpers/faults.py): the tiny model fits, a step's LM-loss chunk
+    (4,096 tokens x 6,400 logits) does not: the caching allocator's OutOfMemoryError, in one line."""
+    import os
+
+    from tests.helpers.trainer_launch import REPO, clean_env
+
+    faulty = os.path.join(REPO, "tests", "helpers", "faults.py")
+    result = run_trainer(flags(data, tmp_path, "--batch_size", "8", "--max_steps", "2", "--device", "cuda"),
+                         script=faulty, env=clean_env(MINISFT_FAULT_GPU_MEMORY_MIB="16"), check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step 1 ran out of memory on cuda:0 (CUDA out of memory.") and last.endswith(
+        "lower --batch_size (raise --accumulation_steps to keep the batch per step), lower --max_seq_len, or give "
+        "--gradient_checkpointing 1. The checkpoints saved are kept")
+
+
 def test_bench_memory_measures_on_the_gpu():
     """scripts/bench_memory.py --device cuda on one GPU: the held bytes are exact, and the
     allocator's peak over the step holds at least them (plus the activations)."""

@@ -1,4 +1,5 @@
-"""Non-finite losses: a bad step is skipped, too many in a row stop the run with the last good weights saved."""
+"""Non-finite losses: a bad step is skipped, too many in a row stop the run with the last good weights saved.
+A step out of GPU memory stops the run in one line that says which flags set the memory, checkpoints kept."""
 
 import json
 import os
@@ -52,3 +53,26 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, t
     # no NaN in any weights file
     assert all(all_finite(state) for state in saved.values())
     assert all_finite(load_file(save_dir / "model" / "model.safetensors"))
+
+
+def test_a_step_out_of_gpu_memory_is_one_line_naming_the_flags_and_the_checkpoints_stay(data, tmp_path):
+    save_dir = tmp_path / "run"
+    env = clean_env(MINISFT_FAULT_OOM_STEP="3")
+    result = run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "10", "--save_interval", "2"),
+                         script=FAULTY_TRAINER, env=env, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert last_line(result.stderr) == (
+        "error: step 3 ran out of memory on cpu (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+        "capacity of 79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB "
+        "memory in use.): a step's activations grow with --batch_size 4 x --max_seq_len 512; lower --batch_size "
+        "(raise --accumulation_steps to keep the batch per step), lower --max_seq_len, or give "
+        "--gradient_checkpointing 1. The checkpoints saved are kept"
+    )
+    assert "Traceback" not in result.stderr
+    assert load_resume_checkpoint(checkpoint_at(save_dir, 2))["step"] == 2
+    assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.pt"]
+    again = run_trainer(flags(data, tmp_path / "again", "--batch_size", "4", "--max_steps", "10",
+                              "--gradient_checkpointing", "1"), script=FAULTY_TRAINER, env=env, check=False)
+    assert again.returncode == 1 and last_line(again.stderr).endswith(
+        "lower --batch_size (raise --accumulation_steps to keep the batch per step) or lower --max_seq_len. The "
+        "checkpoints saved are kept")

@@ -8,6 +8,11 @@ The faults come from the environment (torchrun's workers and the equivalence too
 
 - MINISFT_FAULT_NAN_STEPS="3,4,5": the loss of those optimizer steps (numbered from 1, as in the
   logs) is NaN (tests/e2e/test_non_finite_loss.py);
+- MINISFT_FAULT_OOM_STEP=3: that optimizer step runs out of GPU memory (`torch.OutOfMemoryError`
+  with the CUDA caching allocator's message), as a batch too large for the GPU does
+  (tests/e2e/test_non_finite_loss.py);
+- MINISFT_FAULT_GPU_MEMORY_MIB=16: the caching allocator of GPU 0 is capped at that much, so a
+  real step runs out of memory on a real GPU (tests/test_cuda.py);
 - MINISFT_FAULT_LOCAL_MEAN=1: the classic normalisation bug, every rank divides its token loss
   by its OWN loss-token count instead of the step's global count, so DDP averages per-rank means
   and N ranks x B no longer equal 1 rank x N*B (tests/scripts/test_verify_equivalence.py).
@@ -24,6 +29,14 @@ sys.path.insert(0, REPO)
 
 NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
 LOCAL_MEAN_ENV = "MINISFT_FAULT_LOCAL_MEAN"
+OOM_STEP_ENV = "MINISFT_FAULT_OOM_STEP"
+GPU_MEMORY_ENV = "MINISFT_FAULT_GPU_MEMORY_MIB"
+# The first lines of what the CUDA caching allocator raises
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+            "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.\n"
+            "Of the allocated memory 74.50 GiB is allocated by PyTorch, and 2.96 GiB is reserved by PyTorch but "
+            "unallocated. If reserved but unallocated memory is large try setting "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
 
 def nan_steps() -> frozenset[int]:
@@ -38,13 +51,19 @@ def poison_loss(module, inputs, out):
 
 
 def install() -> None:
-    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps) and `agree_on_step` (local mean)."""
+    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory) and `agree_on_step` (local
+    mean); cap GPU 0's memory."""
     from trainer.loop import loop
 
     steps, local_mean = nan_steps(), os.environ.get(LOCAL_MEAN_ENV) == "1"
+    oom_step = int(os.environ.get(OOM_STEP_ENV, "0"))
     real_step, real_agree = loop.optimizer_step, loop.agree_on_step
 
     def optimizer_step(run, *args, **kwargs):
+        if run.state.step + 1 == oom_step:
+            import torch
+
+            raise torch.OutOfMemoryError(CUDA_OOM)
         if run.state.step + 1 not in steps:
             return real_step(run, *args, **kwargs)
         handle = run.model.register_forward_hook(poison_loss)
@@ -59,8 +78,13 @@ def install() -> None:
         local = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches)
         return totals._replace(loss_tokens=local * run.ctx.world_size)
 
-    if steps:
+    if steps or oom_step:
         loop.optimizer_step = optimizer_step
+    if os.environ.get(GPU_MEMORY_ENV):
+        import torch
+
+        cap = int(os.environ[GPU_MEMORY_ENV]) << 20
+        torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
     if local_mean:
         loop.agree_on_step = agree_on_step
 

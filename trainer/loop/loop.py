@@ -28,7 +28,7 @@ import torch
 
 from dataset import IGNORE_INDEX, model_inputs
 from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, TrainingError, first_line
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
@@ -276,7 +276,10 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     run.save_clock.agreed = totals.save
     if totals.stop:
         return None
-    result = optimizer_step(run, micro_batches, totals, lr, source_losses=interval["sources"])
+    try:
+        result = optimizer_step(run, micro_batches, totals, lr, source_losses=interval["sources"])
+    except torch.OutOfMemoryError as error:
+        raise TrainingError(out_of_memory(run, error)) from None
     if interval["sources"]:
         interval["sources"].end_step(totals.loss_tokens, result.finite)
     state.step += 1
@@ -289,6 +292,17 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     if reads_due(run):
         settle(run, check_weights=False)
     return result
+
+
+def out_of_memory(run: Run, error: torch.OutOfMemoryError) -> str:
+    """The step that ran out of device memory, the first line of the allocator's message, and the
+    flags that set a step's memory: one line instead of the allocator's paragraph and a traceback."""
+    args = run.args
+    checkpointing = "" if args.gradient_checkpointing else ", or give --gradient_checkpointing 1"
+    return (f"step {run.state.step + 1} ran out of memory on {run.ctx.device} ({first_line(error)}): a step's "
+            f"activations grow with --batch_size {args.batch_size} x --max_seq_len {args.max_seq_len}; lower "
+            "--batch_size (raise --accumulation_steps to keep the batch per step)"
+            f"{',' if checkpointing else ' or'} lower --max_seq_len{checkpointing}. The checkpoints saved are kept")
 
 
 def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:
