@@ -20,12 +20,14 @@ messages may add ``name`` / ``tool_call_id``. Nothing the data carries is droppe
 message key we would not render is an error (``LineError``), unless its value is empty/null or it
 is pure metadata (``id``). A line holds one conversation and a tool call one form: both
 ``conversations`` and ``messages`` in a line, or a call's flat ``name``/``arguments`` beside its
-nested ``function``, is an error, since either could be the one meant. A non-empty top-level
-``functions`` (OpenAI's legacy name for tool definitions, entries without the ``{"type":
-"function", "function": ...}`` wrapper of ``tools``) is an error too: its definitions would not be
-rendered, and taking them as ``tools`` would render other text than the same definitions given in
-``tools``. Top-level keys other than the conversation, ``tools`` and ``system`` (e.g. ``task``,
-``id``) are metadata and ignored.
+nested ``function``, is an error, since either could be the one meant. A tool call is rendered as
+a function call: a ``type`` other than ``"function"``, or a key inside its ``function`` other
+than ``name``, ``arguments`` and ``id`` (a ``type`` or ``function`` there), is an error. A
+non-empty top-level ``functions`` (OpenAI's legacy name for tool definitions, entries without the
+``{"type": "function", "function": ...}`` wrapper of ``tools``) is an error too: its definitions
+would not be rendered, and taking them as ``tools`` would render other text than the same
+definitions given in ``tools``. Top-level keys other than the conversation, ``tools`` and
+``system`` (e.g. ``task``, ``id``) are metadata and ignored.
 
 Lines (and JSON strings inside them: ``tools``, tool-call ``arguments``) must be JSON: ``NaN``,
 ``Infinity`` and numbers beyond the float range, which Python's ``json`` would accept, make the
@@ -47,7 +49,8 @@ ROLE_ALIASES = {
     "observation": "tool",
     "function_call": "function_call",  # ShareGPT: an assistant turn that calls tools
 }
-METADATA_KEYS = {"id"}  # message keys that carry no content; ignored
+METADATA_KEYS = {"id"}  # message and tool-call keys that carry no content; ignored
+FUNCTION_KEYS = ("name", "arguments")  # what a tool call's function is read from
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # The top-level keys a row is read from, and 'functions', read to refuse it (see the module docstring).
 ROW_KEYS = ("conversations", "messages", "tools", "system", "functions")
@@ -361,16 +364,27 @@ def _parse_sharegpt_calls(value, where: str) -> list[dict]:
 def _normalize_call(call, where: str) -> dict:
     """Flat ``{name, arguments}`` or nested ``{type, function: {name, arguments}}`` -> nested, arguments an object.
 
-    A call in both forms is an error, even when they agree: which one is meant is not guessed."""
+    A call in both forms is an error, even when they agree: which one is meant is not guessed. A
+    ``type`` other than ``"function"`` (absent or null: a function call) is an error, as the call
+    would be rendered as a function call; so is a key inside ``function`` other than ``name``,
+    ``arguments`` and metadata (``id``): a ``type`` or ``function`` there is not read."""
     if not isinstance(call, dict):
         raise LineError(f"{where} must be a JSON object")
-    flat = [key for key in ("name", "arguments") if key in call]
+    flat = [key for key in FUNCTION_KEYS if key in call]
     if flat and "function" in call:
         raise LineError(f"{where} has {' and '.join(map(repr, flat))} beside a nested 'function'; give the call in "
                         "one form, flat or nested (both are refused, even when they agree)")
+    kind = call.get("type")
+    if kind is not None and kind != "function":
+        raise LineError(f"{where} has type {kind!r}, not 'function' (only function calls are rendered)")
     function = call.get("function", call)
     if not isinstance(function, dict):
         raise LineError(f"{where} 'function' must be a JSON object")
+    if function is not call:
+        unread = set(function) - set(FUNCTION_KEYS) - METADATA_KEYS
+        if unread:
+            raise LineError(f"{where} 'function' has key(s) {sorted(unread)} that would not be rendered; inside "
+                            "'function' only 'name' and 'arguments' are read")
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise LineError(f"{where} has no function name")
@@ -378,7 +392,7 @@ def _normalize_call(call, where: str) -> dict:
     arguments = _json_value(arguments, f"{where} 'arguments'") if arguments != "" else {}
     if not isinstance(arguments, dict):
         raise LineError(f"{where} 'arguments' must be a JSON object")
-    unknown = (set(function) | set(call)) - {"name", "arguments", "type", "function", "id"}
+    unknown = set(call) - set(FUNCTION_KEYS) - {"type", "function"} - METADATA_KEYS
     if unknown:
         raise LineError(f"{where} has key(s) {sorted(unknown)} that would not be rendered")
     return {"type": "function", "function": {"name": name, "arguments": arguments}}

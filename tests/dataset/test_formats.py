@@ -111,6 +111,59 @@ def test_a_row_read_two_ways_or_with_unread_tool_definitions_is_that_lines_error
     assert len(skipped) == 2 and skipped.num_skipped == 1
 
 
+def calls(*tool_calls):
+    return {"messages": [USER, {"role": "assistant", "content": "", "tool_calls": list(tool_calls)}]}
+
+
+INSIDE_FUNCTION = "that would not be rendered; inside 'function' only 'name' and 'arguments' are read"
+# A call that is not a function call, or a 'function' object holding keys of the call (or of
+# nothing): either would be rendered as a plain function call, the rest dropped without a word.
+CALLS_NOT_RENDERED_AS_GIVEN = [
+    (calls({"type": "custom", "function": NESTED}),
+     "message 2 tool call 1 has type 'custom', not 'function' (only function calls are rendered)"),
+    (calls({"id": "c1", "type": "function", "function": NESTED}, {"type": 5, **NESTED}),
+     "message 2 tool call 2 has type 5, not 'function' (only function calls are rendered)"),
+    (calls({"type": "", "function": NESTED}),
+     "message 2 tool call 1 has type '', not 'function' (only function calls are rendered)"),
+    ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "function_call", "value": [
+        {"type": "code_interpreter", **NESTED}]}, {"from": "gpt", "value": "ok"}]},
+     "message 2 tool call 1 has type 'code_interpreter', not 'function' (only function calls are rendered)"),
+    (calls({"type": "function", "function": {**NESTED, "function": {"name": "g", "arguments": {}}}}),
+     f"message 2 tool call 1 'function' has key(s) ['function'] {INSIDE_FUNCTION}"),
+    (calls({"function": {"function": NESTED}}),
+     f"message 2 tool call 1 'function' has key(s) ['function'] {INSIDE_FUNCTION}"),
+    (calls({"function": {**NESTED, "type": "function", "id": "c1"}}),
+     f"message 2 tool call 1 'function' has key(s) ['type'] {INSIDE_FUNCTION}"),
+    (calls({"function": {**NESTED, "description": "", "type": None}}),
+     f"message 2 tool call 1 'function' has key(s) ['description', 'type'] {INSIDE_FUNCTION}"),
+]
+
+
+@pytest.mark.parametrize("row, problem", CALLS_NOT_RENDERED_AS_GIVEN)
+def test_a_call_of_another_type_or_with_call_keys_inside_its_function_is_that_lines_error(tokenizer, tmp_path,
+                                                                                          row, problem):
+    path = write_lines(tmp_path / "calls.jsonl", [make_chat(1), row, make_chat(2)])
+    with pytest.raises(DataError) as info:
+        build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert str(info.value) == f"{path}:2: {problem}"
+    skipped = build_cache_and_open(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
+    assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
+def test_a_call_without_a_type_or_with_ids_is_the_same_function_call(tokenizer, tmp_path):
+    # no type (or a null one, as a parquet struct holds for a row without it) and the ids, metadata at
+    # either level, leave the tokens of the plain nested call
+    items = []
+    for name, call in [("plain", {"type": "function", "function": NESTED}), ("flat", NESTED),
+                       ("untyped", {"function": NESTED}), ("null", {"type": None, "function": NESTED}),
+                       ("ids", {"id": "c1", "type": "function", "function": {**NESTED, "id": "c1"}})]:
+        row = {"messages": [*calls(call)["messages"], {"role": "tool", "content": "2"}, ANSWER]}
+        items.append(build_cache_and_open(write_lines(tmp_path / f"{name}.jsonl", [row]), tokenizer, 512, num_proc=1)[0])
+    for item in items[1:]:
+        assert item["input_ids"].tolist() == items[0]["input_ids"].tolist()
+        assert item["labels"].tolist() == items[0]["labels"].tolist()
+
+
 def test_an_empty_functions_key_carries_nothing_and_changes_no_token(tokenizer, tmp_path):
     items = []
     for name, row in [("plain", {"messages": CHAT}), ("empty", {"messages": CHAT, "functions": []}),
