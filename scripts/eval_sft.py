@@ -12,8 +12,8 @@
 * tool-call accuracy (conversations whose final turn calls tools): the calls must be the
   reference calls: same names, JSON-equal arguments, any order;
 * by task: rows that carry a ``task`` key (the demo's held-out file does: ``fact_capital``,
-  ``tool_call``, ...) are also counted per task, right / total; a ``task`` that is not a string is
-  refused with its line.
+  ``tool_call``, ...) are also counted per task, right / total; a ``task`` that is not a string, or
+  is blank (``""``), is refused with its line.
 
 A ``--max_seq_len`` (or model context) that cuts every conversation before its first answer token
 leaves no loss to compute: refused in one line, as the trainer refuses such a held-out file.
@@ -37,7 +37,7 @@ from scripts._common import (  # noqa: E402
     prompt_ids, run_main,
     write_output,
 )
-from trainer.args import flag_bounds, path_value, range_problems  # noqa: E402
+from trainer.args import Bounds, flag_bounds, path_value, range_problems  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
 
@@ -62,9 +62,12 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max_seq_len", type=int, default=1024,
                         help="conversations are truncated to this for the loss (at least 2, as in training: the "
                              "first token has no label)").bounds = flag_bounds("max_seq_len")
-    parser.add_argument("--batch_size", type=int, default=16, help="conversations per forward / generate call")
-    parser.add_argument("--max_new_tokens", type=int, default=128, help="most tokens generated per answer")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N conversations")
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="conversations per forward / generate call").bounds = flag_bounds("batch_size")
+    parser.add_argument("--max_new_tokens", type=int, default=128,
+                        help="most tokens generated per answer").bounds = flag_bounds("eval_max_new_tokens")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="evaluate only the first N conversations").bounds = Bounds(at_least=1)
     parser.add_argument("--json_out", default=None, type=path_value, help="write the JSON result here (default: stdout)")
     return parser
 
@@ -94,6 +97,8 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
             task = row.get("task")  # parquet: null where a row has none
             if task is not None and not isinstance(task, str):  # by_task counts it under its name
                 raise LineError(f"'task' must be a string, got {type(task).__name__}")
+            if task is not None and not task.strip():  # a blank name in by_task: a row of no task that reads as one
+                raise LineError(f"'task' must be a non-blank string, got {task!r}")
             ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
                                             max_seq_len)
             prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
@@ -250,14 +255,9 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    problems = range_problems(parser, args)  # --max_seq_len within the trainer's range
+    problems = range_problems(parser, args)  # every counted flag, with the trainer's range where it has the flag
     if problems:
         fail("; ".join(problems))
-    for flag in ("batch_size", "max_new_tokens"):
-        if getattr(args, flag) < 1:
-            fail(f"--{flag} must be positive, got {getattr(args, flag)}")
-    if args.limit is not None and args.limit < 1:
-        fail(f"--limit must be positive, got {args.limit}")
     check_output_file(args.json_out, "--json_out")
     check_not_an_input(args.json_out, "--json_out", [args.data_path])
     model, tokenizer = load_model_and_tokenizer(args)

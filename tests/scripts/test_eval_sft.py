@@ -135,6 +135,19 @@ def test_a_max_seq_len_that_holds_no_label_is_refused_before_the_model_loads(tmp
     assert (done.returncode, done.stderr) == (2, "error: --max_seq_len must be >= 2 (got 1)\n")
 
 
+@pytest.mark.parametrize("flags, line", [
+    (["--batch_size", "0"], "--batch_size must be >= 1 (got 0)"),
+    (["--max_new_tokens", "-3"], "--max_new_tokens must be >= 1 (got -3)"),
+    (["--limit", "0"], "--limit must be >= 1 (got 0)"),
+    (["--limit", "0", "--max_seq_len", "1", "--batch_size", "-1"],
+     "--max_seq_len must be >= 2 (got 1); --batch_size must be >= 1 (got -1); --limit must be >= 1 (got 0)"),
+])
+def test_counts_out_of_range_are_refused_as_max_seq_len_is_before_the_model_loads(tmp_path, flags, line):
+    # the trainer's bounds where it has the flag (--batch_size, --eval_max_new_tokens), one message form
+    done = script_in_process("eval_sft.py", "--model_path", str(tmp_path / "none"), *flags)
+    assert (done.returncode, done.stderr) == (2, f"error: {line}\n")
+
+
 def test_a_set_without_a_loss_token_is_one_line_not_a_nan_loss(trained, tmp_path):
     # --max_seq_len 9: the earliest answer token of the three conversations is token 9 (of the third)
     masks = [encode_conversation(trained["tokenizer"], messages, 9)[1] for messages in CONVERSATIONS]
@@ -165,3 +178,15 @@ def test_a_task_that_is_not_a_string_is_refused_with_its_line(trained, tmp_path)
     done = script_in_process("eval_sft.py", "--model_path", str(trained["checkpoint"]), "--data_path", str(data),
                              "--device", "cpu")
     assert (done.returncode, done.stderr, done.stdout) == (2, f"error: {data}:2: 'task' must be a string, got int\n", "")
+
+
+def test_a_blank_task_is_refused_with_its_line(trained, tmp_path):
+    # counted under a blank name in by_task, a row of no task that reads as one
+    for task in ("", "  "):
+        data = tmp_path / "tasks.jsonl"
+        data.write_text("".join(json.dumps({"conversations": c, "task": t}) + "\n"
+                                for c, t in zip(CONVERSATIONS, ("fact", "sum", task))), encoding="utf-8")
+        done = script_in_process("eval_sft.py", "--model_path", str(trained["checkpoint"]), "--data_path", str(data),
+                                 "--device", "cpu")
+        assert (done.returncode, done.stderr, done.stdout) == (
+            2, f"error: {data}:3: 'task' must be a non-blank string, got {task!r}\n", "")
