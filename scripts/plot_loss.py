@@ -99,13 +99,19 @@ def line_kind(record) -> str | None:
         return "not_object"
     if "conversations" in record or "messages" in record:
         return "conversation"
-    return "no_step" if not isinstance(record.get("step"), int) else "bad_key"
+    return "no_step" if not is_step(record.get("step")) else "bad_key"
+
+
+def is_step(value) -> bool:
+    """An integer that is not a bool: JSON's `true` reads as Python's True, an int equal to 1, which
+    would take the place of step 1."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_metrics_line(record) -> bool:
     """A JSON object with an integer step and, where present, a string kind and run_id (they key the
     curves and the runs)."""
-    return (isinstance(record, dict) and isinstance(record.get("step"), int)
+    return (isinstance(record, dict) and is_step(record.get("step"))
             and all(isinstance(record.get(key), (str, type(None))) for key in ("kind", "run_id")))
 
 

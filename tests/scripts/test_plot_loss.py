@@ -84,6 +84,23 @@ def test_lines_of_json_but_not_of_metrics_are_skipped_and_said(tmp_path, capsys)
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_boolean_step_is_not_a_step(tmp_path, capsys):
+    # true is an int to Python: taken as step 1, it would replace step 1's line of the curve
+    from scripts.plot_loss import dedupe_metrics, main, read_metrics
+
+    lines = [*metric_lines(range(1, 4)), {"kind": "train", "step": True, "loss": 9.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert capsys.readouterr().err == f"warning: {tmp_path / 'metrics.jsonl'}: skipped 1 malformed line(s) (first: line 4)\n"
+    assert [r["loss"] for r in dedupe_metrics(records)["train"]] == [4.99, 4.98, 4.97]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": False}) + "\n" + json.dumps(lines[-1]) + "\n")
+    with pytest.raises(SystemExit) as done:
+        main(["--metrics", str(tmp_path), "--out", str(tmp_path / "loss.png")])
+    assert (done.value.code, capsys.readouterr().err) == (
+        2, f"error: {tmp_path / 'metrics.jsonl'}: none of its 2 lines is a metrics line (2 objects without an integer "
+           '"step"): not a metrics.jsonl written by train_full_sft.py\n')
+
+
 def test_metrics_without_a_finite_loss_are_one_line_not_an_empty_plot(tmp_path, capsys):
     # every logged interval skipped (non-finite steps log "loss": null): nothing to draw, said in one line
     from scripts.plot_loss import main
