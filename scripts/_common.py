@@ -28,6 +28,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         fail(f"{message} (see {self.prog} --help)")
 
+    def parse_args(self, args=None, namespace=None):
+        """Parsed, and every flag given a range (`.bounds`, the trainer's where it has the flag) checked."""
+        from trainer.args import range_problems
+
+        parsed = super().parse_args(args, namespace)
+        problems = range_problems(self, parsed)
+        if problems:
+            fail("; ".join(problems))
+        return parsed
+
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """``--model_path --tokenizer_path --device --dtype``, the flags of every script that loads a model."""

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts._common import (  # noqa: E402
     ArgumentParser, add_model_args, fail, generation_kwargs, load_model_and_tokenizer, prompt_ids, run_main,
 )
+from trainer.args import flag_bounds  # noqa: E402
 
 
 def build_parser() -> ArgumentParser:
@@ -36,8 +37,10 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--system", default=None, help="system prompt placed before the conversation")
     parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy decoding")
     parser.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass (sampling only)")
-    parser.add_argument("--max_new_tokens", type=int, default=512, help="most tokens generated per answer")
-    parser.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible answers)")
+    parser.add_argument("--max_new_tokens", type=int, default=512,
+                        help="most tokens generated per answer").bounds = flag_bounds("eval_max_new_tokens")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed for sampling (reproducible answers)").bounds = flag_bounds("seed")
     parser.add_argument("--tools", default="none", choices=["none", "demo"],
                         help="demo = offer the demo tools (lookup_country, calculator) and run the model's calls "
                              "with them until it answers in text; none = show calls without running them")
@@ -49,14 +52,6 @@ def check_args(args) -> None:
         fail(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         fail(f"--top_p must be in (0, 1], got {args.top_p}")
-    if args.max_new_tokens < 1:
-        fail(f"--max_new_tokens must be positive, got {args.max_new_tokens}")
-    if args.seed is not None:  # the trainer's range of --seed, which torch.manual_seed takes
-        from trainer.args import flag_bounds
-
-        problem = flag_bounds("seed").problem("seed", args.seed)
-        if problem:
-            fail(problem)
 
 
 MAX_TOOL_ROUNDS = 5  # generations with tool calls per user message before chat gives up

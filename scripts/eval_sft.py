@@ -37,7 +37,7 @@ from scripts._common import (  # noqa: E402
     prompt_ids, run_main,
     write_output,
 )
-from trainer.args import Bounds, flag_bounds, path_value, range_problems  # noqa: E402
+from trainer.args import Bounds, flag_bounds, path_value  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
 
@@ -253,11 +253,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problems = range_problems(parser, args)  # every counted flag, with the trainer's range where it has the flag
-    if problems:
-        fail("; ".join(problems))
+    args = build_parser().parse_args(argv)  # ranges checked (scripts/_common.ArgumentParser)
     check_output_file(args.json_out, "--json_out")
     check_not_an_input(args.json_out, "--json_out", [args.data_path])
     model, tokenizer = load_model_and_tokenizer(args)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts._common import (  # noqa: E402
     REPO_DIR, ArgumentParser, check_not_an_input, check_output_file, fail, run_main, write_output,
 )
-from trainer.args import add_flag, flag_bounds, path_value, range_problems  # noqa: E402
+from trainer.args import add_flag, flag_bounds, path_value  # noqa: E402
 
 DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
 
@@ -117,11 +117,7 @@ def file_problems(sources) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    problems = range_problems(parser, args)  # --max_seq_len within the trainer's range
-    if problems:
-        fail("; ".join(problems))
+    args = build_parser().parse_args(argv)  # ranges checked (scripts/_common.ArgumentParser)
     for flag in ("html", "json_out"):
         check_output_file(getattr(args, flag), f"--{flag}")
     from dataset.inspection.report import inspect_source, report_lines, segment_table

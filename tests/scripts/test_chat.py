@@ -20,7 +20,9 @@ def test_a_temperature_that_is_not_a_finite_number_is_refused_before_the_model_l
                                                      f"{float(value)}\n")
 
 
-def test_a_seed_outside_the_trainers_range_is_refused_in_one_line(tmp_path):
+def test_a_seed_or_a_token_count_outside_the_trainers_range_is_refused_in_one_line(tmp_path):
     # torch.manual_seed would raise "Overflow when unpacking long long"
     done = script_in_process("chat.py", "--model_path", str(tmp_path / "none"), "--prompt", "hi", "--seed", str(2**64))
     assert (done.returncode, done.stderr) == (2, f"error: --seed must be <= {2**32 - 1} (got {2**64})\n")
+    done = script_in_process("chat.py", "--model_path", str(tmp_path / "none"), "--prompt", "hi", "--max_new_tokens", "0")
+    assert (done.returncode, done.stderr) == (2, "error: --max_new_tokens must be >= 1 (got 0)\n")
