@@ -135,7 +135,8 @@ def dedupe_metrics(records: list[dict]) -> dict[str, list[dict]]:
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))]
+    points = [(r["step"], float(r[key])) for r in records
+              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
     points = [(s, v) for s, v in points if math.isfinite(v)]
     return [s for s, _ in points], [v for _, v in points]
 
@@ -191,7 +192,7 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> list[str]:
     speed_axis.plot(*_series(train, "tokens_per_s"), color="tab:red")
     speed_axis.set_ylabel("tokens / s")
     speed_axis.set_xlabel("optimizer step")
-    best = [r for r in evals if isinstance(r.get("best_step"), int) and isinstance(r.get("best_metric"), str)]
+    best = [r for r in evals if is_step(r.get("best_step")) and isinstance(r.get("best_metric"), str)]
     for axis in axes:
         axis.grid(True, alpha=0.3)
         if best:

@@ -158,3 +158,11 @@ def test_json_lines_that_python_cannot_decode_are_skipped_and_said_not_a_traceba
     assert (done.value.code, capsys.readouterr().err) == (
         2, f"error: {tmp_path / 'metrics.jsonl'}: none of its 2 lines is a metrics line (2 not JSON): not a "
            "metrics.jsonl written by train_full_sft.py\n")
+
+
+def test_a_boolean_value_is_no_point_of_a_curve():
+    # true is 1 to Python: "lr": true would be drawn as a learning rate of 1.0
+    from scripts.plot_loss import _series
+
+    records = [{"step": 1, "lr": 0.001}, {"step": 2, "lr": True}, {"step": 3, "lr": 0.002}, {"step": 4, "lr": False}]
+    assert _series(records, "lr") == ([1, 3], [0.001, 0.002])
