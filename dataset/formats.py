@@ -20,7 +20,8 @@ messages may add ``name`` / ``tool_call_id``. Nothing the data carries is droppe
 message key we would not render is an error (``LineError``), unless its value is empty/null or it
 is pure metadata (``id``). A line holds one conversation and a tool call one form: both
 ``conversations`` and ``messages`` in a line, or a call's flat ``name``/``arguments`` beside its
-nested ``function``, is an error, since either could be the one meant. A tool call is rendered as
+nested ``function``, is an error, since either could be the one meant (a null or empty one counts
+as absent, as pandas and HF exports write a key a row lacks). A tool call is rendered as
 a function call: a ``type`` other than ``"function"``, or a key inside its ``function`` other
 than ``name``, ``arguments`` and ``id`` (a ``type`` or ``function`` there), is an error. A
 non-empty top-level ``functions`` (OpenAI's legacy name for tool definitions, entries without the
@@ -153,15 +154,16 @@ def load_row(line: str) -> dict:
 
 def parse_row(row: dict) -> Conversation:
     """Normalize one decoded row (see the module docstring)."""
-    if "conversations" in row and "messages" in row:
-        raise LineError("the line has both 'conversations' and 'messages'; keep one of them "
-                        "(a line holds one conversation)")
-    if "conversations" in row:
-        key = "conversations"
-    elif "messages" in row:
-        key = "messages"
-    else:
+    given = [key for key in ("conversations", "messages") if key in row]
+    if len(given) == 2:  # one of them empty or null (a pandas or HF export of mixed rows) carries nothing
+        filled = [key for key in given if not _is_empty(row[key])]
+        if len(filled) == 2:
+            raise LineError("the line has both 'conversations' and 'messages'; keep one of them "
+                            "(a line holds one conversation)")
+        given = filled or given[:1]
+    if not given:
         raise LineError("missing 'conversations' or 'messages' key")
+    key = given[0]
     raw_messages = row[key]
     if not isinstance(raw_messages, list):
         raise LineError(f"'{key}' must be a list, got {type(raw_messages).__name__}")
@@ -365,11 +367,13 @@ def _normalize_call(call, where: str) -> dict:
     """Flat ``{name, arguments}`` or nested ``{type, function: {name, arguments}}`` -> nested, arguments an object.
 
     A call in both forms is an error, even when they agree: which one is meant is not guessed. A
-    ``type`` other than ``"function"`` (absent or null: a function call) is an error, as the call
-    would be rendered as a function call; so is a key inside ``function`` other than ``name``,
-    ``arguments`` and metadata (``id``): a ``type`` or ``function`` there is not read."""
+    ``type`` other than ``"function"`` is an error, as the call would be rendered as a function call;
+    so is a key inside ``function`` other than ``name``, ``arguments`` and metadata (``id``): a
+    ``type`` or ``function`` there is not read. A key whose value is empty or null carries nothing
+    and counts as absent (pandas and HF exports write null where a row lacks a struct field)."""
     if not isinstance(call, dict):
         raise LineError(f"{where} must be a JSON object")
+    call = {key: value for key, value in call.items() if not _is_empty(value)}  # empty or null: carries nothing
     flat = [key for key in FUNCTION_KEYS if key in call]
     if flat and "function" in call:
         raise LineError(f"{where} has {' and '.join(map(repr, flat))} beside a nested 'function'; give the call in "
@@ -381,7 +385,7 @@ def _normalize_call(call, where: str) -> dict:
     if not isinstance(function, dict):
         raise LineError(f"{where} 'function' must be a JSON object")
     if function is not call:
-        unread = set(function) - set(FUNCTION_KEYS) - METADATA_KEYS
+        unread = {key for key, value in function.items() if not _is_empty(value)} - set(FUNCTION_KEYS) - METADATA_KEYS
         if unread:
             raise LineError(f"{where} 'function' has key(s) {sorted(unread)} that would not be rendered; inside "
                             "'function' only 'name' and 'arguments' are read")

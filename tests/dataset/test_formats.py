@@ -123,8 +123,6 @@ CALLS_NOT_RENDERED_AS_GIVEN = [
      "message 2 tool call 1 has type 'custom', not 'function' (only function calls are rendered)"),
     (calls({"id": "c1", "type": "function", "function": NESTED}, {"type": 5, **NESTED}),
      "message 2 tool call 2 has type 5, not 'function' (only function calls are rendered)"),
-    (calls({"type": "", "function": NESTED}),
-     "message 2 tool call 1 has type '', not 'function' (only function calls are rendered)"),
     ({"conversations": [{"from": "human", "value": "Hi"}, {"from": "function_call", "value": [
         {"type": "code_interpreter", **NESTED}]}, {"from": "gpt", "value": "ok"}]},
      "message 2 tool call 1 has type 'code_interpreter', not 'function' (only function calls are rendered)"),
@@ -134,7 +132,7 @@ CALLS_NOT_RENDERED_AS_GIVEN = [
      f"message 2 tool call 1 'function' has key(s) ['function'] {INSIDE_FUNCTION}"),
     (calls({"function": {**NESTED, "type": "function", "id": "c1"}}),
      f"message 2 tool call 1 'function' has key(s) ['type'] {INSIDE_FUNCTION}"),
-    (calls({"function": {**NESTED, "description": "", "type": None}}),
+    (calls({"function": {**NESTED, "description": "adds", "type": "function"}}),
      f"message 2 tool call 1 'function' has key(s) ['description', 'type'] {INSIDE_FUNCTION}"),
 ]
 
@@ -156,12 +154,31 @@ def test_a_call_without_a_type_or_with_ids_is_the_same_function_call(tokenizer, 
     items = []
     for name, call in [("plain", {"type": "function", "function": NESTED}), ("flat", NESTED),
                        ("untyped", {"function": NESTED}), ("null", {"type": None, "function": NESTED}),
-                       ("ids", {"id": "c1", "type": "function", "function": {**NESTED, "id": "c1"}})]:
+                       ("ids", {"id": "c1", "type": "function", "function": {**NESTED, "id": "c1"}}),
+                       # the nulls and empty values a pandas or HF export writes for struct fields a row lacks
+                       ("empty type", {"type": "", "function": NESTED}),
+                       ("nulls", {"name": None, "arguments": None, "id": None, "type": "function",
+                                  "function": {**NESTED, "description": None, "type": None, "strict": ""}})]:
         row = {"messages": [*calls(call)["messages"], {"role": "tool", "content": "2"}, ANSWER]}
         items.append(build_cache_and_open(write_lines(tmp_path / f"{name}.jsonl", [row]), tokenizer, 512, num_proc=1)[0])
     for item in items[1:]:
         assert item["input_ids"].tolist() == items[0]["input_ids"].tolist()
         assert item["labels"].tolist() == items[0]["labels"].tolist()
+
+
+def test_a_null_or_empty_conversation_key_beside_the_other_is_absent(tokenizer, tmp_path):
+    # pandas' to_json of rows in both formats writes the missing one as null
+    items = []
+    for name, row in [("plain", {"messages": CHAT}), ("null", {"conversations": None, "messages": CHAT}),
+                      ("empty", {"messages": CHAT, "conversations": []})]:
+        items.append(build_cache_and_open(write_lines(tmp_path / f"{name}.jsonl", [row]), tokenizer, 512, num_proc=1)[0])
+    for item in items[1:]:
+        assert item["input_ids"].tolist() == items[0]["input_ids"].tolist()
+        assert item["labels"].tolist() == items[0]["labels"].tolist()
+    path = write_lines(tmp_path / "both_null.jsonl", [{"conversations": None, "messages": None}])
+    with pytest.raises(DataError) as info:
+        build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    assert str(info.value) == f"{path}:1: 'conversations' must be a list, got NoneType"
 
 
 def test_an_empty_functions_key_carries_nothing_and_changes_no_token(tokenizer, tmp_path):
