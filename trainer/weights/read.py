@@ -94,9 +94,13 @@ def check_finite(weights: Weights) -> None:
     bad = [key for key, value in weights.state.items()
            if value.is_floating_point() and not bool(torch.isfinite(value).all())]
     if bad:
-        tensors = f"{len(bad)} tensor{'s' if len(bad) > 1 else ''} ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
-        raise CheckpointError(f"{weights.source} holds non-finite values (NaN or inf) in {tensors}: these weights "
-                              "cannot be trained, evaluated or exported")
+        raise CheckpointError(f"{weights.source} holds non-finite values (NaN or inf) in {_tensors(bad)}: these "
+                              "weights cannot be trained, evaluated or exported")
+
+
+def _tensors(keys: list[str]) -> str:
+    """'2 tensors (a, b)': at most three named."""
+    return f"{len(keys)} tensor{'s' if len(keys) > 1 else ''} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
 
 
 def model_dir_of(folder: str) -> str:
@@ -153,10 +157,21 @@ def _load_safetensors(files: list[str]) -> dict:
         if not os.path.isfile(name):
             raise CheckpointError(f"{name}: shard listed in the index does not exist")
         try:
-            state.update(load_file(name))
+            loaded = load_file(name)
         except (SafetensorError, OSError, ValueError) as error:
             raise CheckpointError(f"{name}: corrupt or truncated safetensors file ({first_line(error, 160)})") from error
+        refuse_float8(loaded, name)
+        state.update(loaded)
     return state
+
+
+def refuse_float8(state: dict, path: str) -> None:
+    """Float8 tensors are a quantized release whose scales this code does not apply (and no float8
+    op it runs is defined): refused in one line where the file is read."""
+    quantized = [key for key, value in state.items() if value.is_floating_point() and value.dtype.itemsize == 1]
+    if quantized:
+        raise CheckpointError(f"{path} holds float8 (quantized) weights in {_tensors(quantized)}: minisft reads "
+                              "float32, bfloat16 or float16 weights; give the unquantized model")
 
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -192,6 +207,7 @@ def _read_torch_file(path: str) -> Weights:
                        f"resume checkpoint {path}", of_checkpoint(loaded))
     if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise CheckpointError(f"{path} is not a minisft resume checkpoint or a state dict (names to tensors)")
+    refuse_float8(loaded, path)
     state = clean_state_dict(loaded)
     return Weights(state, config_from_shapes(state, path), f"MiniMind state dict {path}")
 

@@ -71,3 +71,26 @@ def test_weights_holding_a_non_finite_value_are_refused_when_read(tmp_path, bad)
     with pytest.raises(ModelLoadError) as caught:  # --model_path of chat, eval, export
         load_model_for_inference(path)
     assert str(caught.value) == message
+
+
+def test_float8_weights_are_refused_when_read_not_cast_without_their_scales(tmp_path):
+    from safetensors.torch import save_file
+
+    from trainer.errors import ModelLoadError
+
+    from model import MiniMindConfig, MiniMindForCausalLM
+
+    model = MiniMindForCausalLM(MiniMindConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False))
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].to(torch.float8_e4m3fn)
+    path = tmp_path / "model.safetensors"
+    save_file(state, str(path))
+    message = (f"{path} holds float8 (quantized) weights in 1 tensor (model.embed_tokens.weight): minisft reads "
+               "float32, bfloat16 or float16 weights; give the unquantized model")
+    with pytest.raises(CheckpointError) as caught:
+        setup(["--from_weight", str(path), "--save_dir", str(tmp_path)])
+    assert str(caught.value) == message
+    with pytest.raises(ModelLoadError) as caught:
+        load_model_for_inference(path)
+    assert str(caught.value) == message
