@@ -31,12 +31,13 @@ NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
 LOCAL_MEAN_ENV = "MINISFT_FAULT_LOCAL_MEAN"
 OOM_STEP_ENV = "MINISFT_FAULT_OOM_STEP"
 GPU_MEMORY_ENV = "MINISFT_FAULT_GPU_MEMORY_MIB"
-# The first lines of what the CUDA caching allocator raises
+# What the CUDA caching allocator raises: one line
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
-            "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.\n"
-            "Of the allocated memory 74.50 GiB is allocated by PyTorch, and 2.96 GiB is reserved by PyTorch but "
+            "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the "
+            "allocated memory 74.50 GiB is allocated by PyTorch, and 2.96 GiB is reserved by PyTorch but "
             "unallocated. If reserved but unallocated memory is large try setting "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+            "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
 
 
 def nan_steps() -> frozenset[int]:

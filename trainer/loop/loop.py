@@ -295,14 +295,26 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
 
 
 def out_of_memory(run: Run, error: torch.OutOfMemoryError) -> str:
-    """The step that ran out of device memory, the first line of the allocator's message, and the
-    flags that set a step's memory: one line instead of the allocator's paragraph and a traceback."""
+    """The step that ran out of device memory, what the allocator asked for and had, and the flags
+    that set a step's memory: one line instead of the allocator's paragraph and a traceback."""
     args = run.args
     checkpointing = "" if args.gradient_checkpointing else ", or give --gradient_checkpointing 1"
-    return (f"step {run.state.step + 1} ran out of memory on {run.ctx.device} ({first_line(error)}): a step's "
-            f"activations grow with --batch_size {args.batch_size} x --max_seq_len {args.max_seq_len}; lower "
+    return (f"step {run.state.step + 1} ran out of memory on {run.ctx.device} ({allocator_summary(error)}): a "
+            f"step's activations grow with --batch_size {args.batch_size} x --max_seq_len {args.max_seq_len}; lower "
             "--batch_size (raise --accumulation_steps to keep the batch per step)"
-            f"{',' if checkpointing else ' or'} lower --max_seq_len{checkpointing}. The checkpoints saved are kept")
+            f"{',' if checkpointing else ' or'} lower --max_seq_len{checkpointing}")
+
+
+def allocator_summary(error: torch.OutOfMemoryError) -> str:
+    """The CUDA caching allocator's sentences up to the free memory ("CUDA out of memory. Tried to
+    allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free."), not its
+    breakdown and advice; another message's first sentences within 300 characters."""
+    text = first_line(error, limit=1000)
+    for tail in (" Including non-PyTorch memory", " Of the allocated memory"):
+        text = text.split(tail)[0]
+    if len(text) > 300:
+        text = text[:300].rsplit(". ", 1)[0] + "."
+    return text
 
 
 def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:
