@@ -46,6 +46,26 @@ def test_a_read_only_folder_of_the_save_dir_fails_before_training(data, tmp_path
     assert {path.name: digest(path) for path in mounted.iterdir()} == before
 
 
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a read-only bind mount")
+def test_a_model_folder_that_links_to_a_read_only_one_is_replaced_by_the_save_not_refused(data, tmp_path):
+    # a save renames a new model/ over the link; the read-only folder it points to is never written
+    save_dir, published = tmp_path / "run", tmp_path / "published"
+    run_trainer(flags(data, save_dir, "--max_steps", "2"))
+    (save_dir / "model").rename(published)
+    (save_dir / "model").symlink_to(published)
+    before = {path.name: digest(path) for path in published.iterdir()}
+    command = shlex.join([sys.executable, "train_full_sft.py", *flags(data, save_dir, "--max_steps", "4",
+                                                                      "--from_resume", "1")])
+    mount = f"mount --bind {published} {published} && mount -o remount,bind,ro {published}"
+    result = subprocess.run(["unshare", "-Urm", "sh", "-c", f"{mount} && exec {command}"], cwd=REPO,
+                            env=clean_env(), capture_output=True, text=True, timeout=300)
+    if "mount" in result.stderr and result.returncode != 0:
+        pytest.skip(f"this machine refuses a private read-only bind mount: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (save_dir / "model").is_symlink() and (save_dir / "model" / "model.safetensors").is_file()
+    assert {path.name: digest(path) for path in published.iterdir()} == before
+
+
 def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(data, launcher, tmp_path):
     save_dir = tmp_path / "run"
     process = launcher.start(flags(data, save_dir, *ONE_PROCESS), "disk_full")

@@ -13,6 +13,7 @@
 Rotation keeps the newest `--keep_last` resume checkpoints.
 """
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -76,25 +77,40 @@ def new_run_id() -> str:
 
 
 def ensure_writable_dir(path: str) -> None:
-    """Fail before training, not at the first save, when `path` or a folder of it that a save writes
-    into (checkpoints/, model/, best/) cannot be written: a file written and removed in each tells
-    (permission bits do not: a read-only mount refuses root too)."""
+    """Fail before training, not at the first save, when `path` cannot be written, or a folder of it
+    that saves write into (checkpoints/) or replace by renaming a new one over it (model/, best/),
+    which needs it writable too. A file created and removed in each tells (permission bits do not: a
+    read-only mount refuses root too). A model/ or best/ that is a symlink is not probed: a save
+    renames the link, not its target."""
     check_folder_can_be_made(path, "--save_dir")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as error:
         raise CheckpointError(f"--save_dir {path} is not writable: {error.strerror or error}") from error
-    for folder in [path, *(os.path.join(path, name) for name in SAVED_FOLDERS)]:
-        if not os.path.isdir(folder):
+    problem = _write_problem(path)
+    if problem:
+        raise CheckpointError(f"--save_dir {path} is not writable: {problem}")
+    for name in SAVED_FOLDERS:
+        folder = os.path.join(path, name)
+        if not os.path.isdir(folder) or (name != "checkpoints" and os.path.islink(folder)):
             continue
-        probe = os.path.join(folder, f".write_probe.{os.getpid()}")
-        try:
-            with open(probe, "wb") as handle:
-                handle.write(b"ok")
+        problem = _write_problem(folder)
+        if problem and problem != os.strerror(errno.ENOENT):  # gone: renamed by a live run's save, which the lock meets
+            raise CheckpointError(f"--save_dir {path} is not writable: {folder}: {problem}")
+
+
+def _write_problem(folder: str) -> str | None:
+    """Why a file cannot be created in `folder` (None: it can); the probe never stays behind."""
+    probe = os.path.join(folder, f".write_probe.{os.getpid()}")
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(b"ok")
+    except OSError as error:
+        return error.strerror or str(error)
+    finally:
+        with contextlib.suppress(OSError):
             os.remove(probe)
-        except OSError as error:
-            where = f"{folder}: " if folder != path else ""
-            raise CheckpointError(f"--save_dir {path} is not writable: {where}{error.strerror or error}") from error
+    return None
 
 
 def check_folder_can_be_made(path: str, flag: str) -> None:
