@@ -2,6 +2,7 @@
 model config (from the weights, else from the flags), the model, its optimizer, torch.compile.
 (The DDP / FSDP wrapper is trainer/parallel/, the dtype and loss scaling trainer/runtime/precision.py.)"""
 
+import copy
 import os
 
 import torch
@@ -112,22 +113,36 @@ def check_host_memory(config: MiniMindConfig, device: torch.device | None, shard
     the CPU unsharded adds the gradients and AdamW's two moments there (16 bytes a parameter). A model
     that cannot fit even that lower bound would be killed by the OOM killer without a word: refused in
     one line, before the data is tokenized."""
-    with torch.device("meta"):
-        parameters = count_parameters(MiniMindForCausalLM(config))["total"]
+    parameters = parameter_count(config)
     processes = processes_on_this_node(os.environ) or 1
     on_cpu = device is not None and device.type == "cpu" and not sharded
-    needed, memory = parameters * (16 if on_cpu else 4) * processes, host_memory_bytes()
-    if needed <= memory:
+    each, memory = parameters * (16 if on_cpu else 4), host_memory_bytes()
+    if each * processes <= memory:
         return
     if on_cpu:
         what = " to train on the CPU (fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter)"
     else:
         what = ": its fp32 weights, built on the host before they move to the GPU (4 bytes a parameter)"
-    each = f", in each of the node's {processes} processes;" if processes > 1 else ","
+    needed = f"{each / 2**30:.1f} GiB of host memory{what}"
+    if processes > 1:
+        needed = (f"{each / 2**30:.1f} GiB of host memory in each of the node's {processes} processes "
+                  f"({each * processes / 2**30:.1f} GiB in all){what}")
     model = (f"hidden {config.hidden_size} x {config.num_hidden_layers} layers, vocabulary {config.vocab_size}: "
              f"{parameters / 1e9:.2f} B parameters")
-    raise ConfigError(f"the model ({model}) needs at least {needed / 2**30:.1f} GiB of host memory{what}{each} more "
-                      f"than this machine's {memory / 2**30:.1f} GiB")
+    raise ConfigError(f"the model ({model}) needs at least {needed}, more than this machine's "
+                      f"{memory / 2**30:.1f} GiB")
+
+
+def parameter_count(config: MiniMindConfig) -> int:
+    """The model's parameters, counted on the meta device (nothing allocated) at one and two layers:
+    every block has the same parameters, so the rest follow without building a deep model."""
+    counts = []
+    for layers in (1, 2):
+        shallow = copy.deepcopy(config)
+        shallow.num_hidden_layers = layers
+        with torch.device("meta"):
+            counts.append(count_parameters(MiniMindForCausalLM(shallow))["total"])
+    return counts[0] + (config.num_hidden_layers - 1) * (counts[1] - counts[0])
 
 
 def check_position_tables(args, config: MiniMindConfig) -> None:

@@ -264,9 +264,13 @@ def test_a_model_too_large_for_host_memory_is_one_line_before_tokenizing(data, t
     with pytest.raises(ConfigError) as refused:  # the fp32 model is built on the host by each process
         model_setup.build_model_config(wide, tokenizer, device=torch.device("cuda", 0))
     assert str(refused.value) == ("the model (hidden 4096 x 8 layers, vocabulary 6400: 1.63 B parameters) needs at "
-                                  "least 24.3 GiB of host memory: its fp32 weights, built on the host before they "
-                                  "move to the GPU (4 bytes a parameter), in each of the node's 4 processes; more "
-                                  "than this machine's 8.0 GiB")
+                                  "least 6.1 GiB of host memory in each of the node's 4 processes (24.3 GiB in all): "
+                                  "its fp32 weights, built on the host before they move to the GPU (4 bytes a "
+                                  "parameter), more than this machine's 8.0 GiB")
+    deep = parse_args(["--num_hidden_layers", "100000"])  # counted from two shallow models, not built: at once
+    with pytest.raises(ConfigError) as refused:
+        model_setup.build_model_config(deep, tokenizer, device=torch.device("cuda", 0))
+    assert "(hidden 768 x 100000 layers, vocabulary 6400: 737.46 B parameters)" in str(refused.value)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     huge = run_trainer(flags(data, tmp_path / "run", "--hidden_size", "1048576", "--cache_dir", str(tmp_path / "cache")),
                        check=False)
