@@ -62,7 +62,7 @@ def steps_in_epoch(run: Run, epoch: int, start: int) -> int:
 def count_total_steps(run: Run) -> int:
     """The steps left in this epoch (from its start index) and in every later one: an epoch's length
     is the sampler's whole dataset, the same every epoch, so the later ones are counted once and
-    multiplied (a count per epoch would take hours at --epochs 1e10)."""
+    multiplied (a count per epoch would take hours at --epochs 10000000000)."""
     state, args = run.state, run.args
     natural = state.step
     if state.epoch < args.epochs:
