@@ -46,15 +46,16 @@ def precompute_rope_tables(config: MiniMindConfig, device=None) -> tuple[torch.T
 
 def rope_rows(cos_table: torch.Tensor, sin_table: torch.Tensor, position_ids: torch.Tensor,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 tables' rows for `position_ids` [B, T], in `dtype`, for `apply_rope`: their first
-    halves [B, T, D/2] (a table's two halves are equal: each frequency's angle is in both)."""
-    half = cos_table.shape[-1] // 2
-    return cos_table[:, :half][position_ids].to(dtype), sin_table[:, :half][position_ids].to(dtype)
+    """The fp32 tables' rows for `position_ids` [B, T], in `dtype`, for `apply_rope`: cos [B, T, D]
+    and the first half of sin [B, T, D/2] (a table's two halves are equal: each frequency's angle is
+    in both)."""
+    half = sin_table.shape[-1] // 2
+    return cos_table[position_ids].to(dtype), sin_table[:, :half][position_ids].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, heads, D]; cos/sin: [B, T, D/2] from `rope_rows`, in x's dtype. Rotates each pair
-    (x1, x2) of x's halves by its position's angle: (x1 cos - x2 sin, x2 cos + x1 sin), the
+    """x: [B, T, heads, D]; cos [B, T, D] and sin [B, T, D/2] from `rope_rows`, in x's dtype. Rotates
+    each pair (x1, x2) of x's halves by its position's angle: (x1 cos - x2 sin, x2 cos + x1 sin), the
     rotate-half form of Qwen3 and Llama (x * cos + rotate_half(x) * sin).
 
     Eagerly one autograd node: each way, one product with cos and a fused multiply-add per half,
@@ -66,8 +67,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
     """x's halves rotated by the angle (sign 1) or back by it (sign -1: the transpose, the gradient):
-    both halves times cos in one product, then each half's sine term added in place."""
-    out = (x.unflatten(-1, (2, -1)) * cos.unsqueeze(-2)).flatten(-2)
+    x times cos in one product (a tensor of its own, not a view), then each half's sine term added
+    in place."""
+    out = x * cos
     (x1, x2), (out1, out2) = x.chunk(2, dim=-1), out.chunk(2, dim=-1)
     out1.addcmul_(x2, sin, value=-sign)
     out2.addcmul_(x1, sin, value=sign)

@@ -97,10 +97,35 @@ def test_the_rotation_moves_5_passes_of_its_input_each_way():
         out = apply_rope(x, cos, sin)
     with backward:
         out.backward(grad)
-    table = cos.numel() * 2  # one half table of bf16 rows: cos read once, sin twice
+    table = sin.numel() * 2  # a half table of bf16 rows: cos (whole: two halves) read once, sin's half twice
     for counter in (forward, backward):
         read = sum(group.read for group in counter.groups.values())
         written = sum(group.written for group in counter.groups.values())
         calls = {name: group.calls for name, group in counter.groups.items()}
         assert calls == {"mul.Tensor": 1, "addcmul_": 2}
-        assert (read, written) == (3 * x.numel() * 2 + 3 * table, 2 * x.numel() * 2)
+        assert (read, written) == (3 * x.numel() * 2 + 4 * table, 2 * x.numel() * 2)
+
+
+def test_the_rotation_of_any_layout_and_its_gradient_are_the_expressions():
+    """q and k as the attention reads them back (a transposed view), one new position (generation
+    with a cache), and gradients of any strides (transposed, expanded): the rotate-half expression's
+    values and gradients, in float64; the output is a tensor of its own, so it can be changed in place."""
+    generator = torch.Generator().manual_seed(3)
+    cos_table, sin_table = (t.double() for t in precompute_rope_tables(tiny_config()))
+    for batch, length in ((2, 5), (3, 1)):
+        positions = torch.randint(0, cos_table.shape[0], (batch, length), generator=generator)
+        cos, sin = rope_rows(cos_table, sin_table, positions, torch.float64)
+        x = torch.randn(batch, 3, length, cos_table.shape[1], generator=generator, dtype=torch.float64)
+        x = x.transpose(1, 2).requires_grad_()  # [B, T, heads, D], not contiguous
+        reference = x.detach().clone().requires_grad_()
+        out, expected = apply_rope(x, cos, sin), rotate_half_reference(reference, cos_table, sin_table, positions)
+        assert torch.allclose(out, expected, rtol=0, atol=1e-15)
+        for grad in (torch.randn(batch, 3, length, cos_table.shape[1], generator=generator,
+                                 dtype=torch.float64).transpose(1, 2),
+                     torch.randn(1, 1, 1, cos_table.shape[1], generator=generator, dtype=torch.float64).expand_as(x)):
+            got = torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+            want = torch.autograd.grad(expected, reference, grad, retain_graph=True)[0]
+            assert torch.allclose(got, want, rtol=0, atol=1e-15)
+        doubled = apply_rope(x, cos, sin).mul_(2)  # a tensor of its own, not a view: changed in place
+        assert torch.allclose(torch.autograd.grad(doubled.sum(), x)[0],
+                              2 * torch.autograd.grad(expected.sum(), reference)[0], rtol=0, atol=1e-15)
