@@ -103,9 +103,9 @@ def line_kind(record) -> str | None:
 
 
 def is_step(value) -> bool:
-    """An integer that is not a bool: JSON's `true` reads as Python's True, an int equal to 1, which
-    would take the place of step 1."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer from 0 to 2**53 (an axis value a float holds exactly) that is not a bool: JSON's
+    `true` reads as Python's True, an int equal to 1, which would take the place of step 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 2**53
 
 
 def is_metrics_line(record) -> bool:
@@ -134,10 +134,20 @@ def dedupe_metrics(records: list[dict]) -> dict[str, list[dict]]:
     return {kind: [steps[s] for s in sorted(steps)] for kind, steps in latest.items()}
 
 
+def number(value) -> float | None:
+    """A metric's value as a float: None for a bool (JSON's true is 1 to Python), a non-number, or an
+    integer beyond the float range (JSON allows any)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
+
+
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], float(r[key])) for r in records
-              if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-    points = [(s, v) for s, v in points if math.isfinite(v)]
+    points = [(r["step"], number(r.get(key))) for r in records]
+    points = [(s, v) for s, v in points if v is not None and math.isfinite(v)]
     return [s for s, _ in points], [v for _, v in points]
 
 

@@ -84,6 +84,12 @@ def test_lines_of_json_but_not_of_metrics_are_skipped_and_said(tmp_path, capsys)
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_step_beyond_what_a_float_holds_exactly_is_not_a_step():
+    from scripts.plot_loss import is_step
+
+    assert is_step(2**53) and not is_step(2**53 + 1) and not is_step(10**400) and not is_step(-1)
+
+
 def test_a_boolean_step_is_not_a_step(tmp_path, capsys):
     # true is an int to Python: taken as step 1, it would replace step 1's line of the curve
     from scripts.plot_loss import dedupe_metrics, main, read_metrics
@@ -164,5 +170,6 @@ def test_a_boolean_value_is_no_point_of_a_curve():
     # true is 1 to Python: "lr": true would be drawn as a learning rate of 1.0
     from scripts.plot_loss import _series
 
-    records = [{"step": 1, "lr": 0.001}, {"step": 2, "lr": True}, {"step": 3, "lr": 0.002}, {"step": 4, "lr": False}]
+    records = [{"step": 1, "lr": 0.001}, {"step": 2, "lr": True}, {"step": 3, "lr": 0.002}, {"step": 4, "lr": False},
+               {"step": 5, "lr": 10**400}]  # an integer beyond the float range: no point, not an OverflowError
     assert _series(records, "lr") == ([1, 3], [0.001, 0.002])
