@@ -63,7 +63,7 @@ def test_a_step_out_of_gpu_memory_is_one_line_naming_the_flags_and_the_checkpoin
     assert result.returncode == 1, result.stderr[-3000:]
     assert last_line(result.stderr) == (
         "error: step 3 ran out of memory on cpu (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-        "capacity of 79.19 GiB of which 1.06 GiB is free.): a step's activations grow with --batch_size 4 x "
+        "capacity of 79.19 GiB of which 1.06 GiB is free.): a batch's activations grow with --batch_size 4 x "
         "--max_seq_len 512; lower --batch_size (raise --accumulation_steps to keep the batch per step), lower "
         "--max_seq_len, or give --gradient_checkpointing 1"
     )
@@ -74,3 +74,19 @@ def test_a_step_out_of_gpu_memory_is_one_line_naming_the_flags_and_the_checkpoin
                               "--gradient_checkpointing", "1"), script=FAULTY_TRAINER, env=env, check=False)
     assert again.returncode == 1 and last_line(again.stderr).endswith(
         "lower --batch_size (raise --accumulation_steps to keep the batch per step) or lower --max_seq_len")
+
+
+def test_an_evaluation_out_of_gpu_memory_is_one_line_too(data, tmp_path):
+    save_dir = tmp_path / "run"
+    env = clean_env(MINISFT_FAULT_OOM_EVAL_STEP="2")
+    result = run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "6", "--eval_interval", "2",
+                               "--eval_data_path", str(data / "train.jsonl")),
+                         script=FAULTY_TRAINER, env=env, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert last_line(result.stderr) == (
+        "error: the evaluation at step 2 ran out of memory on cpu (CUDA out of memory. Tried to allocate 2.00 GiB. GPU "
+        "0 has a total capacity of 79.19 GiB of which 1.06 GiB is free.): a batch's activations grow with "
+        "--batch_size 4 x --max_seq_len 512; lower --batch_size (raise --accumulation_steps to keep the batch per "
+        "step) or lower --max_seq_len"
+    )
+    assert "Traceback" not in result.stderr

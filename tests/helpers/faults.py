@@ -9,8 +9,8 @@ The faults come from the environment (torchrun's workers and the equivalence too
 - MINISFT_FAULT_NAN_STEPS="3,4,5": the loss of those optimizer steps (numbered from 1, as in the
   logs) is NaN (tests/e2e/test_non_finite_loss.py);
 - MINISFT_FAULT_OOM_STEP=3: that optimizer step runs out of GPU memory (`torch.OutOfMemoryError`
-  with the CUDA caching allocator's message), as a batch too large for the GPU does
-  (tests/e2e/test_non_finite_loss.py);
+  with the CUDA caching allocator's message), as a batch too large for the GPU does; with
+  MINISFT_FAULT_OOM_EVAL_STEP=2 the evaluation at that step does (tests/e2e/test_non_finite_loss.py);
 - MINISFT_FAULT_GPU_MEMORY_MIB=16: the caching allocator of GPU 0 is capped at that much, so a
   real step runs out of memory on a real GPU (tests/test_cuda.py);
 - MINISFT_FAULT_LOCAL_MEAN=1: the classic normalisation bug, every rank divides its token loss
@@ -30,6 +30,7 @@ sys.path.insert(0, REPO)
 NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
 LOCAL_MEAN_ENV = "MINISFT_FAULT_LOCAL_MEAN"
 OOM_STEP_ENV = "MINISFT_FAULT_OOM_STEP"
+OOM_EVAL_STEP_ENV = "MINISFT_FAULT_OOM_EVAL_STEP"
 GPU_MEMORY_ENV = "MINISFT_FAULT_GPU_MEMORY_MIB"
 # What the CUDA caching allocator raises: one line
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
@@ -52,13 +53,14 @@ def poison_loss(module, inputs, out):
 
 
 def install() -> None:
-    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory) and `agree_on_step` (local
-    mean); cap GPU 0's memory."""
+    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory), `evaluate` (out of
+    memory) and `agree_on_step` (local mean); cap GPU 0's memory."""
     from trainer.loop import loop
 
     steps, local_mean = nan_steps(), os.environ.get(LOCAL_MEAN_ENV) == "1"
     oom_step = int(os.environ.get(OOM_STEP_ENV, "0"))
-    real_step, real_agree = loop.optimizer_step, loop.agree_on_step
+    oom_eval_step = int(os.environ.get(OOM_EVAL_STEP_ENV, "0"))
+    real_step, real_agree, real_evaluate = loop.optimizer_step, loop.agree_on_step, loop.evaluate
 
     def optimizer_step(run, *args, **kwargs):
         if run.state.step + 1 == oom_step:
@@ -72,6 +74,13 @@ def install() -> None:
             return real_step(run, *args, **kwargs)
         finally:
             handle.remove()
+
+    def evaluate(run):
+        if run.state.step == oom_eval_step:
+            import torch
+
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        return real_evaluate(run)
 
     def agree_on_step(run, micro_batches, *args, **kwargs):
         totals = real_agree(run, micro_batches, *args, **kwargs)
@@ -88,6 +97,8 @@ def install() -> None:
         torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory, 0)
     if local_mean:
         loop.agree_on_step = agree_on_step
+    if oom_eval_step:
+        loop.evaluate = evaluate
 
 
 def main(argv: list[str]) -> int:

@@ -181,7 +181,11 @@ def evaluate_and_select(run: Run) -> bool:
     state, args = run.state, run.args
     settle(run)
     # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
-    figures = broadcast_object(evaluate(run))
+    try:
+        figures = broadcast_object(evaluate(run))
+    except torch.OutOfMemoryError as error:
+        what = f"the evaluation at step {state.step}"
+        raise TrainingError(out_of_memory(run, error, what, training=False)) from None
     new_best = stop = False
     if args.keep_best:
         new_best, stop = update_selection(state, args.keep_best, figures, args.early_stop_patience)
@@ -279,7 +283,7 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     try:
         result = optimizer_step(run, micro_batches, totals, lr, source_losses=interval["sources"])
     except torch.OutOfMemoryError as error:
-        raise TrainingError(out_of_memory(run, error)) from None
+        raise TrainingError(out_of_memory(run, error, f"step {state.step + 1}")) from None
     if interval["sources"]:
         interval["sources"].end_step(totals.loss_tokens, result.finite)
     state.step += 1
@@ -294,15 +298,16 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     return result
 
 
-def out_of_memory(run: Run, error: torch.OutOfMemoryError) -> str:
-    """The step that ran out of device memory, what the allocator asked for and had, and the flags
-    that set a step's memory: one line instead of the allocator's paragraph and a traceback."""
+def out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str, training: bool = True) -> str:
+    """`what` (a training step, an evaluation) ran out of device memory: what the allocator asked for
+    and had, and the flags that set the memory of a batch, in one line instead of the allocator's
+    paragraph and a traceback. Gradient checkpointing helps a training step only."""
     args = run.args
-    checkpointing = "" if args.gradient_checkpointing else ", or give --gradient_checkpointing 1"
-    return (f"step {run.state.step + 1} ran out of memory on {run.ctx.device} ({allocator_summary(error)}): a "
-            f"step's activations grow with --batch_size {args.batch_size} x --max_seq_len {args.max_seq_len}; lower "
-            "--batch_size (raise --accumulation_steps to keep the batch per step)"
-            f"{',' if checkpointing else ' or'} lower --max_seq_len{checkpointing}")
+    checkpointing = ", or give --gradient_checkpointing 1" if training and not args.gradient_checkpointing else ""
+    return (f"{what} ran out of memory on {run.ctx.device} ({allocator_summary(error)}): a batch's activations "
+            f"grow with --batch_size {args.batch_size} x --max_seq_len {args.max_seq_len}; lower --batch_size "
+            f"(raise --accumulation_steps to keep the batch per step){',' if checkpointing else ' or'} lower "
+            f"--max_seq_len{checkpointing}")
 
 
 def allocator_summary(error: torch.OutOfMemoryError) -> str:
