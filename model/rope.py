@@ -60,8 +60,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Eagerly one autograd node: each way, one product with cos and a fused multiply-add per half,
     in place: 3 kernels and 5 passes over x where the rotate-half expression makes 4 and 9 (a roll,
-    two products, a sum); its backward keeps no copy of x. torch.compile traces the node whole and
-    inductor fuses each way into one kernel."""
+    two products, a sum); its backward keeps no copy of x. torch.compile traces the node whole (no
+    graph break), for inductor to fuse."""
     return _Rotation.apply(x, cos.unsqueeze(2), sin.unsqueeze(2))
 
 
