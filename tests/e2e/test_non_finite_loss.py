@@ -55,38 +55,37 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, t
     assert all_finite(load_file(save_dir / "model" / "model.safetensors"))
 
 
+ALLOCATOR = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+             "1.06 GiB is free.")  # the first sentences of tests/helpers/faults.py's planted error
+
+
+def out_of_memory_line(data, save_dir, fault: dict, *extra) -> str:
+    """The last line of a run of the faulty trainer (batch 4) that must stop with exit 1, no traceback."""
+    result = run_trainer(flags(data, save_dir, "--batch_size", "4", *extra), script=FAULTY_TRAINER,
+                         env=clean_env(**fault), check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    return last_line(result.stderr)
+
+
 def test_a_step_out_of_gpu_memory_is_one_line_naming_the_flags_and_the_checkpoints_stay(data, tmp_path):
-    save_dir = tmp_path / "run"
-    env = clean_env(MINISFT_FAULT_OOM_STEP="3")
-    result = run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "10", "--save_interval", "2"),
-                         script=FAULTY_TRAINER, env=env, check=False)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert last_line(result.stderr) == (
-        "error: step 3 ran out of memory on cpu (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-        "capacity of 79.19 GiB of which 1.06 GiB is free.): a batch's activations grow with --batch_size 4 x "
+    save_dir, fault = tmp_path / "run", {"MINISFT_FAULT_OOM_STEP": "3"}
+    assert out_of_memory_line(data, save_dir, fault, "--max_steps", "10", "--save_interval", "2") == (
+        f"error: step 3 ran out of memory on cpu ({ALLOCATOR}): a batch's activations grow with --batch_size 4 x "
         "--max_seq_len 512; lower --batch_size (raise --accumulation_steps to keep the batch per step), lower "
         "--max_seq_len, or give --gradient_checkpointing 1"
     )
-    assert "Traceback" not in result.stderr
     assert load_resume_checkpoint(checkpoint_at(save_dir, 2))["step"] == 2
     assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.pt"]
-    again = run_trainer(flags(data, tmp_path / "again", "--batch_size", "4", "--max_steps", "10",
-                              "--gradient_checkpointing", "1"), script=FAULTY_TRAINER, env=env, check=False)
-    assert again.returncode == 1 and last_line(again.stderr).endswith(
-        "lower --batch_size (raise --accumulation_steps to keep the batch per step) or lower --max_seq_len")
+    again = out_of_memory_line(data, tmp_path / "again", fault, "--max_steps", "10", "--gradient_checkpointing", "1")
+    assert again.endswith("lower --batch_size (raise --accumulation_steps to keep the batch per step) or lower "
+                          "--max_seq_len")
 
 
 def test_an_evaluation_out_of_gpu_memory_is_one_line_too(data, tmp_path):
-    save_dir = tmp_path / "run"
-    env = clean_env(MINISFT_FAULT_OOM_EVAL_STEP="2")
-    result = run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "6", "--eval_interval", "2",
-                               "--eval_data_path", str(data / "train.jsonl")),
-                         script=FAULTY_TRAINER, env=env, check=False)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert last_line(result.stderr) == (
-        "error: the evaluation at step 2 ran out of memory on cpu (CUDA out of memory. Tried to allocate 2.00 GiB. GPU "
-        "0 has a total capacity of 79.19 GiB of which 1.06 GiB is free.): a batch's activations grow with "
+    line = out_of_memory_line(data, tmp_path / "run", {"MINISFT_FAULT_OOM_EVAL_STEP": "2"}, "--max_steps", "6",
+                              "--eval_interval", "2", "--eval_data_path", str(data / "train.jsonl"))
+    assert line == (
+        f"error: the evaluation at step 2 ran out of memory on cpu ({ALLOCATOR}): a batch's activations grow with "
         "--batch_size 4 x --max_seq_len 512; lower --batch_size (raise --accumulation_steps to keep the batch per "
         "step) or lower --max_seq_len"
     )
-    assert "Traceback" not in result.stderr
