@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .configuration_minimind import MiniMindConfig
 from .modeling_minimind import MiniMindForCausalLM, MiniMindModel
-from .param_count import count_parameters, format_parameter_count
+from .param_count import count_config_parameters, count_parameters, format_parameter_count
 
 AutoConfig.register("minimind", MiniMindConfig, exist_ok=True)
 AutoModelForCausalLM.register(MiniMindConfig, MiniMindForCausalLM, exist_ok=True)
@@ -21,6 +21,7 @@ __all__ = [
     "MiniMindConfig",
     "MiniMindForCausalLM",
     "MiniMindModel",
+    "count_config_parameters",
     "count_parameters",
     "format_parameter_count",
 ]

@@ -2,12 +2,11 @@
 model config (from the weights, else from the flags), the model, its optimizer, torch.compile.
 (The DDP / FSDP wrapper is trainer/parallel/, the dtype and loss scaling trainer/runtime/precision.py.)"""
 
-import copy
 import os
 
 import torch
 
-from model import MiniMindConfig, MiniMindForCausalLM, count_parameters
+from model import MiniMindConfig, MiniMindForCausalLM, count_config_parameters
 from model.modeling_minimind import MiniMindBlock
 from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
@@ -113,7 +112,7 @@ def check_host_memory(config: MiniMindConfig, device: torch.device | None, shard
     the CPU unsharded adds the gradients and AdamW's two moments there (16 bytes a parameter). A model
     that cannot fit even that lower bound would be killed by the OOM killer without a word: refused in
     one line, before the data is tokenized."""
-    parameters = parameter_count(config)
+    parameters = count_config_parameters(config)
     processes = processes_on_this_node(os.environ) or 1
     on_cpu = device is not None and device.type == "cpu" and not sharded
     each, memory = parameters * (16 if on_cpu else 4), host_memory_bytes()
@@ -131,18 +130,6 @@ def check_host_memory(config: MiniMindConfig, device: torch.device | None, shard
              f"{parameters / 1e9:.2f} B parameters")
     raise ConfigError(f"the model ({model}) needs at least {needed}, more than this machine's "
                       f"{memory / 2**30:.1f} GiB")
-
-
-def parameter_count(config: MiniMindConfig) -> int:
-    """The model's parameters, counted on the meta device (nothing allocated) at one and two layers:
-    every block has the same parameters, so the rest follow without building a deep model."""
-    counts = []
-    for layers in (1, 2):
-        shallow = copy.deepcopy(config)
-        shallow.num_hidden_layers = layers
-        with torch.device("meta"):
-            counts.append(count_parameters(MiniMindForCausalLM(shallow))["total"])
-    return counts[0] + (config.num_hidden_layers - 1) * (counts[1] - counts[0])
 
 
 def check_position_tables(args, config: MiniMindConfig) -> None:

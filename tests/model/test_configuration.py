@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from model import MiniMindConfig, MiniMindForCausalLM, count_parameters
+from model import MiniMindConfig, MiniMindForCausalLM, count_config_parameters, count_parameters
 from tests.helpers.tiny_model import tiny_config
 from tests.helpers.trainer_launch import REPO
 
@@ -38,3 +38,9 @@ def test_default_parameter_count_matches_hand_count(capsys):
 def test_invalid_config_raises_clear_value_error(bad, message):
     with pytest.raises(ValueError, match=message):
         tiny_config(**bad)
+
+
+def test_a_configs_parameters_counted_from_two_layers_are_the_built_models():
+    for overrides in ({}, {"use_moe": True}, {"num_hidden_layers": 3, "tie_word_embeddings": False}):
+        config = MiniMindConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **overrides)
+        assert count_config_parameters(config) == count_parameters(MiniMindForCausalLM(config))["total"]
