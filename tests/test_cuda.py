@@ -274,6 +274,51 @@ def test_a_background_save_queues_its_copies_and_writes_the_state_of_its_step(tm
         assert torch.equal(gate.calls[0][key], value), key
 
 
+def test_a_save_casts_one_weight_at_a_time_on_the_gpu(tmp_path, monkeypatch):
+    """--save_dtype bfloat16: the save's device memory above what training holds is one weight in
+    bf16 (the largest), not a bf16 copy of every weight (trainer/checkpoint/background.py: to_host)."""
+    from tests.trainer.checkpoint.test_background import Gate, saving_run, step
+    from tests.trainer.loop.test_loop_syncs import micro_batches
+    from trainer.loop import saves
+
+    gate = Gate()
+    gate.released.set()
+    run = saving_run(tmp_path, monkeypatch, gate, torch.device("cuda:0"))
+    run.args.save_dtype = "bfloat16"
+    step(run, micro_batches(0), 1e-3)
+    saves.save_in_background(run)  # the first save allocates the host buffers and builds the copy's model
+    saves.finish_saves(run)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    saves.save_in_background(run)
+    saves.finish_saves(run)
+    largest = max(value.numel() for value in run.raw_model.state_dict().values()) * 2
+    every = sum(value.numel() for value in run.raw_model.state_dict().values()) * 2
+    assert torch.cuda.max_memory_allocated() - before <= largest + 4096 < every
+
+
+def test_inference_weights_written_from_the_gpu_cast_one_weight_at_a_time(tmp_path):
+    """`<save_dir>/best/` and the exports write the live model: its device memory above the
+    weights is one weight in bf16 at a time (trainer/weights/write.py: _inference_state), and the
+    file holds the weights cast."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.tiny_model import tiny_model
+    from trainer.weights.write import write_inference_dir
+
+    model = tiny_model().to("cuda:0")
+    state = model.state_dict()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    write_inference_dir(model, str(tmp_path), torch.bfloat16)
+    largest = max(value.numel() for value in state.values()) * 2
+    assert torch.cuda.max_memory_allocated() - before <= largest + 4096 < sum(v.numel() for v in state.values()) * 2
+    written = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(value, state[key].to(torch.bfloat16).cpu()) for key, value in written.items())
+
+
 def test_the_gpu_generator_state_goes_through_a_checkpoint_file_and_back(tmp_path):
     """trainer/runtime/seeding.py on the GPU: this device's generator state, saved as a resume
     checkpoint holds it (read back with weights_only) and restored, draws the same numbers again."""

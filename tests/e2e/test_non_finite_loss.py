@@ -81,6 +81,20 @@ def test_a_step_out_of_gpu_memory_is_one_line_naming_the_flags_and_the_checkpoin
                           "--max_seq_len")
 
 
+def test_a_save_out_of_gpu_memory_is_one_line_and_the_earlier_checkpoint_stays(data, tmp_path):
+    save_dir = tmp_path / "run"
+    line = out_of_memory_line(data, save_dir, {"MINISFT_FAULT_OOM_SAVE_STEP": "4"}, "--max_steps", "10",
+                              "--save_interval", "2")
+    assert line == (
+        f"error: the save at step 4 ran out of memory on cpu ({ALLOCATOR}): a save holds one weight at a time in "
+        "--save_dtype bfloat16 on the device beside training's memory; lower --batch_size to leave it room. The "
+        f"files already in {save_dir} are kept"
+    )
+    assert load_resume_checkpoint(checkpoint_at(save_dir, 2))["step"] == 2
+    assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.pt"]
+    assert (save_dir / "model" / "model.safetensors").is_file()  # step 2's inference weights
+
+
 def test_an_evaluation_out_of_gpu_memory_is_one_line_too(data, tmp_path):
     line = out_of_memory_line(data, tmp_path / "run", {"MINISFT_FAULT_OOM_EVAL_STEP": "2"}, "--max_steps", "6",
                               "--eval_interval", "2", "--eval_data_path", str(data / "train.jsonl"))

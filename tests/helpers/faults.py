@@ -10,7 +10,8 @@ The faults come from the environment (torchrun's workers and the equivalence too
   logs) is NaN (tests/e2e/test_non_finite_loss.py);
 - MINISFT_FAULT_OOM_STEP=3: that optimizer step runs out of GPU memory (`torch.OutOfMemoryError`
   with the CUDA caching allocator's message), as a batch too large for the GPU does; with
-  MINISFT_FAULT_OOM_EVAL_STEP=2 the evaluation at that step does (tests/e2e/test_non_finite_loss.py);
+  MINISFT_FAULT_OOM_EVAL_STEP=2 the evaluation at that step does, with MINISFT_FAULT_OOM_SAVE_STEP=4
+  the save at that step (tests/e2e/test_non_finite_loss.py);
 - MINISFT_FAULT_GPU_MEMORY_MIB=16: the caching allocator of GPU 0 is capped at that much, so a
   real step runs out of memory on a real GPU (tests/test_cuda.py);
 - MINISFT_FAULT_LOCAL_MEAN=1: the classic normalisation bug, every rank divides its token loss
@@ -31,6 +32,7 @@ NAN_STEPS_ENV = "MINISFT_FAULT_NAN_STEPS"
 LOCAL_MEAN_ENV = "MINISFT_FAULT_LOCAL_MEAN"
 OOM_STEP_ENV = "MINISFT_FAULT_OOM_STEP"
 OOM_EVAL_STEP_ENV = "MINISFT_FAULT_OOM_EVAL_STEP"
+OOM_SAVE_STEP_ENV = "MINISFT_FAULT_OOM_SAVE_STEP"
 GPU_MEMORY_ENV = "MINISFT_FAULT_GPU_MEMORY_MIB"
 # What the CUDA caching allocator raises: one line
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
@@ -53,14 +55,16 @@ def poison_loss(module, inputs, out):
 
 
 def install() -> None:
-    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory), `evaluate` (out of
-    memory) and `agree_on_step` (local mean); cap GPU 0's memory."""
+    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory), `evaluate` and
+    `save_in_background` (out of memory) and `agree_on_step` (local mean); cap GPU 0's memory."""
     from trainer.loop import loop
 
     steps, local_mean = nan_steps(), os.environ.get(LOCAL_MEAN_ENV) == "1"
     oom_step = int(os.environ.get(OOM_STEP_ENV, "0"))
     oom_eval_step = int(os.environ.get(OOM_EVAL_STEP_ENV, "0"))
+    oom_save_step = int(os.environ.get(OOM_SAVE_STEP_ENV, "0"))
     real_step, real_agree, real_evaluate = loop.optimizer_step, loop.agree_on_step, loop.evaluate
+    real_save = loop.save_in_background
 
     def optimizer_step(run, *args, **kwargs):
         if run.state.step + 1 == oom_step:
@@ -82,6 +86,13 @@ def install() -> None:
             raise torch.OutOfMemoryError(CUDA_OOM)
         return real_evaluate(run)
 
+    def save_in_background(run):
+        if run.state.step == oom_save_step:
+            import torch
+
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        return real_save(run)
+
     def agree_on_step(run, micro_batches, *args, **kwargs):
         totals = real_agree(run, micro_batches, *args, **kwargs)
         # x world_size (the loop's undoing of DDP's average) then gives sum / local count
@@ -99,6 +110,8 @@ def install() -> None:
         loop.agree_on_step = agree_on_step
     if oom_eval_step:
         loop.evaluate = evaluate
+    if oom_save_step:
+        loop.save_in_background = save_in_background
 
 
 def main(argv: list[str]) -> int:

@@ -26,26 +26,31 @@ import torch
 from trainer.errors import CheckpointError
 
 
-def to_host(tree, into=None):
+def to_host(tree, into=None, dtype: torch.dtype | None = None):
     """`tree` with every tensor copied to CPU memory (pinned for CUDA tensors); other values kept.
 
     `into`: an earlier copy of a tree of the same layout (the previous save's, written already):
     its tensors of the same shape and dtype are filled again instead of allocating new ones, so
-    a save does not touch fresh memory (page faults, pinned allocations) for every byte."""
+    a save does not touch fresh memory (page faults, pinned allocations) for every byte.
+    `dtype`: the floating-point tensors' dtype in the copy (--save_dtype). Each tensor is cast as
+    it is copied, so the device holds one cast tensor at a time, never a cast copy of the whole tree."""
     if isinstance(tree, torch.Tensor):
         source = tree.detach()
-        reuse = isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == source.dtype
+        wanted = dtype if dtype is not None and source.is_floating_point() else source.dtype
+        reuse = isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == wanted
         if source.device.type == "cpu":
-            return into.copy_(source) if reuse else source.clone()
-        host = into if reuse else torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
-        host.copy_(source, non_blocking=True)
+            return into.copy_(source) if reuse else source.to(wanted, copy=True)
+        host = into if reuse else torch.empty(source.shape, dtype=wanted, device="cpu", pin_memory=True)
+        # Cast on the device, then copy: the cast tensor is freed once the copy is queued (the
+        # allocator reuses its memory only for work queued after the copy on this stream).
+        host.copy_(source.to(wanted), non_blocking=True)
         return host
     if isinstance(tree, dict):
         earlier = into if isinstance(into, dict) else {}
-        return type(tree)((key, to_host(value, earlier.get(key))) for key, value in tree.items())
+        return type(tree)((key, to_host(value, earlier.get(key), dtype)) for key, value in tree.items())
     if isinstance(tree, (list, tuple)):
         earlier = into if isinstance(into, (list, tuple)) and len(into) == len(tree) else [None] * len(tree)
-        return type(tree)(to_host(value, old) for value, old in zip(tree, earlier))
+        return type(tree)(to_host(value, old, dtype) for value, old in zip(tree, earlier))
     return tree
 
 

@@ -45,7 +45,10 @@ def save(run: Run) -> None:
     """The resume checkpoint and the inference weights, written in the background
     (trainer/loop/saves.py); a failed write stops every rank at the next save or at the end."""
     settle(run)  # never a non-finite weight in a file; --max_bad_steps counted up to this step
-    save_in_background(run)
+    try:
+        save_in_background(run)
+    except torch.OutOfMemoryError as error:
+        raise TrainingError(save_out_of_memory(run, error, "the save")) from None
 
 
 # --------------------------------------------------------------------------- steps
@@ -172,6 +175,8 @@ def save_best(run: Run) -> None:
                                               name=BEST_DIR, extra_files={BEST_FILE: record})
         except CheckpointError as failure:
             error = str(failure)
+        except torch.OutOfMemoryError as failure:
+            error = save_out_of_memory(run, failure, f"the save of {BEST_DIR}/")
     del weights
     raise_on_every_rank(error, f"writing {BEST_DIR}/")
 
@@ -308,6 +313,16 @@ def out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str, training: 
             f"grow with --batch_size {args.batch_size} x --max_seq_len {args.max_seq_len}; lower --batch_size "
             f"(raise --accumulation_steps to keep the batch per step){',' if checkpointing else ' or'} lower "
             f"--max_seq_len{checkpointing}")
+
+
+def save_out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str) -> str:
+    """A save ran out of device memory: a save holds one weight at a time in --save_dtype on the
+    device (trainer/checkpoint/background.py), gathered in full under --fsdp 1, beside what training
+    holds. Nothing of this save was written; the files already in --save_dir stay as they are."""
+    args = run.args
+    return (f"{what} at step {run.state.step} ran out of memory on {run.ctx.device} ({allocator_summary(error)}): "
+            f"a save holds one weight at a time in --save_dtype {args.save_dtype} on the device beside training's "
+            f"memory; lower --batch_size to leave it room. The files already in {args.save_dir} are kept")
 
 
 def allocator_summary(error: torch.OutOfMemoryError) -> str:

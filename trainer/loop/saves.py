@@ -53,9 +53,8 @@ def save_in_background(run: Run) -> None:
         return
     buffers = run.writer.buffers  # the previous save's copies: written, so free to fill again
     if weights is run.parallel.model:  # the live model: its weights copied, as the resume state
-        cast = {key: value.detach().to(save_dtype) for key, value in weights.state_dict().items()}
         earlier = buffers.get("weights", {})
-        buffers["weights"] = to_host(cast, earlier)
+        buffers["weights"] = to_host(weights.state_dict(), earlier, save_dtype)
         if any(value is not earlier.get(key) for key, value in buffers["weights"].items()):
             buffers["model"] = host_model(weights.config, buffers["weights"], run.parallel.model)
         weights = buffers["model"]  # around the buffers just filled (a model is built only for new ones)

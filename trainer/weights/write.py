@@ -134,8 +134,11 @@ def qwen3_config(config: MiniMindConfig, dtype: torch.dtype):
 
 
 def _inference_state(model, dtype: torch.dtype) -> dict:
+    """The weights to write, on the host in `dtype`: each cast and copied before the next, so a
+    model on a GPU needs device memory for one cast weight at a time."""
     tied = model.config.tie_word_embeddings
-    return {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if not (tied and k == LM_HEAD)}
+    return {k: v.detach().to(dtype).cpu().contiguous() for k, v in model.state_dict().items()
+            if not (tied and k == LM_HEAD)}
 
 
 def write_inference_dir(model, folder: str, dtype: torch.dtype) -> str:

@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
 from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, tiny_run
@@ -190,6 +192,41 @@ def test_the_next_save_refills_the_host_buffers_of_the_last_one(tmp_path, monkey
     assert gate.tokenizers[0] is gate.tokenizers[1] and gate.tokenizers[0] is not run.tokenizer
     assert gate.tokenizers[0].vocab == run.tokenizer.vocab
     assert to_host({"a": torch.ones(2)}, {"a": torch.zeros(3)})["a"].shape == (2,)  # a changed shape: new memory
+
+
+class MadeTensors(TorchDispatchMode):
+    """The storages of the tensors every op makes in `dtype` (views left out)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.storages = dtype, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.storages += [t.untyped_storage().data_ptr() for t in tree_leaves(out)
+                              if isinstance(t, torch.Tensor) and t.dtype == self.dtype]
+        return out
+
+
+def test_the_inference_weights_are_cast_one_at_a_time_as_they_are_copied(tmp_path, monkeypatch):
+    """--save_dtype bfloat16: every weight is cast as it is copied into the save's host buffers, so
+    the save makes no cast copy of all the weights beside them (on a GPU, device memory a save
+    would need at once: tests/test_cuda.py measures it there)."""
+    gate = Gate()
+    gate.released.set()
+    run = saving_run(tmp_path, monkeypatch, gate)
+    run.args.save_dtype = "bfloat16"
+    step(run, micro_batches(), 1e-3)
+    made = MadeTensors(torch.bfloat16)
+    with made:
+        saves.save_in_background(run)
+    saves.finish_saves(run)
+    weights = run.writer.buffers["weights"]
+    assert sorted(made.storages) == sorted(value.untyped_storage().data_ptr() for value in weights.values())
+    for key, value in run.raw_model.state_dict().items():
+        assert weights[key].dtype == torch.bfloat16 and torch.equal(weights[key], value.to(torch.bfloat16)), key
+        assert torch.equal(gate.calls[-1][key], weights[key]), key
 
 
 @pytest.mark.slow
