@@ -32,7 +32,8 @@ definitions given in ``tools``. Top-level keys other than the conversation, ``to
 
 Lines (and JSON strings inside them: ``tools``, tool-call ``arguments``) must be JSON: ``NaN``,
 ``Infinity`` and numbers beyond the float range, which Python's ``json`` would accept, make the
-line bad (``loads``).
+line bad (``loads``); so does a key given twice in one JSON object, at any depth, which Python's
+``json`` reads as its last value, dropping the other.
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ class Conversation:
 
 
 class _NotJSON(ValueError):
-    """A value Python's ``json`` accepts but JSON does not have (``NaN``, ``Infinity``, ``1e999``)."""
+    """What Python's ``json`` accepts but a line must not hold: a value JSON does not have (``NaN``,
+    ``Infinity``, ``1e999``), or a key twice in one object (JSON's names SHOULD be unique; readers
+    differ in which value they keep)."""
 
 
 def _reject_constant(name: str):
@@ -103,18 +106,38 @@ def _finite_float(text: str) -> float:
     return value
 
 
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+def repeated_key(pairs: list):
+    """The first key of the (key, value) ``pairs`` that an earlier pair holds, else ``None``."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's pairs as a dict, or ``_NotJSON`` naming a key they hold twice."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _NotJSON(f"duplicate key {repeated_key(pairs)!r} in one JSON object")
+    return obj
+
+
+_HOOKS = {"parse_constant": _reject_constant, "parse_float": _finite_float, "object_pairs_hook": _unique_keys}
+_DECODER = json.JSONDecoder(**_HOOKS)
 
 
 def loads(text: str):
     """``json.loads`` that accepts only JSON: ``NaN``, ``Infinity`` and numbers beyond the float
-    range raise ``ValueError`` (``_NotJSON``) instead of becoming floats that are not JSON.
+    range raise ``ValueError`` (``_NotJSON``) instead of becoming floats that are not JSON, and so
+    does an object holding a key twice (at any depth) instead of keeping its last value.
 
     One decoder for every call (``json.loads`` with hooks builds a new one each time); what
     ``json.loads`` checks before decoding a ``str`` (a leading byte order mark) still goes through it."""
     if isinstance(text, str) and not text.startswith("\ufeff"):
         return _DECODER.decode(text)
-    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    return json.loads(text, **_HOOKS)
 
 
 def decode_line(raw: bytes) -> str:
@@ -142,7 +165,7 @@ def load_row(line: str) -> dict:
         row = loads(line)
     except json.JSONDecodeError as exc:
         raise LineError(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-    except ValueError as exc:  # NaN, Infinity, 1e999 (``_NotJSON``); an integer of over 4300 digits
+    except ValueError as exc:  # NaN, Infinity, 1e999, a key twice (``_NotJSON``); an integer of over 4300 digits
         raise LineError(f"invalid JSON ({exc})") from None
     except RecursionError:
         raise LineError("JSON nested too deeply") from None

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from .formats import ROW_KEYS, ROW_PROBLEM, DataError
+from .formats import ROW_KEYS, ROW_PROBLEM, DataError, repeated_key
 
 
 def is_gzip(path: Path) -> bool:
@@ -76,7 +76,8 @@ def _parquet_rows(path: Path, keys: tuple[str, ...]) -> Iterator[bytes]:
 
 
 class _NotJSONType(ValueError):
-    """A parquet value of a type JSON does not have (timestamp, binary, decimal, ...)."""
+    """A parquet value a row's JSON cannot hold: of a type JSON does not have (timestamp, binary,
+    decimal, ...), or a map holding a key twice."""
 
 
 def _row_line(columns: list, index: int) -> bytes:
@@ -101,8 +102,8 @@ def _converter(arrow_type, where: str):
     A struct's null fields are left out: pyarrow writes Python dicts as structs holding the union
     of every row's keys, null where a row lacked one, so a null field is taken as an absent key
     (a null the data means must be written inside a JSON string, or in a map column, whose keys
-    are the row's own). Nulls in lists and maps are kept. Types JSON has no value for raise
-    ``_NotJSONType`` naming the field (``messages[].created_at``).
+    are the row's own). Nulls in lists and maps are kept. Types JSON has no value for, and a map
+    holding a key twice, raise ``_NotJSONType`` naming the field (``messages[].created_at``).
     """
     import pyarrow.types as types
 
@@ -121,7 +122,15 @@ def _converter(arrow_type, where: str):
         if not (types.is_string(arrow_type.key_type) or types.is_large_string(arrow_type.key_type)):
             return _unsupported(arrow_type, where)
         convert = _converter(arrow_type.item_type, f"{where}{{}}")
-        return lambda pairs: {key: None if item is None else convert(item) for key, item in pairs}
+
+        def mapping(pairs: list) -> dict:
+            obj = {key: None if item is None else convert(item) for key, item in pairs}
+            if len(obj) != len(pairs):  # a map may repeat a key, which a row's JSON object may not (formats.loads)
+                raise _NotJSONType(f"parquet column {where} holds the key {repeated_key(pairs)!r} twice in one map "
+                                   "(which value is meant is not guessed)")
+            return obj
+
+        return mapping
     if (types.is_list(arrow_type) or types.is_large_list(arrow_type) or types.is_fixed_size_list(arrow_type)
             or has("is_list_view") or has("is_large_list_view")):
         convert = _converter(arrow_type.value_type, f"{where}[]")

@@ -100,15 +100,21 @@ ONE_ROW_TWO_READINGS = [
 ]
 
 
-@pytest.mark.parametrize("row, problem", ONE_ROW_TWO_READINGS)
-def test_a_row_read_two_ways_or_with_unread_tool_definitions_is_that_lines_error(tokenizer, tmp_path, row, problem):
-    path = write_lines(tmp_path / "two.jsonl", [make_chat(1), row, make_chat(2)])
+def assert_the_line_between_two_chats_is_refused(tokenizer, tmp_path, row, problem: str) -> None:
+    """A file of `row` (a dict, or a line as written) between two good chats is `file:2: problem`
+    with no finished cache; with bad_data="skip" it gives the two chats."""
+    path = write_lines(tmp_path / "data.jsonl", [make_chat(1), row, make_chat(2)])
     with pytest.raises(DataError) as info:
         build_cache_and_open(path, tokenizer, 128, num_proc=1)
     assert str(info.value) == f"{path}:2: {problem}"
     assert not list((tmp_path / ".cache").glob("*/meta.json"))  # no finished cache
     skipped = build_cache_and_open(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
     assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
+@pytest.mark.parametrize("row, problem", ONE_ROW_TWO_READINGS)
+def test_a_row_read_two_ways_or_with_unread_tool_definitions_is_that_lines_error(tokenizer, tmp_path, row, problem):
+    assert_the_line_between_two_chats_is_refused(tokenizer, tmp_path, row, problem)
 
 
 def calls(*tool_calls):
@@ -140,12 +146,7 @@ CALLS_NOT_RENDERED_AS_GIVEN = [
 @pytest.mark.parametrize("row, problem", CALLS_NOT_RENDERED_AS_GIVEN)
 def test_a_call_of_another_type_or_with_call_keys_inside_its_function_is_that_lines_error(tokenizer, tmp_path,
                                                                                           row, problem):
-    path = write_lines(tmp_path / "calls.jsonl", [make_chat(1), row, make_chat(2)])
-    with pytest.raises(DataError) as info:
-        build_cache_and_open(path, tokenizer, 128, num_proc=1)
-    assert str(info.value) == f"{path}:2: {problem}"
-    skipped = build_cache_and_open(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
-    assert len(skipped) == 2 and skipped.num_skipped == 1
+    assert_the_line_between_two_chats_is_refused(tokenizer, tmp_path, row, problem)
 
 
 def test_a_call_without_a_type_or_with_ids_is_the_same_function_call(tokenizer, tmp_path):
@@ -220,6 +221,47 @@ def test_nan_and_infinity_are_not_json_and_make_the_line_bad(tokenizer, tmp_path
     skipped = build_cache_and_open(path, tokenizer, 128, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
     assert len(skipped) == 2 and skipped.num_skipped == 1
 
+
+
+HI, ASK = '{"role": "user", "content": "Hi"}', '{"role": "assistant", "content": "", "tool_calls": [{"name": "f", "arguments": '
+# A key twice in one JSON object, at any depth: Python's json keeps the last value and drops the
+# other without a word; which one the data meant is not guessed.
+DUPLICATE_KEYS = [
+    ('{"conversations": [' + HI + ', {"role": "assistant", "content": "A"}], "conversations": [' + HI
+     + ', {"role": "assistant", "content": "B"}]}', "invalid JSON (duplicate key 'conversations' in one JSON object)"),
+    ('{"messages": [{"role": "user", "content": "Hi", "content": "Bye"}, {"role": "assistant", "content": "x"}]}',
+     "invalid JSON (duplicate key 'content' in one JSON object)"),
+    ('{"messages": [' + HI + ', ' + ASK + '{"city": {"name": "Velm", "name": "Oslo"}}}]}]}',
+     "invalid JSON (duplicate key 'name' in one JSON object)"),
+    ('{"messages": [' + HI + ', ' + ASK + '"{\\"city\\": \\"Velm\\", \\"unit\\": \\"C\\", \\"city\\": \\"Oslo\\"}"}]}]}',
+     "message 2 tool call 1 'arguments' is a string but not valid JSON (duplicate key 'city' in one JSON object)"),
+    ('{"tools": "[{\\"type\\": \\"function\\", \\"type\\": \\"function\\", \\"function\\": {\\"name\\": \\"f\\"}}]",'
+     ' "messages": [' + HI + ', {"role": "assistant", "content": "x"}]}',
+     "'tools' is a string but not valid JSON (duplicate key 'type' in one JSON object)"),
+    # the same key however it is escaped; a key with a control character is written escaped
+    ('{"messages": [{"role": "user", "content": "Hi", "\\u0063ontent": "Bye"}, {"role": "assistant", "content": "x"}]}',
+     "invalid JSON (duplicate key 'content' in one JSON object)"),
+    ('{"messages": [' + HI + ', {"role": "assistant", "content": "x"}], "id\\r": 1, "id\\r": 2}',
+     "invalid JSON (duplicate key 'id\\r' in one JSON object)"),
+]
+
+
+@pytest.mark.parametrize("bad_line, problem", DUPLICATE_KEYS)
+def test_a_key_twice_in_one_json_object_is_that_lines_error(tokenizer, tmp_path, bad_line, problem):
+    json.loads(bad_line)  # Python's json module accepts every one of these lines, keeping the last value
+    assert_the_line_between_two_chats_is_refused(tokenizer, tmp_path, bad_line, problem)
+
+
+def test_a_key_in_two_objects_is_no_duplicate():
+    from dataset.formats import loads, parse_line
+
+    row = parse_line('{"messages": [{"role": "user", "content": "Hi", "id": 1}, {"role": "assistant", "content": '
+                     '"", "tool_calls": [{"name": "f", "arguments": "{\\"x\\": {\\"x\\": 1}, \\"y\\": {\\"x\\": 2}}"}]}],'
+                     ' "id": 2}')
+    assert row.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": {"x": 1}, "y": {"x": 2}}
+    assert loads(b'{"a": {"a": 1}}') == {"a": {"a": 1}}  # json.loads' own path (bytes) too
+    with pytest.raises(ValueError, match="duplicate key 'a' in one JSON object"):
+        loads(b'{"a": 1, "a": 1}')
 
 def test_skip_mode_keeps_good_samples_and_reports(tokenizer, tmp_path, capsys):
     rows = [make_chat(1), BAD_LINES[0][0], make_chat(2), BAD_LINES[5][0], make_chat(3)]

@@ -278,3 +278,25 @@ def test_a_parquet_value_json_has_no_type_for_makes_its_row_bad(tokenizer, tmp_p
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "nan.parquet")
     with pytest.raises(DataError, match=r"nan\.parquet:2: invalid JSON \(NaN is not a JSON value\)"):
         build_cache_and_open(tmp_path / "nan.parquet", tokenizer, 512, num_proc=1)
+
+
+def test_a_parquet_map_holding_a_key_twice_makes_its_row_bad(tokenizer, tmp_path):
+    # A map column is a list of key-value pairs and may repeat a key, which a JSON object (and a
+    # jsonl line, see test_formats) may not: that row's error, as the same jsonl line's is.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    function = pa.struct([("name", pa.string()), ("arguments", pa.map_(pa.string(), pa.string()))])
+    message = pa.struct([("role", pa.string()), ("content", pa.string()),
+                         ("tool_calls", pa.list_(pa.struct([("type", pa.string()), ("function", function)])))])
+    rows = [{"messages": [{"role": "user", "content": "Go."}, {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "calc", "arguments": arguments}}]}]}
+        for arguments in ([("city", "Velm")], [("city", "Velm"), ("city", "Oslo")], [("city", "Oslo")])]
+    path = tmp_path / "map.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([("messages", pa.list_(message))])), path)
+    with pytest.raises(DataError) as caught:
+        build_cache_and_open(path, tokenizer, 64, num_proc=1)
+    assert str(caught.value) == (f"{path}:2: parquet column messages[].tool_calls[].function.arguments holds the key "
+                                 "'city' twice in one map (which value is meant is not guessed)")
+    skipped = build_cache_and_open(path, tokenizer, 64, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
+    assert len(skipped) == 2 and skipped.num_skipped == 1
