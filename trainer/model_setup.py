@@ -139,10 +139,16 @@ def check_position_tables(args, config: MiniMindConfig) -> None:
     is tokenized and before a config that would make chat and export allocate them again is written."""
     peak = 4 * config.max_position_embeddings * config.head_dim * 4
     memory = host_memory_bytes()
-    if peak > memory // 4:
-        raise ConfigError(f"--max_seq_len {args.max_seq_len}: the RoPE tables for {config.max_position_embeddings} "
-                          f"positions need {peak / 2**30:.1f} GiB, more than a quarter of this machine's "
-                          f"{memory / 2**30:.1f} GiB; --max_seq_len is the longest sample in tokens (default 512)")
+    if peak <= memory // 4:
+        return
+    tables = (f"the RoPE tables for {config.max_position_embeddings} positions need {peak / 2**30:.1f} GiB, more than "
+              f"a quarter of this machine's {memory / 2**30:.1f} GiB")
+    if args.max_seq_len < config.max_position_embeddings:  # the config's positions, not --max_seq_len: wide heads
+        raise ConfigError(f"heads of {config.head_dim} dimensions (hidden_size {config.hidden_size} / "
+                          f"{config.num_attention_heads} attention heads): {tables}; give more --num_attention_heads "
+                          "or a smaller --hidden_size")
+    raise ConfigError(f"--max_seq_len {args.max_seq_len}: {tables}; --max_seq_len is the longest sample in tokens "
+                      "(default 512)")
 
 
 def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
