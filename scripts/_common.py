@@ -13,8 +13,12 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 
 def fail(message: str) -> NoReturn:
-    """Print ``error: message`` (one line) to stderr and exit with status 2."""
-    print(f"error: {message}", file=sys.stderr)
+    """Print ``error: message`` to stderr and exit with status 2. The line is escaped as the trainer's
+    (``dataset.printable``, which imports no torch), newlines too: a file name or value in it cannot
+    steer the terminal or split the one line."""
+    from dataset.printable import printable
+
+    print(printable(f"error: {message}", one_line=True), file=sys.stderr)
     sys.exit(2)
 
 

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset import build_cache_and_open, load_tokenizer  # noqa: E402
+from dataset.printable import print_escaped  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
     MIB, add_model_flags, check_options, first_step_seconds, machine_description, options_record, peak_rss_mib,
     proc_status_kib, single_process_context, trainer_args, write_report,
@@ -116,7 +117,8 @@ def run_probe(options, probe: str, data_path: Path, cache_dir: Path) -> dict:
     start = time.time()
     completed = subprocess.run(command, capture_output=True, text=True, cwd=str(REPO_DIR))
     if completed.returncode != 0:
-        fail(f"probe {probe} failed:\n{completed.stderr[-2000:]}")
+        print_escaped(completed.stderr[-2000:].rstrip("\n"), file=sys.stderr)  # its traceback, lines kept
+        fail(f"probe {probe} failed with exit status {completed.returncode} (the end of its stderr above)")
     lines = [line for line in completed.stdout.splitlines() if line.startswith(PROBE_PREFIX)]
     figures = json.loads(lines[-1][len(PROBE_PREFIX):])
     figures["process_wall_s"] = time.time() - start  # includes the interpreter's exit
