@@ -32,15 +32,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         fail(f"{message} (see {self.prog} --help)")
 
-    def parse_args(self, args=None, namespace=None):
-        """Parsed, and every flag given a range (`.bounds`, the trainer's where it has the flag) checked."""
+    def parse_known_args(self, args=None, namespace=None):
+        """Parsed, and every flag given a range (`.bounds`, the trainer's where it has the flag) checked;
+        `parse_args` parses through this too."""
         from trainer.args import range_problems
 
-        parsed = super().parse_args(args, namespace)
+        parsed, rest = super().parse_known_args(args, namespace)
         problems = range_problems(self, parsed)
         if problems:
             fail("; ".join(problems))
-        return parsed
+        return parsed, rest
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

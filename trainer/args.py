@@ -243,12 +243,13 @@ DEVICE_HELP = "use auto, cpu, cuda or cuda:N"
 
 
 def range_problems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """One message per numeric flag outside the range it was declared with (unset flags are skipped)."""
+    """One message per numeric flag outside the range it was declared with (unset flags are skipped),
+    naming the flag as its first option string does (`--rows`, whatever its `dest`)."""
     problems = []
     for action in parser._actions:
         bounds, value = getattr(action, "bounds", None), getattr(args, action.dest, None)
         if bounds is not None and value is not None:
-            problems.append(bounds.problem(action.dest, value))
+            problems.append(bounds.problem(action.option_strings[0].removeprefix("--"), value))
     return [problem for problem in problems if problem]
 
 
