@@ -29,35 +29,46 @@ From ``SFTDataset`` to token ids: ``sft_dataset`` opens the file's finished cach
 builds none. The ids in it were written by ``cache.build`` (a step before: the training script's
 data setup, or ``build_cache_and_open``), which parses chunks of lines and calls ``tokens``, the
 seam, which calls its encoder (``chatml_encoder`` or ``rendering``): four modules, none passed twice.
+
+The names below are exported here and imported from their module at their first use (PEP 562's
+module ``__getattr__``): importing one light module of the package, such as ``printable`` for an
+error line, imports no torch.
 """
 
-from .augment import ChatAugmenter
-from .cache import BuildInterrupted, WorkerDied
-from .collate import SFTCollator, model_inputs, pad_fraction
-from .epoch_padding import FillerIndex, MarkFillers
-from .formats import DataError
-from .packing import PackedSFTDataset, pack_lengths
-from .rendering import load_tokenizer
-from .sampler import ResumableDistributedSampler
-from .sft_dataset import IGNORE_INDEX, SFTDataset, build_cache_and_open
-from .tokens import encode_conversation
+import importlib
 
-__all__ = [
-    "ChatAugmenter",
-    "BuildInterrupted",
-    "DataError",
-    "FillerIndex",
-    "IGNORE_INDEX",
-    "MarkFillers",
-    "PackedSFTDataset",
-    "ResumableDistributedSampler",
-    "SFTCollator",
-    "SFTDataset",
-    "WorkerDied",
-    "build_cache_and_open",
-    "encode_conversation",
-    "load_tokenizer",
-    "model_inputs",
-    "pack_lengths",
-    "pad_fraction",
-]
+_EXPORTS = {  # name -> the module that defines it
+    "ChatAugmenter": "augment",
+    "BuildInterrupted": "cache",
+    "DataError": "formats",
+    "FillerIndex": "epoch_padding",
+    "IGNORE_INDEX": "sft_dataset",
+    "MarkFillers": "epoch_padding",
+    "PackedSFTDataset": "packing",
+    "ResumableDistributedSampler": "sampler",
+    "SFTCollator": "collate",
+    "SFTDataset": "sft_dataset",
+    "WorkerDied": "cache",
+    "build_cache_and_open": "sft_dataset",
+    "encode_conversation": "tokens",
+    "load_tokenizer": "rendering",
+    "model_inputs": "collate",
+    "pack_lengths": "packing",
+    "pad_fraction": "collate",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """An exported name, imported from its module at its first use and kept here; any other name is a
+    missing attribute (and ``from dataset import cache`` imports the module)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from scripts._common import REPO_DIR, fail
-from trainer.args import parse_args
+from trainer.args import add_flag, flag_bounds, parse_args
 from trainer.data_setup import build_train_data
 from trainer.loop.loop import agree_on_step, optimizer_step
 from trainer.loop.state import Run
@@ -41,30 +41,33 @@ MIB = 1024 * 1024
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The model's size and the data: the trainer's flags of the same names."""
+    """The model's size and the data: the trainer's flags of the same names, with its ranges."""
     model = parser.add_argument_group("model and data")
-    model.add_argument("--hidden_size", type=int, default=256)
-    model.add_argument("--num_hidden_layers", type=int, default=4)
-    model.add_argument("--max_seq_len", type=int, default=512)
+    model.add_argument("--hidden_size", type=int, default=256).bounds = flag_bounds("hidden_size")
+    model.add_argument("--num_hidden_layers", type=int, default=4).bounds = flag_bounds("num_hidden_layers")
+    model.add_argument("--max_seq_len", type=int, default=512).bounds = flag_bounds("max_seq_len")
     model.add_argument("--use_moe", type=int, choices=(0, 1), default=0,
                        help="1 = the trainer's MoE MLPs (its default experts and top-k); FLOPs count active experts")
-    model.add_argument("--vocab_size", type=int, default=None,
-                       help="LM head size (default: the tokenizer's); e.g. 151936 for a Qwen3-sized head on the same data")
+    add_flag(model, "--vocab_size", type=int, default=None, at_least=1,
+             help="LM head size (default: the tokenizer's); e.g. 151936 for a Qwen3-sized head on the same data")
     model.add_argument("--data_path", default=str(DEFAULT_DATA), help="SFT jsonl file")
     model.add_argument("--cache_dir", default=None, help="token cache of the timed runs; default: next to the data")
 
 
 def add_run_flags(parser: argparse.ArgumentParser, dtypes: str = "float32,bfloat16", device: bool = True) -> None:
-    """Batch, steps, dtypes, device (unless the script runs on the CPU only), seed and the JSON report."""
+    """Batch, steps, dtypes, device (unless the script runs on the CPU only), seed and the JSON report;
+    the trainer's ranges for the flags it has."""
     run = parser.add_argument_group("run")
-    run.add_argument("--batch_size", type=int, default=8, help="rows per micro-batch")
-    run.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
-    run.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
-    run.add_argument("--warmup_steps", type=int, default=2, help="untimed optimizer steps before timing")
+    run.add_argument("--batch_size", type=int, default=8, help="rows per micro-batch").bounds = flag_bounds("batch_size")
+    run.add_argument("--accumulation_steps", type=int, default=1,
+                     help="micro-batches per optimizer step").bounds = flag_bounds("accumulation_steps")
+    add_flag(run, "--steps", type=int, default=10, at_least=1, help="timed optimizer steps")
+    run.add_argument("--warmup_steps", type=int, default=2,
+                     help="untimed optimizer steps before timing").bounds = flag_bounds("warmup_steps")
     run.add_argument("--dtypes", default=dtypes, help="comma-separated: float32, bfloat16, float16 (GPU)")
     if device:
         run.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    run.add_argument("--seed", type=int, default=42)
+    run.add_argument("--seed", type=int, default=42).bounds = flag_bounds("seed")
     run.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
 
 
@@ -79,16 +82,10 @@ def comma_list(parser: argparse.ArgumentParser, text: str, allowed, what: str, f
     return items
 
 
-def check_options(parser: argparse.ArgumentParser, options: argparse.Namespace,
-                  positive: tuple[str, ...] = ()) -> argparse.Namespace:
-    """The shared flags checked and normalised: dtypes as a list, the data path absolute."""
+def check_options(parser: argparse.ArgumentParser, options: argparse.Namespace) -> argparse.Namespace:
+    """The shared flags checked and normalised: dtypes as a list, the data path absolute (their
+    ranges are the flags' own, checked when they are parsed: scripts/_common.ArgumentParser)."""
     options.dtypes = comma_list(parser, options.dtypes, DTYPE_NAMES, "dtype", "--dtypes")
-    shared = ("hidden_size", "num_hidden_layers", "max_seq_len", "batch_size", "accumulation_steps")
-    for name in (*shared, *positive):
-        if getattr(options, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    if getattr(options, "warmup_steps", 0) < 0:
-        parser.error("--warmup_steps must be >= 0")
     options.data_path = str(Path(options.data_path).resolve())
     if not Path(options.data_path).is_file():
         fail(f"{options.data_path}: data file not found")

@@ -13,8 +13,12 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 
 def fail(message: str) -> NoReturn:
-    """Print ``error: message`` (one line) to stderr and exit with status 2."""
-    print(f"error: {message}", file=sys.stderr)
+    """Print ``error: message`` to stderr and exit with status 2. The line is escaped as the trainer's
+    (``dataset.printable``, which imports no torch), newlines too: a file name or value in it cannot
+    steer the terminal or split the one line."""
+    from dataset.printable import printable
+
+    print(printable(f"error: {message}", one_line=True), file=sys.stderr)
     sys.exit(2)
 
 
@@ -28,15 +32,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         fail(f"{message} (see {self.prog} --help)")
 
-    def parse_args(self, args=None, namespace=None):
-        """Parsed, and every flag given a range (`.bounds`, the trainer's where it has the flag) checked."""
+    def parse_known_args(self, args=None, namespace=None):
+        """Parsed, and every flag given a range (`.bounds`, the trainer's where it has the flag) checked;
+        `parse_args` parses through this too."""
         from trainer.args import range_problems
 
-        parsed = super().parse_args(args, namespace)
+        parsed, rest = super().parse_known_args(args, namespace)
         problems = range_problems(self, parsed)
         if problems:
             fail("; ".join(problems))
-        return parsed
+        return parsed, rest
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -36,6 +36,7 @@ from scripts._bench_common import (  # noqa: E402
 from scripts._bench_flops import causal_pairs, mfu, model_flops, peak_flops  # noqa: E402
 from scripts._common import ArgumentParser, fail, resolve_device  # noqa: E402
 from trainer.data_setup import build_train_data  # noqa: E402
+from trainer.args import add_flag  # noqa: E402
 from trainer.loop.state import Run  # noqa: E402
 
 MODES = ("minimind", "dynamic", "grouped", "packed", "unchunked")
@@ -71,26 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_flags(parser)
     group = parser.add_argument_group("modes")
     group.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    group.add_argument("--rounds", type=int, default=0,
-                       help="the timed steps of every mode are cut into this many chunks, run in turn "
-                            "(A, B, ..., A, B, ...); 0 = one step per chunk")
+    add_flag(group, "--rounds", type=int, default=0, at_least=0,
+             help="the timed steps of every mode are cut into this many chunks, run in turn "
+                  "(A, B, ..., A, B, ...); 0 = one step per chunk")
     group.add_argument("--use_compile", choices=("0", "1", "both"), default="0",
                        help="1 = torch.compile the model (the trainer's --use_compile 1); both = every mode eager "
                             "and compiled, side by side")
-    group.add_argument("--matmul_size", type=int, default=None,
-                       help="side of the square matmul that measures the peak where no datasheet gives it "
-                            "(default: 2048 on CPU, 8192 on a GPU)")
+    add_flag(group, "--matmul_size", type=int, default=None, at_least=1,
+             help="side of the square matmul that measures the peak where no datasheet gives it "
+                  "(default: 2048 on CPU, 8192 on a GPU)")
     return parser
 
 
 def parse_options(argv=None) -> argparse.Namespace:
     parser = build_parser()
-    options = check_options(parser, parser.parse_args(argv), positive=("steps",))
+    options = check_options(parser, parser.parse_args(argv))  # the ranges: checked by parse_args
     options.modes = comma_list(parser, options.modes, MODES, "mode", "--modes")
-    if options.rounds < 0:
-        parser.error("--rounds must be >= 0")
-    if options.matmul_size is not None and options.matmul_size < 1:
-        parser.error("--matmul_size must be >= 1")
     options.rounds = options.rounds or options.steps
     return options
 

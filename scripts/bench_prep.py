@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import REPO_DIR, ArgumentParser, fail  # noqa: E402
+from trainer.args import add_flag, flag_bounds  # noqa: E402
 
 PREP_SETS = ("plain", "tool")
 
@@ -246,18 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
                                         "tool/reasoning rows.", epilog="Figures: docs/benchmarks.md.")
     parser.add_argument("--data_path", default=str(REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"),
                         help="SFT jsonl file")
-    parser.add_argument("--max_seq_len", type=int, default=512)
-    parser.add_argument("--rows", dest="prep_rows", type=int, default=0,
-                        help="rows of each data set (plain, tool), each row once; 0 = all of the file's")
+    parser.add_argument("--max_seq_len", type=int, default=512).bounds = flag_bounds("max_seq_len")
+    add_flag(parser, "--rows", dest="prep_rows", type=int, default=0, at_least=0,
+             help="rows of each data set (plain, tool), each row once; 0 = all of the file's")
     parser.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
     return parser
 
 
 def main(argv=None) -> int:
     parser = build_parser()
-    options = parser.parse_args(argv)
-    if options.max_seq_len < 2 or options.prep_rows < 0:
-        parser.error("--max_seq_len must be >= 2 and --rows >= 0")
+    options = parser.parse_args(argv)  # the ranges: checked by parse_args
     if not Path(options.data_path).is_file():
         fail(f"{options.data_path}: data file not found")
     import torch

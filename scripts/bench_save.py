@@ -28,27 +28,24 @@ from types import SimpleNamespace
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts._common import ArgumentParser, resolve_device, run_main  # noqa: E402
+from trainer.args import add_flag, flag_bounds  # noqa: E402
 
 
 def parse(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden_size", type=int, default=1024)
-    parser.add_argument("--num_hidden_layers", type=int, default=8)
-    parser.add_argument("--num_attention_heads", type=int, default=16)
-    parser.add_argument("--num_key_value_heads", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per timed loop")
-    parser.add_argument("--seq_len", type=int, default=64, help="tokens of the one row each step trains on")
-    parser.add_argument("--repeats", type=int, default=3, help="timed loops of each kind (the median is shown)")
+    for name, default in (("hidden_size", 1024), ("num_hidden_layers", 8), ("num_attention_heads", 16),
+                          ("num_key_value_heads", 8)):
+        parser.add_argument(f"--{name}", type=int, default=default).bounds = flag_bounds(name)
+    add_flag(parser, "--steps", type=int, default=6, at_least=2,
+             help="optimizer steps per timed loop (at least 2: the save comes after step --steps // 2)")
+    seq_len = parser.add_argument("--seq_len", type=int, default=64,
+                                  help="tokens of the one row each step trains on (at least 2, as the trainer's "
+                                       "--max_seq_len: the first token has no label)")
+    seq_len.bounds = flag_bounds("max_seq_len")
+    add_flag(parser, "--repeats", type=int, default=3, at_least=1, help="timed loops of each kind (the median is shown)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--work_dir", default=None, help="where the files are written (default: a temporary dir)")
-    options = parser.parse_args(argv)
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "steps",
-                 "seq_len", "repeats"):
-        if getattr(options, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    if options.steps < 2:
-        parser.error("--steps must be >= 2 (the save comes after step --steps // 2)")
-    return options
+    return parser.parse_args(argv)  # the ranges: checked by parse_args
 
 
 def build(options, device, save_dir: str):

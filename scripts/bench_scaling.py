@@ -26,11 +26,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset import build_cache_and_open, load_tokenizer  # noqa: E402
+from dataset.printable import print_escaped  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
     MIB, add_model_flags, check_options, first_step_seconds, machine_description, options_record, peak_rss_mib,
     proc_status_kib, single_process_context, trainer_args, write_report,
 )
 from scripts._common import REPO_DIR, ArgumentParser, fail, resolve_device  # noqa: E402
+from trainer.args import add_flag, flag_bounds  # noqa: E402
 
 PROBE_PREFIX = "PROBE "
 COLUMNS = [  # (JSON key, header, format)
@@ -56,12 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(parser)
     run = parser.add_argument_group("run")
     run.add_argument("--sizes", default="10000,100000", help="numbers of synthetic conversations")
-    run.add_argument("--restarts", type=int, default=3, help="restart measurements per size")
-    run.add_argument("--batch_size", type=int, default=8, help="rows per micro-batch of the first step")
-    run.add_argument("--accumulation_steps", type=int, default=1, help="micro-batches of the first step")
+    add_flag(run, "--restarts", type=int, default=3, at_least=1, help="restart measurements per size")
+    run.add_argument("--batch_size", type=int, default=8,
+                     help="rows per micro-batch of the first step").bounds = flag_bounds("batch_size")
+    run.add_argument("--accumulation_steps", type=int, default=1,
+                     help="micro-batches of the first step").bounds = flag_bounds("accumulation_steps")
     run.add_argument("--dtypes", default="float32", help="the first step's dtype")
     run.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    run.add_argument("--seed", type=int, default=42)
+    run.add_argument("--seed", type=int, default=42).bounds = flag_bounds("seed")
     run.add_argument("--keep_tmp", action="store_true", help="keep the synthetic files and caches")
     run.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
     # Internal: the fresh-process measurements.
@@ -72,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_options(argv=None) -> argparse.Namespace:
     parser = build_parser()
-    options = check_options(parser, parser.parse_args(argv), positive=("restarts",))
+    options = check_options(parser, parser.parse_args(argv))  # the ranges: checked by parse_args
     try:
         options.sizes = [int(size) for size in options.sizes.split(",") if size.strip()]
     except ValueError:
@@ -116,7 +120,8 @@ def run_probe(options, probe: str, data_path: Path, cache_dir: Path) -> dict:
     start = time.time()
     completed = subprocess.run(command, capture_output=True, text=True, cwd=str(REPO_DIR))
     if completed.returncode != 0:
-        fail(f"probe {probe} failed:\n{completed.stderr[-2000:]}")
+        print_escaped(completed.stderr[-2000:].rstrip("\n"), file=sys.stderr)  # its traceback, lines kept
+        fail(f"probe {probe} failed with exit status {completed.returncode} (the end of its stderr above)")
     lines = [line for line in completed.stdout.splitlines() if line.startswith(PROBE_PREFIX)]
     figures = json.loads(lines[-1][len(PROBE_PREFIX):])
     figures["process_wall_s"] = time.time() - start  # includes the interpreter's exit

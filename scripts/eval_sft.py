@@ -142,15 +142,20 @@ def check_loss_tokens(path: Path, examples: list[Example], limit: str, remedy: s
 
 
 def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size: int) -> tuple[float, int]:
-    """(mean CE over all assistant tokens, number of those tokens), token-weighted over every batch."""
+    """(mean CE over all assistant tokens, number of those tokens), token-weighted over every batch.
+    Examples without such a token (none given, or all cut before their answer) raise ``DataError``:
+    their loss is 0/0. The command refuses them first, naming the file (``check_loss_tokens``)."""
     import numpy as np
     import torch
 
-    from dataset import IGNORE_INDEX, SFTCollator
+    from dataset import IGNORE_INDEX, DataError, SFTCollator
 
+    usable = scored_examples(examples)
+    if not usable:
+        raise DataError(f"no loss token to evaluate: none of the {len(examples)} conversations given has an "
+                        "assistant token after its first token")
     collate = SFTCollator(pad_token_id=pad_token_id)
     total, count = 0.0, 0
-    usable = scored_examples(examples)
     for start in range(0, len(usable), batch_size):
         items = []
         for example in usable[start:start + batch_size]:
@@ -161,7 +166,7 @@ def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size
             summed = model(**batch, num_items_in_batch=1, skip_logits=True).loss
         total += float(summed)
         count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    return (total / count if count else float("nan")), count
+    return total / count, count
 
 
 def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> list[str]:
@@ -206,6 +211,8 @@ def score(answers: list[str], examples: list[Example]) -> dict:
 
 
 def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> dict:
+    """The command's result for ``examples``: loss, perplexity, exact match, tool calls, per task.
+    Examples without a loss token raise ``DataError`` (``assistant_loss``), before anything is generated."""
     loss, num_tokens = assistant_loss(model, examples, tokenizer.pad_token_id, batch_size)
     answers = greedy_answers(model, tokenizer, examples, batch_size, max_new_tokens)
     try:

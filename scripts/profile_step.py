@@ -32,6 +32,7 @@ from scripts._bench_common import (  # noqa: E402
 )
 from scripts._common import ArgumentParser, fail, resolve_device  # noqa: E402
 from scripts.bench import MODES, prepare_mode  # noqa: E402
+from trainer.args import add_flag  # noqa: E402
 
 ATTENTION_WORDS = ("flash", "fmha", "attention", "attn", "varlen", "sdpa")
 
@@ -42,7 +43,7 @@ def parse_options(argv=None):
     add_run_flags(parser, dtypes="bfloat16")
     parser.add_argument("--mode", choices=MODES, default="packed")
     parser.add_argument("--use_compile", type=int, choices=(0, 1), default=0)
-    parser.add_argument("--top", type=int, default=12, help="kernels and ops listed, by GPU time")
+    add_flag(parser, "--top", type=int, default=12, at_least=1, help="kernels and ops listed, by GPU time")
     parser.add_argument("--op_shapes", type=int, choices=(0, 1), default=0,
                         help="1 = the aten ops' table split by their inputs' shapes (records shapes while profiling)")
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")

@@ -26,26 +26,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts._common import ArgumentParser  # noqa: E402
 from scripts._dispatch_counts import measure, span  # noqa: E402
 from scripts._step_bytes import measure_bytes, roofline_table  # noqa: E402
-from trainer.args import parse_args  # noqa: E402
+from trainer.args import add_flag, parse_args  # noqa: E402
 
 DEFAULT_TRAINER_FLAGS = {"--batch_size": "4", "--dtype": "bfloat16"}
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0], epilog="other flags: the trainer's")
-    parser.add_argument("--warmup_steps", type=int, default=1, help="uncounted optimizer steps first (at least 1)")
-    parser.add_argument("--steps", type=int, default=3, help="counted optimizer steps")
+    add_flag(parser, "--warmup_steps", type=int, default=1, at_least=1, help="uncounted optimizer steps first (at least 1)")
+    add_flag(parser, "--steps", type=int, default=3, at_least=1, help="counted optimizer steps")
     parser.add_argument("--compile_backend", default="inductor",
                         help="torch.compile backend with --use_compile 1 (eager: the same graphs, compiled fast)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     parser.add_argument("--bytes", action="store_true",
                         help="instead: bytes each op reads and writes per optimizer step and a roofline estimate of "
                              "its time on an H100 (fake tensors, the CUDA kernel choices)")
-    parser.add_argument("--top", type=int, default=None, help="with --bytes: the ops shown one by one (default 15)")
+    add_flag(parser, "--top", type=int, default=None, at_least=1,
+             help="with --bytes: the ops shown one by one (default 15)")
     parser.add_argument("--by_shapes", action="store_true",
                         help="with --bytes: one row per op and shapes and dtypes of its tensor inputs")
-    parser.add_argument("--measured_ms", type=float, default=None,
-                        help="with --bytes: a step time measured on an H100 at these flags, printed against the estimate")
+    add_flag(parser, "--measured_ms", type=float, default=None, above=0,
+             help="with --bytes: a step time measured on an H100 at these flags, printed against the estimate")
     return parser
 
 
@@ -56,9 +57,7 @@ def trainer_argv(unknown: list[str]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    options, unknown = build_parser().parse_known_args(argv)
-    if options.warmup_steps < 1 or options.steps < 1:
-        build_parser().error("--warmup_steps and --steps must be at least 1")
+    options, unknown = build_parser().parse_known_args(argv)  # the ranges: checked when parsed
     flags = trainer_argv(unknown)
     bytes_only = [name for name in ("top", "by_shapes", "measured_ms") if getattr(options, name) not in (None, False)]
     if bytes_only and not options.bytes:

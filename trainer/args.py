@@ -81,7 +81,7 @@ class FlagParser(argparse.ArgumentParser):
     holding a control character cannot steer the terminal."""
 
     def error(self, message: str) -> NoReturn:
-        from dataset.printable import printable  # here, not at the top: the dataset package imports torch
+        from dataset.printable import printable  # here, not at the top: importing the flags imports no data code
 
         print_for_node(printable(f"error: {message}"))
         sys.exit(2)
@@ -243,12 +243,13 @@ DEVICE_HELP = "use auto, cpu, cuda or cuda:N"
 
 
 def range_problems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
-    """One message per numeric flag outside the range it was declared with (unset flags are skipped)."""
+    """One message per numeric flag outside the range it was declared with (unset flags are skipped),
+    naming the flag as its first option string does (`--rows`, whatever its `dest`)."""
     problems = []
     for action in parser._actions:
         bounds, value = getattr(action, "bounds", None), getattr(args, action.dest, None)
         if bounds is not None and value is not None:
-            problems.append(bounds.problem(action.dest, value))
+            problems.append(bounds.problem(action.option_strings[0].removeprefix("--"), value))
     return [problem for problem in problems if problem]
 
 
@@ -269,7 +270,7 @@ def device_problem(device: str) -> str | None:
 def held_out_files(text: str | None) -> list[str]:
     """The files of --eval_data_path, split as --data_path's sources are (``dataset.mixture.split_commas``:
     a path with commas that exists as written is one file). Imported when there is a list to split:
-    the dataset package imports torch, and importing the flags imports none."""
+    dataset.mixture imports torch, and importing the flags imports none."""
     if not text:
         return []
     from dataset.mixture import split_commas
@@ -280,7 +281,7 @@ def held_out_files(text: str | None) -> list[str]:
 def held_out_problem(path: str) -> str | None:
     """A held-out file given as `FILE:N` where FILE exists: --eval_data_path takes no weight (only
     --data_path weighs its sources) and no line number; or as a glob, which it does not expand."""
-    from dataset.mixture import is_glob  # imported with held_out_files' split: the dataset package imports torch
+    from dataset.mixture import is_glob  # imported with held_out_files' split: dataset.mixture imports torch
 
     matches = sorted(glob.glob(path, recursive=True)) if is_glob(path) and not os.path.exists(path) else []
     if matches:

@@ -402,3 +402,5 @@ def test_printable_escapes_every_control_character_but_newline_and_tab():
     from dataset.printable import printable
 
     assert printable("a\rb\x1b[0m\x07\x00\x7f\x85\té\n") == "a\\rb\\x1b[0m\\x07\\x00\\x7f\\x85\té\n"
+    # one line (a script's error): the newline escaped too, the tab kept
+    assert printable("a\rb\x1b[0m\té\nc", one_line=True) == "a\\rb\\x1b[0m\té\\nc"

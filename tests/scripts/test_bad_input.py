@@ -27,3 +27,27 @@ def test_an_output_file_that_is_the_data_file_is_refused_and_the_data_kept(tmp_p
         assert (done.returncode, done.stderr) == (2, f"error: {flag} {path} is the data file {data}: "
                                                      "writing it would overwrite the data; choose another file\n"), name
     assert data.read_text().startswith('{"conversations"')
+
+
+# Run as `python scripts/NAME.py ARGS` runs it; then print the exit status and which of torch and
+# transformers it had imported.
+AS_A_SCRIPT = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+               "except SystemExit as stop:\n"
+               "    print(stop.code, sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'transformers'}))\n")
+
+
+def test_a_path_with_control_characters_is_escaped_on_the_one_error_line_without_importing_torch(tmp_path):
+    """A name holding a newline or an escape sequence cannot split the error line or steer the terminal,
+    and a flag's error still comes before torch's import (seconds)."""
+    import subprocess
+    import sys
+
+    from tests.helpers.overfitted import REPO
+
+    name = "d\x1b[2J\nx\r.jsonl"
+    done = subprocess.run([sys.executable, "-c", AS_A_SCRIPT, str(REPO / "scripts" / "eval_sft.py"), "--model_path",
+                           "unread", "--data_path", name, "--json_out", name], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    shown = "d\\x1b[2J\\nx\\r.jsonl"
+    assert (done.stdout, done.stderr) == ("2 []\n", f"error: --json_out {shown} is the data file {shown}: writing "
+                                                    "it would overwrite the data; choose another file\n")

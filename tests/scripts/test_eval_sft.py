@@ -170,6 +170,22 @@ def test_a_set_without_a_loss_token_is_one_line_not_a_nan_loss(trained, tmp_path
            "before its first answer token\n")
 
 
+def test_the_loss_of_conversations_without_a_loss_token_is_an_error_from_python_too(trained):
+    # the command refuses such a file before (above); a caller of the functions gets the error, not a NaN loss
+    from dataset import DataError
+    from scripts.eval_sft import assistant_loss, evaluate, read_examples
+
+    model, tokenizer = trained["model"], trained["tokenizer"]
+    examples = read_examples(trained["data"], tokenizer, 9)  # --max_seq_len 9 cuts every answer (above)
+    for call, count in ((lambda: assistant_loss(model, examples, tokenizer.pad_token_id, 2), 3),
+                        (lambda: evaluate(model, tokenizer, examples, 2, 8), 3),
+                        (lambda: assistant_loss(model, [], tokenizer.pad_token_id, 2), 0)):
+        with pytest.raises(DataError) as raised:
+            call()
+        assert str(raised.value) == (f"no loss token to evaluate: none of the {count} conversations given has an "
+                                     "assistant token after its first token")
+
+
 def test_a_task_that_is_not_a_string_is_refused_with_its_line(trained, tmp_path):
     # left out of by_task silently, the per-task counts would not add up to the rows that name a task
     data = tmp_path / "tasks.jsonl"
