@@ -86,13 +86,20 @@ def test_a_save_out_of_gpu_memory_is_one_line_and_the_earlier_checkpoint_stays(d
     line = out_of_memory_line(data, save_dir, {"MINISFT_FAULT_OOM_SAVE_STEP": "4"}, "--max_steps", "10",
                               "--save_interval", "2")
     assert line == (
-        f"error: the save at step 4 ran out of memory on cpu ({ALLOCATOR}): a save holds one weight at a time in "
-        "--save_dtype bfloat16 on the device beside training's memory; lower --batch_size to leave it room. The "
-        f"files already in {save_dir} are kept"
+        f"error: the save at step 4 ran out of memory on cpu ({ALLOCATOR}): a save holds one weight at a time cast "
+        "to --save_dtype bfloat16 on the device beside the weights and optimizer state; --save_dtype float32 casts "
+        "none; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation. The files already in "
+        f"{save_dir} are kept"
     )
     assert load_resume_checkpoint(checkpoint_at(save_dir, 2))["step"] == 2
     assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.pt"]
     assert (save_dir / "model" / "model.safetensors").is_file()  # step 2's inference weights
+    best = out_of_memory_line(data, tmp_path / "best", {"MINISFT_FAULT_OOM_BEST": "1"}, "--max_steps", "6",
+                              "--eval_interval", "2", "--eval_data_path", str(data / "train.jsonl"),
+                              "--keep_best", "eval_loss", "--save_dtype", "float32")  # exit 1, as every OOM
+    assert best.startswith(f"error: the save of best/ at step 2 ran out of memory on cpu ({ALLOCATOR}): a save "
+                           "holds one weight at a time cast to --save_dtype float32 on the device beside the weights "
+                           "and optimizer state; PYTORCH_CUDA_ALLOC_CONF"), best
 
 
 def test_an_evaluation_out_of_gpu_memory_is_one_line_too(data, tmp_path):

@@ -11,7 +11,8 @@ The faults come from the environment (torchrun's workers and the equivalence too
 - MINISFT_FAULT_OOM_STEP=3: that optimizer step runs out of GPU memory (`torch.OutOfMemoryError`
   with the CUDA caching allocator's message), as a batch too large for the GPU does; with
   MINISFT_FAULT_OOM_EVAL_STEP=2 the evaluation at that step does, with MINISFT_FAULT_OOM_SAVE_STEP=4
-  the save at that step (tests/e2e/test_non_finite_loss.py);
+  the save at that step, with MINISFT_FAULT_OOM_BEST=1 the first write of best/
+  (tests/e2e/test_non_finite_loss.py);
 - MINISFT_FAULT_GPU_MEMORY_MIB=16: the caching allocator of GPU 0 is capped at that much, so a
   real step runs out of memory on a real GPU (tests/test_cuda.py);
 - MINISFT_FAULT_LOCAL_MEAN=1: the classic normalisation bug, every rank divides its token loss
@@ -33,6 +34,7 @@ LOCAL_MEAN_ENV = "MINISFT_FAULT_LOCAL_MEAN"
 OOM_STEP_ENV = "MINISFT_FAULT_OOM_STEP"
 OOM_EVAL_STEP_ENV = "MINISFT_FAULT_OOM_EVAL_STEP"
 OOM_SAVE_STEP_ENV = "MINISFT_FAULT_OOM_SAVE_STEP"
+OOM_BEST_ENV = "MINISFT_FAULT_OOM_BEST"
 GPU_MEMORY_ENV = "MINISFT_FAULT_GPU_MEMORY_MIB"
 # What the CUDA caching allocator raises: one line
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
@@ -55,8 +57,9 @@ def poison_loss(module, inputs, out):
 
 
 def install() -> None:
-    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory), `evaluate` and
-    `save_in_background` (out of memory) and `agree_on_step` (local mean); cap GPU 0's memory."""
+    """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory), `evaluate`,
+    `save_in_background` and `publish_inference_weights` (out of memory) and `agree_on_step` (local
+    mean); cap GPU 0's memory."""
     from trainer.loop import loop
 
     steps, local_mean = nan_steps(), os.environ.get(LOCAL_MEAN_ENV) == "1"
@@ -64,7 +67,8 @@ def install() -> None:
     oom_eval_step = int(os.environ.get(OOM_EVAL_STEP_ENV, "0"))
     oom_save_step = int(os.environ.get(OOM_SAVE_STEP_ENV, "0"))
     real_step, real_agree, real_evaluate = loop.optimizer_step, loop.agree_on_step, loop.evaluate
-    real_save = loop.save_in_background
+    oom_best = os.environ.get(OOM_BEST_ENV) == "1"
+    real_save, real_publish = loop.save_in_background, loop.publish_inference_weights
 
     def optimizer_step(run, *args, **kwargs):
         if run.state.step + 1 == oom_step:
@@ -93,6 +97,13 @@ def install() -> None:
             raise torch.OutOfMemoryError(CUDA_OOM)
         return real_save(run)
 
+    def publish_inference_weights(model, tokenizer, save_dir, dtype, **kwargs):  # best/ in loop.py
+        if kwargs.get("name") == "best":
+            import torch
+
+            raise torch.OutOfMemoryError(CUDA_OOM)
+        return real_publish(model, tokenizer, save_dir, dtype, **kwargs)
+
     def agree_on_step(run, micro_batches, *args, **kwargs):
         totals = real_agree(run, micro_batches, *args, **kwargs)
         # x world_size (the loop's undoing of DDP's average) then gives sum / local count
@@ -112,6 +123,8 @@ def install() -> None:
         loop.evaluate = evaluate
     if oom_save_step:
         loop.save_in_background = save_in_background
+    if oom_best:
+        loop.publish_inference_weights = publish_inference_weights
 
 
 def main(argv: list[str]) -> int:

@@ -167,7 +167,10 @@ def save_best(run: Run) -> None:
     """Rank 0 writes `<save_dir>/best/` (inference weights + best.json); a failed write stops every rank."""
     state, args = run.state, run.args
     error = None
-    weights = run.parallel.inference_model(getattr(torch, args.save_dtype))  # collective under --fsdp 1
+    try:
+        weights = run.parallel.inference_model(getattr(torch, args.save_dtype))  # collective under --fsdp 1
+    except torch.OutOfMemoryError as failure:  # the gather of --fsdp 1, on every rank
+        raise TrainingError(save_out_of_memory(run, failure, f"the save of {BEST_DIR}/")) from None
     if run.ctx.is_main:
         try:
             record = best_record(args.keep_best, state.best_value, state.best_step)
@@ -176,7 +179,7 @@ def save_best(run: Run) -> None:
         except CheckpointError as failure:
             error = str(failure)
         except torch.OutOfMemoryError as failure:
-            error = save_out_of_memory(run, failure, f"the save of {BEST_DIR}/")
+            error = TrainingError(save_out_of_memory(run, failure, f"the save of {BEST_DIR}/"))
     del weights
     raise_on_every_rank(error, f"writing {BEST_DIR}/")
 
@@ -316,13 +319,20 @@ def out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str, training: 
 
 
 def save_out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str) -> str:
-    """A save ran out of device memory: a save holds one weight at a time in --save_dtype on the
-    device (trainer/checkpoint/background.py), gathered in full under --fsdp 1, beside what training
-    holds. Nothing of this save was written; the files already in --save_dir stay as they are."""
+    """A save ran out of device memory beside the weights and optimizer state training holds: it
+    holds one weight at a time on the device, cast to --save_dtype (trainer/checkpoint/background.py),
+    or under --fsdp 1 gathered in full. Nothing of this save was written; the files already in
+    --save_dir stay as they are. Activations are freed by then, so no batch flag helps."""
     args = run.args
+    if getattr(args, "fsdp", 0):
+        holds, advice = "each weight gathered in full, one at a time", ""
+    else:
+        holds = f"one weight at a time cast to --save_dtype {args.save_dtype}"
+        advice = "" if args.save_dtype == "float32" else "--save_dtype float32 casts none; "
     return (f"{what} at step {run.state.step} ran out of memory on {run.ctx.device} ({allocator_summary(error)}): "
-            f"a save holds one weight at a time in --save_dtype {args.save_dtype} on the device beside training's "
-            f"memory; lower --batch_size to leave it room. The files already in {args.save_dir} are kept")
+            f"a save holds {holds} on the device beside the weights and optimizer state; {advice}"
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation. The files already in "
+            f"{args.save_dir} are kept")
 
 
 def allocator_summary(error: torch.OutOfMemoryError) -> str:

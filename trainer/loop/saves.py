@@ -16,19 +16,21 @@ import copy
 import torch
 
 from trainer.checkpoint.background import copies_done, host_model, to_host
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, TrainingError
 from trainer.loop.state import Run, resume_state
 from trainer.runtime.distributed import barrier, rank0_value
 from trainer.weights.write import publish_inference_weights, save_minimind_copy
 
 
-def raise_on_every_rank(error: str | None, what: str) -> None:
+def raise_on_every_rank(error: str | TrainingError | None, what: str) -> None:
     """A write that failed on rank 0 (its one-line reason, or None) is raised on every rank, so no
-    rank waits in the next collective for one that stopped. The others wait for rank 0's outcome
-    on the store, however long its write takes (`rank0_value`)."""
-    error = rank0_value(error, what)
-    if error:
-        raise CheckpointError(error)
+    rank waits in the next collective for one that stopped: a CheckpointError, or the TrainingError
+    rank 0 gives (a save out of device memory). The others wait for rank 0's outcome on the store,
+    however long its write takes (`rank0_value`)."""
+    agreed = rank0_value(None if error is None else [isinstance(error, TrainingError), str(error)], what)
+    if agreed:
+        training, message = agreed
+        raise (TrainingError if training else CheckpointError)(message)
 
 
 def save_in_background(run: Run) -> None:
