@@ -64,6 +64,9 @@ def _parquet_rows(path: Path, keys: tuple[str, ...]) -> Iterator[bytes]:
     try:
         parquet = pq.ParquetFile(path)
         names = [name for name in parquet.schema_arrow.names if name in keys]
+        twice = repeated_key([(name, None) for name in names])
+        if twice is not None:
+            raise _RepeatedField(f"the column {twice!r} twice")
         converters = None
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=names):
             if converters is None:
@@ -73,6 +76,13 @@ def _parquet_rows(path: Path, keys: tuple[str, ...]) -> Iterator[bytes]:
                 yield _row_line(columns, index)
     except (pyarrow.ArrowException, OSError) as exc:
         raise DataError(f"{path}: not a readable parquet file ({exc})") from None
+    except _RepeatedField as exc:
+        raise DataError(f"{path}: parquet schema holds {exc} (which value is meant is not guessed)") from None
+
+
+class _RepeatedField(ValueError):
+    """A parquet schema with a name twice where a row's JSON object would hold a key twice: two
+    columns, or two fields of one struct."""
 
 
 class _NotJSONType(ValueError):
@@ -103,7 +113,8 @@ def _converter(arrow_type, where: str):
     of every row's keys, null where a row lacked one, so a null field is taken as an absent key
     (a null the data means must be written inside a JSON string, or in a map column, whose keys
     are the row's own). Nulls in lists and maps are kept. Types JSON has no value for, and a map
-    holding a key twice, raise ``_NotJSONType`` naming the field (``messages[].created_at``).
+    holding a key twice, raise ``_NotJSONType`` naming the field (``messages[].created_at``); a
+    struct type with a field name twice raises ``_RepeatedField`` (the whole file's schema).
     """
     import pyarrow.types as types
 
@@ -112,6 +123,9 @@ def _converter(arrow_type, where: str):
 
     if types.is_struct(arrow_type):
         fields = [arrow_type.field(k) for k in range(arrow_type.num_fields)]
+        twice = repeated_key([(field.name, None) for field in fields])
+        if twice is not None:
+            raise _RepeatedField(f"the field {twice!r} twice in the struct of column {where}")
         fields = [(field.name, _converter(field.type, f"{where}.{field.name}")) for field in fields]
 
         def struct(value: dict) -> dict:

@@ -300,3 +300,29 @@ def test_a_parquet_map_holding_a_key_twice_makes_its_row_bad(tokenizer, tmp_path
                                  "'city' twice in one map (which value is meant is not guessed)")
     skipped = build_cache_and_open(path, tokenizer, 64, num_proc=1, bad_data="skip", cache_dir=tmp_path / "skip")
     assert len(skipped) == 2 and skipped.num_skipped == 1
+
+
+def test_a_parquet_schema_with_a_name_twice_is_the_files_error(tokenizer, tmp_path):
+    # pyarrow writes a struct with a field name twice, and two columns of one name; a row's JSON
+    # object cannot hold either, and pyarrow cannot read such a struct into Python at all.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("content", pa.string())])
+    values = pa.array([[{"role": "user", "content": "Hi."}]], type=pa.list_(pa.struct([("role", pa.string()),
+                                                                                         ("content", pa.string())])))
+    roles, contents = values.flatten().field(0), values.flatten().field(1)
+    doubled = pa.ListArray.from_arrays([0, 1], pa.StructArray.from_arrays([roles, contents, contents],
+                                                                           fields=list(message)))
+    path = tmp_path / "struct.parquet"
+    pq.write_table(pa.Table.from_arrays([doubled], names=["messages"]), path)
+    with pytest.raises(DataError) as caught:
+        build_cache_and_open(path, tokenizer, 64, num_proc=1)
+    assert str(caught.value) == (f"{path}: parquet schema holds the field 'content' twice in the struct of column "
+                                 "messages[] (which value is meant is not guessed)")
+    columns = tmp_path / "columns.parquet"
+    pq.write_table(pa.Table.from_arrays([values, values], names=["messages", "messages"]), columns)
+    with pytest.raises(DataError) as caught:
+        build_cache_and_open(columns, tokenizer, 64, num_proc=1)
+    assert str(caught.value) == (f"{columns}: parquet schema holds the column 'messages' twice (which value is meant "
+                                 "is not guessed)")
