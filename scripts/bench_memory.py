@@ -27,7 +27,6 @@ ranks). A row whose processes would need more RAM than the machine has available
 all-gathered while it runs (its parameters x the bytes of --dtype, shown as "+ gathered block").
 """
 
-import argparse
 import gc
 import os
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset import SFTCollator  # noqa: E402
 from model import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.rope import precompute_rope_tables  # noqa: E402
+from scripts._common import ArgumentParser  # noqa: E402
 from trainer.runtime.distributed import all_gather_objects, DistContext, free_port  # noqa: E402
 from trainer.parallel.fsdp import FullyShardedParallel  # noqa: E402
 from trainer.loop.loop import agree_on_step, optimizer_step  # noqa: E402
@@ -230,7 +230,7 @@ def table_rows(name: str, config: dict, count: int, device_type: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--processes", default="1,2,4", help="comma-separated process counts")
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),

@@ -38,15 +38,15 @@ class Bounds:
     at_most: float | None = None
 
     def problem(self, flag: str, value) -> str | None:
-        """The message for `value` of `--flag` outside the range, or None."""
+        """The message for `value` of `flag` (as written: `--batch_size`) outside the range, or None."""
         if isinstance(value, float) and not math.isfinite(value):
-            return f"--{flag} must be a finite number (got {value})"
+            return f"{flag} must be a finite number (got {value})"
         if self.at_least is not None and value < self.at_least:
-            return f"--{flag} must be >= {self.at_least} (got {value})"
+            return f"{flag} must be >= {self.at_least} (got {value})"
         if self.above is not None and value <= self.above:
-            return f"--{flag} must be > {self.above} (got {value})"
+            return f"{flag} must be > {self.above} (got {value})"
         if self.at_most is not None and value > self.at_most:
-            return f"--{flag} must be <= {self.at_most} (got {value})"
+            return f"{flag} must be <= {self.at_most} (got {value})"
         return None
 
     def text(self) -> str:
@@ -244,12 +244,14 @@ DEVICE_HELP = "use auto, cpu, cuda or cuda:N"
 
 def range_problems(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """One message per numeric flag outside the range it was declared with (unset flags are skipped),
-    naming the flag as its first option string does (`--rows`, whatever its `dest`)."""
+    naming the flag by its first long option (`--rows`, whatever its `dest`); a positional argument
+    by its name."""
     problems = []
     for action in parser._actions:
         bounds, value = getattr(action, "bounds", None), getattr(args, action.dest, None)
         if bounds is not None and value is not None:
-            problems.append(bounds.problem(action.option_strings[0].removeprefix("--"), value))
+            name = next((option for option in action.option_strings if option.startswith("--")), action.dest)
+            problems.append(bounds.problem(name, value))
     return [problem for problem in problems if problem]
 
 

@@ -43,3 +43,14 @@ def test_the_shared_flags_take_the_trainers_range():
     for name in ("hidden_size", "num_hidden_layers", "max_seq_len", "batch_size", "accumulation_steps",
                  "warmup_steps", "seed"):
         assert actions[f"--{name}"].bounds == flag_bounds(name), name
+
+
+def test_bench_memory_refuses_its_flags_in_one_line(capsys):
+    from scripts import bench_memory
+
+    for argv, line in ((["--processes", "0,x"], "error: --processes 0,x: expected process counts like 1,2,4"),
+                       (["--processes", "0"], "error: --processes 0: every count must be 1 or more")):
+        with pytest.raises(SystemExit) as stopped:
+            bench_memory.main(argv)
+        err = capsys.readouterr().err
+        assert stopped.value.code == 2 and err.startswith(f"{line} (see ") and err.count("\n") == 1, err

@@ -92,6 +92,14 @@ def test_the_range_is_declared_with_the_flag():
     assert problems("--ratio", "nan", "--eps=-inf") == [
         "--ratio must be a finite number (got nan)", "--eps must be a finite number (got -inf)"]
 
+    named = FlagParser()  # a flag named by a short and a long option, a positional argument, another dest
+    add_flag(named, "-n", "--count", type=int, default=1, at_least=1)
+    add_flag(named, "rows", type=int, at_least=1)
+    add_flag(named, "--top", dest="shown", type=int, default=3, at_least=1)
+    assert range_problems(named, named.parse_args(["2"])) == []
+    assert range_problems(named, named.parse_args(["-n", "0", "0", "--top", "0"])) == [
+        "--count must be >= 1 (got 0)", "rows must be >= 1 (got 0)", "--top must be >= 1 (got 0)"]
+
 
 def test_other_modules_checks_join_the_same_line(capsys):
     def owned(args):
