@@ -132,23 +132,39 @@ def check_host_memory(config: MiniMindConfig, device: torch.device | None, shard
                       f"{memory / 2**30:.1f} GiB")
 
 
+# Positions a config made from the flags covers at least (--max_seq_len sets more).
+CONFIG_POSITIONS = 32768
+
+
 def check_position_tables(args, config: MiniMindConfig) -> None:
     """The model's RoPE tables cover max_position_embeddings (at least --max_seq_len) positions in fp32
     and are computed in host memory, at about four tables' size at the peak (and once per process of a
-    node): a --max_seq_len that needs more than a quarter of it is refused in one line, before the data
-    is tokenized and before a config that would make chat and export allocate them again is written."""
-    peak = 4 * config.max_position_embeddings * config.head_dim * 4
+    node): tables that need more than a quarter of it are refused in one line, before the data is
+    tokenized and before a config that would make chat and export allocate them again is written. The
+    line blames --max_seq_len where the config's own positions would fit, else the heads' width (or the
+    --from_weight config, which sets both)."""
     memory = host_memory_bytes()
-    if peak <= memory // 4:
+
+    def too_large(positions: int) -> bool:
+        return 4 * positions * config.head_dim * 4 > memory // 4
+
+    positions = config.max_position_embeddings
+    if not too_large(positions):
         return
-    tables = (f"the RoPE tables for {config.max_position_embeddings} positions need {peak / 2**30:.1f} GiB, more than "
-              f"a quarter of this machine's {memory / 2**30:.1f} GiB")
-    if args.max_seq_len < config.max_position_embeddings:  # the config's positions, not --max_seq_len: wide heads
-        raise ConfigError(f"heads of {config.head_dim} dimensions (hidden_size {config.hidden_size} / "
-                          f"{config.num_attention_heads} attention heads): {tables}; give more --num_attention_heads "
-                          "or a smaller --hidden_size")
-    raise ConfigError(f"--max_seq_len {args.max_seq_len}: {tables}; --max_seq_len is the longest sample in tokens "
-                      "(default 512)")
+    tables = (f"the RoPE tables for {positions} positions need {4 * positions * config.head_dim * 4 / 2**30:.1f} GiB, "
+              f"more than a quarter of this machine's {memory / 2**30:.1f} GiB")
+    own = min(positions, CONFIG_POSITIONS) if args.max_seq_len >= positions else positions  # without --max_seq_len
+    if not too_large(own):
+        raise ConfigError(f"--max_seq_len {args.max_seq_len}: {tables}; --max_seq_len is the longest sample in tokens "
+                          "(default 512)")
+    width = f"heads of {config.head_dim} dimensions"
+    if config.hidden_size == config.head_dim * config.num_attention_heads:
+        width += f" (hidden_size {config.hidden_size} / {config.num_attention_heads} attention heads)"
+    if getattr(args, "from_weight", "none") not in ("none", ""):
+        fix = f"the --from_weight config sets them (max_position_embeddings {positions}, head_dim {config.head_dim})"
+    else:
+        fix = "give more --num_attention_heads or a smaller --hidden_size"
+    raise ConfigError(f"{width}: {tables}; {fix}")
 
 
 def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
@@ -158,7 +174,7 @@ def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
         num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_attention_heads,
         num_key_value_heads=args.num_key_value_heads,
-        max_position_embeddings=max(32768, args.max_seq_len),
+        max_position_embeddings=max(CONFIG_POSITIONS, args.max_seq_len),
         rms_norm_eps=args.rms_norm_eps,
         use_moe=bool(args.use_moe),
         num_experts=args.num_experts,

@@ -115,13 +115,15 @@ def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_one_line_before_tokenizin
     assert str(refused.value) == ("--max_seq_len 10000000: the RoPE tables for 10000000 positions need 14.3 GiB, more "
                                   "than a quarter of this machine's 16.0 GiB; --max_seq_len is the longest sample in "
                                   "tokens (default 512)")
-    wide = parse_args(["--hidden_size", "12288", "--num_attention_heads", "1", "--num_key_value_heads", "1",
-                       "--num_hidden_layers", "1"])  # 32,768 positions of 12,288 dimensions: 6 GiB
-    with pytest.raises(ConfigError) as refused:
-        model_setup.build_model_config(wide, tokenizer)
-    assert str(refused.value) == ("heads of 12288 dimensions (hidden_size 12288 / 1 attention heads): the RoPE tables "
-                                  "for 32768 positions need 6.0 GiB, more than a quarter of this machine's 16.0 GiB; "
-                                  "give more --num_attention_heads or a smaller --hidden_size")
+    wide = ["--hidden_size", "12288", "--num_attention_heads", "1", "--num_key_value_heads", "1",
+            "--num_hidden_layers", "1"]  # 32,768 positions of 12,288 dimensions: 6 GiB
+    for longest in ("512", "32768"):  # the heads are too wide at any --max_seq_len
+        with pytest.raises(ConfigError) as refused:
+            model_setup.build_model_config(parse_args([*wide, "--max_seq_len", longest]), tokenizer)
+        assert str(refused.value) == (
+            "heads of 12288 dimensions (hidden_size 12288 / 1 attention heads): the RoPE tables for 32768 positions "
+            "need 6.0 GiB, more than a quarter of this machine's 16.0 GiB; give more --num_attention_heads or a "
+            "smaller --hidden_size")
     far = run_trainer(flags(data, tmp_path / "run", "--max_seq_len", str(10**12), "--cache_dir", str(tmp_path / "cache")),
                       check=False)
     assert far.returncode == 2 and far.stderr.strip().splitlines()[-1].startswith(f"error: --max_seq_len {10**12}: ")
