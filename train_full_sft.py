@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     except BuildInterrupted as interrupt:
         return fail(f"stopped: {interrupt}", 128 + interrupt.signum)
     except NodeLaunchError as error:  # before the process group, alike on the node's every process
-        print_for_node(printable(f"error: {error}"))
+        print_for_node(printable(f"error: {error}", one_line=True))
         return 2
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2, every_rank=True)
@@ -229,8 +229,8 @@ def fail(message: str, code: int, every_rank: bool = False) -> int:
     instead: freeing a DDP model after a failure can deadlock gloo's teardown, and the peers
     are failing (or already gone) anyway. ``every_rank``: a line that other ranks may fail with
     too (bad data, a missing file): printed once where they agree (`print_once`). The line is
-    escaped: it may name a file whose name holds control characters."""
-    message = printable(message)
+    escaped, newlines too: it may name a file whose name holds control characters."""
+    message = printable(message, one_line=True)
     if every_rank:
         print_once(message)
     else:

@@ -83,7 +83,7 @@ class FlagParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         from dataset.printable import printable  # here, not at the top: importing the flags imports no data code
 
-        print_for_node(printable(f"error: {message}"))
+        print_for_node(printable(f"error: {message}", one_line=True))
         sys.exit(2)
 
 

@@ -22,6 +22,21 @@ def test_a_flag_out_of_its_range_is_one_line_without_the_usage(capsys):
     assert captured.out == ""
 
 
+def test_an_error_line_naming_a_newline_stays_one_line(capsys):
+    """The flags' error line and the trainer's (train_full_sft.fail) escape a newline in a value or a
+    file name, as every control character: the error stays one line."""
+    import train_full_sft
+
+    def owned(args):
+        return [f"--keep_best {args.keep_best}: refused by its owner"]
+
+    with pytest.raises(SystemExit):
+        parse_args(["--keep_best", "a\nb\x1b[2J"], checks=(owned,))
+    assert capsys.readouterr().err == "error: --keep_best a\\nb\\x1b[2J: refused by its owner\n"
+    assert train_full_sft.fail("error: data/a\nb.jsonl: no such file", 2) == 2
+    assert capsys.readouterr().err == "error: data/a\\nb.jsonl: no such file\n"
+
+
 def test_a_flag_argparse_refuses_is_one_line_too(capsys):
     for argv, message in ((["--fsdp", "2"], "error: argument --fsdp: invalid choice: 2 (choose from 0, 1)\n"),
                           (["--batch_size", "x"], "error: argument --batch_size: invalid int value: 'x'\n"),
