@@ -214,6 +214,12 @@ def follow_precision_policy(device: torch.device, dtype: torch.dtype) -> None:
 def trainer_args(options, dtype_name: str = "float32", packing: bool = False, group_by_length: bool = False,
                  cache_dir=None, compiled: bool = False) -> argparse.Namespace:
     """The trainer's own flags (trainer/args.py) for one benchmarked run."""
+    return parse_args(trainer_argv(options, dtype_name, packing, group_by_length, cache_dir, compiled))
+
+
+def trainer_argv(options, dtype_name: str = "float32", packing: bool = False, group_by_length: bool = False,
+                 cache_dir=None, compiled: bool = False) -> list[str]:
+    """`trainer_args`' command line."""
     argv = [
         "--hidden_size", str(options.hidden_size), "--num_hidden_layers", str(options.num_hidden_layers),
         "--max_seq_len", str(options.max_seq_len), "--batch_size", str(options.batch_size),
@@ -225,7 +231,7 @@ def trainer_args(options, dtype_name: str = "float32", packing: bool = False, gr
     cache_dir = cache_dir or options.cache_dir
     if cache_dir:
         argv += ["--cache_dir", str(cache_dir)]
-    return parse_args(argv)
+    return argv
 
 
 def single_process_context(device: torch.device) -> DistContext:

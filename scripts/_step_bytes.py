@@ -166,6 +166,19 @@ def cuda_kernel_choices(counter: ByteCounter):
 # --------------------------------------------------------------------------- the counter
 
 
+# The op a GPU profile charges with a traced op's time (torch.profiler gives a kernel's time to the
+# innermost op that launched it): a cast's copy kernel to copy_, the LM loss body's matmul to mm.
+_PROFILE_OWNER = {"_to_copy": "copy_", "to": "copy_", "matmul": "mm"}
+
+
+def profile_key(name: str) -> str:
+    """A traced op's name ("sub.Tensor", "minisft_trace::_fused_rms_norm") or a GPU profile's op key
+    ("aten::sub") as scripts/profile_step.py joins them: without namespace and overload, a cast and
+    the loss's matmul under the op that runs their kernels."""
+    base = name.split("::")[-1].split(".")[0]
+    return _PROFILE_OWNER.get(base, base)
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a kernel reads of `t` (or writes): its elements, or its storage when broadcast from fewer."""
     size = t.numel() * t.element_size()

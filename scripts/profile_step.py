@@ -12,7 +12,8 @@ is the bound: the host ops by self CPU time, and the share of the wall time spen
 ops at all (the rest is Python and the launches' own cost), say where its time goes. Where the
 GPU is busy, the ops by their own GPU time (`--op_shapes 1`: split by input shapes) set against
 `scripts/step_figures.py --bytes --by_shapes` for the same flags say which ops run below their
-roofline estimate.
+roofline estimate; `--roofline 1` prints each op's GPU time beside that estimate (the step traced
+on the CPU here, joined by op name: scripts/_step_bytes.py profile_key).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dataset import load_tokenizer  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
-    add_model_flags, add_run_flags, optimizer_step_once, single_process_context, synchronize,
+    add_model_flags, add_run_flags, optimizer_step_once, single_process_context, synchronize, trainer_argv,
 )
 from scripts._common import ArgumentParser, fail, resolve_device  # noqa: E402
+from scripts._step_bytes import measure_bytes, profile_key  # noqa: E402
 from scripts.bench import MODES, prepare_mode  # noqa: E402
 from trainer.args import add_flag  # noqa: E402
 
 ATTENTION_WORDS = ("flash", "fmha", "attention", "attn", "varlen", "sdpa")
+TRAINER_MODES = ("dynamic", "grouped", "packed")  # the modes that run the trainer's own step
 
 
 def parse_options(argv=None):
@@ -46,11 +49,17 @@ def parse_options(argv=None):
     add_flag(parser, "--top", type=int, default=12, at_least=1, help="kernels and ops listed, by GPU time")
     parser.add_argument("--op_shapes", type=int, choices=(0, 1), default=0,
                         help="1 = the aten ops' table split by their inputs' shapes (records shapes while profiling)")
+    parser.add_argument("--roofline", type=int, choices=(0, 1), default=0,
+                        help="1 = also trace the same step on the CPU (scripts/_step_bytes.py) and print each op's "
+                             "GPU time beside its roofline estimate (eager, modes dynamic, grouped and packed)")
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     options = parser.parse_args(argv)
     options.dtypes = options.dtypes.split(",")
     if len(options.dtypes) != 1:
         fail("--dtypes: one dtype per profile")
+    if options.roofline and (options.use_compile or options.mode not in TRAINER_MODES):
+        fail("--roofline sets the trainer's eager step against its trace: give --use_compile 0 and a --mode of "
+             + ", ".join(TRAINER_MODES))
     return options
 
 
@@ -107,6 +116,34 @@ def gpu_op_report(averages, steps: int, top: int) -> list[str]:
     return lines
 
 
+def roofline_report(averages, counter, steps: int, top: int) -> list[str]:
+    """Lines: each op's own GPU time per step (from `profile.key_averages()`) beside the roofline
+    estimate of the same op in a trace of this step (`counter`, a scripts/_step_bytes.ByteCounter),
+    joined by `profile_key`, the `top` ops by GPU time, then all ops: a ratio far above 1 is an op
+    running far below its bandwidth or tensor-core peak. An op the trace has not ("-") runs only on
+    the GPU."""
+    measured: dict[str, float] = {}
+    for event in averages:
+        if event.device_type == DeviceType.CPU and event.self_device_time_total > 0:  # ops, not kernels
+            name = profile_key(event.key)
+            measured[name] = measured.get(name, 0.0) + event.self_device_time_total / 1e3 / steps
+    estimated: dict[str, float] = {}
+    for name, traffic in counter.groups.items():
+        estimated[profile_key(name)] = estimated.get(profile_key(name), 0.0) + traffic.seconds * 1e3
+
+    def line(gpu: float, estimate: float | None, name: str) -> str:
+        if estimate is None:
+            return f"  {gpu:8.3f} {'-':>8} {'-':>8}  {name}"
+        return f"  {gpu:8.3f} {estimate:8.3f} {gpu / estimate:8.2f}  {name}"
+
+    lines = ["ops by their own GPU time against the step's roofline estimate, ms per step:",
+             f"  {'GPU':>8} {'estimate':>8} {'ratio':>8}  op"]
+    ranked = sorted(measured, key=lambda name: -measured[name])[:top]
+    lines += [line(measured[name], estimated.get(name), name) for name in ranked]
+    lines.append(line(sum(measured.values()), counter.total.seconds * 1e3, "all ops"))
+    return lines
+
+
 def main(argv=None) -> int:
     options = parse_options(argv)
     device = resolve_device(options.device)
@@ -151,6 +188,10 @@ def main(argv=None) -> int:
     by_shapes = prof.key_averages(group_by_input_shape=True) if options.op_shapes else averages
     print("\n".join(gpu_op_report(by_shapes, options.steps, options.top)))
     print("\n".join(host_report(averages, options.steps, wall, options.top)))
+    if options.roofline:
+        counter = measure_bytes(trainer_argv(options, options.dtypes[0], packing=options.mode == "packed",
+                                             group_by_length=options.mode == "grouped"))
+        print("\n".join(roofline_report(averages, counter, options.steps, options.top)))
     if options.use_compile:
         print(f"torch.compile: graph breaks {sum(counters['graph_break'].values())}, frames compiled "
               f"{counters['frames']['ok']}, compiled during the profiled steps {counters['frames']['ok'] - frames_before}")

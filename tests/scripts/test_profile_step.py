@@ -44,3 +44,58 @@ def test_gpu_op_report_ranks_ops_by_their_own_gpu_time_per_step_with_shapes():
     without_shapes = [op("aten::mm", [], 2, 1000.0)]
     assert gpu_op_report(without_shapes, steps=1, top=5) == [
         "top 5 ops by their own GPU time (ms per step, calls per step):", "     1.000     2.0  aten::mm"]
+
+
+def test_roofline_report_sets_each_ops_gpu_time_beside_its_estimate():
+    """Joined by scripts/_step_bytes.profile_key: the profile's "aten::mm" is the trace's "mm" and the
+    LM loss body's "matmul", a cast ("_to_copy") is the profile's "aten::copy_", overloads summed."""
+    from types import SimpleNamespace as Event
+
+    from scripts._step_bytes import OpTraffic
+    from scripts.profile_step import roofline_report
+
+    def op(key, count, gpu_us, device_type=DeviceType.CPU):
+        return Event(key=key, input_shapes=[], count=count, self_device_time_total=gpu_us, device_type=device_type)
+
+    averages = [op("aten::mm", 10, 30000.0), op("aten::copy_", 4, 2000.0), op("aten::linear", 10, 0.0),
+                op("aten::mul", 6, 1800.0), op("aten::nonzero", 2, 400.0),
+                op("sm90_xmma_gemm_bf16", 10, 30000.0, DeviceType.CUDA)]
+    groups = {"mm": OpTraffic(seconds=0.005), "matmul": OpTraffic(seconds=0.001), "_to_copy": OpTraffic(seconds=0.0005),
+              "mul.Tensor": OpTraffic(seconds=0.0006), "mul.out": OpTraffic(seconds=0.0003),
+              "add.Tensor": OpTraffic(seconds=0.0015)}
+    counter = Event(groups=groups, total=OpTraffic(seconds=0.0089))
+    assert roofline_report(averages, counter, steps=2, top=3) == [
+        "ops by their own GPU time against the step's roofline estimate, ms per step:",
+        "       GPU estimate    ratio  op",
+        "    15.000    6.000     2.50  mm",
+        "     1.000    0.500     2.00  copy_",
+        "     0.900    0.900     1.00  mul",
+        "    17.100    8.900     1.92  all ops",
+    ]
+    assert roofline_report([op("aten::nonzero", 1, 400.0)], counter, steps=1, top=3)[2] == (
+        "     0.400        -        -  nonzero")
+
+
+def test_profile_keys_of_a_traced_step_are_the_profilers_op_keys():
+    """The trace's names and torch.profiler's keys of the same ops meet at one key."""
+    from scripts._step_bytes import profile_key
+
+    traced = [torch.ops.aten.sub.Tensor, torch.ops.aten.mul.out, torch.ops.aten._to_copy.default,
+              torch.ops.aten.matmul.default, torch.ops.aten._fused_adamw_.default]
+    names = [op.name().removeprefix("aten::") for op in traced]  # as ByteCounter records them
+    assert [profile_key(name) for name in names] == ["sub", "mul", "copy_", "mm", "_fused_adamw_"]
+    assert [profile_key(key) for key in ("aten::sub", "aten::mul", "aten::copy_", "aten::mm",
+                                         "aten::_fused_adamw_", "minisft_trace::_fused_rms_norm")] == [
+        "sub", "mul", "copy_", "mm", "_fused_adamw_", "_fused_rms_norm"]
+
+
+def test_roofline_needs_the_trainers_eager_step(capsys):
+    import pytest
+
+    from scripts.profile_step import parse_options
+
+    for argv in (["--roofline", "1", "--use_compile", "1"], ["--roofline", "1", "--mode", "minimind"]):
+        with pytest.raises(SystemExit):
+            parse_options(argv)
+        assert capsys.readouterr().err == ("error: --roofline sets the trainer's eager step against its trace: give "
+                                           "--use_compile 0 and a --mode of dynamic, grouped, packed\n")
