@@ -145,16 +145,16 @@ def check_position_tables(args, config: MiniMindConfig) -> None:
     --from_weight config, which sets both)."""
     memory = host_memory_bytes()
 
-    def too_large(positions: int) -> bool:
-        return 4 * positions * config.head_dim * 4 > memory // 4
+    def peak(positions: int) -> int:  # four fp32 tables of positions x head_dim
+        return 4 * positions * config.head_dim * 4
 
     positions = config.max_position_embeddings
-    if not too_large(positions):
+    if peak(positions) <= memory // 4:
         return
-    tables = (f"the RoPE tables for {positions} positions need {4 * positions * config.head_dim * 4 / 2**30:.1f} GiB, "
-              f"more than a quarter of this machine's {memory / 2**30:.1f} GiB")
+    tables = (f"the RoPE tables for {positions} positions need {peak(positions) / 2**30:.1f} GiB, more than a "
+              f"quarter of this machine's {memory / 2**30:.1f} GiB")
     own = min(positions, CONFIG_POSITIONS) if args.max_seq_len >= positions else positions  # without --max_seq_len
-    if not too_large(own):
+    if peak(own) <= memory // 4:
         raise ConfigError(f"--max_seq_len {args.max_seq_len}: {tables}; --max_seq_len is the longest sample in tokens "
                           "(default 512)")
     width = f"heads of {config.head_dim} dimensions"
