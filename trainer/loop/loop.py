@@ -324,7 +324,7 @@ def save_out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str) -> st
     or under --fsdp 1 gathered in full. Nothing of this save was written; the files already in
     --save_dir stay as they are. Activations are freed by then, so no batch flag helps."""
     args = run.args
-    if getattr(args, "fsdp", 0):
+    if run.parallel.checkpoint_kind == "sharded":  # --fsdp 1 on several processes
         holds, advice = "each weight gathered in full, one at a time", ""
     else:
         holds = f"one weight at a time cast to --save_dtype {args.save_dtype}"

@@ -25,3 +25,24 @@ def test_a_final_write_longer_than_dist_timeout_fails_nobody(data, tmp_path):
     assert len(waits) >= 2 * timeout, ranks[1]  # one a second, for longer than the collective timeout
     assert torch.load(checkpoint_path(str(save_dir), 2), weights_only=True)["step"] == 2
     assert os.path.isfile(save_dir / "model" / "model.safetensors")
+
+
+def test_a_save_out_of_memory_says_what_this_run_holds_on_the_device():
+    """One process with --fsdp 1 trains replicated (nothing is gathered): the line names the cast and
+    its remedy; several processes under --fsdp 1 gather each weight in full, no cast to advise on."""
+    from types import SimpleNamespace
+
+    from tests.trainer.loop.test_loop_syncs import tiny_run
+    from trainer.loop.loop import save_out_of_memory
+
+    run = tiny_run(torch.device("cpu"))
+    run.args = SimpleNamespace(**vars(run.args), fsdp=1, save_dtype="bfloat16")
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    assert save_out_of_memory(run, error, "the save") == (
+        "the save at step 0 ran out of memory on cpu (CUDA out of memory. Tried to allocate 2.00 GiB.): a save holds "
+        "one weight at a time cast to --save_dtype bfloat16 on the device beside the weights and optimizer state; "
+        "--save_dtype float32 casts none; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation. "
+        "The files already in out are kept")
+    run.parallel = SimpleNamespace(checkpoint_kind="sharded")
+    assert "a save holds each weight gathered in full, one at a time on the device beside the weights and optimizer " \
+           "state; PYTORCH_CUDA_ALLOC_CONF" in save_out_of_memory(run, error, "the save")
