@@ -78,7 +78,8 @@ def build_model_config(args, tokenizer, weights: Weights | None = None,
         raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")
     if prefix and args.from_weight not in ("none", ""):
         check_pth_spares_the_start(args, config, prefix)
-    check_position_tables(args, config)
+    own_positions = weights.config.get("max_position_embeddings", CONFIG_POSITIONS) if weights else CONFIG_POSITIONS
+    check_position_tables(args, config, own_positions)
     return config
 
 
@@ -136,13 +137,13 @@ def check_host_memory(config: MiniMindConfig, device: torch.device | None, shard
 CONFIG_POSITIONS = 32768
 
 
-def check_position_tables(args, config: MiniMindConfig) -> None:
-    """The model's RoPE tables cover max_position_embeddings (at least --max_seq_len) positions in fp32
-    and are computed in host memory, at about four tables' size at the peak (and once per process of a
-    node): tables that need more than a quarter of it are refused in one line, before the data is
-    tokenized and before a config that would make chat and export allocate them again is written. The
-    line blames --max_seq_len where the config's own positions would fit, else the heads' width (or the
-    --from_weight config, which sets both)."""
+def check_position_tables(args, config: MiniMindConfig, own_positions: int = CONFIG_POSITIONS) -> None:
+    """The model's RoPE tables cover max_position_embeddings (the config's own positions,
+    `own_positions`, or --max_seq_len where it is more) in fp32 and are computed in host memory, at
+    about four tables' size at the peak (and once per process of a node): tables that need more than
+    a quarter of it are refused in one line, before the data is tokenized and before a config that
+    would make chat and export allocate them again is written. The line blames --max_seq_len where
+    the own positions would fit, else the heads' width (or the --from_weight model, which sets both)."""
     memory = host_memory_bytes()
 
     def peak(positions: int) -> int:  # four fp32 tables of positions x head_dim
@@ -153,15 +154,15 @@ def check_position_tables(args, config: MiniMindConfig) -> None:
         return
     tables = (f"the RoPE tables for {positions} positions need {peak(positions) / 2**30:.1f} GiB, more than a "
               f"quarter of this machine's {memory / 2**30:.1f} GiB")
-    own = min(positions, CONFIG_POSITIONS) if args.max_seq_len >= positions else positions  # without --max_seq_len
-    if peak(own) <= memory // 4:
+    if args.max_seq_len > own_positions and peak(own_positions) <= memory // 4:
         raise ConfigError(f"--max_seq_len {args.max_seq_len}: {tables}; --max_seq_len is the longest sample in tokens "
                           "(default 512)")
     width = f"heads of {config.head_dim} dimensions"
     if config.hidden_size == config.head_dim * config.num_attention_heads:
         width += f" (hidden_size {config.hidden_size} / {config.num_attention_heads} attention heads)"
     if getattr(args, "from_weight", "none") not in ("none", ""):
-        fix = f"the --from_weight config sets them (max_position_embeddings {positions}, head_dim {config.head_dim})"
+        fix = (f"the --from_weight model sets its heads and at least {own_positions} positions: it cannot be "
+               "trained on this machine")
     else:
         fix = "give more --num_attention_heads or a smaller --hidden_size"
     raise ConfigError(f"{width}: {tables}; {fix}")

@@ -131,6 +131,36 @@ def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_one_line_before_tokenizin
     assert not os.path.exists(tmp_path / "run" / "model")
 
 
+def test_rope_tables_of_a_from_weight_model_blame_its_positions_or_max_seq_len(monkeypatch):
+    """The --from_weight model's own positions (not the flags' 32,768) decide whether --max_seq_len is to
+    blame: lowering it helps only where those fit."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    import trainer.model_setup as model_setup
+    from model import MiniMindConfig
+    from trainer.errors import ConfigError
+
+    monkeypatch.setattr(model_setup, "host_memory_bytes", lambda: 16 << 30)  # tables of 2**21 positions x 128 fit
+
+    def refusal(own: int, longest: int) -> str:
+        config = MiniMindConfig(hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                                max_position_embeddings=max(own, longest))
+        args = SimpleNamespace(max_seq_len=longest, from_weight="start")
+        with pytest.raises(ConfigError) as refused:
+            model_setup.check_position_tables(args, config, own)
+        return str(refused.value)
+
+    assert refusal(2**20, 3000000) == (
+        "--max_seq_len 3000000: the RoPE tables for 3000000 positions need 5.7 GiB, more than a quarter of this "
+        "machine's 16.0 GiB; --max_seq_len is the longest sample in tokens (default 512)")
+    assert refusal(2**22, 5000000) == (
+        "heads of 128 dimensions: the RoPE tables for 5000000 positions need 9.5 GiB, more than a quarter of this "
+        "machine's 16.0 GiB; the --from_weight model sets its heads and at least 4194304 positions: it cannot be "
+        "trained on this machine")
+
+
 def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(data, tmp_path):
     """--warmup_steps beyond the run, --fsdp 1 and --backend in one process are warned; a resume with nothing
     left says so; the last line names model/ and the next command; --dtype float16 on a CPU and a
