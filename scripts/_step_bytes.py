@@ -166,8 +166,9 @@ def cuda_kernel_choices(counter: ByteCounter):
 # --------------------------------------------------------------------------- the counter
 
 
-# The op a GPU profile charges with a traced op's time (torch.profiler gives a kernel's time to the
-# innermost op that launched it): a cast's copy kernel to copy_, the LM loss body's matmul to mm.
+# Traced ops whose GPU kernels a profile charges to another traced op (torch.profiler gives a
+# kernel's time to the innermost op that launched it): a cast's copy to copy_, the LM loss body's
+# matmul to mm.
 _PROFILE_OWNER = {"_to_copy": "copy_", "to": "copy_", "matmul": "mm"}
 
 
@@ -350,9 +351,10 @@ def fake_parameters(model: torch.nn.Module, mode: FakeTensorMode, device: str = 
                 module._buffers[name] = fake(buffer)
 
 
-def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: bool = False) -> ByteCounter:
-    """One optimizer step of the trainer for these flags, traced as described in the module
-    docstring, after `warmup_steps` uncounted ones (the first creates AdamW's moments)."""
+def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: bool = False,
+                  steps: int = 1) -> ByteCounter:
+    """`steps` optimizer steps of the trainer for these flags (summed), traced as described in the
+    module docstring, after `warmup_steps` uncounted ones (the first creates AdamW's moments)."""
     from scripts._bench_flops import causal_pairs
     from scripts._dispatch_counts import build_step_run, micro_batch_stream
     from trainer.loop.loop import agree_on_step, optimizer_step
@@ -365,12 +367,12 @@ def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: boo
     batches = micro_batch_stream(run)
     peak = FLOAT32_FLOPS_PER_S if run.dtype == torch.float32 else TENSOR_FLOPS_PER_S
     counter = ByteCounter(peak=peak, by_shapes=by_shapes)
-    for step in range(warmup_steps + 1):
+    for step in range(warmup_steps + steps):
         micro_batches = [next(batches) for _ in range(run.args.accumulation_steps)]
         totals = agree_on_step(run, micro_batches)  # host values of the real batches
         counter.layout_pairs = {id(batch["packed_layout"]): causal_pairs(batch)
                                 for batch in micro_batches if "packed_layout" in batch}
-        counting = counter if step == warmup_steps else contextlib.nullcontext()
+        counting = counter if step >= warmup_steps else contextlib.nullcontext()
         with mode, cuda_kernel_choices(counter), counting:
             optimizer_step(run, micro_batches, totals, run.args.learning_rate)
     return counter

@@ -57,9 +57,9 @@ def parse_options(argv=None):
     options.dtypes = options.dtypes.split(",")
     if len(options.dtypes) != 1:
         fail("--dtypes: one dtype per profile")
-    if options.roofline and (options.use_compile or options.mode not in TRAINER_MODES):
-        fail("--roofline sets the trainer's eager step against its trace: give --use_compile 0 and a --mode of "
-             + ", ".join(TRAINER_MODES))
+    if options.roofline and (options.use_compile or options.mode not in TRAINER_MODES or options.vocab_size):
+        fail("--roofline sets the trainer's eager step against its trace: give --use_compile 0, no --vocab_size "
+             "and a --mode of " + ", ".join(TRAINER_MODES))
     return options
 
 
@@ -116,20 +116,29 @@ def gpu_op_report(averages, steps: int, top: int) -> list[str]:
     return lines
 
 
-def roofline_report(averages, counter, steps: int, top: int) -> list[str]:
-    """Lines: each op's own GPU time per step (from `profile.key_averages()`) beside the roofline
-    estimate of the same op in a trace of this step (`counter`, a scripts/_step_bytes.ByteCounter),
-    joined by `profile_key`, the `top` ops by GPU time, then all ops: a ratio far above 1 is an op
-    running far below its bandwidth or tensor-core peak. An op the trace has not ("-") runs only on
-    the GPU."""
-    measured: dict[str, float] = {}
-    for event in averages:
-        if event.device_type == DeviceType.CPU and event.self_device_time_total > 0:  # ops, not kernels
-            name = profile_key(event.key)
-            measured[name] = measured.get(name, 0.0) + event.self_device_time_total / 1e3 / steps
+def roofline_report(events, counter, steps: int, top: int) -> list[str]:
+    """Lines: each op's own GPU time per step (`events`: `profile.events()` of `steps` steps) beside
+    the roofline estimate of the same op in a trace of the same steps (`counter`, a
+    scripts/_step_bytes.ByteCounter of `steps` steps), joined by `profile_key`, the `top` ops by GPU
+    time, then all ops: a ratio far above 1 is an op running far below its bandwidth or tensor-core
+    peak. An op's GPU time goes to the nearest op on its call path that the trace has (a zero fill
+    to `zeros`, FlashAttention to the varlen attention op that calls it); "-": none has. The batch's
+    copies to the GPU, which the trace leaves out, count under copy_ with the casts."""
     estimated: dict[str, float] = {}
     for name, traffic in counter.groups.items():
-        estimated[profile_key(name)] = estimated.get(profile_key(name), 0.0) + traffic.seconds * 1e3
+        estimated[profile_key(name)] = estimated.get(profile_key(name), 0.0) + traffic.seconds * 1e3 / steps
+
+    def traced_owner(event) -> str:
+        caller = event
+        while caller is not None and profile_key(caller.key) not in estimated:
+            caller = caller.cpu_parent
+        return profile_key((caller or event).key)
+
+    measured: dict[str, float] = {}
+    for event in events:
+        if event.device_type == DeviceType.CPU and event.self_device_time_total > 0:  # ops, not kernels
+            name = traced_owner(event)
+            measured[name] = measured.get(name, 0.0) + event.self_device_time_total / 1e3 / steps
 
     def line(gpu: float, estimate: float | None, name: str) -> str:
         if estimate is None:
@@ -140,7 +149,7 @@ def roofline_report(averages, counter, steps: int, top: int) -> list[str]:
              f"  {'GPU':>8} {'estimate':>8} {'ratio':>8}  op"]
     ranked = sorted(measured, key=lambda name: -measured[name])[:top]
     lines += [line(measured[name], estimated.get(name), name) for name in ranked]
-    lines.append(line(sum(measured.values()), counter.total.seconds * 1e3, "all ops"))
+    lines.append(line(sum(measured.values()), counter.total.seconds * 1e3 / steps, "all ops"))
     return lines
 
 
@@ -188,10 +197,10 @@ def main(argv=None) -> int:
     by_shapes = prof.key_averages(group_by_input_shape=True) if options.op_shapes else averages
     print("\n".join(gpu_op_report(by_shapes, options.steps, options.top)))
     print("\n".join(host_report(averages, options.steps, wall, options.top)))
-    if options.roofline:
+    if options.roofline:  # the batches profiled: the second to the (steps + 1)th (the first checked the syncs)
         counter = measure_bytes(trainer_argv(options, options.dtypes[0], packing=options.mode == "packed",
-                                             group_by_length=options.mode == "grouped"))
-        print("\n".join(roofline_report(averages, counter, options.steps, options.top)))
+                                             group_by_length=options.mode == "grouped"), steps=options.steps)
+        print("\n".join(roofline_report(prof.events(), counter, options.steps, options.top)))
     if options.use_compile:
         print(f"torch.compile: graph breaks {sum(counters['graph_break'].values())}, frames compiled "
               f"{counters['frames']['ok']}, compiled during the profiled steps {counters['frames']['ok'] - frames_before}")

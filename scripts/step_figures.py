@@ -50,7 +50,7 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def trainer_argv(unknown: list[str]) -> list[str]:
+def with_trainer_defaults(unknown: list[str]) -> list[str]:
     given = {arg.split("=")[0] for arg in unknown if arg.startswith("--")}
     defaults = [part for flag, value in DEFAULT_TRAINER_FLAGS.items() if flag not in given for part in (flag, value)]
     return defaults + unknown
@@ -58,7 +58,7 @@ def trainer_argv(unknown: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     options, unknown = build_parser().parse_known_args(argv)  # the ranges: checked when parsed
-    flags = trainer_argv(unknown)
+    flags = with_trainer_defaults(unknown)
     bytes_only = [name for name in ("top", "by_shapes", "measured_ms") if getattr(options, name) not in (None, False)]
     if bytes_only and not options.bytes:
         build_parser().error(f"--{bytes_only[0]} needs --bytes")

@@ -364,3 +364,21 @@ def test_bench_memory_measures_on_the_gpu():
     total, _, computed, measured, peak = run(1, False, TINY, "cuda")
     assert (total, computed, measured) == (numel, 4 * numel * 4, 4 * numel * 4 + len(parameters) * 4)
     assert peak >= measured
+
+
+def test_the_roofline_join_places_nearly_all_gpu_time_against_an_estimate(data, capsys):
+    """scripts/profile_step.py --roofline 1 on a small packed step: the ops whose GPU time finds no
+    traced op ("-" rows) hold under 5% of it, and no traced op's ratio is below 0.5 (time joined to
+    the wrong op would show there)."""
+    from scripts import profile_step
+
+    assert profile_step.main(["--hidden_size", "128", "--num_hidden_layers", "2", "--max_seq_len", "512",
+                              "--batch_size", "4", "--mode", "packed", "--steps", "2", "--roofline", "1", "--top", "200",
+                              "--data_path", str(data / "train.jsonl"), "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("ops by their own GPU time against the step's roofline estimate, ms per step:\n")[1]
+    rows = [line.split() for line in table.splitlines()[1:] if line.startswith("  ") and len(line.split()) >= 4]
+    total = float(rows[-1][0])
+    unjoined = sum(float(row[0]) for row in rows[:-1] if row[1] == "-")
+    assert unjoined < 0.05 * total, table
+    assert all(float(row[3]) >= 0.5 for row in rows[:-1] if row[1] != "-"), table

@@ -48,32 +48,36 @@ def test_gpu_op_report_ranks_ops_by_their_own_gpu_time_per_step_with_shapes():
 
 def test_roofline_report_sets_each_ops_gpu_time_beside_its_estimate():
     """Joined by scripts/_step_bytes.profile_key: the profile's "aten::mm" is the trace's "mm" and the
-    LM loss body's "matmul", a cast ("_to_copy") is the profile's "aten::copy_", overloads summed."""
+    LM loss body's "matmul", a cast ("_to_copy") is the profile's "aten::copy_", overloads summed; an
+    op the trace has not goes to the nearest traced op that called it, per step of the `steps`."""
     from types import SimpleNamespace as Event
 
     from scripts._step_bytes import OpTraffic
     from scripts.profile_step import roofline_report
 
-    def op(key, count, gpu_us, device_type=DeviceType.CPU):
-        return Event(key=key, input_shapes=[], count=count, self_device_time_total=gpu_us, device_type=device_type)
+    def op(key, gpu_us, parent=None, device_type=DeviceType.CPU):
+        return Event(key=key, self_device_time_total=gpu_us, cpu_parent=parent, device_type=device_type)
 
-    averages = [op("aten::mm", 10, 30000.0), op("aten::copy_", 4, 2000.0), op("aten::linear", 10, 0.0),
-                op("aten::mul", 6, 1800.0), op("aten::nonzero", 2, 400.0),
-                op("sm90_xmma_gemm_bf16", 10, 30000.0, DeviceType.CUDA)]
-    groups = {"mm": OpTraffic(seconds=0.005), "matmul": OpTraffic(seconds=0.001), "_to_copy": OpTraffic(seconds=0.0005),
-              "mul.Tensor": OpTraffic(seconds=0.0006), "mul.out": OpTraffic(seconds=0.0003),
-              "add.Tensor": OpTraffic(seconds=0.0015)}
-    counter = Event(groups=groups, total=OpTraffic(seconds=0.0089))
-    assert roofline_report(averages, counter, steps=2, top=3) == [
+    varlen, zeros = op("torch_attn::_varlen_attn", 0.0), op("aten::zeros", 0.0)
+    events = [op("aten::mm", 30000.0), op("aten::copy_", 2000.0), op("aten::linear", 0.0), op("aten::mul", 1800.0),
+              varlen, op("aten::_flash_attention_forward", 1200.0, varlen), zeros, op("aten::fill_", 200.0, zeros),
+              op("aten::nonzero", 400.0), op("sm90_xmma_gemm_bf16", 30000.0, device_type=DeviceType.CUDA)]
+    groups = {"mm": OpTraffic(seconds=0.010), "matmul": OpTraffic(seconds=0.002), "_to_copy": OpTraffic(seconds=0.001),
+              "mul.Tensor": OpTraffic(seconds=0.0012), "mul.out": OpTraffic(seconds=0.0006),
+              "torch_attn::_varlen_attn": OpTraffic(seconds=0.0004), "zeros": OpTraffic(seconds=0.0002),
+              "add.Tensor": OpTraffic(seconds=0.003)}
+    counter = Event(groups=groups, total=OpTraffic(seconds=0.0184))  # two steps
+    assert roofline_report(events, counter, steps=2, top=6) == [
         "ops by their own GPU time against the step's roofline estimate, ms per step:",
         "       GPU estimate    ratio  op",
         "    15.000    6.000     2.50  mm",
         "     1.000    0.500     2.00  copy_",
         "     0.900    0.900     1.00  mul",
-        "    17.100    8.900     1.92  all ops",
+        "     0.600    0.200     3.00  _varlen_attn",
+        "     0.200        -        -  nonzero",
+        "     0.100    0.100     1.00  zeros",
+        "    17.800    9.200     1.93  all ops",
     ]
-    assert roofline_report([op("aten::nonzero", 1, 400.0)], counter, steps=1, top=3)[2] == (
-        "     0.400        -        -  nonzero")
 
 
 def test_profile_keys_of_a_traced_step_are_the_profilers_op_keys():
@@ -94,8 +98,10 @@ def test_roofline_needs_the_trainers_eager_step(capsys):
 
     from scripts.profile_step import parse_options
 
-    for argv in (["--roofline", "1", "--use_compile", "1"], ["--roofline", "1", "--mode", "minimind"]):
+    for argv in (["--roofline", "1", "--use_compile", "1"], ["--roofline", "1", "--mode", "minimind"],
+                 ["--roofline", "1", "--vocab_size", "151936"]):
         with pytest.raises(SystemExit):
             parse_options(argv)
         assert capsys.readouterr().err == ("error: --roofline sets the trainer's eager step against its trace: give "
-                                           "--use_compile 0 and a --mode of dynamic, grouped, packed\n")
+                                           "--use_compile 0, no --vocab_size and a --mode of dynamic, grouped, "
+                                           "packed\n")

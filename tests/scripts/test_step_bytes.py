@@ -217,3 +217,15 @@ def test_fused_adamw_reads_four_tensors_a_parameter_and_writes_three():
         optimizer.step()
     adamw = counter.groups["_fused_adamw_"]
     assert (adamw.read, adamw.written) == (4 * 40 + 4, 3 * 40)  # and the step counter; the gradient is not unscaled
+
+
+def test_several_steps_are_summed(data):
+    """measure_bytes(..., steps=2): the two steps after the warm-up, each op's counts summed (the
+    dense step's ops do not depend on the batch: twice one step's calls)."""
+    from scripts._step_bytes import measure_bytes
+
+    flags = [*TINY, "--data_path", str(data / "train.jsonl"), "--cache_dir", str(data / "cache"), "--batch_size", "2"]
+    one, two = measure_bytes(flags), measure_bytes(flags, steps=2)
+    assert {name: 2 * traffic.calls for name, traffic in one.groups.items()} == {
+        name: traffic.calls for name, traffic in two.groups.items()}
+    assert two.total.bytes > one.total.bytes

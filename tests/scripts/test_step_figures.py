@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scripts._dispatch_counts import DispatchCounter
-from scripts.step_figures import main, trainer_argv
+from scripts.step_figures import main, with_trainer_defaults
 
 DEMO = Path(__file__).resolve().parents[2] / "dataset" / "demo" / "sft_train.jsonl"
 TINY = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
@@ -27,8 +27,8 @@ def test_counter_counts_computing_ops_and_casts_but_not_views():
 
 
 def test_trainer_defaults_are_batch_4_bf16_unless_given():
-    assert trainer_argv(["--packing", "1"]) == ["--batch_size", "4", "--dtype", "bfloat16", "--packing", "1"]
-    assert trainer_argv(["--batch_size=2", "--dtype", "float32"]) == ["--batch_size=2", "--dtype", "float32"]
+    assert with_trainer_defaults(["--packing", "1"]) == ["--batch_size", "4", "--dtype", "bfloat16", "--packing", "1"]
+    assert with_trainer_defaults(["--batch_size=2", "--dtype", "float32"]) == ["--batch_size=2", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
