@@ -106,10 +106,10 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def repeated_key(pairs: list):
-    """The first key of the (key, value) ``pairs`` that an earlier pair holds, else ``None``."""
+def repeated_key(keys):
+    """The first of ``keys`` that an earlier one equals, else ``None``."""
     seen = set()
-    for key, _ in pairs:
+    for key in keys:
         if key in seen:
             return key
         seen.add(key)
@@ -120,7 +120,7 @@ def _unique_keys(pairs: list) -> dict:
     """A JSON object's pairs as a dict, or ``_NotJSON`` naming a key they hold twice."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
-        raise _NotJSON(f"duplicate key {repeated_key(pairs)!r} in one JSON object")
+        raise _NotJSON(f"duplicate key {repeated_key(key for key, _ in pairs)!r} in one JSON object")
     return obj
 
 

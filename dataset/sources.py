@@ -64,7 +64,7 @@ def _parquet_rows(path: Path, keys: tuple[str, ...]) -> Iterator[bytes]:
     try:
         parquet = pq.ParquetFile(path)
         names = [name for name in parquet.schema_arrow.names if name in keys]
-        twice = repeated_key([(name, None) for name in names])
+        twice = repeated_key(names)
         if twice is not None:
             raise _RepeatedField(f"the column {twice!r} twice")
         converters = None
@@ -123,7 +123,7 @@ def _converter(arrow_type, where: str):
 
     if types.is_struct(arrow_type):
         fields = [arrow_type.field(k) for k in range(arrow_type.num_fields)]
-        twice = repeated_key([(field.name, None) for field in fields])
+        twice = repeated_key(field.name for field in fields)
         if twice is not None:
             raise _RepeatedField(f"the field {twice!r} twice in the struct of column {where}")
         fields = [(field.name, _converter(field.type, f"{where}.{field.name}")) for field in fields]
@@ -140,7 +140,8 @@ def _converter(arrow_type, where: str):
         def mapping(pairs: list) -> dict:
             obj = {key: None if item is None else convert(item) for key, item in pairs}
             if len(obj) != len(pairs):  # a map may repeat a key, which a row's JSON object may not (formats.loads)
-                raise _NotJSONType(f"parquet column {where} holds the key {repeated_key(pairs)!r} twice in one map "
+                twice = repeated_key(key for key, _ in pairs)
+                raise _NotJSONType(f"parquet column {where} holds the key {twice!r} twice in one map "
                                    "(which value is meant is not guessed)")
             return obj
 

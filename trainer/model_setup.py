@@ -137,7 +137,7 @@ def check_host_memory(config: MiniMindConfig, device: torch.device | None, shard
 CONFIG_POSITIONS = 32768
 
 
-def check_position_tables(args, config: MiniMindConfig, own_positions: int = CONFIG_POSITIONS) -> None:
+def check_position_tables(args, config: MiniMindConfig, own_positions: int) -> None:
     """The model's RoPE tables cover max_position_embeddings (the config's own positions,
     `own_positions`, or --max_seq_len where it is more) in fp32 and are computed in host memory, at
     about four tables' size at the peak (and once per process of a node): tables that need more than

@@ -56,6 +56,13 @@ def poison_loss(module, inputs, out):
     return out
 
 
+def out_of_memory() -> None:
+    """Raise what the CUDA caching allocator raises for a request that does not fit."""
+    import torch
+
+    raise torch.OutOfMemoryError(CUDA_OOM)
+
+
 def install() -> None:
     """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory), `evaluate`,
     `save_in_background` and `publish_inference_weights` (out of memory) and `agree_on_step` (local
@@ -72,9 +79,7 @@ def install() -> None:
 
     def optimizer_step(run, *args, **kwargs):
         if run.state.step + 1 == oom_step:
-            import torch
-
-            raise torch.OutOfMemoryError(CUDA_OOM)
+            out_of_memory()
         if run.state.step + 1 not in steps:
             return real_step(run, *args, **kwargs)
         handle = run.model.register_forward_hook(poison_loss)
@@ -85,23 +90,17 @@ def install() -> None:
 
     def evaluate(run):
         if run.state.step == oom_eval_step:
-            import torch
-
-            raise torch.OutOfMemoryError(CUDA_OOM)
+            out_of_memory()
         return real_evaluate(run)
 
     def save_in_background(run):
         if run.state.step == oom_save_step:
-            import torch
-
-            raise torch.OutOfMemoryError(CUDA_OOM)
+            out_of_memory()
         return real_save(run)
 
     def publish_inference_weights(model, tokenizer, save_dir, dtype, **kwargs):  # best/ in loop.py
         if kwargs.get("name") == "best":
-            import torch
-
-            raise torch.OutOfMemoryError(CUDA_OOM)
+            out_of_memory()
         return real_publish(model, tokenizer, save_dir, dtype, **kwargs)
 
     def agree_on_step(run, micro_batches, *args, **kwargs):
