@@ -12,11 +12,10 @@ does not matter). Used by ``scripts/eval_sft.py`` and ``scripts/chat.py``.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 
-from .formats import THINK_CLOSE, THINK_OPEN
+from .formats import THINK_CLOSE, THINK_OPEN, loads
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
@@ -30,18 +29,20 @@ class Reply:
 
 
 def parse_call(block: str) -> dict | None:
-    """``{"name", "arguments"}`` from the JSON inside one ``<tool_call>`` block, or ``None``."""
+    """``{"name", "arguments"}`` from the JSON inside one ``<tool_call>`` block, or ``None`` where
+    it is not JSON as a data line must be (``dataset.formats.loads``: a key twice in one object,
+    ``NaN``) or not a call."""
     try:
-        value = json.loads(block)
-    except (json.JSONDecodeError, RecursionError):
+        value = loads(block)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
+            arguments = loads(arguments)
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None

@@ -1,0 +1,37 @@
+"""dataset/tool_calls.py: generated text split into reasoning, reply and calls; calls compared."""
+
+from dataset.tool_calls import Reply, calls_match, parse_reply, reference_calls
+
+
+def test_a_reply_splits_into_reasoning_text_and_calls():
+    text = ("<think>\nweigh it\n</think>\n\nLet me look.\n<tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "now", "arguments": "{\\"tz\\": \\"UTC\\"}"}\n</tool_call>')
+    assert parse_reply(text) == Reply("weigh it", "Let me look.", [
+        {"name": "get_weather", "arguments": {"city": "Paris"}},
+        {"name": "now", "arguments": {"tz": "UTC"}}])
+
+
+def test_an_unclosed_think_block_is_all_reasoning():
+    assert parse_reply("<think>\nstill thinking") == Reply("still thinking", "")
+
+
+def test_a_call_that_is_not_json_as_data_must_be_is_a_bad_call_not_its_last_value():
+    blocks = ['{"name": "f", "arguments": {"x": 1, "x": 2}}',          # a key twice
+              '{"name": "f", "name": "g", "arguments": {}}',
+              '{"name": "f", "arguments": "{\\"x\\": 1, \\"x\\": 2}"}',  # twice inside the string
+              '{"name": "f", "arguments": {"x": NaN}}',
+              '{"name": "f", "arguments": [1]}',
+              '{"name": "f", "arguments": {"x": 1}']                      # cut short
+    text = "".join(f"<tool_call>\n{block}\n</tool_call>" for block in blocks)
+    reply = parse_reply(text)
+    assert reply.calls == [] and reply.bad_calls == blocks
+
+
+def test_calls_match_in_any_order_and_as_json_values():
+    reference = reference_calls({"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "a", "arguments": {"n": 1}}},
+        {"type": "function", "function": {"name": "b", "arguments": {}}}]})
+    assert calls_match([{"name": "b", "arguments": {}}, {"name": "a", "arguments": {"n": 1.0}}], reference)
+    assert not calls_match([{"name": "a", "arguments": {"n": 1}}], reference)
+    assert not calls_match([{"name": "a", "arguments": {"n": 1}}, {"name": "a", "arguments": {"n": 1}}], reference)
