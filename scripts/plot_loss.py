@@ -154,7 +154,7 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 def keys_with_prefix(records: list[dict], prefixes: tuple[str, ...]) -> list[str]:
     """The numeric keys of these records that start with one of `prefixes`, the plain ones first."""
     found = {key for record in records for key, value in record.items()
-             if key.startswith(prefixes) and isinstance(value, (int, float)) and not isinstance(value, bool)}
+             if key.startswith(prefixes) and number(value) is not None}
     return sorted(found, key=lambda key: ("/" in key, key))
 
 

@@ -173,3 +173,10 @@ def test_a_boolean_value_is_no_point_of_a_curve():
     records = [{"step": 1, "lr": 0.001}, {"step": 2, "lr": True}, {"step": 3, "lr": 0.002}, {"step": 4, "lr": False},
                {"step": 5, "lr": 10**400}]  # an integer beyond the float range: no point, not an OverflowError
     assert _series(records, "lr") == ([1, 3], [0.001, 0.002])
+
+
+def test_a_key_whose_values_are_no_numbers_is_no_curve():
+    from scripts.plot_loss import keys_with_prefix
+
+    records = [{"step": 1, "loss": 10**400, "loss/a.jsonl": 2.0, "loss/b.jsonl": True, "eval_loss": 1.0}]
+    assert keys_with_prefix(records, ("loss",)) == ["loss/a.jsonl"]
