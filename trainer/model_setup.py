@@ -66,7 +66,8 @@ def build_model_config(args, tokenizer, weights: Weights | None = None,
                        device: torch.device | None = None) -> MiniMindConfig:
     """From the flags, or (with --from_weight) from the weights, refusing flags that contradict them and
     a model the host's memory cannot hold (`device`: where it trains; None: it is not trained here)."""
-    config = _model_config(args, tokenizer, weights)
+    own_positions = weights.config.get("max_position_embeddings", CONFIG_POSITIONS) if weights else CONFIG_POSITIONS
+    config = _model_config(args, tokenizer, weights, own_positions)
     check_host_memory(config, device, sharded=bool(getattr(args, "fsdp", 0)))
     check_moe_flags_act(args, config, from_weights=weights is not None)
     prefix = getattr(args, "save_weight", None)
@@ -78,7 +79,6 @@ def build_model_config(args, tokenizer, weights: Weights | None = None,
         raise ConfigError(f"--save_weight: this model has no MiniMind .pth form: {reason}")
     if prefix and args.from_weight not in ("none", ""):
         check_pth_spares_the_start(args, config, prefix)
-    own_positions = weights.config.get("max_position_embeddings", CONFIG_POSITIONS) if weights else CONFIG_POSITIONS
     check_position_tables(args, config, own_positions)
     return config
 
@@ -168,14 +168,14 @@ def check_position_tables(args, config: MiniMindConfig, own_positions: int) -> N
     raise ConfigError(f"{width}: {tables}; {fix}")
 
 
-def _model_config(args, tokenizer, weights: Weights | None) -> MiniMindConfig:
+def _model_config(args, tokenizer, weights: Weights | None, own_positions: int) -> MiniMindConfig:
     flags = dict(
         vocab_size=len(tokenizer),
         hidden_size=args.hidden_size,
         num_hidden_layers=args.num_hidden_layers,
         num_attention_heads=args.num_attention_heads,
         num_key_value_heads=args.num_key_value_heads,
-        max_position_embeddings=max(CONFIG_POSITIONS, args.max_seq_len),
+        max_position_embeddings=max(own_positions, args.max_seq_len),
         rms_norm_eps=args.rms_norm_eps,
         use_moe=bool(args.use_moe),
         num_experts=args.num_experts,

@@ -187,3 +187,17 @@ def test_a_config_that_is_not_an_object_or_has_a_null_rope_theta_is_one_clear_er
     (folder / "config.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match=r"config.json: expected a JSON object, got list$"):
         read_weights(str(folder))
+
+
+def test_the_model_covers_its_own_positions_or_max_seq_len_where_it_is_more(tmp_path, tokenizer):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.helpers.tiny_weights import setup
+
+    for own, longest, expected in ((64, 128, 128), (512, 128, 512)):
+        folder = tmp_path / str(own)
+        config = Qwen3Config(vocab_size=len(tokenizer), max_position_embeddings=own, **SHAPES)
+        Qwen3ForCausalLM(config).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        config = setup(["--from_weight", str(folder), "--max_seq_len", str(longest)])
+        assert config.max_position_embeddings == expected
