@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     except USER_ERRORS as error:
         return fail(f"error: {error}", 2, every_rank=True)
     except TrainingError as error:
-        return fail(f"error: {error}", 1)
+        return fail(f"error: {error}", 1, every_rank=error.every_rank)
     except OSError as error:
         if not names_a_user_path(error, args):
             raise

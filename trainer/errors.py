@@ -46,7 +46,12 @@ class ModelLoadError(ValueError):
 
 
 class TrainingError(RuntimeError):
-    """The run had to stop (e.g. too many non-finite steps); the message says why. Exit code 1."""
+    """The run had to stop (e.g. too many non-finite steps); the message says why. Exit code 1.
+    `every_rank`: every rank stops with this very line (a decision they share), printed once."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 USER_ERRORS = (DataError, CheckpointError, ConfigError, DistributedError, SelectionError, LoggingError, WorkerDied)

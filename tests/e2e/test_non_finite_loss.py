@@ -110,3 +110,22 @@ def test_an_evaluation_out_of_gpu_memory_is_one_line_too(data, tmp_path):
         "--batch_size 4 x --max_seq_len 512; lower --batch_size (raise --accumulation_steps to keep the batch per "
         "step) or lower --max_seq_len"
     )
+
+
+@pytest.mark.parametrize("fault, line", [
+    ({"MINISFT_FAULT_NAN_STEPS": "3,4"}, "error: 2 optimizer steps in a row had a non-finite loss or gradient norm "
+                                         "(last at step 4); stopped. The last good weights are saved in {save_dir}"),
+    ({"MINISFT_FAULT_OOM_BEST": "1"}, "error: the save of best/ at step 2 ran out of memory on cpu ({allocator}): a "
+                                      "save holds one weight at a time cast to --save_dtype bfloat16 on the device "
+                                      "beside the weights and optimizer state; --save_dtype float32 casts none; "
+                                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation. The "
+                                      "files already in {save_dir} are kept"),
+])
+def test_a_stop_every_rank_shares_is_said_once(data, tmp_path, fault, line):
+    save_dir = tmp_path / "run"
+    result = run_trainer(flags(data, save_dir, "--batch_size", "2", "--max_steps", "6", "--max_bad_steps", "2",
+                               "--eval_interval", "2", "--eval_data_path", str(data / "eval.jsonl"), "--keep_best",
+                               "eval_loss"), nproc=2, script=FAULTY_TRAINER, env=clean_env(**fault), check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [text for text in result.stderr.splitlines() if text.startswith("error")]  # torchrun's own: "E1127 ..."
+    assert errors == [line.format(save_dir=save_dir, allocator=ALLOCATOR)]

@@ -127,13 +127,12 @@ def raise_non_finite_weights(run, applied: list[int]):
     raise TrainingError(
         f"{what} (--learning_rate {run.args.learning_rate:g} or --weight_decay "
         f"{run.args.weight_decay:g} too large?); stopped without saving them. The checkpoints in "
-        f"{run.args.save_dir} are the last good weights"
-    )
+        f"{run.args.save_dir} are the last good weights", every_rank=True)
 
 
 def bad_steps_error(run, step: int) -> TrainingError:
     state = run.state
     return TrainingError(
         f"{state.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or gradient norm "
-        f"(last at step {step}); stopped. The last good weights are saved in {run.args.save_dir}"
-    )
+        f"(last at step {step}); stopped. The last good weights are saved in {run.args.save_dir}",
+        every_rank=True)

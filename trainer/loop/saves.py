@@ -30,7 +30,7 @@ def raise_on_every_rank(error: str | TrainingError | None, what: str) -> None:
     agreed = rank0_value(None if error is None else [isinstance(error, TrainingError), str(error)], what)
     if agreed:
         training, message = agreed
-        raise (TrainingError if training else CheckpointError)(message)
+        raise TrainingError(message, every_rank=True) if training else CheckpointError(message)
 
 
 def save_in_background(run: Run) -> None:
