@@ -47,7 +47,7 @@ from .configuration_minimind import MiniMindConfig
 from .compute_weights import ComputeWeights, compute_dtype
 from .feed_forward import MiniMindMLP, MiniMindMoE
 from .loss import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, loss_positions_of
-from .packed_attention import PackedDocuments
+from .packed_attention import PackedDocuments, gqa_needs_expanded_heads
 from .rope import apply_rope, precompute_rope_tables, rope_rows
 from .rms_norm import MiniMindRMSNorm
 
@@ -98,7 +98,7 @@ class MiniMindAttention(nn.Module):
             out = mask.documents.attend(q, k, v, dropout)  # packed rows, no dense mask
         elif self.use_sdpa:
             # `mask` is None for a plain causal block (the fast kernels) or a boolean [B,1,T,S].
-            if _gqa_needs_expanded_heads(q, k, mask.allowed):
+            if gqa_needs_expanded_heads(q, k, masked=mask.allowed is not None):
                 groups = self.num_heads // self.num_kv_heads
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(
@@ -118,18 +118,6 @@ class MiniMindAttention(nn.Module):
         scores = scores.masked_fill(~allowed, float("-inf"))
         weights = F.dropout(scores.float().softmax(-1).to(q.dtype), p=dropout, training=dropout > 0)
         return weights @ v
-
-
-def _gqa_needs_expanded_heads(q, k, allowed) -> bool:
-    """Whether SDPA with GQA (fewer k/v heads than q heads) would fall back to its math kernel,
-    which holds [B, H, T, S] scores: on CUDA only FlashAttention takes `enable_gqa`, and it runs
-    neither float32 nor an explicit mask. The k/v heads are then repeated instead (memory of
-    k/v times the group size, far less than the scores)."""
-    if q.shape[1] == k.shape[1] or not q.is_cuda:
-        return False
-    half = q.dtype in (torch.float16, torch.bfloat16) or (
-        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in (torch.float16, torch.bfloat16))
-    return allowed is not None or not half
 
 
 class MiniMindBlock(GradientCheckpointingLayer):

@@ -5,8 +5,9 @@ begins. Each document must attend causally to itself only. A dense boolean mask 
 it costs T x T per row and keeps SDPA off its fused kernels. Instead the rows are flattened
 to B x T tokens and each document is treated as a sequence of its own:
 
-- CUDA (Ampere or newer), bf16/fp16, no dropout: `torch.nn.attention.varlen.varlen_attn`
-  (FlashAttention's variable-length kernel) on the flat tokens with cumulative document lengths;
+- CUDA, bf16/fp16, no dropout, where SDPA's FlashAttention runs (`flash_attention_dtype`: Ampere
+  or newer): `torch.nn.attention.varlen.varlen_attn` (FlashAttention's variable-length kernel) on
+  the flat tokens with cumulative document lengths;
 - everywhere else: documents of similar length (same power-of-two bucket) are gathered into a
   small [n, L, heads, head_dim] batch, right-padded, and run through SDPA with `is_causal=True`.
   The padding sits after every real token, so causal attention never lets a real token see it;
@@ -113,7 +114,7 @@ class PackedDocuments:
         batch, length = self.shape
         heads, head_dim = q.shape[1], q.shape[-1]
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (q, k, v)]
-        half = _half_precision_dtype(q)
+        half = flash_attention_dtype(q)
         if half is not None and dropout == 0.0 and _flash_varlen_available(q):
             out = causal_varlen_attn(*(t.to(half) for t in flat), self.cu_seqlens, self.max_length)
         else:
@@ -126,10 +127,14 @@ class PackedDocuments:
         buckets, rows = self.buckets
         heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         qkv = torch.cat([q, k, v], dim=1)  # one gather per bucket (and one scatter back) for q, k and v
+        expand = gqa_needs_expanded_heads(q, k, masked=False)
         padded = []
         for index in buckets:
             qb, kb, vb = qkv[index].transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)  # [n, H, L, D]
-            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout, enable_gqa=True)
+            if expand:
+                kb, vb = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (kb, vb))
+            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout,
+                                                enable_gqa=kb.shape[1] != heads)
             padded.append(ob.transpose(1, 2).reshape(-1, heads, head_dim))
         return torch.cat(padded)[rows]  # every token's output, pads left out, in token order
 
@@ -176,14 +181,45 @@ def _keywords_of(function) -> frozenset[str]:
 
 
 def _flash_varlen_available(q: torch.Tensor) -> bool:
-    """varlen_attn runs FlashAttention 2: Ampere (sm80) or newer, head_dim a multiple of 8 up to 256."""
-    return (varlen_attn is not None and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-            and _sm80_or_newer(q.device.index))
+    """varlen_attn runs FlashAttention 2 where SDPA's flash kernel runs (`flash_attention_dtype`),
+    with head_dim a multiple of 8 (SDPA pads other sizes; varlen_attn does not)."""
+    return varlen_attn is not None and q.shape[-1] % 8 == 0
+
+
+def gqa_needs_expanded_heads(q: torch.Tensor, k: torch.Tensor, masked: bool) -> bool:
+    """Whether SDPA with GQA (fewer k/v heads than q heads) would fall back to its math kernel,
+    which holds [B, H, T, S] scores: on CUDA only FlashAttention takes `enable_gqa` (the
+    memory-efficient kernel does not), and it takes no explicit mask, no float32 and not every GPU
+    or head size. The k/v heads are then repeated instead (memory of k/v times the group size, far
+    less than the scores), which the memory-efficient kernel takes. CPU kernels take GQA."""
+    return q.shape[1] != k.shape[1] and q.is_cuda and (masked or flash_attention_dtype(q) is None)
+
+
+def flash_attention_dtype(q: torch.Tensor):
+    """The half dtype in which FlashAttention runs this CUDA attention, or None where it cannot:
+    float32, or a GPU, head size or setting its kernel does not take (SDPA's own check,
+    `can_use_flash_attention`, asked once per device, dtype, head size and grad mode)."""
+    half = _half_precision_dtype(q)
+    if half is None:
+        return None
+    return half if _flash_runs(q.device.index, half, q.shape[-1], q.requires_grad and torch.is_grad_enabled()) else None
 
 
 @torch.compiler.assume_constant_result
-def _sm80_or_newer(device_index: int | None) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+def _flash_runs(device_index: int | None, dtype: torch.dtype, head_dim: int, backward: bool) -> bool:
+    """`_ask_sdpa_flash`, a constant to torch.compile."""
+    return _ask_sdpa_flash(device_index, dtype, head_dim, backward)
+
+
+@functools.cache
+def _ask_sdpa_flash(device_index: int | None, dtype: torch.dtype, head_dim: int, backward: bool) -> bool:
+    """SDPA's flash check on a causal GQA call of this kind: its rules depend on the GPU (sm80 and
+    newer; head_dim up to 256, training on sm86/89/120 up to 192) and on the torch build."""
+    with torch.cuda.device(device_index if device_index is not None else torch.cuda.current_device()):
+        q = torch.zeros(1, 2, 8, head_dim, device="cuda", dtype=dtype, requires_grad=backward)
+        kv = torch.zeros(1, 1, 8, head_dim, device="cuda", dtype=dtype, requires_grad=backward)
+        params = torch.backends.cuda.SDPAParams(q, kv, kv, None, 0.0, True, True)
+        return torch.backends.cuda.can_use_flash_attention(params, False)
 
 
 def _half_precision_dtype(q: torch.Tensor):

@@ -132,8 +132,8 @@ def _half_precision_as_on_cuda(q: torch.Tensor):
     return dtype if torch.is_autocast_enabled(q.device.type) and dtype in (torch.float16, torch.bfloat16) else None
 
 
-def _flash_varlen_as_on_sm80(q: torch.Tensor) -> bool:
-    return q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+def _flash_runs_as_on_sm80(device_index, dtype, head_dim: int, backward: bool) -> bool:
+    return head_dim <= 256
 
 
 @contextlib.contextmanager
@@ -151,7 +151,7 @@ def cuda_kernel_choices(counter: ByteCounter):
     patches = [(rms_norm_module, "_RMSNormFunction", _FusedRMSNormAsOnCuda),
                (torch.nn.utils, "clip_grad_norm_", clip_with_foreach_kernels),
                (packed_attention, "_half_precision_dtype", _half_precision_as_on_cuda),
-               (packed_attention, "_flash_varlen_available", _flash_varlen_as_on_sm80),
+               (packed_attention, "_flash_runs", _flash_runs_as_on_sm80),
                (packed_attention.PackedDocuments, "attend", attend)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:

@@ -88,6 +88,24 @@ def test_varlen_kernel_and_bucketed_sdpa_agree_on_packed_rows(dtype):
         assert torch.allclose(a, b, atol=2e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_gqa_in_float32_never_reaches_the_math_kernel(packed):
+    """Where FlashAttention cannot run (float32 here; fp16 on a pre-Ampere GPU), SDPA runs GQA
+    only in its math kernel ([B, H, T, T] scores): with it excluded, a training step still runs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from tests.helpers.tiny_model import packed_rows, tiny_model
+
+    ids, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40], [33, 2, 1, 1]], row_len=40)
+    inputs = dict(position_ids=positions.cuda()) if packed else {}
+    model = tiny_model().cuda().train()
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        out = model(ids.cuda(), labels=ids.cuda(), **inputs)
+        out.loss.backward()
+    assert torch.isfinite(out.loss)
+
+
 @pytest.mark.parametrize("kind", ["dense", "packed", "moe", "mixture"])
 def test_a_training_micro_step_makes_no_host_sync(kind):
     """Forward + backward of one micro-batch as trainer/loop.optimizer_step runs it (bf16 autocast,

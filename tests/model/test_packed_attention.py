@@ -56,6 +56,27 @@ def test_varlen_call_fits_each_torch_signature(monkeypatch, kernel):
     assert torch.allclose(out, expected, atol=1e-6)
 
 
+def test_buckets_repeat_the_kv_heads_where_sdpa_would_run_gqa_in_its_math_kernel(monkeypatch):
+    """Where FlashAttention cannot run (float32, a pre-Ampere GPU) SDPA runs GQA only in its math
+    kernel: the buckets then hand SDPA each k/v head repeated for its q heads, same output."""
+    _, positions = packed_rows([[5, 9, 3], [12, 4], [20]], row_len=24)
+    documents = PackedDocuments(*document_starts(positions), positions.shape)
+    batch, length = positions.shape
+    torch.manual_seed(0)
+    q, k, v = torch.randn(batch, 4, length, 8), torch.randn(batch, 2, length, 8), torch.randn(batch, 2, length, 8)
+    expected = documents.attend(q, k, v, 0.0)  # SDPA's own GQA (CPU)
+    calls, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(query, key, value, **options):
+        calls.append((key.shape[1], options["enable_gqa"]))
+        return sdpa(query, key, value, **options)
+
+    monkeypatch.setattr(packed_attention, "gqa_needs_expanded_heads", lambda q, k, masked: True)
+    monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", spy)
+    assert torch.allclose(documents.attend(q, k, v, 0.0), expected, atol=1e-6)
+    assert calls and set(calls) == {(4, False)}
+
+
 @torch.library.custom_op("minisft_test::causal_attention_by_document", mutates_args=())
 def causal_attention_by_document(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  cu_seq: torch.Tensor) -> torch.Tensor:
@@ -82,7 +103,7 @@ def test_the_varlen_path_compiles_without_a_graph_break(monkeypatch):
 
     monkeypatch.setattr(packed_attention, "varlen_attn", varlen_as_an_op)
     monkeypatch.setattr(packed_attention, "_half_precision_dtype", lambda q: q.dtype)
-    monkeypatch.setattr(packed_attention, "_sm80_or_newer", lambda device_index: True)
+    monkeypatch.setattr(packed_attention, "_ask_sdpa_flash", lambda *kind: True)
     model = tiny_model().train()  # head_dim 16: a size the kernel takes
     ids, positions = packed_rows([[5, 9, 3], [12, 4], [20]], row_len=24)
     layout = PackedDocuments(*document_starts(positions), positions.shape)
@@ -108,7 +129,7 @@ def test_the_varlen_path_compiles_again_at_most_twice_over_changing_documents(mo
 
     monkeypatch.setattr(packed_attention, "varlen_attn", varlen_as_an_op)
     monkeypatch.setattr(packed_attention, "_half_precision_dtype", lambda q: q.dtype)
-    monkeypatch.setattr(packed_attention, "_sm80_or_newer", lambda device_index: True)
+    monkeypatch.setattr(packed_attention, "_ask_sdpa_flash", lambda *kind: True)
     torch._dynamo.reset()
     counter = CompileCounter()
     model = torch.compile(tiny_model().train(), backend=counter)

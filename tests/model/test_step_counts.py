@@ -132,19 +132,43 @@ def test_moe_layer_flops_are_the_routed_slots_only(top_k):
     assert counter.get_total_flops() == router + experts
 
 
-def test_gqa_on_cuda_repeats_kv_heads_where_sdpa_would_fall_back_to_its_math_kernel():
+def test_gqa_on_cuda_repeats_kv_heads_where_sdpa_would_fall_back_to_its_math_kernel(monkeypatch):
+    """Only FlashAttention takes `enable_gqa` on CUDA: where SDPA's own check says it cannot run
+    (float32, a pre-Ampere GPU, a head size it lacks) or a mask is given, the k/v heads are repeated."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from model.modeling_minimind import _gqa_needs_expanded_heads
+    from model import packed_attention
+    from model.packed_attention import gqa_needs_expanded_heads
 
+    asked = []
+
+    def sdpa_flash_check(device_index, dtype, head_dim, backward):  # SDPA's check, as on an sm80+ GPU
+        asked.append((dtype, head_dim, backward))
+        return head_dim <= 256
+
+    monkeypatch.setattr(packed_attention, "_ask_sdpa_flash", sdpa_flash_check)
     with FakeTensorMode():
         q, k = torch.empty(1, 4, 8, 16, device="cuda"), torch.empty(1, 2, 8, 16, device="cuda")
-        mask = torch.ones(1, 1, 8, 8, dtype=torch.bool, device="cuda")
-        assert _gqa_needs_expanded_heads(q, k, None)  # float32: no FlashAttention
-        assert not _gqa_needs_expanded_heads(q.bfloat16(), k.bfloat16(), None)  # FlashAttention takes GQA
-        assert _gqa_needs_expanded_heads(q.bfloat16(), k.bfloat16(), mask)  # a padding mask at generation
-        assert not _gqa_needs_expanded_heads(q, q, mask)  # no GQA
-    assert not _gqa_needs_expanded_heads(torch.empty(1, 4, 8, 16), torch.empty(1, 2, 8, 16), None)  # CPU kernels take it
+        assert gqa_needs_expanded_heads(q, k, masked=False)  # float32: no FlashAttention
+        assert not gqa_needs_expanded_heads(q.bfloat16(), k.bfloat16(), masked=False)  # FlashAttention takes GQA
+        assert not gqa_needs_expanded_heads(q.bfloat16().requires_grad_(), k.bfloat16(), masked=False)
+        dtype = torch.get_autocast_dtype("cuda")
+        torch.set_autocast_enabled("cuda", True)  # torch.autocast("cuda") turns itself off without a GPU
+        torch.set_autocast_dtype("cuda", torch.float16)
+        try:
+            assert not gqa_needs_expanded_heads(q, k, masked=False)  # run in fp16 by autocast
+        finally:
+            torch.set_autocast_enabled("cuda", False)
+            torch.set_autocast_dtype("cuda", dtype)
+        assert gqa_needs_expanded_heads(q.bfloat16(), k.bfloat16(), masked=True)  # a padding mask at generation
+        assert not gqa_needs_expanded_heads(q, q, masked=True)  # no GQA
+        wide_q, wide_k = (torch.empty(1, heads, 8, 512, device="cuda", dtype=torch.bfloat16) for heads in (4, 2))
+        assert gqa_needs_expanded_heads(wide_q, wide_k, masked=False)  # a head size FlashAttention lacks
+        monkeypatch.setattr(packed_attention, "_ask_sdpa_flash", lambda *kind: False)  # e.g. a V100 in fp16
+        assert gqa_needs_expanded_heads(q.half(), k.half(), masked=False)
+    assert asked == [(torch.bfloat16, 16, False), (torch.bfloat16, 16, True), (torch.float16, 16, False),
+                     (torch.bfloat16, 512, False)]
+    assert not gqa_needs_expanded_heads(torch.empty(1, 4, 8, 16), torch.empty(1, 2, 8, 16), masked=False)  # CPU kernels
 
 
 def test_varlen_kernel_is_not_chosen_for_a_head_dim_it_cannot_run():

@@ -102,7 +102,7 @@ def forward_groups(device: str) -> dict:
             stack.enter_context(torch.no_grad())  # autograd asks the CUDA device for its streams
             stack.enter_context(mock.patch.object(rms_norm, "aten_rms_norm",
                                                   lambda x, w, eps: fused_rms_norm(x, w, eps)[0]))
-            stack.enter_context(mock.patch.object(packed_attention, "_sm80_or_newer", lambda index: True))
+            stack.enter_context(mock.patch.object(packed_attention, "_ask_sdpa_flash", lambda *kind: True))
         else:
             stack.enter_context(cuda_kernel_choices(counter))
         torch.set_autocast_enabled(device, True)  # torch.autocast("cuda") turns itself off without a GPU
