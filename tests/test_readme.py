@@ -36,3 +36,19 @@ def test_the_readme_stays_a_newcomers_page():
     """At most 15,000 bytes: reference tables belong in docs/, each in one place."""
     size = os.path.getsize(os.path.join(REPO, "README.md"))
     assert size <= 15_000, f"README.md is {size} bytes; move reference material to docs/"
+
+
+def test_ci_keeps_an_earlier_demo_model_and_says_so(tmp_path):
+    """.ci/run trains into out/demo as the README does: where a model is already there it stops
+    before installing anything, and the model stays."""
+    import shutil
+    import subprocess
+
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(os.path.join(REPO, ".ci", "run"), tmp_path / ".ci" / "run")
+    (tmp_path / "out" / "demo").mkdir(parents=True)
+    (tmp_path / "out" / "demo" / "metrics.jsonl").write_text("{}\n")
+    done = subprocess.run(["bash", str(tmp_path / ".ci" / "run")], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "error: out/demo exists (an earlier run's model): move it away, then run .ci/run again\n"
+    assert (tmp_path / "out" / "demo" / "metrics.jsonl").read_text() == "{}\n"
