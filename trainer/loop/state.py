@@ -132,6 +132,8 @@ def restore(run: Run, saved: dict) -> None:
         raise CheckpointError(problem)
     try:
         run.parallel.load_training_state(run.optimizer, saved)
+    except CheckpointError:
+        raise  # one line naming the checkpoint already
     except (RuntimeError, ValueError, KeyError) as error:
         raise CheckpointError(f"resume checkpoint does not fit this run: {first_line(error)}") from error
     keep_fused_kernels(run.optimizer)
