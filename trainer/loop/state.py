@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
+from trainer.checkpoint.sharded import is_sharded
 from trainer.checkpoint.save_dir import (
     BEST_DIR, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
 )
@@ -30,6 +31,7 @@ from trainer.runtime.distributed import DistContext, all_gather_objects
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
+from trainer.weights.read import misfit
 from trainer.weights.tokenizer import checkpoint_record
 
 
@@ -130,6 +132,10 @@ def restore(run: Run, saved: dict) -> None:
                                          run.logger.print)
     if problem:
         raise CheckpointError(problem)
+    problems = None if is_sharded(saved) else misfit(run.raw_model.state_dict(), saved["model"],
+                                                     run.raw_model.config.tie_word_embeddings)
+    if problems:
+        raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
     try:
         run.parallel.load_training_state(run.optimizer, saved)
     except CheckpointError:
