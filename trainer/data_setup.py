@@ -198,5 +198,5 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
         tool_turns = sum(bool(example.reference_calls) for example in examples)
         forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
         eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size],
-                                 len(examples) - tool_turns, tool_turns))
+                                 len(examples) - tool_turns, tool_turns, samples.cache_path.name))
     return eval_sets

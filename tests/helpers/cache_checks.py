@@ -1,9 +1,13 @@
-"""What a token cache's folder holds (its partial builds, a finished cache's files), and a live
-process that holds a partial build's lock as a builder does."""
+"""What a token cache's folder holds (its partial builds, a finished cache's files), the key a data
+file's cache has, and a live process that holds a partial build's lock as a builder does."""
 
 import subprocess
 import sys
 from pathlib import Path
+
+from dataset import load_tokenizer
+from dataset.cache import TOKENS_VERSION
+from dataset.cache.key import cache_key, file_digest
 
 
 def partials(cache_root: Path) -> list[str]:
@@ -12,6 +16,12 @@ def partials(cache_root: Path) -> list[str]:
 
 def cache_files(cache: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(cache.iterdir())}
+
+
+def data_key(path, max_seq_len: int = 512) -> str:
+    """The key of a data file's token cache with the shipped tokenizer (the TINY flags' --max_seq_len),
+    computed here from the file's bytes."""
+    return cache_key(file_digest(Path(path)), load_tokenizer(None), max_seq_len, TOKENS_VERSION)
 
 
 def hold_lock(lock: Path, seconds: float) -> subprocess.Popen:

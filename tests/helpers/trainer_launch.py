@@ -135,6 +135,12 @@ def assert_weights_equal(a: dict, b: dict, atol: float | None = None) -> None:
             assert torch.allclose(a[key], b[key], atol=atol, rtol=0), f"{key} differs by {(a[key] - b[key]).abs().max():.3g}"
 
 
+def eval_rows(save_dir) -> tuple[list[dict], list[dict]]:
+    """The eval rows of `save_dir`'s metrics.jsonl, and all its rows."""
+    rows = [json.loads(line) for line in open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8")]
+    return [row for row in rows if row["kind"] == "eval"], rows
+
+
 def train_losses(save_dir: str) -> dict[int, float]:
     rows = [json.loads(line) for line in open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8")]
     return {row["step"]: row["loss"] for row in rows if row["kind"] == "train"}

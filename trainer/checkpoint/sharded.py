@@ -63,9 +63,9 @@ def remove_stale(folder: str) -> None:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
-def write_failure(error: BaseException) -> str:
-    """One line for a failed DCP write: the first failing rank and its error ("rank 1: [Errno 28] No
-    space left on device"), not DCP's summary of ranks and tracebacks."""
+def failure_line(error: BaseException) -> str:
+    """One line for a failed DCP write or read: the first failing rank and its error ("rank 1: [Errno 28]
+    No space left on device"), not DCP's summary of ranks and tracebacks."""
     if isinstance(error, CheckpointException) and error.failures:
         rank, (cause, _) = next(iter(sorted(error.failures.items())))
         return f"rank {rank}: {first_line(cause, 200)}"
@@ -101,7 +101,7 @@ class ShardedSave:
         try:
             self.future.result()
         except (CheckpointException, OSError) as error:
-            raise CheckpointError(f"could not write the sharded checkpoint {self.final}: {write_failure(error)}") from None
+            raise CheckpointError(f"could not write the sharded checkpoint {self.final}: {failure_line(error)}") from None
         if self.meta is None:
             return None
         tmp, folder = f"{self.final}.tmp", os.path.dirname(self.final)
@@ -131,22 +131,52 @@ def start_save(content: dict, save_dir: str, keep_last: int, ctx) -> ShardedSave
         future = dcp.async_save({key: content[key] for key in SHARDED_ENTRIES}, checkpoint_id=f"{final}.tmp",
                                 process_group=checkpoint_group())
     except (CheckpointException, OSError) as error:
-        raise CheckpointError(f"could not write the sharded checkpoint {final}: {write_failure(error)}") from None
+        raise CheckpointError(f"could not write the sharded checkpoint {final}: {failure_line(error)}") from None
     meta = {key: value for key, value in content.items() if key not in SHARDED_ENTRIES} if ctx.is_main else None
     return ShardedSave(future, final, meta, save_dir, keep_last)
 
 
 def load_meta(path: str, required) -> dict:
     """The non-tensor part of a sharded checkpoint, validated like a single-file checkpoint, plus
-    `sharded_path`. A caller that asks for the weights only (inference) gets them as full tensors."""
+    `sharded_path`, once its shards are checked (`check_shards`). A caller that asks for the weights
+    only (inference) gets them as full tensors."""
     meta_file = os.path.join(path, META)
     if not os.path.isfile(meta_file) or not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"sharded checkpoint {path} is incomplete (no {META} or .metadata)")
+    check_shards(path)
     saved = single_file.load(meta_file, required=[k for k in required if k not in SHARDED_ENTRIES])
     saved["sharded_path"] = path
     if "model" in required and "optimizer" not in required:
         saved["model"] = read_full(path, "model")
     return saved
+
+
+def check_shards(path: str) -> None:
+    """Every piece that DCP's index (`.metadata`: file, offset, length of each) lists lies within its
+    shard file: a shard cut short or missing makes the checkpoint unusable here, where the newest
+    usable one is chosen, not in the middle of the load."""
+    try:
+        pieces = FileSystemReader(path).read_metadata().storage_data.values()
+    except Exception as error:  # noqa: BLE001 - a damaged .metadata fails its unpickling in many ways
+        raise CheckpointError(f"sharded checkpoint {path} is unreadable (.metadata: {first_line(error, 160)})") from None
+    ends = {}
+    for piece in pieces:
+        ends[piece.relative_path] = max(ends.get(piece.relative_path, 0), piece.offset + piece.length)
+    for name, end in sorted(ends.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise CheckpointError(f"sharded checkpoint {path} is incomplete (no {name})")
+        if os.path.getsize(shard) < end:
+            raise CheckpointError(f"sharded checkpoint {path} is truncated ({name} holds {os.path.getsize(shard)} "
+                                  f"bytes, its index needs {end})")
+
+
+def load_quietly(state: dict, no_dist: bool, **where) -> None:
+    """`dcp.load`, without its warning that torch.distributed is off: a load in one process is what
+    `no_dist` means here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(state, no_dist=no_dist, **where)
 
 
 def read_full(path: str, entry: str) -> dict:
@@ -160,9 +190,7 @@ def read_full(path: str, entry: str) -> dict:
             for key, item in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
         }
-        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is what is meant here
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(state, storage_reader=reader, no_dist=True)
+        load_quietly(state, True, storage_reader=reader)
     except (CheckpointException, OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"sharded checkpoint {path} is unreadable ({first_line(error, 200)})") from None
     return {key[len(prefix):]: value for key, value in state.items()}
@@ -173,7 +201,7 @@ def load_training_state(model, optimizer, saved: dict) -> None:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
-        dcp.load(state, checkpoint_id=saved["sharded_path"], no_dist=not dist.is_initialized())
+        load_quietly(state, not dist.is_initialized(), checkpoint_id=saved["sharded_path"])
     except CheckpointException as error:
-        raise CheckpointError(f"sharded checkpoint {saved['sharded_path']} does not fit this run: {first_line(error, 200)}") from None
+        raise CheckpointError(f"sharded checkpoint {saved['sharded_path']} does not fit this run: {failure_line(error)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -9,8 +9,10 @@ rank decides on the same all-reduced figures, so all stop at the same step, and 
 
 The state (the metric, its best value and step, evaluations since) lives in `TrainState` and so in
 every resume checkpoint: a resumed run keeps comparing against the best of the run before. A resume
-with another --keep_best starts the selection afresh and moves the best/ of the other metric aside
-(trainer/loop/state.py), since values of two metrics cannot be compared. A resume to a step before
+with another --keep_best, or whose held-out data differs from what the best was measured on
+(`measured_on`: the files' content, --max_seq_len, the tokenizer and chat template), starts the
+selection afresh and moves the other best/ aside (trainer/loop/state.py), since values of two metrics,
+or of one metric on two held-out sets, cannot be compared. A resume to a step before
 the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
 """
 
@@ -82,17 +84,27 @@ def check_selection(args, metric_names: list[str]) -> None:
                              f"(it reports: {', '.join(metric_names)})")
 
 
-def update_selection(state, metric: str, figures: dict, patience: int) -> tuple[bool, bool]:
-    """Record one evaluation in `state` (a TrainState). Returns (new best, stop now)."""
+def measured_on(eval_sets, metric: str) -> list[str]:
+    """What the values of `metric` are measured on: the token cache keys (`EvalSet.data_key`) of the
+    held-out files it covers, for `KEY/NAME` the file NAME alone, else all of them (sorted: their sums
+    do not depend on the order). Values measured on other keys cannot be compared."""
+    name = metric.partition("/")[2]
+    return sorted(eval_set.data_key for eval_set in eval_sets if not name or eval_set.name == name)
+
+
+def update_selection(state, metric: str, figures: dict, patience: int, data: list[str]) -> tuple[bool, bool]:
+    """Record one evaluation (of `metric`, measured on `data`) in `state` (a TrainState).
+    Returns (new best, stop now)."""
     value = figures.get(metric)
     if improves(value, state.best_value, metric_mode(metric)):
         state.best_value, state.best_step, state.evals_without_improvement = value, state.step, 0
-        state.best_metric = metric
+        state.best_metric, state.best_measured_on = metric, data
         return True, False
     state.evals_without_improvement += 1
     return False, bool(patience) and state.evals_without_improvement >= patience
 
 
-def best_record(metric: str, value: float, step: int) -> str:
-    """The content of best.json."""
-    return json.dumps({"metric": metric, "mode": metric_mode(metric), "value": value, "step": step}, indent=2) + "\n"
+def best_record(metric: str, value: float, step: int, data: list[str]) -> str:
+    """The content of best.json (`measured_on`: the held-out data's keys, `measured_on`)."""
+    return json.dumps({"metric": metric, "mode": metric_mode(metric), "value": value, "step": step,
+                       "measured_on": data}, indent=2) + "\n"

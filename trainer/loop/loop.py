@@ -173,7 +173,7 @@ def save_best(run: Run) -> None:
         raise TrainingError(save_out_of_memory(run, failure, f"the save of {BEST_DIR}/")) from None
     if run.ctx.is_main:
         try:
-            record = best_record(args.keep_best, state.best_value, state.best_step)
+            record = best_record(args.keep_best, state.best_value, state.best_step, state.best_measured_on)
             publish_inference_weights(weights, run.tokenizer, args.save_dir, getattr(torch, args.save_dtype),
                                               name=BEST_DIR, extra_files={BEST_FILE: record})
         except CheckpointError as failure:
@@ -196,7 +196,7 @@ def evaluate_and_select(run: Run) -> bool:
         raise TrainingError(out_of_memory(run, error, what, training=False)) from None
     new_best = stop = False
     if args.keep_best:
-        new_best, stop = update_selection(state, args.keep_best, figures, args.early_stop_patience)
+        new_best, stop = update_selection(state, args.keep_best, figures, args.early_stop_patience, run.measured_on)
         if new_best:
             save_best(run)
     run.logger.log_eval(state.step, figures, args.keep_best, state.best_value, state.best_step, new_best)

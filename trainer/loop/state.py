@@ -13,12 +13,14 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
+from trainer.checkpoint.sharded import is_sharded
 from trainer.checkpoint.save_dir import (
     BEST_DIR, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
 )
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
+from trainer.evaluation.selection import measured_on
 from trainer.loop.health import StepHealth
 from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import keep_fused_kernels
@@ -29,6 +31,7 @@ from trainer.runtime.distributed import DistContext, all_gather_objects
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
+from trainer.weights.read import misfit
 from trainer.weights.tokenizer import checkpoint_record
 
 
@@ -46,6 +49,7 @@ class TrainState:
     best_metric: str | None = None  # the --keep_best metric the best value below is of
     best_value: float | None = None  # of that metric, and the step that reached it
     best_step: int | None = None
+    best_measured_on: list[str] | None = None  # the held-out data's keys (selection.measured_on); None: unknown
     evals_without_improvement: int = 0
 
 
@@ -77,6 +81,11 @@ class Run:
         save, so a later save writes nothing but its own files (a full disk then fails that file)."""
         return checkpoint_record(self.tokenizer)
 
+    @functools.cached_property
+    def measured_on(self) -> list[str] | None:
+        """What this run's --keep_best metric is measured on (selection.measured_on); None without one."""
+        return measured_on(self.eval_sets, self.args.keep_best) if self.args.keep_best else None
+
     @property
     def raw_model(self):
         return unwrap(self.model)
@@ -101,6 +110,7 @@ def resume_state(run: Run) -> dict:
         "best_metric": state.best_metric,
         "best_value": state.best_value,
         "best_step": state.best_step,
+        "best_measured_on": state.best_measured_on,
         "evals_without_improvement": state.evals_without_improvement,
         "rng": rng_states,
         "world_size": run.ctx.world_size,
@@ -122,8 +132,14 @@ def restore(run: Run, saved: dict) -> None:
                                          run.logger.print)
     if problem:
         raise CheckpointError(problem)
+    problems = None if is_sharded(saved) else misfit(run.raw_model.state_dict(), saved["model"],
+                                                     run.raw_model.config.tie_word_embeddings)
+    if problems:
+        raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
     try:
         run.parallel.load_training_state(run.optimizer, saved)
+    except CheckpointError:
+        raise  # one line naming the checkpoint already
     except (RuntimeError, ValueError, KeyError) as error:
         raise CheckpointError(f"resume checkpoint does not fit this run: {first_line(error)}") from error
     keep_fused_kernels(run.optimizer)
@@ -134,12 +150,13 @@ def restore(run: Run, saved: dict) -> None:
         skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
         wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
         best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
+        best_measured_on=saved.get("best_measured_on"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
     # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
     if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
         run.state.run_id = new_run_id()
-    restart_selection_for_another_metric(run)
+    restart_incomparable_selection(run)
     if saved["world_size"] == run.ctx.world_size:
         restore_rng_state(saved["rng"][run.ctx.rank], run.ctx.device)
     else:
@@ -159,16 +176,24 @@ def saved_best_metric(saved: dict) -> str | None:
     return (saved.get("args") or {}).get("keep_best") if saved.get("best_value") is not None else None
 
 
-def best_metric_on_disk(save_dir: str) -> str | None:
-    """The metric recorded in `<save_dir>/best/best.json`, or None."""
-    metric = best_record_on_disk(save_dir).get("metric")
-    return metric if isinstance(metric, str) else None
+def best_on_disk_differs(run: Run) -> tuple[str, str] | None:
+    """(what it is of, a name for the folder it is moved to) when `<save_dir>/best/best.json` records
+    another metric than --keep_best, or other held-out data than this run's; else None."""
+    record = best_record_on_disk(run.args.save_dir)
+    metric, data = record.get("metric"), record.get("measured_on")
+    if isinstance(metric, str) and metric != run.args.keep_best:
+        return f"of {metric}", "best-of-" + metric.replace("/", "-")
+    if isinstance(data, list) and data != run.measured_on:
+        return "of other held-out data", "best-of-other-held-out-data"
+    return None
 
 
-def restart_selection_for_another_metric(run: Run) -> None:
-    """A resume with another --keep_best than the checkpoint's best is of: values of two metrics
-    cannot be compared (an accuracy of 0.28 never "improves" on a loss of 8.38), so the selection
-    starts afresh (every rank) and rank 0 moves the best/ of the other metric aside; one line says so."""
+def restart_incomparable_selection(run: Run) -> None:
+    """A resume with another --keep_best than the checkpoint's best is of, or with other held-out data
+    than it was measured on (`Run.measured_on`; a checkpoint that records none is taken as measured on
+    this run's): values of two metrics, or of one metric on two held-out sets, cannot be compared (an
+    accuracy of 0.28 never "improves" on a loss of 8.38), so the selection starts afresh (every rank)
+    and rank 0 moves the best/ of the other metric or data aside; one line says so."""
     metric, state = run.args.keep_best, run.state
     if not metric:
         return  # no selection now: the checkpoint's best is kept for a later resume with its metric
@@ -176,13 +201,16 @@ def restart_selection_for_another_metric(run: Run) -> None:
     if state.best_metric not in (None, metric):
         notes.append(f"the checkpoint's best is of {state.best_metric} ({state.best_value:.4f} at step "
                      f"{state.best_step}), which {metric} cannot be compared with: the selection starts afresh")
-        state.best_metric = state.best_value = state.best_step = None
+    elif state.best_value is not None and state.best_measured_on not in (None, run.measured_on):
+        notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) was measured on "
+                     "other held-out data than this run's --eval_data_path: the selection starts afresh")
+    if notes:
+        state.best_metric = state.best_value = state.best_step = state.best_measured_on = None
         state.evals_without_improvement = 0
     if run.ctx.is_main:
-        on_disk = best_metric_on_disk(run.args.save_dir)
-        if on_disk not in (None, metric):
-            folder = set_aside(run.args.save_dir, [os.path.join(run.args.save_dir, BEST_DIR)],
-                               "best-of-" + on_disk.replace("/", "-"))
-            notes.append(f"its best/ (of {on_disk}) moved to {folder}")
+        differs = best_on_disk_differs(run)
+        if differs:
+            folder = set_aside(run.args.save_dir, [os.path.join(run.args.save_dir, BEST_DIR)], differs[1])
+            notes.append(f"its best/ ({differs[0]}) moved to {folder}")
     if notes:
         run.logger.print(f"--keep_best {metric}: " + "; ".join(notes))

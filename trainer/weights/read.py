@@ -345,19 +345,27 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
     return config
 
 
+def misfit(expected: dict, state: dict, tied: bool) -> str | None:
+    """What keeps the tensors `state` from loading into a model whose state dict is `expected`, one part
+    per kind, each counted and its first tensors named ("missing 9 tensors (a, b, c, ...); unexpected 1
+    tensor (d)"), or None. A `tied` model needs no `lm_head.weight` (it is the embedding)."""
+    kinds = {
+        "missing": [k for k in expected if k not in state and not (tied and k == LM_HEAD)],
+        "unexpected": [k for k in state if k not in expected],
+        "wrong shape": [k for k in state if k in expected and state[k].shape != expected[k].shape],
+        "not float": [k for k in state if k in expected and not state[k].is_floating_point()],
+    }
+    return "; ".join(f"{kind} {_tensors(keys)}" for kind, keys in kinds.items() if keys) or None
+
+
 def load_into(model, weights: Weights) -> None:
     """Copy `weights.state` into `model` (fp32); any missing, extra or mis-shaped tensor is refused."""
     expected = model.state_dict()
     state = weights.state
     tied = model.config.tie_word_embeddings
-    missing = [k for k in expected if k not in state and not (tied and k == LM_HEAD)]
-    unexpected = [k for k in state if k not in expected]
-    wrong_shape = [k for k in state if k in expected and state[k].shape != expected[k].shape]
-    not_float = [k for k in state if k in expected and not state[k].is_floating_point()]
-    if missing or unexpected or wrong_shape or not_float:
-        details = (f" missing {missing[:3]}" if missing else "") + (f" unexpected {unexpected[:3]}" if unexpected else "")
-        details += (f" wrong shape {wrong_shape[:3]}" if wrong_shape else "") + (f" not float {not_float[:3]}" if not_float else "")
-        raise CheckpointError(f"{weights.source} does not fit its model config:{details}")
+    problems = misfit(expected, state, tied)
+    if problems:
+        raise CheckpointError(f"{weights.source} does not fit its model config: {problems}")
     if tied and LM_HEAD in state and not torch.equal(state[LM_HEAD], state[EMBED]):
         raise CheckpointError(f"{weights.source}: tie_word_embeddings is set but lm_head differs from the embedding")
     with torch.no_grad():

@@ -11,7 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer, run_trainer_in_process, together
+from tests.helpers.cache_checks import data_key
+from tests.helpers.trainer_launch import (
+    checkpoint_at, eval_rows, flags, run_trainer, run_trainer_in_process, together,
+)
 from trainer.evaluation.evaluate import last_assistant_turn, loss_and_accuracy_sums
 from trainer.evaluation.selection import improves, metric_mode, update_selection
 
@@ -73,15 +76,10 @@ def test_selection_directions_and_early_stop_at_the_right_evaluation():
     outcomes = []
     for step, value in enumerate([3.0, 2.0, 2.0, 2.5, 1.5, 1.6, 1.5, 1.7], start=1):
         state.step = step
-        outcomes.append(update_selection(state, "eval_loss", {"eval_loss": value}, patience=3))
+        outcomes.append(update_selection(state, "eval_loss", {"eval_loss": value}, patience=3, data=[f"key{step}"]))
     assert [new for new, _ in outcomes] == [True, True, False, False, True, False, False, False]
     assert [stop for _, stop in outcomes] == [False] * 7 + [True]  # 3rd evaluation in a row without improvement
-    assert (state.best_value, state.best_step) == (1.5, 5)
-
-
-def eval_rows(save_dir):
-    rows = [json.loads(line) for line in open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8")]
-    return [row for row in rows if row["kind"] == "eval"], rows
+    assert (state.best_value, state.best_step, state.best_measured_on) == (1.5, 5, ["key5"])
 
 
 def test_best_dir_holds_the_weights_of_the_best_step_and_metrics_record_it(data, tmp_path):
@@ -105,7 +103,8 @@ def test_best_dir_holds_the_weights_of_the_best_step_and_metrics_record_it(data,
     assert evals[-1]["best_step"] == best_step and evals[-1]["best_value"] == max(values)
     assert [row["new_best"] for row in evals] == [v > max(values[:i], default=-1) for i, v in enumerate(values)]
     record = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
-    assert record == {"metric": "eval_token_accuracy/b", "mode": "max", "value": max(values), "step": best_step}
+    assert record == {"metric": "eval_token_accuracy/b", "mode": "max", "value": max(values), "step": best_step,
+                      "measured_on": [data_key(tmp_path / "b.jsonl")]}  # the file of eval_token_accuracy/b alone
     best = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
     saved = torch.load(checkpoint_at(tmp_path / "run", best_step), weights_only=True)["model"]
     other = torch.load(checkpoint_at(tmp_path / "run", 6 if best_step != 6 else 5), weights_only=True)["model"]

@@ -262,3 +262,35 @@ def test_fsdp_refuses_what_it_cannot_do_with_one_line_errors():
         build_parallelism(SimpleNamespace(fsdp=1), two, torch.float16)
     # one process has nothing to shard: it trains as without --fsdp
     assert isinstance(build_parallelism(SimpleNamespace(fsdp=1), one, torch.float32), Replicated)
+
+
+def test_a_truncated_shard_is_skipped_and_a_checkpoint_that_does_not_fit_is_one_line(data, fsdp_run, tmp_path):
+    """A shard cut short: --from_resume 1 warns and resumes from the checkpoint before, in one process without
+    torch's warning. Shards whose tensors are not the model's (layer 1 left out of DCP's index): one line
+    naming the first missing tensor."""
+    import pickle
+
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_run, run)
+    shard = os.path.join(dcp_at(run, 4), "__1_0.distcp")
+    size = os.path.getsize(shard)
+    os.truncate(shard, 1000)
+    resumed = run_trainer(flags(data, run, "--batch_size", "6", *STEPS, "--max_steps", "5", "--from_resume", "1",
+                                "--save_interval", "0"))
+    assert (f"warning: skipping unusable checkpoint: sharded checkpoint {dcp_at(run, 4)} is truncated (__1_0.distcp "
+            f"holds 1000 bytes, its index needs {size}); falling back to the previous one") in resumed.stdout.splitlines()
+    assert f"resuming from {dcp_at(run, 2)} (step 2," in resumed.stdout
+    assert "Warning" not in resumed.stderr and "Traceback" not in resumed.stderr, resumed.stderr
+    index = os.path.join(dcp_at(run, 2), ".metadata")
+    with open(index, "rb") as handle:
+        metadata = pickle.load(handle)
+    metadata.state_dict_metadata = {key: value for key, value in metadata.state_dict_metadata.items()
+                                    if not key.startswith("model.model.layers.1.")}
+    with open(index, "wb") as handle:
+        pickle.dump(metadata, handle)
+    refused = run_trainer_in_process(flags(data, tmp_path / "other", "--batch_size", "6", *STEPS,
+                                           "--resume_from", dcp_at(run, 2)))
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines()[-1] == (
+        f"error: sharded checkpoint {dcp_at(run, 2)} does not fit this run: rank 0: Missing key in checkpoint "
+        "state_dict: model.model.layers.1.input_layernorm.weight.")

@@ -1,0 +1,67 @@
+"""Sharded resume checkpoints read in one process (trainer/checkpoint/sharded.py): a shard cut short or
+missing is found when the checkpoint is chosen, and the load says nothing of torch.distributed."""
+
+import os
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from tests.helpers.tiny_model import tiny_model
+from trainer.checkpoint.files import atomic_torch_save
+from trainer.checkpoint.resume import find_resume_checkpoint, load_resume_checkpoint
+from trainer.checkpoint.sharded import META, load_training_state, sharded_path
+from trainer.checkpoint.single_file import stamped
+
+SHARD = "__0_0.distcp"  # what one process writes
+
+
+def trained(seed: int):
+    """A tiny model and its AdamW after one step (so the optimizer has state to save)."""
+    model = tiny_model(seed).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.randint(0, 97, (2, 8)), labels=torch.randint(0, 97, (2, 8))).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def write_sharded(save_dir, step: int, model, optimizer) -> str:
+    """A sharded checkpoint as one process writes it: the shard and DCP's index, then meta.pt."""
+    path = sharded_path(str(save_dir), step)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path, no_dist=True)
+    meta = {"model_config": model.config.to_dict(), "step": step, "epoch": 0, "samples_in_epoch": 0, "rng": [],
+            "world_size": 1, "args": {}}
+    atomic_torch_save(stamped(meta), os.path.join(path, META))
+    return path
+
+
+def test_a_truncated_or_missing_shard_is_skipped_for_the_checkpoint_before(tmp_path):
+    model, optimizer = trained(0)
+    paths = [write_sharded(tmp_path, step, model, optimizer) for step in (1, 2, 3)]
+    size = os.path.getsize(os.path.join(paths[2], SHARD))
+    os.truncate(os.path.join(paths[2], SHARD), 1000)
+    os.remove(os.path.join(paths[1], SHARD))
+    messages = []
+    found, saved = find_resume_checkpoint(str(tmp_path), log=messages.append)
+    assert (found, saved["step"]) == (paths[0], 1)
+    assert messages == [
+        f"warning: skipping unusable checkpoint: sharded checkpoint {paths[2]} is truncated ({SHARD} holds 1000 "
+        f"bytes, its index needs {size}); falling back to the previous one",
+        f"warning: skipping unusable checkpoint: sharded checkpoint {paths[1]} is incomplete (no {SHARD}); falling "
+        "back to the previous one"]
+
+
+def test_a_sharded_checkpoint_loads_in_one_process_without_a_warning(tmp_path):
+    model, optimizer = trained(0)
+    path = write_sharded(tmp_path, 1, model, optimizer)
+    other, other_optimizer = trained(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_training_state(other, other_optimizer, load_resume_checkpoint(path))
+    assert [str(warning.message) for warning in caught] == []
+    assert all(torch.equal(value, other.state_dict()[key]) for key, value in model.state_dict().items())
+    assert torch.equal(other_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])

@@ -1,0 +1,83 @@
+"""The best model across a resume: its value is compared only with values of the same metric measured
+on the same held-out data (trainer/loop/state.py, trainer/evaluation/selection.py)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers.cache_checks import data_key
+from tests.helpers.trainer_launch import checkpoint_at, eval_rows, flags, run_trainer_in_process
+from trainer.evaluation.evaluate import EvalSet
+from trainer.evaluation.selection import measured_on
+
+SELECTION = ["--batch_size", "8", "--eval_interval", "1", "--keep_best", "eval_loss"]
+
+
+def test_a_metric_is_measured_on_the_files_it_covers():
+    eval_sets = [EvalSet("b", None, data_key="kb"), EvalSet("a", None, data_key="ka")]
+    assert measured_on(eval_sets, "eval_loss") == ["ka", "kb"]
+    assert measured_on(eval_sets, "eval_loss/b") == ["kb"]
+
+
+@pytest.fixture(scope="module")
+def selected(data, tmp_path_factory):
+    """A run of 2 steps keeping its best eval_loss on the demo eval.jsonl, and a held-out file of other rows."""
+    folder = tmp_path_factory.mktemp("selected")
+    run_trainer_in_process(flags(data, folder / "run", *SELECTION, "--max_steps", "2",
+                                 "--eval_data_path", str(data / "eval.jsonl")), check=True)
+    (folder / "other.jsonl").write_text("".join(open(data / "eval.jsonl", encoding="utf-8").readlines()[:8]))
+    return folder
+
+
+def resume(data, run, eval_path):
+    return run_trainer_in_process(flags(data, run, *SELECTION, "--max_steps", "3", "--from_resume", "1",
+                                        "--eval_data_path", str(eval_path)), check=True)
+
+
+def test_a_resume_on_other_held_out_data_starts_the_selection_afresh(data, selected, tmp_path):
+    run, other = tmp_path / "run", selected / "other.jsonl"
+    shutil.copytree(selected / "run", run)
+    old_best = (run / "best" / "best.json").read_text()
+    assert json.loads(old_best)["measured_on"] == [data_key(data / "eval.jsonl")]
+    resumed = resume(data, run, other)
+    [folder] = os.listdir(run / "set_aside")
+    notes = [line for line in resumed.stdout.splitlines() if line.startswith("--keep_best")]
+    assert notes == [f"--keep_best eval_loss: the checkpoint's best ({json.loads(old_best)['value']:.4f} at step "
+                     f"{json.loads(old_best)['step']}) was measured on other held-out data than this run's "
+                     f"--eval_data_path: the selection starts afresh; its best/ (of other held-out data) moved to "
+                     f"{run / 'set_aside' / folder}"]
+    [row] = [row for row in eval_rows(run)[0] if row["step"] == 3]
+    assert (row["new_best"], row["best_step"], row["best_value"]) == (True, 3, row["eval_loss"])
+    assert (run / "set_aside" / folder / "best" / "best.json").read_text() == old_best
+    assert json.loads((run / "best" / "best.json").read_text())["measured_on"] == [data_key(other)]
+    assert torch.load(checkpoint_at(run, 2), weights_only=True)["best_measured_on"] == [data_key(data / "eval.jsonl")]
+    assert torch.load(checkpoint_at(run, 3), weights_only=True)["best_measured_on"] == [data_key(other)]
+
+
+@pytest.mark.parametrize("case", ["moved", "unrecorded"])
+def test_a_resume_keeps_comparing_with_the_best_on_the_same_or_unrecorded_held_out_data(data, selected, tmp_path, case):
+    """A byte-identical copy of the held-out file elsewhere is the same data; a checkpoint (and best.json)
+    that records no held-out data is taken as measured on this run's, as before the record existed."""
+    run = tmp_path / "run"
+    shutil.copytree(selected / "run", run)
+    eval_path = tmp_path / "elsewhere" / "eval.jsonl"
+    eval_path.parent.mkdir()
+    shutil.copyfile(data / "eval.jsonl", eval_path)
+    if case == "unrecorded":
+        eval_path = selected / "other.jsonl"
+        saved = torch.load(checkpoint_at(run, 2), weights_only=True)
+        del saved["best_measured_on"]
+        torch.save(saved, checkpoint_at(run, 2))
+        record = json.loads((run / "best" / "best.json").read_text())
+        del record["measured_on"]
+        (run / "best" / "best.json").write_text(json.dumps(record))
+    old = json.loads((run / "best" / "best.json").read_text())
+    resumed = resume(data, run, eval_path)
+    assert "--keep_best" not in resumed.stdout and not (run / "set_aside").exists()
+    [row] = [row for row in eval_rows(run)[0] if row["step"] == 3]
+    improved = row["eval_loss"] < old["value"]
+    assert (row["new_best"], row["best_step"], row["best_value"]) == (
+        (True, 3, row["eval_loss"]) if improved else (False, old["step"], old["value"]))
