@@ -42,6 +42,7 @@ from .formats import THINK_CLOSE, THINK_OPEN, Conversation, DataError, LineError
 from .prefix_tokens import encode_text
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "model" / "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # a folder holding one holds a tokenizer
 
 
 def load_tokenizer(path: str | Path | None = None):
@@ -55,8 +56,10 @@ def load_tokenizer(path: str | Path | None = None):
     from transformers import AutoTokenizer
 
     directory = Path(path) if path is not None else DEFAULT_TOKENIZER_DIR
-    if directory.is_file():  # tokenizer.json itself, say: transformers loads a folder
-        raise DataError(f"{directory}: is a file; give the tokenizer's directory ({directory.parent}, which holds it)")
+    if directory.is_file():  # transformers loads a folder
+        if holds_tokenizer(directory.parent):  # tokenizer.json itself, say
+            raise DataError(f"{directory}: is a file; give the tokenizer's directory ({directory.parent}, which holds it)")
+        raise DataError(f"{directory}: is a file, not a tokenizer directory (a folder with {' or '.join(TOKENIZER_FILES)})")
     if not directory.is_dir():
         raise DataError(f"{directory}: tokenizer directory not found")
     try:
@@ -74,6 +77,10 @@ def load_tokenizer(path: str | Path | None = None):
                             "padded with one): set one in its tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def holds_tokenizer(folder: str | Path) -> bool:
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def check_tokenizer(tokenizer, name: str = "tokenizer") -> None:

@@ -118,6 +118,15 @@ def test_a_tokenizer_file_given_for_its_directory_is_named_as_a_file(tmp_path):
                                f"({tmp_path}, which holds it)")
 
 
+def test_a_file_in_a_folder_without_a_tokenizer_is_not_called_one_in_a_tokenizers_folder(tmp_path):
+    # RUN/checkpoints/step_00000004.pt: its folder holds checkpoints, no tokenizer to point to
+    (tmp_path / "step_00000004.pt").write_bytes(b"PK")
+    with pytest.raises(DataError) as info:
+        load_tokenizer(tmp_path / "step_00000004.pt")
+    assert str(info.value) == (f"{tmp_path / 'step_00000004.pt'}: is a file, not a tokenizer directory (a folder "
+                               "with tokenizer.json or tokenizer_config.json)")
+
+
 def test_a_tokenizer_without_pad_and_eos_tokens_is_refused_when_loaded(tmp_path):
     # batches are padded with the pad token (else eos): without both, the trainer would stop in its collator,
     # after tokenizing the data, with "pad_token_id is required"

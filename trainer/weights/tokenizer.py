@@ -21,11 +21,10 @@ import tempfile
 from dataclasses import dataclass
 
 from dataset import DataError, load_tokenizer
-from dataset.rendering import tokenizer_fingerprint
+from dataset.rendering import holds_tokenizer, tokenizer_fingerprint
 from trainer.errors import CheckpointError, ConfigError
 
 SHIPPED = "the shipped model/tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 IDENTITY_KEY = "--tokenizer_path (tokenizer and chat template)"  # in the oldest checkpoints' sample_stream["fixed"]
 
 
@@ -78,7 +77,7 @@ def _identity_fingerprint(stream) -> str | None:
 
 def of_folder(folder: str) -> OwnTokenizer | None:
     """The tokenizer saved in a weights folder (an HF directory, the folder of a .safetensors), or None."""
-    if any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+    if holds_tokenizer(folder):
         return OwnTokenizer("saved with the weights", folder)
     return None
 
