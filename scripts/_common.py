@@ -121,10 +121,7 @@ def load_model_and_tokenizer(args):
 
     device = resolve_device(args.device)
     model = load_model_for_inference(args.model_path, device=device, dtype=resolve_dtype(args.dtype))
-    tokenizer = load_tokenizer_for_model(args.model_path, args.tokenizer_path)
-    if len(tokenizer) > model.config.vocab_size:
-        fail(f"tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}: "
-             "wrong --tokenizer_path?")
+    tokenizer = load_tokenizer_for_model(args.model_path, args.tokenizer_path, vocab_size=model.config.vocab_size)
     return model, tokenizer
 
 

@@ -12,7 +12,7 @@ from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.runtime.distributed import processes_on_this_node
 from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
-from trainer.weights.tokenizer import resolve_tokenizer
+from trainer.weights.tokenizer import check_vocab_fits, resolve_tokenizer
 from trainer.weights.write import minimind_pth_name, minimind_unsupported, pth_prefix_problem
 
 # Architecture flags and the config field each sets. With --from_weight the field comes from the
@@ -199,10 +199,7 @@ def _model_config(args, tokenizer, weights: Weights | None, own_positions: int) 
     for name, value in tokens.items():
         setattr(config, name, value)
     check_flags_against_weights(args, config, weights.source)
-    # The weights' own tokenizer (or one with its very fingerprint) may be smaller than a padded vocab_size.
-    if len(tokenizer) > config.vocab_size or (len(tokenizer) != config.vocab_size and weights.tokenizer is None):
-        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the weights' vocab_size is "
-                          f"{config.vocab_size} ({weights.source}): use the tokenizer the weights were trained with")
+    check_vocab_fits(tokenizer, config.vocab_size, weights.tokenizer, weights.source)
     return config
 
 

@@ -1,6 +1,10 @@
 """scripts/chat.py, eval_sft.py and plot_loss.py: bad input is one `error:` line and exit 2."""
 
-from tests.helpers.overfitted import script
+import torch
+
+from model import MiniMindConfig, MiniMindForCausalLM
+from tests.helpers.overfitted import script, script_in_process
+from trainer.weights.inference import load_tokenizer_for_model
 
 
 def test_bad_input_gives_one_line_error_and_exit_2(trained, tmp_path):
@@ -15,8 +19,6 @@ def test_bad_input_gives_one_line_error_and_exit_2(trained, tmp_path):
 
 def test_an_output_file_that_is_the_data_file_is_refused_and_the_data_kept(tmp_path):
     """`--html data.jsonl` (a slip of the tab key) would replace the data with the report."""
-    from tests.helpers.overfitted import script_in_process
-
     data = tmp_path / "data.jsonl"
     data.write_text('{"conversations": [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]}\n')
     for name, args in (("inspect_data.py", ["--data_path", str(data), "--html", str(data)]),
@@ -51,3 +53,22 @@ def test_a_path_with_control_characters_is_escaped_on_the_one_error_line_without
     shown = "d\\x1b[2J\\nx\\r.jsonl"
     assert (done.stdout, done.stderr) == ("2 []\n", f"error: --json_out {shown} is the data file {shown}: writing "
                                                     "it would overwrite the data; choose another file\n")
+
+
+def test_a_tokenizer_smaller_than_the_weights_vocabulary_is_refused_as_the_trainer_refuses_it(trained, tmp_path):
+    """Weights that name no tokenizer (a MiniMind .pth) with 64 embedding rows more than the shipped
+    tokenizer has tokens: another tokenizer's ids would mean other text (chat printed an empty answer,
+    eval a full result). The weights' own tokenizer may be smaller than a padded vocab_size."""
+    tokens = len(trained["tokenizer"])
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=tokens + 64, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2))
+    pth = tmp_path / "full_sft_32.pth"
+    torch.save({k: v.half() for k, v in model.state_dict().items()}, pth)
+    refused = (2, f"error: the tokenizer has {tokens} tokens but the weights' vocab_size is {tokens + 64} ({pth}): "
+                  "use the tokenizer the weights were trained with\n")
+    for name, args in (("chat.py", ["--prompt", "hi"]), ("eval_sft.py", ["--data_path", str(trained["data"])]),
+                       ("export_hf.py", ["--out_dir", str(tmp_path / "export")])):
+        done = script_in_process(name, "--model_path", str(pth), "--device", "cpu", *args)
+        assert (done.returncode, done.stderr) == refused, name
+    assert not (tmp_path / "export").exists()
+    assert len(load_tokenizer_for_model(trained["hf_dir"], vocab_size=tokens + 64)) == tokens

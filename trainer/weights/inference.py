@@ -28,7 +28,7 @@ from dataset import DataError
 from trainer.checkpoint.save_dir import checkpoints_folder_problem, list_checkpoints
 from trainer.errors import CheckpointError, ConfigError, ModelLoadError
 from trainer.weights.read import build_config, check_torch_file, load_into, model_dir_of, read_weights, saved_tokenizer
-from trainer.weights.tokenizer import of_folder, resolve_tokenizer
+from trainer.weights.tokenizer import check_vocab_fits, of_folder, resolve_tokenizer
 
 
 # --------------------------------------------------------------------------- path kinds
@@ -92,12 +92,16 @@ def own_tokenizer_at(path: str | Path):
         raise ModelLoadError(str(error)) from None
 
 
-def load_tokenizer_for_model(path: str | Path, tokenizer_path: str | Path | None = None, log=print):
+def load_tokenizer_for_model(path: str | Path, tokenizer_path: str | Path | None = None, log=print,
+                             vocab_size: int | None = None):
     """The tokenizer that goes with the model at ``path``: ``tokenizer_path`` if it is the model's own (by
-    fingerprint), else the model's own (``own_tokenizer_at``), else the shipped one; one line if none fits."""
+    fingerprint), else the model's own (``own_tokenizer_at``), else the shipped one; one line if none fits,
+    or if it does not fit the model's ``vocab_size`` as the trainer requires (``check_vocab_fits``)."""
+    own = own_tokenizer_at(path)
     try:
-        tokenizer, _, _ = resolve_tokenizer(own_tokenizer_at(path), str(tokenizer_path) if tokenizer_path else None,
-                                            str(path), log)
+        tokenizer, _, _ = resolve_tokenizer(own, str(tokenizer_path) if tokenizer_path else None, str(path), log)
+        if vocab_size is not None:
+            check_vocab_fits(tokenizer, vocab_size, own, str(path))
     except (DataError, ConfigError, CheckpointError) as error:
         raise ModelLoadError(str(error)) from None
     return tokenizer

@@ -131,6 +131,15 @@ def check_explicit(tokenizer, path: str, own: OwnTokenizer, source: str) -> str 
     return None
 
 
+def check_vocab_fits(tokenizer, vocab_size: int, own: OwnTokenizer | None, source: str) -> None:
+    """Every token id must have an embedding; a vocab_size above the tokenizer's size (padded) is taken only
+    with the weights' own tokenizer (or one with its fingerprint): a tokenizer of weights that name none
+    must have their size exactly, else it is another one, whose ids mean other text."""
+    if len(tokenizer) > vocab_size or (len(tokenizer) != vocab_size and own is None):
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the weights' vocab_size is {vocab_size} "
+                          f"({source}): use the tokenizer the weights were trained with")
+
+
 def resolve_tokenizer(own: OwnTokenizer | None, explicit: str | None, source: str, log=print):
     """(tokenizer, the directory to record for it, where it came from): `explicit` (checked against the
     weights' own), else the weights' own, else the shipped one."""
