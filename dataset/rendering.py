@@ -20,10 +20,26 @@ drop the reasoning of earlier turns, are not prefix-stable). For assistant messa
   body (what follows its think block: reply, tool calls, end-of-turn token); the span runs from
   the header's end to the body's end, so whatever think block the template left is learned too.
   A turn that cannot be found either way makes that line bad (``LineError``, skippable).
- A token carries
-loss when its characters overlap a span (fast-tokenizer offsets), so a token that merges a
-header's trailing space with the reply's first word is learned, as in HF's
+
+A token carries loss when its characters overlap a span (fast-tokenizer offsets), so a token that
+merges a header's trailing space with the reply's first word is learned, as in HF's
 ``return_assistant_tokens_mask``.
+
+What the data carries must be in the text: a conversation whose tools, tool calls or reasoning the
+template leaves out (a plain ChatML template renders only roles and contents) makes that line bad
+(``LineError``, skippable), rather than training a call turn as an empty reply. A string counts as
+rendered where it occurs more often than in the data the template writes there verbatim, as written
+or as inside a JSON string (``tojson``, with or without ``ensure_ascii``):
+
+* a tool: its function name, outside the loss spans, beyond the system, user and tool messages'
+  contents (a tool without a name: each of its strings);
+* a tool call: its function name and every key and string value of its arguments, in its turn's
+  loss span, beyond the turn's reply and the reasoning rendered there;
+* reasoning (``reasoning_content``): in its turn's loss span, beyond the reply, for a turn that no
+  user message follows. An earlier turn's reasoning need only be in its ``fragment`` (rendered when
+  the turn is the last message): Qwen3's templates leave the reasoning of turns before the last
+  user message out of the text by design (the model never sees it in a later prompt), so that
+  reasoning is learned only by a row that ends with it.
 
 Special tokens come only from the template: text inside the data that spells a special token
 (``<|im_end|>`` in a user turn, in a key of a tool call's arguments or of a tool's schema) is
@@ -199,12 +215,70 @@ def _locate(text: str, fragment: str, header: int, lower: int) -> tuple[int, int
     return start, end + len(body)
 
 
+def _forms(needle: str):
+    """``needle`` as a template writes it: as it is, or inside a JSON string (``tojson``)."""
+    yield needle
+    for ascii_only in (False, True):
+        form = json.dumps(needle, ensure_ascii=ascii_only)[1:-1]
+        if form != needle:
+            yield form
+
+
+def _rendered(needle: str, text: str, verbatim: list[str]) -> bool:
+    """Does ``text`` hold ``needle`` more often than the data strings ``verbatim`` that it holds as they
+    are: an occurrence beyond theirs is the template's rendering of it (module docstring)."""
+    return any(text.count(form) > sum(string.count(form) for string in verbatim) for form in _forms(needle))
+
+
+def _left_out(message: dict, number: int, fragment: str, trained: str, answered: bool):
+    """(what, detail) of each part of assistant message ``number`` that its loss span's text ``trained``
+    lacks (``fragment``, for the reasoning of a turn that a user message follows: ``answered``)."""
+    content = message.get("content")
+    verbatim = [content if isinstance(content, str) else ""]
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning.strip():
+        if not _rendered(reasoning.strip(), fragment if answered else trained, verbatim):
+            yield "reasoning", f"assistant message {number}"
+        elif _rendered(reasoning.strip(), trained, verbatim):
+            verbatim.append(reasoning)
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or call
+        needles = [function.get("name"), *data_strings(function.get("arguments"))]
+        if not all(_rendered(needle, trained, verbatim) for needle in needles if isinstance(needle, str) and needle):
+            yield "tool calls", f"assistant message {number}: {function.get('name')!r}"
+
+
+def _tools_left_out(conversation: Conversation, text: str, spans: list[tuple[int, int]]):
+    """("tools", name) of each tool that the text outside the loss spans lacks (module docstring)."""
+    bounds = [0, *(bound for span in spans for bound in span), len(text)]
+    outside = "\x00".join(text[start:end] for start, end in zip(bounds[0::2], bounds[1::2]))
+    verbatim = [message["content"] for message in conversation.messages
+                if message["role"] != "assistant" and isinstance(message.get("content"), str)]
+    for tool in conversation.tools or ():
+        function = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        name = function.get("name")
+        needles = [name] if isinstance(name, str) and name else [string for string in data_strings(tool) if string]
+        if not all(_rendered(needle, outside, verbatim) for needle in needles):
+            yield "tools", repr(name) if isinstance(name, str) and name else "one without a name"
+
+
+def _not_rendered(tokenizer, missing: dict[str, str]) -> LineError:
+    """The line's error naming the first of each part the template left out."""
+    parts = [f"{what} ({missing[what]})" for what in ("tools", "tool calls", "reasoning") if what in missing]
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+    return LineError(f"the chat template of {where} does not render this conversation's {listed}")
+
+
 def loss_spans(tokenizer, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
-    """Render the conversation; return the text and the character spans that carry loss."""
+    """Render the conversation; return the text and the character spans that carry loss. A
+    conversation whose tools, tool calls or reasoning the text lacks is a ``LineError`` (module docstring)."""
     messages, tools = conversation.messages, conversation.tools
     text = _render(tokenizer, messages, tools)
     spans = []
     cursor = 0
+    missing: dict[str, str] = {}  # what the template left out -> where, first
+    last_user = max((index for index, message in enumerate(messages) if message["role"] == "user"), default=-1)
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -219,9 +293,15 @@ def loss_spans(tokenizer, conversation: Conversation) -> tuple[str, list[tuple[i
                 f"the chat template renders assistant message {index + 1} differently inside the conversation "
                 "than as its last message; its loss span cannot be located"
             )
+        for what, detail in _left_out(message, index + 1, fragment, text[span[0]:span[1]], index < last_user):
+            missing.setdefault(what, detail)
         if span[1] > span[0]:
             spans.append(span)
         cursor = span[1]
+    for what, detail in _tools_left_out(conversation, text, spans):
+        missing.setdefault(what, detail)
+    if missing:
+        raise _not_rendered(tokenizer, missing)
     return text, spans
 
 

@@ -20,7 +20,7 @@ from dataset.chatml_encoder import ChatMLEncoder as ChunkEncoder
 from dataset.formats import Conversation, LineError, parse_line
 from dataset.rendering import encode_with_template as encode_conversation
 from dataset.rendering import load_tokenizer
-from tests.helpers.templates import ALT_TEMPLATE, THINK_TEMPLATE, make_alt_tokenizer
+from tests.helpers.templates import ALT_TEMPLATE, THINK_TEMPLATE, make_alt_tokenizer, with_template
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_FILES = sorted(glob.glob(str(ROOT / "dataset" / "demo" / "*.jsonl")))
@@ -141,12 +141,6 @@ def test_long_texts_go_through_the_prefix_tokenizer_with_the_same_result(tokeniz
 
 
 # ----------------------------------------------------------------------------- which templates
-
-
-def with_template(tokenizer, template):
-    other = copy.deepcopy(tokenizer)
-    other.chat_template = template
-    return other
 
 
 # A template in MiniMind's layout written another way (whitespace control per line, a namespace, the

@@ -11,7 +11,7 @@ from dataset import DataError, build_cache_and_open
 from tests.helpers.chat_rows import (
     CALL, CALL_TEXT, EMPTY_THINK, RESULT, TOOL_CHAT_MINIMIND, TOOLS, make_chat, write_lines,
 )
-from tests.helpers.templates import THINK_TEMPLATE
+from tests.helpers.templates import THINK_TEMPLATE, with_template
 
 
 TOOL_CHAT_OPENAI = {"tools": TOOLS, "messages": [
@@ -75,8 +75,7 @@ def test_tool_and_reasoning_spans_with_the_shipped_template(tokenizer, tmp_path)
 def test_tool_and_reasoning_spans_with_a_template_that_is_not_prefix_stable(tokenizer, tmp_path):
     import copy
 
-    other = copy.deepcopy(tokenizer)
-    other.chat_template = THINK_TEMPLATE
+    other = with_template(tokenizer, THINK_TEMPLATE)
     row = copy.deepcopy(TOOL_CHAT_MINIMIND)
     row["conversations"] += [{"role": "user", "content": "And Quendor?"},
                              {"role": "assistant", "content": "Ostra", "reasoning_content": "I know it."}]

@@ -1,6 +1,8 @@
 """Tokenizers and chat templates other than the shipped ones: a small BPE tokenizer with a template
-that is not ChatML, and a Qwen3-like ChatML template that is not prefix-stable."""
+that is not ChatML, ChatML that renders contents only, a Qwen3-like ChatML template that is not
+prefix-stable and Qwen3's own."""
 
+import copy
 from pathlib import Path
 
 
@@ -10,6 +12,18 @@ ALT_TEMPLATE = (
     "{% else %}{{ '<s>' + m['role'] + ': ' + m['content'] + '\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<s>Bot: ' }}{% endif %}"
 )
+
+
+def with_template(tokenizer, template: str):
+    """A copy of ``tokenizer`` with another chat template."""
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = template
+    return other
+
+
+# ChatML that renders roles and contents only: no tools, tool calls or reasoning.
+PLAIN_CHATML = ("{% for m in messages %}<|im_start|>{{m.role}}\n{{m.content}}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def make_alt_tokenizer(directory: Path, template: str = ALT_TEMPLATE):
@@ -50,4 +64,44 @@ THINK_TEMPLATE = (
     "{%- elif m.role == 'tool' %}{{ '<|im_start|>tool\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+)
+
+
+# Qwen3's template (Qwen/Qwen3-8B), its rules written compactly, its tools preamble shortened:
+# tools as JSON lines in the system turn; the last user query is the last user message that is not
+# a wrapped tool response; an assistant turn after it keeps its think block (the last message
+# always, others when they carry reasoning), earlier turns lose it; tool calls as JSON in
+# <tool_call>; tool results in a user turn.
+QWEN3_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}"
+    "{%- endif %}{{- '# Tools\\n\\n<tools>' }}{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and not (message.content.startswith('<tool_response>')"
+    " and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- set content = message.content if message.content is string else '' %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls or [] %}{%- if (loop.first and content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set call = tool_call.function if tool_call.function else tool_call %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
+    "{{- call.arguments if call.arguments is string else (call.arguments | tojson) }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
