@@ -33,7 +33,9 @@ import torch
 from dataset.mixture import absolute_data_path
 from dataset.printable import print_escaped, printable
 from trainer.args import parse_args
-from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint, load_resume_checkpoint
+from trainer.checkpoint.resume import (
+    check_model_config, claim_for_resume, find_resume_checkpoint, load_resume_checkpoint,
+)
 from trainer.checkpoint.save_dir import (
     SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir,
 )
@@ -102,9 +104,12 @@ def locate_resume(args, config, ctx, log) -> dict | None:
 
 
 def choose_resume_checkpoint(args, log) -> tuple[str | None, dict | None]:
-    """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run."""
+    """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run. A --save_dir
+    of another run is claimed (refused, or set aside with --overwrite 1)."""
     if args.resume_from:
-        return args.resume_from, load_resume_checkpoint(args.resume_from)
+        saved = load_resume_checkpoint(args.resume_from)
+        claim_for_resume(args.save_dir, saved, args.overwrite, log)
+        return args.resume_from, saved
     found = find_resume_checkpoint(args.save_dir, log=log) if args.from_resume else None
     if found:
         return found
