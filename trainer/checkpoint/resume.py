@@ -52,7 +52,7 @@ def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
     return None
 
 
-def claim_for_resume(save_dir: str, saved: dict, overwrite: bool, log=print) -> None:
+def claim_for_resume(save_dir: str, saved: dict, overwrite: bool, log=print, pth_name: str | None = None) -> None:
     """--resume_from a checkpoint (`saved`) into `save_dir`. A checkpoint's run id (trainer/loop/state.py)
     is kept across resumes, and a rollback's new line of training writes beside the checkpoints and the
     metrics.jsonl rows of the line it left: a directory where neither a checkpoint nor a row names the
@@ -62,7 +62,7 @@ def claim_for_resume(save_dir: str, saved: dict, overwrite: bool, log=print) -> 
     run_id = saved.get("run_id")
     if run_id is None or run_id in logged_run_ids(save_dir) or run_id in checkpoint_run_ids(save_dir):
         return
-    claim_for_fresh_run(save_dir, overwrite, log, resumed=run_id)
+    claim_for_fresh_run(save_dir, overwrite, log, pth_name=pth_name, resumed=run_id)
 
 
 def checkpoint_run_ids(save_dir: str) -> set:

@@ -9,6 +9,7 @@ import torch
 
 from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer_in_process
 from trainer.checkpoint.resume import claim_for_resume, load_resume_checkpoint
+from trainer.checkpoint.save_dir import claim_for_fresh_run
 from trainer.checkpoint.single_file import FORMAT
 from trainer.errors import CheckpointError
 
@@ -90,3 +91,47 @@ def test_a_resume_of_another_runs_checkpoint_never_deletes_the_save_dirs_own_run
     assert sorted(os.listdir(tmp_path / "B" / "checkpoints")) == ["step_00000002.pt", "step_00000003.pt"]
     rows = [json.loads(line) for line in open(tmp_path / "B" / "metrics.jsonl", encoding="utf-8")]
     assert [(row["step"], row["run_id"]) for row in rows] == [(2, a_run), (3, a_run)] and a_run != b_run
+
+
+@pytest.mark.slow
+def test_the_minimind_pth_of_save_weight_is_another_runs_file_and_one_of_another_prefix_is_no_runs(data, tmp_path):
+    """`--save_weight full_sft` writes SAVE_DIR/full_sft_32.pth: one already there is claimed like checkpoints/
+    (refused, or set aside with --overwrite 1); MiniMind's pretrain_32.pth beside it is left as it is."""
+    pth = ["--save_weight", "full_sft", "--max_steps", "1", "--save_interval", "1"]
+    run_trainer_in_process(flags(data, tmp_path / "run", *pth), check=True)
+    weights = (tmp_path / "run" / "full_sft_32.pth").read_bytes()
+    minimind = tmp_path / "out"  # MiniMind's out/: downloaded weights, no run
+    minimind.mkdir()
+    for name in ("full_sft_32.pth", "pretrain_32.pth"):
+        (minimind / name).write_bytes(weights)
+    refused = run_trainer_in_process(flags(data, minimind, *pth, "--seed", "5"))
+    assert (refused.returncode, refused.stderr.splitlines()) == (2, [
+        f"error: --save_dir {minimind} holds another run (full_sft_32.pth): choose another --save_dir, or pass "
+        f"--overwrite 1 to start over there (its files are moved to {minimind / 'set_aside'}/)"])
+    assert sorted(os.listdir(minimind)) == [".lock", "full_sft_32.pth", "pretrain_32.pth"]
+    assert (minimind / "full_sft_32.pth").read_bytes() == weights
+    again = run_trainer_in_process(flags(data, tmp_path / "run", *pth, "--seed", "5", "--overwrite", "1"), check=True)
+    [folder] = os.listdir(tmp_path / "run" / "set_aside")
+    aside = tmp_path / "run" / "set_aside" / folder
+    assert (f"--overwrite 1: moved the previous run's checkpoints, model, metrics.jsonl, full_sft_32.pth to {aside}\n"
+            in again.stdout)
+    assert (aside / "full_sft_32.pth").read_bytes() == weights != (tmp_path / "run" / "full_sft_32.pth").read_bytes()
+    (minimind / "full_sft_32.pth").unlink()
+    run_trainer_in_process(flags(data, minimind, *pth, "--from_weight", "pretrain"), check=True)
+    assert sorted(os.listdir(minimind)) == [".lock", "checkpoints", "full_sft_32.pth", "metrics.jsonl", "model",
+                                            "pretrain_32.pth"]
+    assert (minimind / "pretrain_32.pth").read_bytes() == weights
+
+
+def test_from_resume_finding_no_checkpoint_refuses_a_pth_that_no_restarted_job_wrote(tmp_path):
+    """A .pth is written with a checkpoint: beside none, it is no restarted job's to move aside unasked."""
+    (tmp_path / "full_sft_32.pth").write_bytes(b"downloaded weights")
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "run_id": "r"}\n')
+    with pytest.raises(CheckpointError) as refused:
+        claim_for_fresh_run(str(tmp_path), overwrite=False, resuming=True, pth_name="full_sft_32.pth")
+    assert str(refused.value) == (
+        f"--save_dir {tmp_path} holds another run (metrics.jsonl and full_sft_32.pth): choose another --save_dir, or "
+        f"pass --overwrite 1 to start over there (its files are moved to {tmp_path / 'set_aside'}/)")
+    assert sorted(os.listdir(tmp_path)) == ["full_sft_32.pth", "metrics.jsonl"]
+    claim_for_fresh_run(str(tmp_path), overwrite=False, resuming=True, pth_name="pretrain_32.pth")  # not this run's
+    assert sorted(os.listdir(tmp_path)) == ["full_sft_32.pth", "set_aside"]
