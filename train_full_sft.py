@@ -33,7 +33,9 @@ import torch
 from dataset.mixture import absolute_data_path
 from dataset.printable import print_escaped, printable
 from trainer.args import parse_args
-from trainer.checkpoint.resume import check_model_config, find_resume_checkpoint, load_resume_checkpoint
+from trainer.checkpoint.resume import (
+    check_model_config, claim_for_resume, find_resume_checkpoint, load_resume_checkpoint,
+)
 from trainer.checkpoint.save_dir import (
     SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir,
 )
@@ -59,6 +61,7 @@ from trainer.runtime.kernels import prefer_flash_attention
 from trainer.runtime.node_lines import print_for_node
 from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler, resolve_dtype
 from trainer.runtime.seeding import setup_seed
+from trainer.weights.write import minimind_pth_name
 
 
 def claim_save_dir(args, ctx):
@@ -86,7 +89,7 @@ def locate_resume(args, config, ctx, log) -> dict | None:
     path, saved, problem = None, None, None
     if ctx.is_main:
         try:
-            path, saved = choose_resume_checkpoint(args, log)
+            path, saved = choose_resume_checkpoint(args, config, log)
         except CheckpointError as error:
             problem = str(error)
     path, problem = broadcast_object((path, problem))
@@ -101,14 +104,18 @@ def locate_resume(args, config, ctx, log) -> dict | None:
     return saved
 
 
-def choose_resume_checkpoint(args, log) -> tuple[str | None, dict | None]:
-    """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run."""
+def choose_resume_checkpoint(args, config, log) -> tuple[str | None, dict | None]:
+    """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run. A --save_dir
+    of another run is claimed (refused, or set aside with --overwrite 1), its MiniMind .pth too."""
+    pth_name = minimind_pth_name(config, args.save_weight) if args.save_weight else None
     if args.resume_from:
-        return args.resume_from, load_resume_checkpoint(args.resume_from)
+        saved = load_resume_checkpoint(args.resume_from)
+        claim_for_resume(args.save_dir, saved, args.overwrite, log, pth_name)
+        return args.resume_from, saved
     found = find_resume_checkpoint(args.save_dir, log=log) if args.from_resume else None
     if found:
         return found
-    claim_for_fresh_run(args.save_dir, args.overwrite, log, resuming=bool(args.from_resume))
+    claim_for_fresh_run(args.save_dir, args.overwrite, log, resuming=bool(args.from_resume), pth_name=pth_name)
     if args.from_resume:
         log(f"--from_resume 1: no resume checkpoint in {args.save_dir}, starting from scratch")
     return None, None

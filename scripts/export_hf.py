@@ -100,20 +100,22 @@ def check_out_dir(out_dir: Path, model_path: Path, overwrite: bool) -> None:
         fail(f"--out_dir {out_dir} is not empty (pass --overwrite to replace it)")
 
 
-def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool) -> None:
-    """Write model + tokenizer into a fresh sibling folder, then put its files in ``out_dir``.
+def export_dir(out_dir: Path, overwrite: bool, write):
+    """Run ``write(folder)`` on a fresh sibling folder (it writes a directory format's files, or the GGUF
+    file), then put those files in ``out_dir`` in place of what it held; returns what ``write`` returned.
 
     ``out_dir`` itself is kept when it exists (it may be the current directory, ``--out_dir .``):
     its old entries are moved to a second sibling, the new ones moved in, the old ones deleted."""
     from trainer.checkpoint.files import write_failure
-    from trainer.weights.write import write_model_dir
 
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
     old = out_dir.with_name(f".{out_dir.name}.export-old")
     for leftover in (staging, old):  # of an export that was killed
         shutil.rmtree(leftover, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
-        write_model_dir(model, tokenizer, str(staging), dtype, fmt)
+        staging.mkdir()
+        written = write(str(staging))
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         reason = write_failure(error)  # a full disk: OSError, SafetensorError or tokenizers' bare Exception
@@ -127,7 +129,7 @@ def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool
         raise
     if not out_dir.exists():
         staging.rename(out_dir)
-        return
+        return written
     old.mkdir()
     for entry in out_dir.iterdir():
         entry.rename(old / entry.name)
@@ -135,6 +137,7 @@ def export_dir(model, tokenizer, out_dir: Path, fmt: str, dtype, overwrite: bool
         entry.rename(out_dir / entry.name)
     staging.rmdir()
     shutil.rmtree(old)
+    return written
 
 
 def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
@@ -159,7 +162,7 @@ def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from trainer.args import explicit_flags
-    from trainer.weights.write import minimind_unsupported, pth_prefix_problem, qwen3_unsupported
+    from trainer.weights.write import minimind_unsupported, pth_prefix_problem, qwen3_unsupported, write_model_dir
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -189,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.format == "gguf":  # llama.cpp / Ollama: trainer/weights/gguf.py
         from trainer.weights.gguf import export_gguf
 
-        export_gguf(model, tokenizer, out_dir, args.gguf_type)
+        print("\n".join(export_dir(out_dir, args.overwrite,
+                                   lambda folder: export_gguf(model, tokenizer, folder, args.gguf_type, out_dir))))
         return 0
     if args.format == "minimind":
         target = export_minimind(model, out_dir, args.save_weight, args.overwrite)
@@ -197,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dtype = resolve_dtype(args.dtype)
     model.config.dtype = dtype
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    export_dir(model, tokenizer, out_dir, args.format, dtype, args.overwrite)
+    export_dir(out_dir, args.overwrite, lambda folder: write_model_dir(model, tokenizer, folder, dtype, args.format))
     files = ", ".join(sorted(p.name for p in out_dir.iterdir()))
     print(f"exported {DTYPES[args.dtype]} {args.format} model to {out_dir}: {files}")
     return 0

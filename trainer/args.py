@@ -221,8 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dtype of the inference weights (resume checkpoints are always fp32)")
     add_flag(save, "--keep_last", type=int, default=3, at_least=1, help="resume checkpoints to keep")
     save.add_argument("--overwrite", type=int, choices=(0, 1), default=0,
-                      help="1 = start a new run in a --save_dir that holds another run (its files are moved "
-                           "to <save_dir>/set_aside/, not deleted)")
+                      help="1 = start a new run, or resume another run's checkpoint (--resume_from), in a "
+                           "--save_dir that holds another run (its files are moved to <save_dir>/set_aside/, not "
+                           "deleted)")
     save.add_argument("--save_weight", default=None,
                       help="MiniMind's prefix: also write SAVE_DIR/PREFIX_HIDDEN[_moe].pth (fp16, MiniMind's state dict, "
                            "for its eval_llm.py) at every save, e.g. --save_weight full_sft")

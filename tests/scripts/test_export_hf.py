@@ -174,3 +174,21 @@ def test_a_flag_of_another_format_is_refused(trained, tmp_path):
                                  "--out_dir", str(tmp_path / "out"))
         assert (done.returncode, done.stderr) == (2, line + "\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_export_with_overwrite_replaces_the_folder_as_every_format_does(trained, tmp_path):
+    """--overwrite of a folder that holds another export leaves only the GGUF file, named as the folder."""
+    import gguf
+
+    out_dir = tmp_path / "exp"
+    assert script_in_process("export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir",
+                             str(out_dir)).returncode == 0
+    export = ["export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir), "--format", "gguf"]
+    refused = script_in_process(*export)
+    assert (refused.returncode, refused.stderr) == (2, f"error: --out_dir {out_dir} is not empty (pass --overwrite "
+                                                       "to replace it)\n")
+    replaced = script_in_process(*export, "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr
+    assert replaced.stdout.splitlines()[-1] == f"exported f16 GGUF (qwen3, 6400 tokens) to {out_dir / 'model-f16.gguf'}"
+    assert sorted(os.listdir(tmp_path)) == ["exp"] and os.listdir(out_dir) == ["model-f16.gguf"]
+    assert gguf.GGUFReader(str(out_dir / "model-f16.gguf")).fields["general.name"].contents() == "exp"

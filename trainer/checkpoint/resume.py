@@ -6,7 +6,7 @@ run, and refuses one whose architecture differs from the run's."""
 import os
 
 from trainer.checkpoint import sharded, single_file
-from trainer.checkpoint.save_dir import checkpoints_dir, list_checkpoints
+from trainer.checkpoint.save_dir import checkpoints_dir, claim_for_fresh_run, list_checkpoints, logged_run_ids
 from trainer.errors import CheckpointError
 
 REQUIRED_KEYS = ("model_config", "model", "optimizer", "step", "epoch", "samples_in_epoch", "rng", "world_size", "args")
@@ -52,6 +52,28 @@ def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
     return None
 
 
+def claim_for_resume(save_dir: str, saved: dict, overwrite: bool, log=print, pth_name: str | None = None) -> None:
+    """--resume_from a checkpoint (`saved`) into `save_dir`. A checkpoint's run id (trainer/loop/state.py)
+    is kept across resumes, and a rollback's new line of training writes beside the checkpoints and the
+    metrics.jsonl rows of the line it left: a directory where neither a checkpoint nor a row names the
+    id holds another run, claimed as by a fresh run (`claim_for_fresh_run`), since this run's rotation
+    would delete that run's checkpoints and its saves replace its model. A checkpoint without a run id
+    is resumed without the check: nothing tells its run."""
+    run_id = saved.get("run_id")
+    if run_id is None or run_id in logged_run_ids(save_dir) or run_id in checkpoint_run_ids(save_dir):
+        return
+    claim_for_fresh_run(save_dir, overwrite, log, pth_name=pth_name, resumed=run_id)
+
+
+def checkpoint_run_ids(save_dir: str) -> set:
+    """The run ids of the readable checkpoints in `save_dir`."""
+    found = set()
+    for path in list_checkpoints(save_dir):
+        try:
+            found.add(load_resume_checkpoint(path, required=()).get("run_id"))
+        except CheckpointError:
+            pass
+    return found
 
 
 def check_model_config(saved: dict, current) -> None:

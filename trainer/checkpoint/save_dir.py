@@ -8,6 +8,7 @@
     best/                          the same, for the best evaluation (`--keep_best`), with best.json
                                    (trainer/evaluation/selection.py); never rotated
     metrics.jsonl, .lock           the run's log (trainer/run_logger.py) and its lock (`SaveDirLock`)
+    PREFIX_HIDDEN[_moe].pth        MiniMind's state dict, with `--save_weight PREFIX` (trainer/weights/write.py)
     set_aside/                     what a rollback or `--overwrite 1` moved away; nothing is deleted
 
 Rotation keeps the newest `--keep_last` resume checkpoints.
@@ -155,12 +156,17 @@ def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
     return bool(later)
 
 
-def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: bool = False) -> None:
-    """Refuse to start a new run in a directory holding another run's files (checkpoints, model/, best/
-    or only its metrics.jsonl, of a run stopped before its first save) unless `overwrite`; then they are
-    moved aside, not deleted. `resuming` (--from_resume 1 finding no checkpoint): a run without a
+def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: bool = False, pth_name: str | None = None,
+                        resumed: str | None = None) -> None:
+    """Refuse to start a new run in a directory holding another run's files (checkpoints, model/, best/,
+    `pth_name`: the MiniMind .pth that this run's --save_weight writes, or only its metrics.jsonl, of a
+    run stopped before its first save) unless `overwrite`; then they are moved aside, not deleted. A .pth
+    of another name is no run's file here (MiniMind's out/ keeps the --from_weight pretrain_768.pth beside
+    full_sft_768.pth): it stays. `resuming` (--from_resume 1 finding no checkpoint): a run without a
     checkpoint has nothing to continue, so its best/ and metrics.jsonl are moved aside as well, with a
-    line (a restarted job starts afresh instead of appending to them)."""
+    line (a restarted job starts afresh instead of appending to them). `resumed`: the run id of the
+    --resume_from checkpoint of another run that this one continues here; its saves would rotate away
+    and replace the directory's own files just the same."""
     model_dir = os.path.join(save_dir, MODEL_DIR)
     if os.path.isdir(model_dir) and any(name.endswith(".py") for name in os.listdir(model_dir)):
         raise CheckpointError(f"--save_dir {save_dir}: its {MODEL_DIR}/ holds Python source (minisft's own package?), "
@@ -169,19 +175,41 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: boo
                 if os.path.lexists(os.path.join(save_dir, name))]
     if os.path.isfile(os.path.join(save_dir, "metrics.jsonl")):  # a run's log (anything else fails at its first write)
         previous.append(os.path.join(save_dir, "metrics.jsonl"))
+    pth = os.path.join(save_dir, pth_name) if pth_name else None
+    if pth and os.path.lexists(pth):
+        previous.append(pth)
     has_run = list_checkpoints(save_dir) or os.path.isdir(os.path.join(save_dir, MODEL_DIR))
     if not previous or (os.path.isdir(checkpoints_dir(save_dir)) and not has_run and len(previous) == 1):
         return  # nothing, or only an empty checkpoints/
-    if not (overwrite or (resuming and not has_run)):
+    # a .pth is written with a checkpoint: one without any is no restarted job's (downloaded weights?)
+    if not (overwrite or (resuming and not has_run and pth not in previous)):
         what = "checkpoints/ or model/" if has_run else " and ".join(os.path.basename(path) for path in previous)
-        keep_on = "continue it with --from_resume 1, " if has_run else ""
+        keep_on = "continue it with --from_resume 1, " if has_run and not resumed else ""
+        other = f"another run ({what})" + (f", not the run {resumed} of the --resume_from checkpoint" if resumed else "")
         raise CheckpointError(
-            f"--save_dir {save_dir} holds another run ({what}): {keep_on}choose another --save_dir, or pass "
-            f"--overwrite 1 to start over there (its files are moved to {os.path.join(save_dir, 'set_aside')}/)"
+            f"--save_dir {save_dir} holds {other}: {keep_on}choose another --save_dir, or pass "
+            f"--overwrite 1 to {'resume' if resumed else 'start over'} there (its files are moved to "
+            f"{os.path.join(save_dir, 'set_aside')}/)"
         )
     folder = set_aside(save_dir, previous, "overwritten" if overwrite else "no-checkpoint")
     why = "--overwrite 1" if overwrite else "--from_resume 1 found no checkpoint to continue"
     log(f"{why}: moved the previous run's {', '.join(os.path.basename(p) for p in previous)} to {folder}")
+
+
+def logged_run_ids(save_dir: str) -> set[str]:
+    """The run ids that the rows of `<save_dir>/metrics.jsonl` name; a line that is no such row (the
+    half-written last line of a crash) names none."""
+    found = set()
+    try:
+        with open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                with contextlib.suppress(ValueError):
+                    row = json.loads(line)
+                    if isinstance(row, dict) and isinstance(row.get("run_id"), str):
+                        found.add(row["run_id"])
+    except OSError:
+        pass
+    return found
 
 
 class SaveDirLock:

@@ -348,16 +348,13 @@ def _add_vocab(writer, vocab: dict) -> None:
     writer.add_chat_template(vocab["template"])
 
 
-def export_gguf(model, tokenizer, out_dir: str | Path, gguf_type: str) -> Path:
-    """`export_hf.py --format gguf`: `{out_dir}/model-{gguf_type}.gguf`; prints what was written."""
-    out_dir = Path(out_dir)
-    target = out_dir / f"model-{gguf_type}.gguf"
+def export_gguf(model, tokenizer, folder: str | Path, gguf_type: str, out_dir: Path) -> list[str]:
+    """`export_hf.py --format gguf`: `{folder}/model-{gguf_type}.gguf`, the file that is moved into `out_dir`
+    (whose name the file records as the model's); returns the lines that tell what `out_dir` then holds."""
+    name = f"model-{gguf_type}.gguf"
     try:
-        notes = write_gguf(model, tokenizer, target, gguf_type, name=out_dir.resolve().name)
+        notes = write_gguf(model, tokenizer, Path(folder) / name, gguf_type, name=out_dir.resolve().name)
     except GGUFError as error:
         raise GGUFError(f"--format gguf cannot express this model: {error}") from None
-    for note in notes:
-        print(note)
     arch = "qwen3moe" if model.config.use_moe else "qwen3"
-    print(f"exported {gguf_type} GGUF ({arch}, {len(tokenizer)} tokens) to {target}")
-    return target
+    return [*notes, f"exported {gguf_type} GGUF ({arch}, {len(tokenizer)} tokens) to {out_dir / name}"]

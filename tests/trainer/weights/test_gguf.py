@@ -4,6 +4,7 @@ MiniMind's tokenizer has), read back with gguf's own GGUFReader; the refusals; a
 (the llama_cpp package), the file run there against transformers."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -330,8 +331,9 @@ def test_llama_cpp_tokenizes_and_continues_like_transformers(models, tmp_path, k
     assert continued == expected
 
 
-def test_a_full_disk_or_a_file_size_limit_during_the_export_is_one_line_naming_the_file(models, tmp_path):
-    """numpy's short write ("204800 requested and 102952 written") is reported with the file and its cause."""
+def test_a_full_disk_or_a_file_size_limit_during_the_export_is_one_line_and_changes_nothing(models, tmp_path):
+    """numpy's short write ("204800 requested and 102952 written") is reported with its cause, as for every
+    format: the export is written beside --out_dir, so an --overwrite that fails leaves the folder as it was."""
     import resource
     import shutil
 
@@ -345,7 +347,9 @@ def test_a_full_disk_or_a_file_size_limit_during_the_export_is_one_line_naming_t
     def limit_file_size():
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
 
-    cases = [([*argv, "--out_dir", str(tmp_path / "limited")], limit_file_size, tmp_path / "limited",
+    (tmp_path / "limited").mkdir()
+    (tmp_path / "limited" / "earlier.gguf").write_bytes(b"an earlier export")
+    cases = [([*argv, "--out_dir", str(tmp_path / "limited"), "--overwrite"], limit_file_size, tmp_path / "limited",
               "File too large")]
     if shutil.which("unshare") and can_mount_a_private_tmpfs():
         disk = tmp_path / "disk"
@@ -354,5 +358,8 @@ def test_a_full_disk_or_a_file_size_limit_during_the_export_is_one_line_naming_t
         cases.append(([*mount, *argv, "--out_dir", str(disk / "out")], None, disk / "out", "No space left on device"))
     for command, limit, out_dir, cause in cases:
         done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=limit)
-        assert (done.returncode, done.stderr) == (2, f"error: {out_dir / 'model-f32.gguf'}: {cause}\n")
-    assert list((tmp_path / "limited").iterdir()) == []  # the staging file is removed (the tmpfs left with its namespace)
+        assert (done.returncode, done.stderr) == (
+            2, f"error: could not write the export to {out_dir}: {cause} (nothing was changed there)\n")
+    # the staging folder is removed (the tmpfs left with its namespace)
+    assert sorted(name for name in os.listdir(tmp_path) if "limited" in name) == ["limited"]
+    assert os.listdir(tmp_path / "limited") == ["earlier.gguf"]
