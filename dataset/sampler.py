@@ -105,9 +105,9 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError("group_size needs lengths")
         self.pinned_grouping = {epoch: group_size}
 
-    def epoch_group_size(self) -> int | None:
-        """The group size that orders the current epoch."""
-        return self.pinned_grouping.get(self.epoch, self.group_size)
+    def epoch_group_size(self, epoch: int | None = None) -> int | None:
+        """The group size that orders epoch ``epoch`` (default: the current one)."""
+        return self.pinned_grouping.get(self.epoch if epoch is None else epoch, self.group_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order; a different epoch than the current one restarts it at 0."""

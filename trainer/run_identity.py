@@ -243,12 +243,13 @@ def legacy_difference(before: dict | None, now: RunIdentity, flags: dict) -> tup
 
 
 def check_and_pin(saved: dict, identity: RunIdentity, save_dir: str, sampler, log) -> str | None:
-    """The refusal message, else pin the interrupted epoch's order in `sampler`."""
+    """The refusal message, else pin the interrupted epoch's order in `sampler`. An epoch the checkpoint
+    has not started (saved at the step that ended the one before) takes this run's grouping."""
     problem = refusal(saved, identity, save_dir)
     if problem:
         return problem
     grouping = saved_epoch_grouping(saved)
-    if grouping != sampler.group_size:
+    if grouping != sampler.group_size and saved["samples_in_epoch"] > 0:
         sampler.pin_epoch_grouping(saved["epoch"], grouping)
         log(f"finishing epoch {saved['epoch'] + 1} in the checkpoint's order (length groups of "
             f"{grouping or 'none'}; now {sampler.group_size or 'none'}), so every sample of it is seen once; "

@@ -116,7 +116,7 @@ def resume_state(run: Run) -> dict:
         "world_size": run.ctx.world_size,
         "args": {**vars(run.args), "tokenizer_path": run.tokenizer_path},  # the directory it was loaded from
         "tokenizer": run.tokenizer_record,  # the run's own copy, what every reader of it loads
-        "sample_stream": run_identity.recorded(run.data.identity, run.data.sampler.epoch_group_size()),
+        "sample_stream": run_identity.recorded(run.data.identity, run.data.sampler.epoch_group_size(state.epoch)),
         "run_id": state.run_id,
         "wandb_run_id": run.logger.wandb_run_id,
     }

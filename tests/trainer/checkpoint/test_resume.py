@@ -108,6 +108,16 @@ def test_resume_with_a_changed_batch_size_trains_the_rest_of_the_epoch(data, two
     assert f"training {last} optimizer steps from step 3" in resumed.stdout
     final = load_resume_checkpoint(checkpoint_at(tmp_path, last))
     assert (final["epoch"], final["samples_in_epoch"]) == (1, 0)
+    assert final["sample_stream"]["epoch_grouping"] == 6  # epoch 2, not started: this run's grouping
+    # Saved at the step that ended an epoch, the next one is ordered by the resuming run's grouping,
+    # also where a checkpoint records the ended epoch's grouping for it.
+    final["sample_stream"]["epoch_grouping"] = 8
+    torch.save(final, tmp_path / "boundary.pt")
+    again = run_trainer_in_process(flags(data, tmp_path / "again", "--batch_size", "6", "--epochs", "2",
+                                         "--save_interval", "0", "--resume_from", str(tmp_path / "boundary.pt")),
+                                   check=True)
+    assert "finishing epoch" not in again.stdout, again.stdout
+    assert f"training {last + -(-samples_in(data) // 6)} optimizer steps from step {last}" in again.stdout
 
 
 @pytest.mark.slow
