@@ -54,12 +54,24 @@ def save(run: Run) -> None:
 # --------------------------------------------------------------------------- steps
 
 
-def steps_in_epoch(run: Run, epoch: int, start: int) -> int:
+def micro_batches_in_epoch(run: Run, epoch: int, start: int) -> int:
+    """Each process's micro-batches in epoch `epoch` from sample `start` on."""
     sampler = run.data.sampler
     sampler.set_epoch(epoch)
     sampler.set_start_index(start)
-    micro_batches = math.ceil(len(sampler) / run.args.batch_size)
-    return math.ceil(micro_batches / run.args.accumulation_steps)
+    return math.ceil(len(sampler) / run.args.batch_size)
+
+
+def steps_in_epoch(run: Run, epoch: int, start: int) -> int:
+    return math.ceil(micro_batches_in_epoch(run, epoch, start) / run.args.accumulation_steps)
+
+
+def short_last_step(run: Run) -> str:
+    """Where an epoch's micro-batches are no multiple of --accumulation_steps, its last optimizer step
+    takes the rest, fewer rows, its loss the mean over its own tokens: said at the start, in words."""
+    accumulation = run.args.accumulation_steps
+    rest = micro_batches_in_epoch(run, run.state.epoch, 0) % accumulation
+    return f"; each epoch's last step accumulates {rest} of {accumulation} micro-batches" if rest else ""
 
 
 def count_total_steps(run: Run) -> int:
@@ -228,7 +240,7 @@ def train(run: Run) -> str:
     logger.print(
         f"training {total_steps} optimizer steps from step {state.step}: {run.ctx.world_size} process(es) x "
         f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
-        f"device {run.ctx.device}"
+        f"device {run.ctx.device}{short_last_step(run)}"
     )
     interval = {"loss": torch.zeros((), device=run.ctx.device), "tokens": 0, "start": time.time(),
                 "run_start": time.time(), "run_first_step": state.step,
@@ -369,7 +381,7 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
     if interval["resumed_at"] is not None:  # a shorter window than --log_interval: said on the line and the row
         figures.update(resumed_at_step=interval["resumed_at"], loss_steps=steps)
         interval["resumed_at"] = None
-    shown_epoch = min(state.epoch, run.args.epochs - 1)  # the step that ends the last epoch belongs to it
+    shown_epoch = state.epoch - 1 if state.samples_in_epoch == 0 else state.epoch  # a step that ends an epoch is of it
     run.logger.log_train(state.step, total_steps, shown_epoch, run.args.epochs, figures,
                          eta_s=seconds_per_step * (total_steps - state.step))
     interval.update(loss=torch.zeros((), device=run.ctx.device), tokens=0, start=time.time())

@@ -23,3 +23,31 @@ def test_the_total_counts_the_rest_of_this_epoch_and_every_later_one(epochs):
     # resumed in epoch 1 after 600 of its samples (300 a rank: 75 micro-batches, 25 steps): 17 steps left in it
     assert count_total_steps(run_at(1, 600, 67, max(epochs, 2))) == 67 + 17 + 42 * (max(epochs, 2) - 2)
     assert count_total_steps(run_at(0, 0, 0, epochs, max_steps=50)) == min(42 * epochs, 50)
+
+
+def test_the_step_that_ends_an_epoch_is_logged_as_of_that_epoch(data, tmp_path):
+    import json
+
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+
+    run = tmp_path / "run"
+    done = run_trainer_in_process(flags(data, run, "--batch_size", "32", "--epochs", "2", "--log_interval", "1",
+                                        "--save_interval", "0"), check=True)  # 96 rows: 3 steps an epoch
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
+    assert [(row["step"], row["epoch"]) for row in rows if row.get("kind") == "train"] == [
+        (1, 0), (2, 0), (3, 0), (4, 1), (5, 1), (6, 1)]
+    assert "step 3/6 (epoch 1/2) |" in done.stdout and "step 4/6 (epoch 2/2) |" in done.stdout
+
+
+def test_an_epoch_that_ends_in_a_shorter_accumulation_says_so(data, tmp_path):
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+
+    def start_line(*extra):
+        done = run_trainer_in_process(flags(data, tmp_path / "_".join(extra), "--max_steps", "1", "--save_interval", "0",
+                                            *extra), check=True)
+        return next(line for line in done.stdout.splitlines() if line.startswith("training "))
+
+    # 96 rows: 12 micro-batches of 8 an epoch, in steps of 5, 5 and 2
+    assert start_line("--batch_size", "8", "--accumulation_steps", "5").endswith(
+        "x batch 8 x accumulation 5, dtype float32, device cpu; each epoch's last step accumulates 2 of 5 micro-batches")
+    assert start_line("--batch_size", "8", "--accumulation_steps", "4").endswith("device cpu")
