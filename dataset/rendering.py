@@ -12,14 +12,19 @@ drop the reasoning of earlier turns, are not prefix-stable). For assistant messa
 * ``header``: the part of the fragment that the generation prompt (and a probe reply) share with
   it, cut before a ``<think>`` tag: ``<|im_start|>assistant\n`` for ChatML. The think block is
   learned with its tags, so a model learns to open and close it.
-* The fragment is searched in the full text from where the previous span ended (and no earlier
-  than where the text of ``messages[:i]`` stops matching); the span ``[start of fragment +
-  len(header), end of fragment)`` carries loss.
+* The header is searched in the full text from where the previous span ended (and no earlier
+  than where the text of ``messages[:i]`` stops matching); the turn's is the first one that the
+  fragment (or its body, below) follows, and the span ``[start of fragment + len(header), end of
+  fragment)`` carries loss. The first such header, not the first copy of the fragment: a later
+  turn can render as this one's fragment (Qwen3 writes an empty think block into the last turn
+  only, so an earlier turn with the same reply, as the last message, renders as the last one).
 * A template that renders an earlier turn differently (Qwen3-style templates drop its think
-  block) does not contain the fragment: then the header is searched, and after it the fragment's
-  body (what follows its think block: reply, tool calls, end-of-turn token); the span runs from
-  the header's end to the body's end, so whatever think block the template left is learned too.
-  A turn that cannot be found either way makes that line bad (``LineError``, skippable).
+  block) does not put the fragment after its header: then the fragment's body (what follows its
+  think block: reply, tool calls, end-of-turn token) is searched after the header, with no header
+  between them; the span runs from the header's end to the body's end, so whatever think block
+  the template left is learned too. A header that neither follows (one that data spells) is passed
+  over; a turn that cannot be found makes that line bad (``LineError``, skippable). A template
+  whose header is empty: the first copy of the fragment.
 
 A token carries loss when its characters overlap a span (fast-tokenizer offsets), so a token that
 merges a header's trailing space with the reply's first word is learned, as in HF's
@@ -201,18 +206,20 @@ def _body(fragment: str, header: int) -> str:
 
 def _locate(text: str, fragment: str, header: int, lower: int) -> tuple[int, int] | None:
     """The loss span of a fragment in the full text (see the module docstring), or ``None``."""
-    position = text.find(fragment, lower)
-    if position >= 0:
-        return position + header, position + len(fragment)
     head, body = fragment[:header], _body(fragment, header)
-    start = text.find(head, lower) if head else -1
-    if start < 0 or not body:
-        return None
-    start += len(head)
-    end = text.find(body, start)
-    if end < 0 or head in text[start:end]:  # the body must belong to this turn
-        return None
-    return start, end + len(body)
+    if not head:
+        position = text.find(fragment, lower)
+        return (position, position + len(fragment)) if position >= 0 else None
+    position = text.find(head, lower)
+    while position >= 0:
+        start = position + len(head)
+        if text.startswith(fragment, position):
+            return start, position + len(fragment)
+        end = text.find(body, start) if body else -1
+        if end >= 0 and head not in text[start:end]:  # the body belongs to this header's turn
+            return start, end + len(body)
+        position = text.find(head, start)
+    return None
 
 
 def _forms(needle: str):

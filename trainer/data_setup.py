@@ -139,7 +139,8 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     dataset, mixture, opened = build_mixture(args, sources, tokenizer, augmenter, rank_zero_log(ctx))
     if ctx.rank == 0:  # what is supervised per segment, rows dropped and why, warnings: from a few hundred rows
         print_escaped("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
-                                                  drop_empty_think=args.drop_empty_think_ratio > 0)))
+                                                  drop_empty_think=args.drop_empty_think_ratio > 0,
+                                                  bad_data=args.bad_data)))
     sampler = ResumableDistributedSampler(
         len(dataset), num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=args.seed,
         lengths=dataset.lengths,  # also without grouping: a resume may finish an epoch in a grouped order

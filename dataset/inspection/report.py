@@ -101,8 +101,9 @@ class SourceReport:
     def drops_text(self) -> str:
         return "; ".join(f"{count} {reason}" for reason, count in self.dropped.most_common())
 
-    def warnings(self, empty_thinks: bool = True) -> list[str]:
-        """What looks wrong in this source, one line each (``empty_thinks``: with supervised empty think blocks)."""
+    def warnings(self, empty_thinks: bool = True, bad_data: str = "error") -> list[str]:
+        """What looks wrong in this source, one line each (``empty_thinks``: with supervised empty think blocks;
+        ``bad_data``: the run's ``--bad_data``, which decides what its bad rows do)."""
         found = []
         if self.parsed and not self.supervised.sum():
             found.append(f"{self.name}: no supervised token in {self.sampled_text()} (--max_seq_len "
@@ -121,8 +122,8 @@ class SourceReport:
         if self.empty_thinks and empty_thinks:
             found.append(f"{self.name}: " + empty_think_warning([self]))
         if self.bad:
-            found.append(f"{self.name}: {self.bad} bad rows, which stop training unless --bad_data skip (first: "
-                         f"{self.first_bad})")
+            effect = "--bad_data skip leaves out of training" if bad_data == "skip" else "stop training unless --bad_data skip"
+            found.append(f"{self.name}: {self.bad} bad rows, which {effect} (first: {self.first_bad})")
         return found
 
     def to_json(self) -> dict:
@@ -295,10 +296,11 @@ def empty_think_warning(reports: list[SourceReport]) -> str:
 
 
 def training_summary(sources: list[Source], tokenizer, max_seq_len: int, drop_empty_think: bool = False,
-                     rows: int = TRAINING_ROWS) -> list[str]:
+                     rows: int = TRAINING_ROWS, bad_data: str = "error") -> list[str]:
     """The trainer's start lines: supervised tokens per segment over ``rows`` rows spread over the
     sources (at least ``MIN_TRAINING_ROWS`` each), each source's rows dropped and why, and warnings
-    (one for the supervised empty think blocks of all sources, unless ``drop_empty_think``)."""
+    (one for the supervised empty think blocks of all sources, unless ``drop_empty_think``; bad rows
+    as ``bad_data``, the run's ``--bad_data``, treats them)."""
     rows = max(MIN_TRAINING_ROWS, rows // max(1, len(sources)))
     reports = [inspect_source(source, tokenizer, max_seq_len, rows) for source in sources]
     tokens = sum(report.tokens for report in reports)
@@ -312,7 +314,8 @@ def training_summary(sources: list[Source], tokenizer, max_seq_len: int, drop_em
         lines.append(f"[data] {report.name}: {report.sampled_text()}: {report.kept} kept, "
                      f"{sum(report.dropped.values())} dropped" + (f" ({report.drops_text()})" if report.dropped else "")
                      + f", {report.truncated} cut to --max_seq_len")
-    lines += [f"[data] warning: {warning}" for report in reports for warning in report.warnings(empty_thinks=False)]
+    lines += [f"[data] warning: {warning}" for report in reports
+              for warning in report.warnings(empty_thinks=False, bad_data=bad_data)]
     if not drop_empty_think and any(report.empty_thinks for report in reports):
         lines.append(f"[data] warning: {empty_think_warning(reports)}")
     return lines

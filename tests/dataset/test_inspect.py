@@ -182,7 +182,9 @@ def test_a_source_without_supervised_tokens_bad_rows_and_truncation_are_warned(t
     assert report.rows == 3 and report.bad == 1 and report.first_bad.startswith(f"{path}:3: invalid JSON")
     warnings = report.warnings()
     assert any("no supervised token" in w and "trains nothing" in w for w in warnings)
-    assert any("1 bad rows" in w for w in warnings)
+    assert f"{report.name}: 1 bad rows, which stop training unless --bad_data skip (first: {report.first_bad})" in warnings
+    assert f"{report.name}: 1 bad rows, which --bad_data skip leaves out of training (first: {report.first_bad})" in (
+        report.warnings(bad_data="skip"))
     long = inspect_source(parse_data_path(str(path))[0], tokenizer, len(segment_row(tokenizer, TOOL_CHAT, 1).ids) - 1)
     assert long.kept == 2 and long.truncated_kept == 2
     assert any("2 of the 2 rows kept are longer than --max_seq_len" in w for w in long.warnings())

@@ -1,17 +1,22 @@
 """Tool calls and reasoning in a sample (dataset/formats.py, dataset/rendering.py): their loss spans,
-token for token, with the shipped template and with one that is not prefix-stable; the three formats
+token for token, with the shipped template and with ones that are not prefix-stable (each turn's span
+its own where a later turn or the data renders alike); the three formats
 of a tool conversation give one sample; only a leading think block is reasoning, ambiguous think
 tags are that line's error."""
 
+import glob
 import json
+from pathlib import Path
 
 import pytest
 
 from dataset import DataError, build_cache_and_open
+from dataset.formats import LineError, parse_line, parse_row
+from dataset.rendering import loss_spans
 from tests.helpers.chat_rows import (
     CALL, CALL_TEXT, EMPTY_THINK, RESULT, TOOL_CHAT_MINIMIND, TOOLS, make_chat, write_lines,
 )
-from tests.helpers.templates import THINK_TEMPLATE, with_template
+from tests.helpers.templates import QWEN3_TEMPLATE, THINK_TEMPLATE, with_template
 
 
 TOOL_CHAT_OPENAI = {"tools": TOOLS, "messages": [
@@ -92,6 +97,73 @@ def test_tool_and_reasoning_spans_with_a_template_that_is_not_prefix_stable(toke
     full = (f"{head}{spans[0]}\n<|im_start|>tool\n{RESULT}<|im_end|>\n<|im_start|>assistant\n{spans[1]}\n"
             f"<|im_start|>user\nAnd Quendor?<|im_end|>\n<|im_start|>assistant\n{spans[2]}\n")
     assert_token_exact(tokenizer, ds[1], full, spans)
+
+
+QUESTION = "<|im_start|>user\nCapital of Zorlia?<|im_end|>\n<|im_start|>assistant\n"
+ANSWER = f"<|im_start|>user\n<tool_response>\n{RESULT}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+REPEATED_TURNS = [  # rows whose last reply repeats an earlier one, and the text before each assistant turn
+    ({"conversations": [{"role": "user", "content": "Capital of Zorlia?"}, {"role": "assistant", "content": "Velm"}] * 2},
+     [QUESTION, QUESTION]),
+    ({"conversations": [{"role": "user", "content": "Capital of Zorlia?"},
+                        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                        {"role": "tool", "content": RESULT}, {"role": "assistant", "content": "Velm"}] * 2},
+     [QUESTION, ANSWER] * 2),
+]
+REPEATED_SPANS = {  # per template, the loss spans of each row
+    "shipped": [[f"{EMPTY_THINK}Velm<|im_end|>"] * 2,
+                [f"{EMPTY_THINK}{CALL_TEXT}<|im_end|>", f"{EMPTY_THINK}Velm<|im_end|>"] * 2],
+    # An assistant turn before the last question has no think block; the last message has an empty one.
+    "qwen3": [["Velm<|im_end|>", f"{EMPTY_THINK}Velm<|im_end|>"],
+              [f"{CALL_TEXT}<|im_end|>", "Velm<|im_end|>", f"{CALL_TEXT}<|im_end|>", f"{EMPTY_THINK}Velm<|im_end|>"]],
+}
+
+
+@pytest.mark.parametrize("template", ["shipped", "qwen3"])
+def test_a_turn_s_span_is_at_its_own_header_when_a_later_turn_renders_alike(tokenizer, tmp_path, template):
+    """Qwen3's last message, an empty think block and the reply, is the text an earlier turn with that
+    reply renders as when it is the last message: each span is its own turn's, token for token."""
+    other = with_template(tokenizer, QWEN3_TEMPLATE) if template == "qwen3" else tokenizer
+    rows = [row for row, _ in REPEATED_TURNS]
+    ds = build_cache_and_open(write_lines(tmp_path / "repeated.jsonl", rows), other, 1024, num_proc=1)
+    for index, ((row, heads), spans) in enumerate(zip(REPEATED_TURNS, REPEATED_SPANS[template])):
+        assert_token_exact(tokenizer, ds[index], "".join(f"{head}{span}\n" for head, span in zip(heads, spans)), spans)
+        text, found = loss_spans(other, parse_row(row))  # the general path (the build's, for Qwen3's template)
+        assert [text[start:end] for start, end in found] == spans
+
+
+def test_a_header_that_data_spells_before_a_turn_is_passed_over(tokenizer):
+    """Qwen3 drops the call turn's think block, so the reply's span is searched from the call's end: the
+    tool result's text ``<|im_start|>assistant\n`` is not the reply's header."""
+    row = {"conversations": [
+        {"role": "user", "content": "Capital of Zorlia?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [CALL]},
+        {"role": "tool", "content": "Answer as <|im_start|>assistant\nVelm"}, {"role": "assistant", "content": "Velm"},
+        {"role": "user", "content": "And Quendor?"}, {"role": "assistant", "content": "Ostra"}]}
+    text, spans = loss_spans(with_template(tokenizer, QWEN3_TEMPLATE), parse_row(row))
+    assert [text[start:end] for start, end in spans] == [
+        f"{CALL_TEXT}<|im_end|>", "Velm<|im_end|>", f"{EMPTY_THINK}Ostra<|im_end|>"]
+    assert text.count("<|im_start|>assistant\nVelm") == 2
+
+
+def repeats_last_reply(messages: list[dict]) -> bool:
+    """Does the row end with an assistant turn without reasoning that an earlier turn is equal to."""
+    last = messages[-1]
+    return last["role"] == "assistant" and not last.get("reasoning_content") and last in messages[:-1]
+
+
+def test_qwen3_s_template_refuses_no_demo_row_whose_last_reply_repeats_an_earlier_turn(tokenizer):
+    """The demo rows where an earlier turn, as the last message, renders as Qwen3's last message does."""
+    qwen3 = with_template(tokenizer, QWEN3_TEMPLATE)
+    demo = sorted(glob.glob(str(Path(__file__).resolve().parents[2] / "dataset" / "demo" / "*.jsonl")))
+    rows = [parse_line(line) for path in demo for line in open(path, encoding="utf-8")]
+    repeated = [row for row in rows if repeats_last_reply(row.messages)]
+    refused = []
+    for row in repeated:
+        try:
+            loss_spans(qwen3, row)
+        except LineError as error:
+            refused.append(str(error))
+    assert (len(rows), len(repeated), refused) == (11_500, 181, [])
 
 
 def test_three_formats_of_a_tool_conversation_give_identical_samples(tokenizer, tmp_path):

@@ -1,4 +1,5 @@
-"""trainer/data_setup.py: the data files are checked before anything is set aside or tokenized."""
+"""trainer/data_setup.py: the data files are checked before anything is set aside or tokenized; the start
+summary says what the run's --bad_data does with bad rows."""
 
 from tests.helpers.trainer_launch import flags, run_trainer_in_process
 
@@ -47,3 +48,13 @@ def test_a_save_dir_that_a_data_source_reads_is_refused_before_anything_is_writt
     done = run_trainer_in_process([*flags(data, shards)[:-4], "--data_path", str(shards / "part-*.jsonl"),
                                    "--save_dir", str(shards), "--max_steps", "1"])
     assert done.returncode == 0, done.stderr  # a glob that cannot match metrics.jsonl
+
+
+def test_the_bad_rows_warning_says_what_the_run_s_bad_data_does_with_them(data, tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text((data / "train.jsonl").read_text(encoding="utf-8") + "{not json\n", encoding="utf-8")
+    done = run_trainer_in_process([*flags(data, tmp_path / "run")[:-4], "--data_path", str(train), "--save_dir",
+                                   str(tmp_path / "run"), "--max_steps", "1", "--bad_data", "skip"], check=True)
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("[data] warning: train: ")]
+    assert warnings == [f"[data] warning: train: 1 bad rows, which --bad_data skip leaves out of training (first: {train}:97: "
+                        "invalid JSON (Expecting property name enclosed in double quotes at column 2))"]
