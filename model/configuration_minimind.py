@@ -15,6 +15,11 @@ import math
 
 from transformers import PretrainedConfig
 
+# Whose YaRN ramp `rope_scaling["ramp"]` names (model/rope.py, `yarn_ramp`): MiniMind's where the key
+# is absent (MiniMind's own weights), transformers' for a model read from a Qwen3 directory whose
+# settings tell the two apart.
+YARN_RAMPS = ("minimind", "transformers")
+
 
 class MiniMindConfig(PretrainedConfig):
     model_type = "minimind"
@@ -136,3 +141,6 @@ class MiniMindConfig(PretrainedConfig):
                 raise ValueError("MiniMindConfig: rope_scaling['factor'] must be > 1")
             if int(self.rope_yarn.get("original_max_position_embeddings", 0)) <= 0:
                 raise ValueError("MiniMindConfig: rope_scaling needs original_max_position_embeddings > 0")
+            if self.rope_yarn.get("ramp", YARN_RAMPS[0]) not in YARN_RAMPS:
+                raise ValueError(f"MiniMindConfig: rope_scaling['ramp'] must be one of {', '.join(YARN_RAMPS)}, "
+                                 f"got {self.rope_yarn['ramp']!r}")

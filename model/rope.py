@@ -13,9 +13,9 @@ def precompute_rope_tables(config: MiniMindConfig, device=None) -> tuple[torch.T
     """cos/sin tables of shape [max_position_embeddings, head_dim], always fp32.
 
     With `config.rope_yarn` (YaRN), frequencies whose wavelength is longer than the original
-    context are interpolated by `factor`, short ones are kept, and a linear ramp blends the two
-    bands between `beta_slow` and `beta_fast` rotations; the tables are scaled by the YaRN
-    attention factor.
+    context are interpolated by `factor`, short ones are kept, and a linear ramp (`yarn_ramp`)
+    blends the two bands between `beta_slow` and `beta_fast` rotations; the tables are scaled by
+    the YaRN attention factor.
     """
     dim, base = config.head_dim, float(config.rope_theta)
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
@@ -24,24 +24,46 @@ def precompute_rope_tables(config: MiniMindConfig, device=None) -> tuple[torch.T
     yarn = config.rope_yarn
     if yarn:
         factor = float(yarn["factor"])
-        original = int(yarn["original_max_position_embeddings"])
-        beta_fast = float(yarn.get("beta_fast", 32.0))
-        beta_slow = float(yarn.get("beta_slow", 1.0))
-
-        def dim_for_rotations(rotations: float) -> float:
-            # The frequency index whose wavelength fits `rotations` times into the original context.
-            return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(dim_for_rotations(beta_fast)), 0)
-        high = min(math.ceil(dim_for_rotations(beta_slow)), dim // 2 - 1)
-        index = torch.arange(dim // 2, dtype=torch.float32, device=device)
-        ramp = ((index - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
+        ramp = yarn_ramp(dim, base, yarn, device=device)
         inv_freq = inv_freq * (1.0 - ramp) + (inv_freq / factor) * ramp
         attention_factor = float(yarn.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos() * attention_factor, angles.sin() * attention_factor
+
+
+def yarn_ramp(dim: int, base: float, yarn: dict, ramp: str | None = None, device=None) -> torch.Tensor:
+    """YaRN's blend of each of the `dim // 2` frequencies (0: kept, 1: divided by `factor`), linear
+    across the correction range: from the frequency index that fits `beta_fast` rotations into the
+    original context to the one that fits `beta_slow`, rounded outwards. `ramp` (YARN_RAMPS; None:
+    the settings' own "ramp", absent for MiniMind's) names whose clamp of the range's upper end:
+    MiniMind's is the last frequency, dim // 2 - 1 (an empty or inverted range: a step at its lower
+    end); transformers' (and llama.cpp's) is dim - 1, so a range that runs past the last frequency
+    gives a shallower ramp, and transformers divides by an inverted range as it is."""
+    original = int(yarn["original_max_position_embeddings"])
+    beta_fast = float(yarn.get("beta_fast", 32.0))
+    beta_slow = float(yarn.get("beta_slow", 1.0))
+
+    def dim_for_rotations(rotations: float) -> float:
+        # The frequency index whose wavelength fits `rotations` times into the original context.
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_for_rotations(beta_fast)), 0)
+    if (ramp or yarn.get("ramp")) == "transformers":
+        high = min(math.ceil(dim_for_rotations(beta_slow)), dim - 1)
+        width = (high - low) or 1e-3
+    else:
+        high = min(math.ceil(dim_for_rotations(beta_slow)), dim // 2 - 1)
+        width = max(high - low, 1e-3)
+    index = torch.arange(dim // 2, dtype=torch.float32, device=device)
+    return ((index - low) / width).clamp(0.0, 1.0)
+
+
+def yarn_ramps_agree(dim: int, base: float, yarn: dict) -> bool:
+    """Whether MiniMind's and transformers' YaRN ramps (`yarn_ramp`) are the same for these
+    settings: they are unless the correction range reaches past the last frequency."""
+    return torch.equal(yarn_ramp(dim, base, yarn, "minimind"), yarn_ramp(dim, base, yarn, "transformers"))
 
 
 def rope_rows(cos_table: torch.Tensor, sin_table: torch.Tensor, position_ids: torch.Tensor,

@@ -33,6 +33,8 @@ def test_default_parameter_count_matches_hand_count(capsys):
         (dict(use_moe=True, num_experts=2, num_experts_per_tok=3), "num_experts_per_tok"),
         (dict(hidden_size=0), "hidden_size must be a positive integer"),
         (dict(rope_scaling={"type": "linear", "factor": 2}), "only YaRN"),
+        (dict(rope_scaling={"type": "yarn", "factor": 2, "original_max_position_embeddings": 16, "ramp": "llama"}),
+         r"^MiniMindConfig: rope_scaling\['ramp'\] must be one of minimind, transformers, got 'llama'$"),
     ],
 )
 def test_invalid_config_raises_clear_value_error(bad, message):

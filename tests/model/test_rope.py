@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from model.rope import apply_rope, precompute_rope_tables, rope_rows
+from model.rope import apply_rope, precompute_rope_tables, rope_rows, yarn_ramp, yarn_ramps_agree
 from tests.helpers.tiny_model import tiny_config, tiny_model
 
 
@@ -38,6 +38,29 @@ def test_yarn_scaling_stretches_low_frequencies_only():
     # the fastest frequency is kept, the slowest is interpolated by `factor`
     assert yarn_angle[0].item() == pytest.approx(plain_angle[0].item(), rel=1e-5)
     assert yarn_angle[half - 1].item() == pytest.approx(plain_angle[half - 1].item() / 4.0, rel=1e-4)
+
+
+def test_yarn_ramp_clamps_the_correction_range_as_minimind_or_as_transformers_does():
+    """For these settings the correction range, frequency indices 5 to 12, runs past the last frequency (7):
+    MiniMind clamps it at 7 (head_dim/2 - 1), transformers at 15 (head_dim - 1); a model's `ramp` says whose."""
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    assert torch.equal(yarn_ramp(16, 100.0, yarn), torch.tensor([0, 0, 0, 0, 0, 0, 1 / 2, 2 / 2]))
+    assert torch.equal(yarn_ramp(16, 100.0, yarn, "transformers"), torch.tensor([0, 0, 0, 0, 0, 0, 1 / 7, 2 / 7]))
+    assert torch.equal(yarn_ramp(16, 100.0, {**yarn, "ramp": "transformers"}),
+                       yarn_ramp(16, 100.0, yarn, "transformers"))
+    assert not yarn_ramps_agree(16, 100.0, yarn)
+    assert yarn_ramps_agree(128, 1e6, {**yarn, "original_max_position_embeddings": 32768})  # Qwen3's own: range 20-40
+    config = tiny_config(rope_theta=100.0, rope_scaling={**yarn, "ramp": "transformers"})
+    cos, sin = precompute_rope_tables(config)
+    rope = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 4096}
+    reference = Qwen3Config(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                            head_dim=config.head_dim, rope_parameters=rope)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](reference, "cpu")
+    assert torch.allclose(torch.atan2(sin[1], cos[1])[: config.head_dim // 2], inv_freq, rtol=1e-6, atol=0)
+    assert cos[0, 0].item() == pytest.approx(attention_factor, rel=1e-7)
 
 
 def rotate_half_reference(x, cos_table, sin_table, positions):

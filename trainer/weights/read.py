@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from model import MiniMindConfig
+from model.rope import yarn_ramps_agree
 from trainer.checkpoint import single_file
 from trainer.checkpoint.files import safe_torch_load
 from trainer.checkpoint.resume import load_resume_checkpoint
@@ -334,6 +335,8 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
         config["rope_scaling"] = {key: rope[key] for key in ("factor", "original_max_position_embeddings", "beta_fast",
                                                              "beta_slow", "attention_factor") if rope.get(key) is not None}
         config["rope_scaling"]["type"] = "yarn"
+        if not yarn_ramps_agree(config["head_dim"], config["rope_theta"], config["rope_scaling"]):
+            config["rope_scaling"]["ramp"] = "transformers"  # the ramp transformers computes for these settings
     elif rope_type != "default":
         refuse(f"rope_type {rope_type!r} (only default and yarn)")
     if moe:

@@ -18,6 +18,7 @@ import shutil
 import torch
 
 from model import MiniMindConfig
+from model.rope import yarn_ramps_agree
 from trainer.checkpoint.files import atomic_torch_save, fsync_dir, settle_files, write_failure
 from trainer.checkpoint.save_dir import MODEL_DIR
 from trainer.errors import CheckpointError
@@ -97,10 +98,13 @@ def write_tokenizer(tokenizer, folder: str) -> None:
 def qwen3_unsupported(config: MiniMindConfig) -> str | None:
     """Why `config` has no standard Qwen3 / Qwen3-MoE form (None: it has one)."""
     yarn = config.rope_yarn or {}
-    unknown = sorted(set(yarn) - {"type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast",
-                                  "beta_slow", "attention_factor"})
+    unknown = sorted(set(yarn) - {"type", "rope_type", "ramp", "factor", "original_max_position_embeddings",
+                                  "beta_fast", "beta_slow", "attention_factor"})
     if unknown:
         return f"rope_scaling has settings transformers' YaRN does not read: {unknown}"
+    if yarn and yarn.get("ramp") != "transformers" and not yarn_ramps_agree(config.head_dim, config.rope_theta, yarn):
+        return ("its YaRN ramp is MiniMind's (correction range clamped at head_dim/2 - 1), which for these settings "
+                "differs from transformers' (clamped at head_dim - 1)")
     return None
 
 
@@ -111,7 +115,7 @@ def qwen3_config(config: MiniMindConfig, dtype: torch.dtype):
     rope = {"rope_type": "default", "rope_theta": float(config.rope_theta)}
     if config.rope_yarn:
         rope = {"rope_type": "yarn", "rope_theta": float(config.rope_theta),
-                **{k: v for k, v in config.rope_yarn.items() if k not in ("type", "rope_type")}}
+                **{k: v for k, v in config.rope_yarn.items() if k not in ("type", "rope_type", "ramp")}}
         rope.setdefault("attention_factor", None)
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,

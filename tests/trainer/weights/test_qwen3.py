@@ -73,6 +73,47 @@ def test_yarn_rope_and_fused_in_memory_expert_tensors_map_exactly(tmp_path):
         assert torch.allclose(loaded.eval()(ids).logits, expected, atol=1e-5, rtol=0)
 
 
+# The YaRN correction range of these settings (head_dim 16) runs past the last frequency: MiniMind's ramp and
+# transformers' differ (model/rope.py, yarn_ramp).
+FAR_YARN = {"factor": 4.0, "original_max_position_embeddings": 4096}
+
+
+def test_a_qwen3_yarn_whose_ramp_is_not_miniminds_loads_and_exports_with_transformers_logits(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    rope = {"rope_type": "yarn", "rope_theta": 100.0, **FAR_YARN}
+    reference = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, max_position_embeddings=64, rope_parameters=rope,
+                                             initializer_range=0.3, **SHAPES)).eval()
+    reference.save_pretrained(tmp_path / "dir")
+    model, ids = ours(tmp_path / "dir"), torch.randint(0, 64, (2, 40))
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert torch.allclose(logits, reference(ids).logits, atol=1e-5, rtol=0)  # not with MiniMind's ramp
+    assert model.config.rope_yarn == {**FAR_YARN, "type": "yarn", "ramp": "transformers"}
+    write_qwen3_dir(model, str(tmp_path / "out"), torch.float32)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_parameters"] == rope
+    with torch.no_grad():
+        assert torch.allclose(AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(ids).logits, logits,
+                              atol=1e-5, rtol=0)
+
+
+def test_a_minimind_yarn_ramp_that_transformers_computes_otherwise_has_no_qwen3_export(tmp_path, tokenizer, capsys):
+    from scripts.export_hf import main
+    from trainer.weights.write import write_model_dir
+
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), max_position_embeddings=64, **SHAPES,
+                                               rope_theta=100.0, rope_scaling={**FAR_YARN, "type": "yarn"}))
+    assert write_model_dir(model, tokenizer, str(tmp_path / "model"), torch.float32) == "remote-code"
+    with pytest.raises(SystemExit) as done:
+        main(["--model_path", str(tmp_path / "model"), "--out_dir", str(tmp_path / "out"), "--format", "qwen3"])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: --format qwen3 cannot express this model: its YaRN ramp is MiniMind's (correction range clamped at "
+        "head_dim/2 - 1), which for these settings differs from transformers' (clamped at head_dim - 1) (use --format "
+        "remote-code)\n")
+
+
 def test_unsupported_qwen3_settings_are_refused_with_the_reason(tmp_path):
     config = Qwen3MoeConfig(vocab_size=64, mlp_only_layers=[1], **SHAPES, **MOE)
     Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "mixed")

@@ -65,8 +65,8 @@ def transformers4_python() -> str:
 @pytest.mark.slow
 def test_transformers_4_reads_the_exported_model_and_tokenizer_as_transformers_5_does(tmp_path, tokenizer):
     """transformers 4.57 (in its own venv) and 5 (here) give the same logits and token ids for model/ and the
-    export: RoPE theta 1e6 (4.x fell back to 1e4 without a top-level rope_theta), YaRN, MoE; the tokenizer class
-    (4.x has no TokenizersBackend)."""
+    export: RoPE theta 1e6 (4.x fell back to 1e4 without a top-level rope_theta), YaRN (also with a correction range
+    past the last frequency, which 4.x clamps as 5 does), MoE; the tokenizer class (4.x has no TokenizersBackend)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trainer.weights.write import write_model_dir
 
@@ -78,6 +78,8 @@ def test_transformers_4_reads_the_exported_model_and_tokenizer_as_transformers_5
         "dense": MiniMindConfig(**layout),
         "yarn": MiniMindConfig(**layout, rope_scaling={"type": "yarn", "factor": 4.0,
                                                        "original_max_position_embeddings": 16}),
+        "yarn_far": MiniMindConfig(**layout, rope_theta=100.0, rope_scaling={  # model/rope.py, yarn_ramp
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "ramp": "transformers"}),
         "moe": MiniMindConfig(**layout, use_moe=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                               tie_word_embeddings=False),
     }
@@ -101,7 +103,8 @@ def test_transformers_4_reads_the_exported_model_and_tokenizer_as_transformers_5
     assert old["version"].startswith("4.57.")
     for name in models:
         folder = tmp_path / name
-        assert old[name]["tokenizer"] == "PreTrainedTokenizerFast" and old[name]["rope_theta"] == 1e6
+        assert old[name]["tokenizer"] == "PreTrainedTokenizerFast"
+        assert old[name]["rope_theta"] == models[name].rope_theta
         new_tokenizer = AutoTokenizer.from_pretrained(folder)
         assert old[name]["ids"] == [new_tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         assert old[name]["ids"] == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
