@@ -77,6 +77,33 @@ class ChatAugmenter:
         """The most tokens an augmentation adds to a sample."""
         return max((len(p) for p in self.prefixes), default=0)
 
+    def system_room(self, tokens: np.ndarray, offsets: np.ndarray, max_seq_len: int) -> np.ndarray:
+        """Per sample of a cache (``tokens``, ``offsets``): -1 where it has a system prompt (or tools) and
+        takes none, else the tokens a system prompt may add to it within ``max_seq_len``
+        (``max_added()`` at most). A drawn prompt is added where it takes at most that many tokens."""
+        lengths = np.diff(np.asarray(offsets, dtype=np.int64))
+        room = np.minimum(self.max_added(), np.maximum(max_seq_len - lengths, 0))
+        head = self.system_head
+        long_enough = np.flatnonzero(lengths >= len(head))
+        starts = np.asarray(offsets[:-1], dtype=np.int64)[long_enough]
+        has_system = (np.asarray(tokens[starts[:, None] + np.arange(len(head))]) == head).all(axis=1)
+        room[long_enough[has_system]] = -1
+        return room
+
+    def room_note(self, rooms: list[np.ndarray], max_seq_len: int) -> str:
+        """The start summary's line: how many samples (``system_room`` of each file) have room for a
+        system prompt, and the fraction of the samples without one that get one."""
+        sizes = np.asarray([len(prefix) for prefix in self.prefixes])
+        room = np.concatenate(rooms)
+        open_room = room[room >= 0]
+        fitting = (sizes[None, :] <= open_room[:, None]).mean(axis=1)  # the share of the prompts that fit
+        every, none = int((fitting == 1).sum()), int((fitting == 0).sum())
+        applied = self.system_prompt_ratio * float(fitting.mean()) if len(open_room) else 0.0
+        return (f"[data] --system_prompt_ratio {self.system_prompt_ratio:g}: {every} of {len(open_room)} samples "
+                f"without a system prompt have room for one within --max_seq_len {max_seq_len}, "
+                f"{len(open_room) - every - none} only for the shorter prompts, {none} for none; "
+                f"{applied:.1%} of them get one")
+
     def draw(self, epoch: int, index: int) -> tuple[int | None, bool]:
         """(system prompt number or None, drop empty think blocks) for this sample in this epoch."""
         rng = np.random.default_rng([self.seed, epoch, index])

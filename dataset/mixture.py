@@ -254,12 +254,15 @@ class EpochMixture:
 
 class ConcatenatedSamples(Dataset):
     """Datasets laid end to end (the files of one source, or the sources of a mixture): ``lengths``,
-    ``item(index, capacity)`` and ``set_epoch`` as ``SFTDataset`` has them, so packing works on it."""
+    ``prompt_room``, ``item(index, capacity)`` and ``set_epoch`` as ``SFTDataset`` has them, so packing
+    works on it."""
 
     def __init__(self, parts: list):
         self.parts = list(parts)
         self.starts = np.concatenate([[0], np.cumsum([len(part) for part in self.parts])]).astype(np.int64)
         self.lengths = np.concatenate([np.asarray(part.lengths, dtype=np.int64) for part in self.parts])
+        rooms = [part.prompt_room for part in self.parts]  # one augmenter for all parts: all None or none
+        self.prompt_room = None if rooms[0] is None else np.concatenate(rooms)
 
     def __len__(self) -> int:
         return int(self.starts[-1])

@@ -46,15 +46,22 @@ class PackedSFTDataset(Dataset):
     """Rows of several whole samples of ``dataset``, at most ``max_seq_len`` tokens each.
 
     Rows come from ``pack_lengths`` (computed once from ``dataset.lengths``, independent of world
-    size). Items add ``position_ids`` that restart at 0 at every sample start; the model treats a
-    position id of 0 as a document start and does not attend across documents. The first label
-    of every sample is -100, so no loss crosses a boundary. ``lengths`` holds each row's tokens.
+    size; with a system prompt augmentation, from each sample's length plus the room a prompt may add
+    to it, ``prompt_room``, so every drawn prompt that fits ``max_seq_len`` fits its row). Items add
+    ``position_ids`` that restart at 0 at every sample start; the model treats a position id of 0 as
+    a document start and does not attend across documents. The first label of every sample is -100,
+    so no loss crosses a boundary. ``lengths`` holds each row's tokens (as cached); the rows hold
+    that room already, so ``prompt_room`` is None.
     """
+
+    prompt_room = None
 
     def __init__(self, dataset: SFTDataset, max_seq_len: int):
         self.dataset = dataset
         self.max_seq_len = max_seq_len
-        self.row_offsets, self.items = pack_lengths(dataset.lengths, max_seq_len)
+        room = dataset.prompt_room  # a drawn system prompt fits its sample's row wherever it fits max_seq_len
+        planned = dataset.lengths if room is None else np.asarray(dataset.lengths) + np.maximum(room, 0)
+        self.row_offsets, self.items = pack_lengths(planned, max_seq_len)
         sample_lengths = np.asarray(dataset.lengths, dtype=np.int64)[self.items]
         row_sums = np.add.reduceat(sample_lengths, self.row_offsets[:-1]) if len(self.items) else sample_lengths
         self.lengths = row_sums.astype(np.int64)

@@ -38,7 +38,8 @@ class SFTDataset(Dataset):
         log: where the line about skipped and dropped samples goes (``print``; a no-op on all ranks but 0).
 
     ``ds[i]`` is ``{"input_ids": int64 (L,), "labels": int64 (L,)}``; labels are the token ids
-    where loss is taken and -100 elsewhere, unshifted. ``ds.lengths`` holds every sample's L.
+    where loss is taken and -100 elsewhere, unshifted. ``ds.lengths`` holds every sample's L (as
+    cached, before augmentations).
     Memory per process is the offsets array; tokens and masks stay memory-mapped.
     """
 
@@ -69,6 +70,10 @@ class SFTDataset(Dataset):
         self.offsets = self.cache.offsets
         self.lengths = np.diff(self.offsets)
         self.augmenter = augmenter if augmenter is not None and augmenter.active else None
+        # Per sample, what a system prompt may add (``ChatAugmenter.system_room``; -1: it takes none),
+        # or None where no system prompt is drawn; packing plans rows with this room in them.
+        self.prompt_room = (augmenter.system_room(self.tokens, self.offsets, max_seq_len)
+                            if self.augmenter is not None and self.augmenter.prefixes else None)
         self.epoch = 0
         self.index_base = 0
         if self.num_skipped or self.num_dropped:

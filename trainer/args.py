@@ -153,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
              help="DataLoader workers; default on CUDA: up to 4 per process, from the spare cores; on CPU 0")
     data.add_argument("--cache_dir", default=None, type=path_value, help="where the tokenized cache lives; default next to the data")
     add_flag(data, "--system_prompt_ratio", type=float, default=0.0, at_least=0, at_most=1,
-             help="augmentation: this fraction of the samples without a system prompt get a random one, "
-                  "drawn per (seed, epoch, sample) (MiniMind: 0.2)")
+             help="augmentation: this fraction of the samples without a system prompt (or tools) draw a random "
+                  "one, per (seed, epoch, sample); it is added where the sample and it fit in --max_seq_len (a "
+                  "sample is never cut for it; the start summary says how many fit), and --packing 1 plans rows "
+                  "with room for it (MiniMind: 0.2)")
     add_flag(data, "--drop_empty_think_ratio", type=float, default=0.0, at_least=0, at_most=1,
              help="augmentation: in this fraction of the samples the empty <think> blocks are removed, "
                   "drawn per (seed, epoch, sample) (MiniMind: 0.8)")

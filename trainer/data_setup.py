@@ -137,6 +137,9 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     sources = parse_data_path(args.data_path)
     build_token_caches([path for source in sources for path in source.files], args, tokenizer)
     dataset, mixture, opened = build_mixture(args, sources, tokenizer, augmenter, rank_zero_log(ctx))
+    if augmenter.prefixes and ctx.rank == 0:  # the share of the samples a system prompt fits
+        print_escaped(augmenter.room_note([samples.prompt_room for _, files in opened for samples in files],
+                                          args.max_seq_len))
     if ctx.rank == 0:  # what is supervised per segment, rows dropped and why, warnings: from a few hundred rows
         print_escaped("\n".join(training_summary([source for source, _ in opened], tokenizer, args.max_seq_len,
                                                   drop_empty_think=args.drop_empty_think_ratio > 0,

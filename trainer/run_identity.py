@@ -3,7 +3,8 @@ data the run actually loaded, stored in every resume checkpoint and compared whe
 
 A checkpoint's position ("N samples of epoch E consumed") only means something in the sample stream
 that these define, so a resume that changes one is refused with one line naming it:
-- the seed, `--max_seq_len` and `--packing`;
+- the seed, `--max_seq_len` and `--packing`; with `--packing 1`, whether rows hold room for a system
+  prompt (`--system_prompt_ratio` above 0: dataset/packing.py plans rows with it);
 - every training source: its files in order, each with the sha256 of its content (the token cache's
   digest, taken when the cache was opened) and its number of samples, and the source's weight as an
   exact fraction of the total (`1,1` and `0.5,0.5` are the same mixture, `1,1.000004` is not). Files
@@ -26,7 +27,8 @@ that form to compare them with. Their tokenizing code recorded no version: it is
 Every change of the record's shape has its own `RECORD_VERSION`, and every shape is read:
 - 2: `identity` without `tokens_version` (the tokenizing code of version 1) or without the sources'
   `left_out`;
-- 3: every field of `RunIdentity`.
+- 3: `identity` without `prompt_room` (rows without room for a system prompt);
+- 4: every field of `RunIdentity`.
 A record that cannot be read (a newer version, a missing or mistyped field) is a one-line refusal.
 """
 
@@ -40,7 +42,7 @@ from pathlib import Path
 from dataset.rendering import tokenizer_fingerprint
 from dataset.cache import TOKENS_VERSION
 
-RECORD_VERSION = 3
+RECORD_VERSION = 4
 UNRECORDED_TOKENS_VERSION = 1  # the tokenizing code of the checkpoints that recorded none
 
 
@@ -68,6 +70,7 @@ class RunIdentity:
     tokenizer: str  # fingerprint of the tokenizer and its chat template
     sources: tuple[SourceRecord, ...]
     tokens_version: int = TOKENS_VERSION  # of the code that parsed, rendered and truncated the rows
+    prompt_room: bool = False  # --packing 1 rows planned with room for a system prompt per sample
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,15 +78,16 @@ class RunIdentity:
     @classmethod
     def from_dict(cls, saved: dict, version: int = RECORD_VERSION) -> RunIdentity:
         """The record as `recorded` wrote it in `version` (KeyError, TypeError or ValueError if it is not)."""
-        def later(record: dict, key: str, default):  # a field that version 2 records may lack
-            return record.get(key, default) if version < 3 else record[key]
+        def later(record: dict, key: str, default, since: int = 3):  # a field that records before `since` lack
+            return record.get(key, default) if version < since else record[key]
 
         sources = tuple(SourceRecord(source["spec"], float(source["weight"]), str(source["share"]),
                                      tuple(SourceFile(**file) for file in source["files"]),
                                      tuple(later(source, "left_out", ())))
                         for source in saved["sources"])
         return cls(int(saved["seed"]), int(saved["max_seq_len"]), int(saved["packing"]), str(saved["tokenizer"]),
-                   sources, int(later(saved, "tokens_version", UNRECORDED_TOKENS_VERSION)))
+                   sources, int(later(saved, "tokens_version", UNRECORDED_TOKENS_VERSION)),
+                   bool(later(saved, "prompt_room", False, since=4)))
 
     def legacy_fixed(self) -> dict:
         """These facts in the form of a version 1 record (`sample_stream["fixed"]`)."""
@@ -116,7 +120,9 @@ def identify_run(args, tokenizer, sources) -> RunIdentity:
         )
         for source, files in sources
     )
-    return RunIdentity(args.seed, args.max_seq_len, args.packing, tokenizer_fingerprint(tokenizer)[:16], records)
+    prompt_room = bool(args.packing) and any(samples.prompt_room is not None for _, files in sources for samples in files)
+    return RunIdentity(args.seed, args.max_seq_len, args.packing, tokenizer_fingerprint(tokenizer)[:16], records,
+                       prompt_room=prompt_room)
 
 
 def recorded(identity: RunIdentity, grouping: int | None) -> dict:
@@ -170,6 +176,8 @@ def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | No
     for name in ("seed", "max_seq_len", "packing"):
         if getattr(before, name) != getattr(now, name):
             return f"--{name}", getattr(before, name), getattr(now, name), f"resume with --{name} {getattr(before, name)}"
+    if before.prompt_room != now.prompt_room:
+        return prompt_room_difference(before.prompt_room, now.prompt_room)
     if before.tokenizer != now.tokenizer:
         return ("--tokenizer_path (tokenizer and chat template)", before.tokenizer, now.tokenizer,
                 "resume with the tokenizer it was trained with")
@@ -184,6 +192,14 @@ def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | No
         return ("--data_path content", *content,
                 f"resume with the data it was trained on ({flags.get('data_path')}, unchanged)")
     return None
+
+
+def prompt_room_difference(before: bool, now: bool) -> tuple:
+    def ratio(room: bool) -> str:
+        return "above 0" if room else "0"
+
+    return ("--system_prompt_ratio (with --packing 1 it sets room for a system prompt in the rows)", ratio(before),
+            ratio(now), f"resume with --system_prompt_ratio {ratio(before)}")
 
 
 def tokens_difference(before: int, now: RunIdentity) -> tuple:
@@ -227,6 +243,8 @@ def legacy_difference(before: dict | None, now: RunIdentity, flags: dict) -> tup
     current = now.legacy_fixed()
     changed = [name for name, value in before.items() if name in current and current[name] != value]
     if not changed:
+        if now.prompt_room:
+            return prompt_room_difference(False, True)
         if now.tokens_version != UNRECORDED_TOKENS_VERSION:
             return tokens_difference(UNRECORDED_TOKENS_VERSION, now)
         return None

@@ -42,3 +42,23 @@ def test_augmentations_equal_minimind_text_and_are_drawn_per_seed_epoch_index(to
     assert sum(a != b for a, b in zip(epoch0, epoch1)) > 50
     packed = PackedSFTDataset(half, 128)
     assert all(len(packed[r]["input_ids"]) <= 128 for r in range(len(packed)))
+
+
+def test_a_system_prompt_is_added_wherever_it_fits_max_seq_len_with_and_without_packing(tokenizer, tmp_path):
+    """A drawn system prompt is added where the sample and the prompt fit in --max_seq_len, also under
+    packing (rows are planned with its room), and the start summary counts where it fits."""
+    from dataset import ChatAugmenter
+    from tests.helpers.bench_launch import demo_head
+
+    always = ChatAugmenter(tokenizer, seed=42, system_prompt_ratio=1.0)
+    ds = build_cache_and_open(demo_head(tmp_path, 300), tokenizer, 400, num_proc=1, augmenter=always)
+    assert always.room_note([ds.prompt_room], 400) == (
+        "[data] --system_prompt_ratio 1: 95 of 120 samples without a system prompt have room for one within "
+        "--max_seq_len 400, 2 only for the shorter prompts, 23 for none; 79.6% of them get one")
+    alone = [ds[i] for i in range(len(ds))]
+    assert sum(len(item["input_ids"]) > length for item, length in zip(alone, ds.lengths)) == 96
+    packed = PackedSFTDataset(ds, 400)
+    for row in range(len(packed)):  # every row holds its samples as they are alone, prompt included
+        members = packed.items[packed.row_offsets[row] : packed.row_offsets[row + 1]]
+        assert packed[row]["input_ids"].tolist() == [t for i in members for t in alone[i]["input_ids"].tolist()]
+        assert len(packed[row]["input_ids"]) <= 400

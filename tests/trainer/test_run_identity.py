@@ -81,6 +81,22 @@ def test_an_edited_file_and_another_sample_count_are_refused_naming_the_file(tmp
     assert f"(checkpoint {path} with 8 samples, now 7" in refusal(tmp_path, before, fewer)
 
 
+def test_packing_with_a_system_prompt_ratio_is_another_sample_stream_and_says_where_prompts_fit(tmp_path, capsys):
+    """--packing 1 plans rows with room for a system prompt when --system_prompt_ratio is above 0: a resume
+    that switches it is refused; without packing the ratio changes no sample's place."""
+    path = tmp_path / "a.jsonl"
+    path.write_text(demo_rows(0, 8), encoding="utf-8")
+    packed = identity(tmp_path, str(path), "--packing", "1", "--system_prompt_ratio", "0.2")
+    assert "[data] --system_prompt_ratio 0.2: 1 of 2 samples without a system prompt have room for one within " \
+           "--max_seq_len 512, 0 only for the shorter prompts, 1 for none; 10.0% of them get one\n" in capsys.readouterr().out
+    assert refusal(tmp_path, identity(tmp_path, str(path), "--packing", "1"), packed) == (
+        "cannot resume: --system_prompt_ratio (with --packing 1 it sets room for a system prompt in the rows) differs "
+        "from the checkpoint's run (checkpoint 0, now above 0), so its position in the epoch would mean other samples; "
+        f"resume with --system_prompt_ratio 0, or start a new run from its weights with --from_weight {tmp_path}/run/model "
+        "--save_dir NEW_DIR")
+    assert refusal(tmp_path, identity(tmp_path, str(path)), identity(tmp_path, str(path), "--system_prompt_ratio", "0.2")) is None
+
+
 def test_a_resume_across_a_change_of_the_tokenizing_code_is_refused(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text(demo_rows(0, 8), encoding="utf-8")
@@ -162,7 +178,7 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
     path.write_text(demo_rows(0, 8), encoding="utf-8")
     now = identity(tmp_path, str(path))
     current = run_identity.recorded(now, None)
-    assert current["version"] == 3 and run_identity.refusal({"sample_stream": current, "args": {}}, now, "/r") is None
+    assert current["version"] == 4 and run_identity.refusal({"sample_stream": current, "args": {}}, now, "/r") is None
     # version 2 as written before tokens_version was recorded (and before left_out): tokenizing code 1
     old = {**current["identity"], "sources": [{k: v for k, v in source.items() if k != "left_out"}
                                               for source in current["identity"]["sources"]]}
@@ -174,10 +190,13 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
     # version 2 with tokens_version and left_out: read as such
     stream = {**current, "version": 2}
     assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") is None
-    # version 3 lacking a field, and a newer version: one line each, no KeyError
-    broken = {**current, "identity": {k: v for k, v in current["identity"].items() if k != "tokens_version"}}
-    for stream, reason in ((broken, "no 'tokens_version'"), ({**current, "version": 4},
-                                                             "version 4; this minisft reads up to 3")):
+    # version 3, without prompt_room: rows without room for a system prompt
+    stream = {**current, "version": 3, "identity": {k: v for k, v in current["identity"].items() if k != "prompt_room"}}
+    assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") is None
+    # version 4 lacking a field, and a newer version: one line each, no KeyError
+    broken = {**current, "identity": {k: v for k, v in current["identity"].items() if k != "prompt_room"}}
+    for stream, reason in ((broken, "no 'prompt_room'"), ({**current, "version": 5},
+                                                          "version 5; this minisft reads up to 4")):
         assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") == (
             f"cannot resume: the checkpoint's record of its sample stream (version {stream['version']}) cannot be "
             f"read ({reason}); resume with the minisft version that wrote the checkpoint, or start a new run from its "
