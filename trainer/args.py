@@ -332,6 +332,9 @@ def parse_args(argv=None, checks: tuple[Callable[[argparse.Namespace], list[str]
     if not args.eval_data_path:  # evaluation asked for, with nothing to evaluate: said, not skipped
         problems += [f"--{name} {getattr(args, name)} needs held-out data: give --eval_data_path"
                      for name in ("eval_interval", "eval_generate_samples") if getattr(args, name)]
+    if "eval_max_new_tokens" in args.explicit_flags and not args.eval_generate_samples:  # no answer is generated
+        problems.append(f"--eval_max_new_tokens {args.eval_max_new_tokens} sets the length of generated answers: "
+                        "give --eval_generate_samples N")
     problems += [problem for problem in map(held_out_problem, held_out_files(args.eval_data_path)) if problem]
     for check in checks:
         problems += check(args)

@@ -171,6 +171,13 @@ def test_evaluation_flags_without_held_out_data_are_refused(capsys):
                                        "--eval_generate_samples 2 needs held-out data: give --eval_data_path\n")
     assert parse_args(["--eval_interval", "5", "--eval_data_path", str(REPO / "dataset/demo/sft_eval.jsonl")])
     assert parse_args(["--eval_interval", "0", "--eval_generate_samples", "0"]).eval_data_path is None
+    # --eval_max_new_tokens without answers to generate is refused as well, with held-out data or without
+    for held_out in ([], ["--eval_data_path", str(REPO / "dataset/demo/sft_eval.jsonl")]):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--eval_max_new_tokens", "32", *held_out])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == ("error: --eval_max_new_tokens 32 sets the length of generated answers: "
+                                           "give --eval_generate_samples N\n")
 
 
 def test_a_glob_in_eval_data_path_is_named_with_the_files_it_matches(tmp_path, capsys):
