@@ -131,7 +131,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     # 3. Initial weights (--from_weight) and their tokenizer; the config from the weights, else
     # from the flags; the resume checkpoint (lm_checkpoint) if asked for.
     log = print_escaped if ctx.is_main else (lambda message: None)
-    warn_single_process_flags(args, ctx, log)
+    warn_flags_without_effect(args, ctx, log)
     dtype = resolve_dtype(args.dtype, ctx.device, log)  # --dtype float16 on a CPU: refused before any data is read
     check_data_files(args, log)  # a missing data source or held-out file: refused before a previous run is set aside
     weights = read_initial_weights(args, log)
@@ -192,8 +192,18 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     return 0
 
 
-def warn_single_process_flags(args, ctx, log) -> None:
-    """Flags that only mean something with several processes, given to one: said, not ignored silently."""
+def warn_flags_without_effect(args, ctx, log) -> None:
+    """Flags that mean nothing in this run, given to it: said, not ignored silently. Those that only
+    mean something with several processes, on a GPU, or with wandb; --local_rank without a launcher."""
+    if args.tf32 == "1" and ctx.device.type != "cuda":
+        log(f"warning: --tf32 1 on {ctx.device.type}: TF32 is a mode of CUDA tensor cores, so it is not used")
+    for name in ("wandb_project", "wandb_run_name"):
+        if name in args.explicit_flags and not args.use_wandb:
+            log(f"warning: --{name} {getattr(args, name)} without --use_wandb 1: nothing is logged to wandb, "
+                "so it is not used")
+    if args.local_rank is not None and "WORLD_SIZE" not in os.environ:
+        log(f"warning: --local_rank {args.local_rank} without a launcher: it is set by `python -m "
+            "torch.distributed.launch`; this process is the only one, so it is not used")
     if ctx.world_size > 1:
         return
     if args.fsdp:

@@ -31,11 +31,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 @dataclass(frozen=True)
 class Bounds:
     """The range of a numeric flag: `at_least` (allowed itself), `above` (not allowed itself),
-    `at_most`; None = unbounded on that side. Non-finite values (inf, nan) are always refused."""
+    `at_most` (allowed itself), `below` (not allowed itself); None = unbounded on that side.
+    Non-finite values (inf, nan) are always refused."""
 
     at_least: float | None = None
     above: float | None = None
     at_most: float | None = None
+    below: float | None = None
 
     def problem(self, flag: str, value) -> str | None:
         """The message for `value` of `flag` (as written: `--batch_size`) outside the range, or None."""
@@ -47,22 +49,24 @@ class Bounds:
             return f"{flag} must be > {self.above} (got {value})"
         if self.at_most is not None and value > self.at_most:
             return f"{flag} must be <= {self.at_most} (got {value})"
+        if self.below is not None and value >= self.below:
+            return f"{flag} must be < {self.below} (got {value})"
         return None
 
     def text(self) -> str:
-        """The range as docs/flags.md shows it: `>= 1`, `> 0`, `0 to 1`."""
+        """The range as docs/flags.md shows it: `>= 1`, `> 0`, `0 to 1`, `>= 0, < 1`."""
         if self.at_least is not None and self.at_most is not None:
             return f"{self.at_least} to {self.at_most}"
-        parts = [f"{sign} {value}" for sign, value in ((">=", self.at_least), (">", self.above), ("<=", self.at_most))
-                 if value is not None]
+        signs = ((">=", self.at_least), (">", self.above), ("<=", self.at_most), ("<", self.below))
+        parts = [f"{sign} {value}" for sign, value in signs if value is not None]
         return ", ".join(parts)
 
 
-def add_flag(group, *names: str, at_least=None, above=None, at_most=None, **kwargs) -> argparse.Action:
+def add_flag(group, *names: str, at_least=None, above=None, at_most=None, below=None, **kwargs) -> argparse.Action:
     """A numeric flag with its range: `group.add_argument(*names, **kwargs)`, the range kept on the
     flag and checked by `parse_args`."""
     action = group.add_argument(*names, **kwargs)
-    action.bounds = Bounds(at_least, above, at_most)
+    action.bounds = Bounds(at_least, above, at_most, below)
     return action
 
 
@@ -122,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
              help="epsilon of every RMSNorm (MiniMind and Qwen3: 1e-6)")
     add_flag(cfg, "--aux_loss_coef", type=float, default=5e-4, at_least=0,
              help="MoE load-balancing loss coefficient (the config's router_aux_loss_coef)")
-    add_flag(cfg, "--dropout", type=float, default=0.0, at_least=0, at_most=1,
+    add_flag(cfg, "--dropout", type=float, default=0.0, at_least=0, below=1,
              help="dropout on embeddings, attention and MLP outputs")
     cfg.add_argument("--from_resume", type=int, choices=(0, 1), default=0,
                      help="1 = continue from the latest valid resume checkpoint in --save_dir (if any)")
@@ -330,6 +334,9 @@ def parse_args(argv=None, checks: tuple[Callable[[argparse.Namespace], list[str]
     if not args.eval_data_path:  # evaluation asked for, with nothing to evaluate: said, not skipped
         problems += [f"--{name} {getattr(args, name)} needs held-out data: give --eval_data_path"
                      for name in ("eval_interval", "eval_generate_samples") if getattr(args, name)]
+    if "eval_max_new_tokens" in args.explicit_flags and not args.eval_generate_samples:  # no answer is generated
+        problems.append(f"--eval_max_new_tokens {args.eval_max_new_tokens} sets the length of generated answers: "
+                        "give --eval_generate_samples N")
     problems += [problem for problem in map(held_out_problem, held_out_files(args.eval_data_path)) if problem]
     for check in checks:
         problems += check(args)

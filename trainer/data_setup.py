@@ -86,10 +86,18 @@ def usable_cpus() -> int:
 def build_token_caches(paths, args, tokenizer) -> None:
     """The token cache of each of these data files, built where missing (or continued), by local
     rank 0 of each node under torch.distributed (dataset.cache.build_or_reuse_on_node); the
-    datasets opened after this step find them finished."""
+    datasets opened after this step find them finished. A cache beside the data that cannot be written
+    there (a read-only mount) is one line that names --cache_dir, the way out."""
     for path in map(Path, paths):
-        build_or_reuse_on_node(path, tokenizer, args.max_seq_len, default_cache_root(path, args.cache_dir),
-                               args.bad_data)
+        cache_root = default_cache_root(path, args.cache_dir)
+        try:
+            build_or_reuse_on_node(path, tokenizer, args.max_seq_len, cache_root, args.bad_data)
+        except OSError as error:
+            failed = Path(error.filename) if error.filename else None
+            if args.cache_dir or failed is None or not (failed == cache_root or cache_root in failed.parents):
+                raise
+            raise DataError(f"{failed}: {error.strerror or error}; give --cache_dir DIR for the token cache of "
+                            f"{path.name}") from error
 
 
 def open_samples(path, args, tokenizer, augmenter=None, log=print) -> SFTDataset:

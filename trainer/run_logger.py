@@ -24,9 +24,18 @@ WANDB_STEP_METRIC = "train/step"
 
 
 def check_wandb_login(args) -> None:
-    """With `--use_wandb 1` online: refuse at start, without touching the network, when wandb
-    has no credentials (it would otherwise fail with a long traceback, or prompt and hang)."""
-    if not args.use_wandb or os.environ.get("WANDB_MODE", "").lower() in WANDB_MODES_WITHOUT_LOGIN:
+    """With `--use_wandb 1`: refuse at start, before the data and the model are built, when wandb is
+    not installed; online, without touching the network, also when wandb has no credentials (it
+    would otherwise fail with a long traceback, or prompt and hang)."""
+    if not args.use_wandb:
+        return
+    try:
+        import wandb  # noqa: F401 - imported here only to know it is there; the logger uses it
+    except ModuleNotFoundError as error:
+        if error.name != "wandb":  # wandb is there but one of its own imports fails: its traceback
+            raise
+        raise LoggingError("--use_wandb 1: wandb is not installed (pip install wandb)") from error
+    if os.environ.get("WANDB_MODE", "").lower() in WANDB_MODES_WITHOUT_LOGIN:
         return
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return

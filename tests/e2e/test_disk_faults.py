@@ -1,16 +1,13 @@
 """A full or unwritable disk: one line, before training or at the failed save, and the previous checkpoint kept."""
 
 import resource
-import shlex
 import shutil
-import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.fault_checks import ONE_PROCESS, all_finite, checkpoint_names, digest, last_line
-from tests.helpers.trainer_launch import REPO, checkpoint_at, clean_env, flags, run_trainer, wait_until
+from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer, run_trainer_with_a_read_only, wait_until
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -26,18 +23,6 @@ def test_an_unwritable_save_dir_fails_before_training(data, tmp_path):
     assert (tmp_path / "a_file").read_text() == "not a directory"
 
 
-def resume_with_a_read_only(folder, argv) -> subprocess.CompletedProcess:
-    """The trainer with `argv`, `folder` bind-mounted read-only in a private mount namespace (the
-    test is skipped where the machine refuses one)."""
-    mount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
-    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", mount], capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"this machine refuses a private read-only bind mount: {probe.stderr.strip()}")
-    command = shlex.join([sys.executable, "train_full_sft.py", *argv])
-    return subprocess.run(["unshare", "-Urm", "sh", "-c", f"{mount} && exec {command}"], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a read-only bind mount")
 @pytest.mark.parametrize("folder", ["checkpoints", "model"])
 def test_a_read_only_folder_of_the_save_dir_fails_before_training(data, tmp_path, folder):
@@ -45,7 +30,7 @@ def test_a_read_only_folder_of_the_save_dir_fails_before_training(data, tmp_path
     run_trainer(flags(data, save_dir, "--max_steps", "2"))
     mounted = save_dir / folder
     before = {path.name: digest(path) for path in mounted.iterdir()}
-    result = resume_with_a_read_only(mounted, flags(data, save_dir, "--max_steps", "4", "--from_resume", "1"))
+    result = run_trainer_with_a_read_only(mounted, flags(data, save_dir, "--max_steps", "4", "--from_resume", "1"))
     assert result.returncode == 2, result.stderr
     assert last_line(result.stderr) == f"error: --save_dir {save_dir} is not writable: {mounted}: Read-only file system"
     assert "Traceback" not in result.stderr and "resuming" not in result.stdout
@@ -60,7 +45,7 @@ def test_a_model_folder_that_links_to_a_read_only_one_is_replaced_by_the_save_no
     (save_dir / "model").rename(published)
     (save_dir / "model").symlink_to(published)
     before = {path.name: digest(path) for path in published.iterdir()}
-    result = resume_with_a_read_only(published, flags(data, save_dir, "--max_steps", "4", "--from_resume", "1"))
+    result = run_trainer_with_a_read_only(published, flags(data, save_dir, "--max_steps", "4", "--from_resume", "1"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (save_dir / "model").is_symlink() and (save_dir / "model" / "model.safetensors").is_file()
     assert {path.name: digest(path) for path in published.iterdir()} == before

@@ -3,12 +3,14 @@
 import concurrent.futures
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from tests.helpers.in_process import run_in_process
@@ -68,6 +70,18 @@ def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: 
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def run_trainer_with_a_read_only(folder, argv) -> subprocess.CompletedProcess:
+    """The trainer with `argv`, `folder` bind-mounted read-only in a private mount namespace (the
+    test is skipped where the machine refuses one)."""
+    mount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", mount], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"this machine refuses a private read-only bind mount: {probe.stderr.strip()}")
+    command = shlex.join([sys.executable, "train_full_sft.py", *argv])
+    return subprocess.run(["unshare", "-Urm", "sh", "-c", f"{mount} && exec {command}"], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=300)
 
 
 def together(first, *others):

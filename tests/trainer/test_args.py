@@ -94,6 +94,7 @@ def test_the_range_is_declared_with_the_flag():
     add_flag(parser, "--ratio", type=float, default=0.5, at_least=0, at_most=1)
     add_flag(parser, "--eps", type=float, default=1e-6, above=0)
     add_flag(parser, "--steps", type=int, default=None, at_least=0)
+    add_flag(parser, "--rate", type=float, default=0.0, at_least=0, below=1)
     parser.add_argument("--name", default="x")
 
     def problems(*argv):
@@ -102,6 +103,7 @@ def test_the_range_is_declared_with_the_flag():
     assert problems() == []  # --steps unset: not checked
     assert problems("--ratio", "1", "--eps", "1e-9", "--steps", "0") == []
     assert problems("--ratio", "1.5") == ["--ratio must be <= 1 (got 1.5)"]
+    assert problems("--rate", "0.99") == [] and problems("--rate", "1") == ["--rate must be < 1 (got 1.0)"]
     assert problems("--ratio", "-0.5", "--eps", "0", "--steps", "-1") == [
         "--ratio must be >= 0 (got -0.5)", "--eps must be > 0 (got 0.0)", "--steps must be >= 0 (got -1)"]
     assert problems("--ratio", "nan", "--eps=-inf") == [
@@ -149,6 +151,15 @@ def test_the_flags_doc_shows_each_range():
     assert "| `--seed` | `42` | base seed; each rank uses seed + rank (range: 0 to 4294967295) |" in text
     assert "| `--learning_rate` | `0.0005` | peak LR of the cosine schedule (range: > 0) |" in text
     assert "| `--batch_size` | `16` | samples per process per micro-step (range: >= 1) |" in text
+    assert "| `--dropout` | `0.0` | dropout on embeddings, attention and MLP outputs (range: >= 0, \\< 1) |" in text
+
+
+def test_dropout_1_is_refused_by_the_flag_check_as_the_model_config_refuses_it(capsys):
+    assert parse_args(["--dropout", "0.999"]).dropout == 0.999
+    with pytest.raises(SystemExit) as stopped:
+        parse_args(["--dropout", "1"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == "error: --dropout must be < 1 (got 1.0)\n"
 
 
 def test_evaluation_flags_without_held_out_data_are_refused(capsys):
@@ -160,6 +171,13 @@ def test_evaluation_flags_without_held_out_data_are_refused(capsys):
                                        "--eval_generate_samples 2 needs held-out data: give --eval_data_path\n")
     assert parse_args(["--eval_interval", "5", "--eval_data_path", str(REPO / "dataset/demo/sft_eval.jsonl")])
     assert parse_args(["--eval_interval", "0", "--eval_generate_samples", "0"]).eval_data_path is None
+    # --eval_max_new_tokens without answers to generate is refused as well, with held-out data or without
+    for held_out in ([], ["--eval_data_path", str(REPO / "dataset/demo/sft_eval.jsonl")]):
+        with pytest.raises(SystemExit) as stopped:
+            parse_args(["--eval_max_new_tokens", "32", *held_out])
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == ("error: --eval_max_new_tokens 32 sets the length of generated answers: "
+                                           "give --eval_generate_samples N\n")
 
 
 def test_a_glob_in_eval_data_path_is_named_with_the_files_it_matches(tmp_path, capsys):

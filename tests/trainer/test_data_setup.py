@@ -1,7 +1,11 @@
 """trainer/data_setup.py: the data files are checked before anything is set aside or tokenized; the start
 summary says what the run's --bad_data does with bad rows."""
 
-from tests.helpers.trainer_launch import flags, run_trainer_in_process
+import shutil
+
+import pytest
+
+from tests.helpers.trainer_launch import flags, run_trainer_in_process, run_trainer_with_a_read_only
 
 
 def test_a_held_out_file_that_cannot_be_read_fails_before_the_training_data_is_tokenized(data, tmp_path):
@@ -34,8 +38,6 @@ def test_a_held_out_file_that_is_also_training_data_is_said(data, tmp_path):
 def test_a_save_dir_that_a_data_source_reads_is_refused_before_anything_is_written(data, tmp_path):
     """The run writes metrics.jsonl in --save_dir: a directory or glob source there would read it as
     a data shard (on resume: a line without conversations)."""
-    import shutil
-
     shards = tmp_path / "shards"
     shards.mkdir()
     shutil.copy(data / "train.jsonl", shards / "part-0.jsonl")
@@ -58,3 +60,15 @@ def test_the_bad_rows_warning_says_what_the_run_s_bad_data_does_with_them(data, 
     warnings = [line for line in done.stdout.splitlines() if line.startswith("[data] warning: train: ")]
     assert warnings == [f"[data] warning: train: 1 bad rows, which --bad_data skip leaves out of training (first: {train}:97: "
                         "invalid JSON (Expecting property name enclosed in double quotes at column 2))"]
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a read-only bind mount")
+def test_data_on_a_read_only_mount_without_cache_dir_names_cache_dir(data, tmp_path):
+    # the token cache goes beside the data by default: where it cannot, the line says how to put it elsewhere
+    folder = tmp_path / "mounted"
+    folder.mkdir()
+    shutil.copy(data / "train.jsonl", folder / "train.jsonl")
+    result = run_trainer_with_a_read_only(folder, flags(folder, tmp_path / "run", "--max_steps", "1"))
+    assert (result.returncode, result.stderr) == (2, f"error: {folder / '.cache'}: Read-only file system; give "
+                                                     "--cache_dir DIR for the token cache of train.jsonl\n")
+    assert sorted(path.name for path in folder.iterdir()) == ["train.jsonl"]

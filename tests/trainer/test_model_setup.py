@@ -162,13 +162,22 @@ def test_rope_tables_of_a_from_weight_model_blame_its_positions_or_max_seq_len(m
 
 
 def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(data, tmp_path):
-    """--warmup_steps beyond the run, --fsdp 1 and --backend in one process are warned; a resume with nothing
-    left says so; the last line names model/ and the next command; --dtype float16 on a CPU and a
-    --save_weight path are refused before the data is read."""
+    """--warmup_steps beyond the run, --fsdp 1 and --backend in one process, --tf32 1 on a CPU, wandb's flags
+    without wandb and --local_rank without a launcher are warned; a resume with nothing left says so; the
+    last line names model/ and the next command; --dtype float16 on a CPU and a --save_weight path are
+    refused before the data is read."""
     run = tmp_path / "run"
     first = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--fsdp", "1", "--backend",
-                                         "gloo"), check=True)  # main() in this process: its lines are checked
+                                         "gloo", "--tf32", "1", "--wandb_project", "p", "--wandb_run_name", "r",
+                                         "--local_rank", "0"), check=True)  # main() in this process: its lines are checked
     lines = first.stdout.splitlines()
+    assert [line for line in lines if line.startswith("warning: --") and line.split()[1] in (
+        "--tf32", "--wandb_project", "--wandb_run_name", "--local_rank")] == [
+        "warning: --tf32 1 on cpu: TF32 is a mode of CUDA tensor cores, so it is not used",
+        "warning: --wandb_project p without --use_wandb 1: nothing is logged to wandb, so it is not used",
+        "warning: --wandb_run_name r without --use_wandb 1: nothing is logged to wandb, so it is not used",
+        "warning: --local_rank 0 without a launcher: it is set by `python -m torch.distributed.launch`; this "
+        "process is the only one, so it is not used"]
     assert "warning: --fsdp 1 in one process: there is nothing to shard over, the model trains unsharded (start " \
            "several processes with torchrun or --world_size N to shard it)" in lines
     assert "warning: --backend gloo in one process: no process group is created, so it is not used" in lines

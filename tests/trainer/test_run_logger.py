@@ -80,3 +80,16 @@ def test_the_first_loss_after_a_resume_says_it_averages_only_the_steps_since(dat
     after = [row for row in rows if row["kind"] == "train" and row["step"] > 3]
     assert (after[0]["step"], after[0]["resumed_at_step"], after[0]["loss_steps"]) == (4, 3, 1)
     assert "resumed_at_step" not in after[1] and "loss_steps" not in after[1]
+
+
+def test_use_wandb_without_wandb_installed_is_one_line_before_the_data_is_read(data, tmp_path, monkeypatch):
+    import shutil
+
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+
+    shutil.copy(data / "train.jsonl", tmp_path / "train.jsonl")
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ModuleNotFoundError, as uninstalled
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no login needed: only the missing package is refused
+    result = run_trainer_in_process(flags(tmp_path, tmp_path / "run", "--max_steps", "1", "--use_wandb", "1"))
+    assert (result.returncode, result.stderr) == (2, "error: --use_wandb 1: wandb is not installed (pip install wandb)\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run", "train.jsonl"]  # nothing tokenized

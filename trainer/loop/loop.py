@@ -232,6 +232,9 @@ def train(run: Run) -> str:
         logger.print(f"warning: --warmup_steps {warmup} is longer than the run's {total_steps} optimizer steps: the "
                      f"learning rate ends at {cosine_lr(total_steps - 1, total_steps, args.learning_rate, warmup, 0):.3g}"
                      f", below --learning_rate {args.learning_rate:g}")
+    if args.max_steps > total_steps:  # the epochs end first: --max_steps is capped, said
+        logger.print(f"warning: --max_steps {args.max_steps} is more than the {total_steps} optimizer steps of --epochs "
+                     f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
     if 0 < total_steps <= state.step:
         logger.print(f"nothing left to train: the checkpoint is at step {state.step} and the run ends at step "
                      f"{total_steps} (--epochs {args.epochs}, --max_steps {args.max_steps}); raise --epochs or "

@@ -51,3 +51,14 @@ def test_an_epoch_that_ends_in_a_shorter_accumulation_says_so(data, tmp_path):
     assert start_line("--batch_size", "8", "--accumulation_steps", "5").endswith(
         "x batch 8 x accumulation 5, dtype float32, device cpu; each epoch's last step accumulates 2 of 5 micro-batches")
     assert start_line("--batch_size", "8", "--accumulation_steps", "4").endswith("device cpu")
+
+
+def test_max_steps_beyond_the_epochs_says_where_the_run_ends(data, tmp_path):
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+
+    done = run_trainer_in_process(flags(data, tmp_path / "run", "--batch_size", "32", "--max_steps", "100",
+                                        "--save_interval", "0"), check=True)  # 96 rows: 3 steps an epoch
+    assert [line for line in done.stdout.splitlines() if line.startswith("warning: --max_steps")] == [
+        "warning: --max_steps 100 is more than the 3 optimizer steps of --epochs 1: the run ends at step 3 "
+        "(raise --epochs to train longer)"]
+    assert "training 3 optimizer steps from step 0" in done.stdout
