@@ -232,7 +232,7 @@ def train(run: Run) -> str:
         logger.print(f"warning: --warmup_steps {warmup} is longer than the run's {total_steps} optimizer steps: the "
                      f"learning rate ends at {cosine_lr(total_steps - 1, total_steps, args.learning_rate, warmup, 0):.3g}"
                      f", below --learning_rate {args.learning_rate:g}")
-    if args.max_steps > total_steps:  # the epochs end first: --max_steps is capped, said
+    if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
         logger.print(f"warning: --max_steps {args.max_steps} is more than the {total_steps} optimizer steps of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
     if 0 < total_steps <= state.step:
