@@ -71,14 +71,6 @@ def parse_reply(text: str) -> Reply:
     return reply
 
 
-def reference_calls(message: dict) -> list[dict]:
-    """The calls of a normalized assistant message (``dataset.formats``) as ``{"name", "arguments"}``."""
-    return [
-        {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
-        for call in message.get("tool_calls") or []
-    ]
-
-
 def json_kind(value) -> str:
     """The JSON type of a parsed value: a bool is not a number (in Python ``True == 1``)."""
     if isinstance(value, bool):

@@ -4,9 +4,14 @@
 
 * loss: mean cross-entropy over all assistant tokens of the file (token-weighted, the same
   assistant-only mask as training), perplexity = exp(loss);
-* for each conversation, the messages before its final assistant turn (and its tools) are the
-  prompt (chat template, ``add_generation_prompt=True``: thinking off). The greedy answer up to
-  ``<|im_end|>`` is split into reasoning, reply and tool calls (``dataset.tool_calls``);
+* for each conversation, the prompt is its tokens before its final assistant turn and the
+  reference is that turn, taken as the trainer's evaluation takes them
+  (``trainer.evaluation.evaluate.generation_example``): the prompt ends with the assistant header,
+  so the model writes its own think block, and a call in the reference counts as a call whether it
+  is a ``tool_calls`` entry or ``<tool_call>`` text in the content. The prompt comes from the whole
+  conversation (the loss from its first ``--max_seq_len`` tokens). The greedy answer up to the
+  end-of-turn token and the reference are split into reasoning, reply and tool calls
+  (``dataset.tool_calls``);
 * exact match (conversations whose final turn is a reply): the reply must equal the reference
   after stripping whitespace, and the model must not call a tool;
 * tool-call accuracy (conversations whose final turn calls tools): the calls must be the
@@ -34,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import (  # noqa: E402
     REPO_DIR, ArgumentParser, add_model_args, check_not_an_input, check_output_file, fail, load_model_and_tokenizer,
-    prompt_ids, run_main,
-    write_output,
+    run_main, write_output,
 )
 from trainer.args import Bounds, flag_bounds, path_value  # noqa: E402
 
@@ -44,7 +48,8 @@ DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
 
 @dataclass
 class Example:
-    """One conversation: its training encoding (for the loss) and its final-turn prompt and answer."""
+    """One conversation: its training encoding cut to --max_seq_len (for the loss), and its final turn's
+    prompt and reference (``generation_example``)."""
 
     line: int
     input_ids: list[int]
@@ -74,12 +79,15 @@ def build_parser() -> ArgumentParser:
 
 def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> list[Example]:
     """Parse and encode the file, read as training reads it (``dataset.sources``); a bad line raises ``DataError("file:line: problem")``."""
-    from dataset import DataError, encode_conversation
+    import numpy as np
+
+    from dataset import IGNORE_INDEX, DataError, encode_conversation
     from dataset.formats import ROW_KEYS, Conversation, LineError, decode_line, load_row, parse_row
     from dataset.sources import check_data_file, open_lines
-    from dataset.tool_calls import reference_calls
+    from trainer.evaluation.evaluate import generation_example, stop_token_ids
 
     check_data_file(path)
+    stop_ids = stop_token_ids(tokenizer)
     examples = []
     lines = open_lines(path, (*ROW_KEYS, "task"))  # the reader of training: .jsonl, .jsonl.gz, .parquet
     for number, raw in enumerate(lines, start=1):
@@ -99,13 +107,17 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
                 raise LineError(f"'task' must be a string, got {type(task).__name__}")
             if task is not None and not task.strip():  # a blank name in by_task: a row of no task that reads as one
                 raise LineError(f"'task' must be a non-blank string, got {task!r}")
+            # whole, for the prompt and reference; the loss reads its first max_seq_len tokens, as training does
             ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
-                                            max_seq_len)
-            prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
+                                            sys.maxsize)
+            answer = generation_example(ids, np.where(mask, ids, IGNORE_INDEX), tokenizer, stop_ids)
+            if answer is None:
+                raise LineError("its last assistant turn does not end with the chat template's end-of-turn token: "
+                                "there is no answer to judge")
         except LineError as error:
             raise DataError(f"{path}:{number}: {error}") from None
-        examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
-                                reference_calls(messages[last]), task))
+        examples.append(Example(number, ids[:max_seq_len].tolist(), mask[:max_seq_len].tolist(), answer.prompt_ids,
+                                answer.reference, answer.reference_calls, task))
     if not examples:
         raise DataError(f"{path}: no conversations to evaluate")
     return examples

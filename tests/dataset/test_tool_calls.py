@@ -1,6 +1,6 @@
 """dataset/tool_calls.py: generated text split into reasoning, reply and calls; calls compared."""
 
-from dataset.tool_calls import Reply, calls_match, json_equal, parse_reply, reference_calls
+from dataset.tool_calls import Reply, calls_match, json_equal, parse_reply
 
 
 def test_a_reply_splits_into_reasoning_text_and_calls():
@@ -29,9 +29,7 @@ def test_a_call_that_is_not_json_as_data_must_be_is_a_bad_call_not_its_last_valu
 
 
 def test_calls_match_in_any_order_and_as_json_values():
-    reference = reference_calls({"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "a", "arguments": {"n": 1}}},
-        {"type": "function", "function": {"name": "b", "arguments": {}}}]})
+    reference = [{"name": "a", "arguments": {"n": 1}}, {"name": "b", "arguments": {}}]
     assert calls_match([{"name": "b", "arguments": {}}, {"name": "a", "arguments": {"n": 1.0}}], reference)
     assert not calls_match([{"name": "a", "arguments": {"n": 1}}], reference)
     assert not calls_match([{"name": "a", "arguments": {"n": 1}}, {"name": "a", "arguments": {"n": 1}}], reference)

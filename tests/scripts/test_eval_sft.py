@@ -103,7 +103,8 @@ def test_batched_left_padded_greedy_equals_one_by_one(trained):
     examples = read_examples(trained["data"], tokenizer, 512)
     batched = greedy_answers(model, tokenizer, examples, batch_size=3, max_new_tokens=8)
     single = greedy_answers(model, tokenizer, examples, batch_size=1, max_new_tokens=8)
-    assert batched == single == [c[-1]["content"] for c in CONVERSATIONS]
+    # the prompt ends at the assistant header, as the trainer's: the model writes its (empty) think block
+    assert batched == single == ["<think>\n\n</think>\n\n" + c[-1]["content"] for c in CONVERSATIONS]
 
 
 def test_conversations_whose_answers_max_seq_len_cuts_off_are_named_not_left_out_silently(trained, tmp_path):
@@ -206,3 +207,65 @@ def test_a_blank_task_is_refused_with_its_line(trained, tmp_path):
                                  "--device", "cpu")
         assert (done.returncode, done.stderr, done.stdout) == (
             2, f"error: {data}:3: 'task' must be a non-blank string, got {task!r}\n", "")
+
+
+CALL = {"name": "calculator", "arguments": {"a": 31, "op": "*", "b": 76}}
+CALL_ROWS = [  # the same turn: a structured call, the call written as text, and a reply with reasoning
+    [{"role": "user", "content": "31*76?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}],
+    [{"role": "user", "content": "31*76?"},
+     {"role": "assistant", "content": "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"}],
+    [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5", "reasoning_content": "add"}],
+]
+
+
+def test_a_tool_call_written_as_text_in_the_reference_is_scored_as_a_call(tmp_path):
+    from dataset import load_tokenizer
+    from scripts.eval_sft import read_examples, score
+
+    data = tmp_path / "calls.jsonl"
+    data.write_text("".join(json.dumps({"conversations": row}) + "\n" for row in CALL_ROWS), encoding="utf-8")
+    examples = read_examples(data, load_tokenizer(None), 512)
+    assert [(e.reference, e.reference_calls) for e in examples] == [("", [CALL]), ("", [CALL]), ("5", [])]
+    answers = ["<think>\n\n</think>\n\n" + "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"] * 2 + ["5"]
+    result = score(answers, examples)
+    assert (result["num_tool_calls_correct"], result["num_tool_call_turns"], result["num_correct"],
+            result["num_replies"]) == (2, 2, 1, 1)
+
+
+def test_the_prompts_and_references_are_the_trainers_evaluation_ones(tmp_path):
+    # the trainer's --eval_generate_samples and eval_sft.py answer the same prompts: the tokens before the last
+    # assistant turn, so the model writes its own think block; their exact-match figures agree on the same file
+    from types import SimpleNamespace
+
+    from dataset import load_tokenizer
+    from scripts.eval_sft import read_examples
+    from trainer.data_setup import build_eval_sets
+
+    data = tmp_path / "calls.jsonl"
+    data.write_text("".join(json.dumps({"conversations": row}) + "\n" for row in [*CALL_ROWS, *CONVERSATIONS]),
+                    encoding="utf-8")
+    tokenizer = load_tokenizer(None)
+    args = SimpleNamespace(eval_data_path=str(data), max_seq_len=512, bad_data="error", cache_dir=str(tmp_path),
+                           packing=0, batch_size=2, eval_generate_samples=6, eval_max_new_tokens=4)
+    (eval_set,) = build_eval_sets(args, tokenizer, SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")))
+    examples = read_examples(data, tokenizer, 512)
+    assert [(e.prompt_ids, e.reference, e.reference_calls) for e in examples] == [
+        (e.prompt_ids, e.reference, e.reference_calls) for e in eval_set.examples]
+    assert tokenizer.decode(examples[2].prompt_ids) == "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+    assert [e.reference for e in examples[2:]] == ["5", "Velm", "5", "blue"]
+
+
+def test_a_template_that_closes_no_turn_with_a_token_is_refused_with_the_line(tmp_path):
+    # the answer of such a turn has no end to stop at or to judge by (the trainer has no prompt from it either)
+    from dataset import DataError, load_tokenizer
+    from scripts.eval_sft import read_examples
+    from tests.helpers.templates import with_template
+
+    tokenizer = with_template(load_tokenizer(None), "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                                                    "{% if add_generation_prompt %}assistant: {% endif %}")
+    data = tmp_path / "plain.jsonl"
+    data.write_text(json.dumps({"conversations": CONVERSATIONS[1]}) + "\n", encoding="utf-8")
+    with pytest.raises(DataError) as raised:
+        read_examples(data, tokenizer, 512)
+    assert str(raised.value) == (f"{data}:1: its last assistant turn does not end with the chat template's "
+                                 "end-of-turn token: there is no answer to judge")

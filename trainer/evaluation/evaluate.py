@@ -14,7 +14,8 @@ For every held-out file (`--eval_data_path a.jsonl,b.jsonl`), on every `--eval_i
 
 Every rank evaluates a disjoint slice (every world_size-th sample from its rank) and all figures
 are sums, reduced in one all-reduce at the end: N ranks give the same numbers as one.
-`greedy_generate` and `answer_is_right` are shared with `scripts/eval_sft.py`.
+`generation_example` (the prompt and reference of a conversation), `greedy_generate` and
+`answer_is_right` are shared with `scripts/eval_sft.py`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,21 @@ def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, stop_ids) -> 
     return start, int(positions[-1]) + 1
 
 
+def generation_example(input_ids: np.ndarray, labels: np.ndarray, tokenizer, stop_ids) -> GenerationExample | None:
+    """The prompt and reference of one encoded conversation (a held-out sample here, a row of
+    `scripts/eval_sft.py`): the tokens before its last assistant turn, so the model writes its own
+    think block, and that turn decoded and split by `parse_reply` (a call in `tool_calls` and one
+    written as `<tool_call>` text render alike, and are read alike). None when the turn is not whole
+    (`last_assistant_turn`)."""
+    span = last_assistant_turn(input_ids, labels, stop_ids)
+    if span is None:
+        return None
+    start, end = span
+    ids = input_ids.tolist()
+    reference = parse_reply(tokenizer.decode(ids[start:end - 1], skip_special_tokens=True))
+    return GenerationExample(ids[:start], reference.content, reference.calls)
+
+
 def generation_examples(dataset, count: int, tokenizer) -> list[GenerationExample]:
     """The first `count` usable samples of an (unpacked) SFT dataset as prompts and references."""
     stop_ids = stop_token_ids(tokenizer) if count else []
@@ -109,12 +125,9 @@ def generation_examples(dataset, count: int, tokenizer) -> list[GenerationExampl
         if len(examples) >= count:
             break
         sample = dataset[index]
-        span = last_assistant_turn(sample["input_ids"], sample["labels"], stop_ids)
-        if span is not None:
-            start, end = span
-            ids = sample["input_ids"].tolist()
-            reference = parse_reply(tokenizer.decode(ids[start:end - 1], skip_special_tokens=True))
-            examples.append(GenerationExample(ids[:start], reference.content, reference.calls))
+        example = generation_example(sample["input_ids"], sample["labels"], tokenizer, stop_ids)
+        if example is not None:
+            examples.append(example)
     return examples
 
 
