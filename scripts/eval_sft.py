@@ -182,14 +182,19 @@ def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size
 
 
 def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> list[str]:
-    """Greedy answers of all prompts (batched, left padding; trainer.evaluation.greedy_generate)."""
-    from trainer.evaluation.evaluate import greedy_generate, stop_token_ids
+    """Greedy answers of all prompts (batched, left padding; trainer.evaluation.greedy_generate); a line
+    says how many prompts are answered from their end only, the model's context less --max_new_tokens."""
+    from trainer.evaluation.evaluate import greedy_generate, long_prompts, stop_token_ids
 
     context = model.config.max_position_embeddings
     if max_new_tokens >= context:
         fail(f"--max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
-    answers = greedy_generate(model, [e.prompt_ids for e in examples], tokenizer.pad_token_id, stop_token_ids(tokenizer),
-                              batch_size, max_new_tokens)
+    prompts = [e.prompt_ids for e in examples]
+    cut = long_prompts(prompts, context, max_new_tokens, "--max_new_tokens")
+    if cut:
+        print(f"warning: {cut}", file=sys.stderr)
+    answers = greedy_generate(model, prompts, tokenizer.pad_token_id, stop_token_ids(tokenizer), batch_size,
+                              max_new_tokens)
     return [tokenizer.decode(answer, skip_special_tokens=True) for answer in answers]
 
 

@@ -247,7 +247,8 @@ def test_the_prompts_and_references_are_the_trainers_evaluation_ones(tmp_path):
     tokenizer = load_tokenizer(None)
     args = SimpleNamespace(eval_data_path=str(data), max_seq_len=512, bad_data="error", cache_dir=str(tmp_path),
                            packing=0, batch_size=2, eval_generate_samples=6, eval_max_new_tokens=4)
-    (eval_set,) = build_eval_sets(args, tokenizer, SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu")))
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx, 512)
     examples = read_examples(data, tokenizer, 512)
     assert [(e.prompt_ids, e.reference, e.reference_calls) for e in examples] == [
         (e.prompt_ids, e.reference, e.reference_calls) for e in eval_set.examples]
@@ -269,3 +270,22 @@ def test_a_template_that_closes_no_turn_with_a_token_is_refused_with_the_line(tm
         read_examples(data, tokenizer, 512)
     assert str(raised.value) == (f"{data}:1: its last assistant turn does not end with the chat template's "
                                  "end-of-turn token: there is no answer to judge")
+
+
+def test_prompts_longer_than_the_context_less_max_new_tokens_are_counted_in_one_line(trained, tmp_path):
+    # answered from their last tokens (the system prompt cut off): said, once, with how to avoid it
+    from scripts.eval_sft import read_examples
+
+    data = tmp_path / "long.jsonl"
+    long = [{"role": "system", "content": "word " * 400}, *CONVERSATIONS[1]]
+    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in [long, *CONVERSATIONS]), encoding="utf-8")
+    assert [len(e.prompt_ids) > 512 - 128 for e in read_examples(data, trained["tokenizer"], 512)] == [
+        True, False, False, False]
+    out = tmp_path / "result.json"
+    for new_tokens, lines in (("128", ["warning: 1 of 4 prompts are longer than the model's context (512) minus "
+                                       "--max_new_tokens (128): answered from their last 384 tokens (lower "
+                                       "--max_new_tokens)"]),
+                              ("8", [])):
+        done = script_in_process("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(data),
+                                 "--max_new_tokens", new_tokens, "--json_out", str(out), "--device", "cpu")
+        assert (done.returncode, done.stderr.splitlines()) == (0, lines)

@@ -147,17 +147,36 @@ def metric_names(eval_sets: list[EvalSet]) -> list[str]:
 # --------------------------------------------------------------------------- generation
 
 
+def prompt_room(context: int, max_new_tokens: int) -> int:
+    """The most tokens of a prompt that generation keeps: the model's context less the answer's room."""
+    if max_new_tokens >= context:
+        raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
+    return context - max_new_tokens
+
+
+def long_prompts(prompts: list[list[int]], context: int, max_new_tokens: int, flag: str) -> str | None:
+    """What `greedy_generate` does to the prompts longer than `prompt_room` (it answers them from their
+    last tokens: their start, the system prompt and the tools, unseen), as a line for a warning; None when
+    every prompt fits. `flag` names the setting of `max_new_tokens`, advised lower where that would let
+    one of them fit (one shorter than the context)."""
+    keep = prompt_room(context, max_new_tokens)
+    cut = [len(ids) for ids in prompts if len(ids) > keep]
+    if not cut:
+        return None
+    return (f"{len(cut)} of {len(prompts)} prompts are longer than the model's context ({context}) minus {flag} "
+            f"({max_new_tokens}): answered from their last {keep} tokens"
+            + (f" (lower {flag})" if min(cut) < context else ""))
+
+
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int | list[int],
                     batch_size: int, max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations (token ids, up to and without the first stop token: `eos_token_id`, an id
     or a list such as `stop_token_ids`) of all prompts, batched with left padding, longest prompts
-    first. A prompt longer than the model's context minus `max_new_tokens` keeps its end."""
+    first. A prompt longer than the model's context minus `max_new_tokens` keeps its end (the callers
+    say how many do, once per held-out set: `long_prompts`)."""
     stop_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    context = model.config.max_position_embeddings
-    if max_new_tokens >= context:
-        raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
-    keep = context - max_new_tokens
+    keep = prompt_room(model.config.max_position_embeddings, max_new_tokens)
     prompts = [ids[-keep:] for ids in prompts]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     device = next(model.parameters()).device
