@@ -201,7 +201,8 @@ def build_eval_sets(args, tokenizer, ctx, context: int) -> list[EvalSet]:
                    "(the others were cut by --max_seq_len)")
             print_escaped(f"[eval] {name}: {len(examples)} generation prompts of the {args.eval_generate_samples} "
                           f"asked for (--eval_generate_samples): {why}")
-        cut = long_prompts([e.prompt_ids for e in examples], context, args.eval_max_new_tokens, "--eval_max_new_tokens")
+        cut = long_prompts([e.prompt_ids for e in examples], context, args.eval_max_new_tokens,
+                           "--eval_max_new_tokens") if examples else None  # no generation: nothing to fit
         if cut and ctx.rank == 0:
             print_escaped(f"[eval] warning: {name}: {cut}")
         tool_turns = sum(bool(example.reference_calls) for example in examples)

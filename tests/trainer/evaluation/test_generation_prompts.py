@@ -39,6 +39,22 @@ def test_an_eval_max_new_tokens_that_leaves_no_room_is_refused_before_training(d
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_without_generation_eval_max_new_tokens_is_not_measured_against_the_context(data, tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from dataset import load_tokenizer
+    from trainer.data_setup import build_eval_sets
+
+    args = SimpleNamespace(eval_data_path=str(data / "eval.jsonl"), max_seq_len=512, bad_data="error",
+                           cache_dir=str(tmp_path), packing=0, batch_size=4, eval_generate_samples=0,
+                           eval_max_new_tokens=600)
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    (eval_set,) = build_eval_sets(args, load_tokenizer(None), ctx, 512)
+    assert (len(eval_set.loader.dataset), eval_set.examples) == (16, [])
+
+
 def test_fewer_new_tokens_are_advised_only_where_they_would_let_a_prompt_fit():
     from trainer.evaluation.evaluate import long_prompts
 
