@@ -4,14 +4,14 @@
 
 * loss: mean cross-entropy over all assistant tokens of the file (token-weighted, the same
   assistant-only mask as training), perplexity = exp(loss);
-* for each conversation, the prompt is its tokens before its final assistant turn and the
-  reference is that turn, taken as the trainer's evaluation takes them
-  (``trainer.evaluation.evaluate.generation_example``): the prompt ends with the assistant header,
-  so the model writes its own think block, and a call in the reference counts as a call whether it
-  is a ``tool_calls`` entry or ``<tool_call>`` text in the content. The prompt comes from the whole
-  conversation (the loss from its first ``--max_seq_len`` tokens). The greedy answer up to the
-  end-of-turn token and the reference are split into reasoning, reply and tool calls
-  (``dataset.tool_calls``);
+* for each conversation, the prompt is the messages before its final assistant turn (and its
+  tools) with the chat template's generation prompt, as ``scripts/chat.py`` asks (the shipped
+  template's: thinking off, an empty think block); the reference is that turn as the trainer's
+  evaluation takes it (``trainer.evaluation.evaluate.generation_example``): a call in it counts as
+  a call whether it is a ``tool_calls`` entry or ``<tool_call>`` text in the content. The trainer's
+  ``--eval_generate_samples`` prompts end at the assistant header instead, so the model writes its
+  own think block there (docs/evaluation.md). The greedy answer up to the end-of-turn token and the
+  reference are split into reasoning, reply and tool calls (``dataset.tool_calls``);
 * exact match (conversations whose final turn is a reply): the reply must equal the reference
   after stripping whitespace, and the model must not call a tool;
 * tool-call accuracy (conversations whose final turn calls tools): the calls must be the
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import (  # noqa: E402
     REPO_DIR, ArgumentParser, add_model_args, check_not_an_input, check_output_file, fail, load_model_and_tokenizer,
-    run_main, write_output,
+    prompt_ids, run_main, write_output,
 )
 from trainer.args import Bounds, flag_bounds, path_value  # noqa: E402
 
@@ -107,7 +107,7 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
                 raise LineError(f"'task' must be a string, got {type(task).__name__}")
             if task is not None and not task.strip():  # a blank name in by_task: a row of no task that reads as one
                 raise LineError(f"'task' must be a non-blank string, got {task!r}")
-            # whole, for the prompt and reference; the loss reads its first max_seq_len tokens, as training does
+            # whole, for the reference; the loss reads its first max_seq_len tokens, as training does
             ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
                                             sys.maxsize)
             answer = generation_example(ids, np.where(mask, ids, IGNORE_INDEX), tokenizer, stop_ids)
@@ -116,8 +116,9 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
                                 "there is no answer to judge")
         except LineError as error:
             raise DataError(f"{path}:{number}: {error}") from None
-        examples.append(Example(number, ids[:max_seq_len].tolist(), mask[:max_seq_len].tolist(), answer.prompt_ids,
-                                answer.reference, answer.reference_calls, task))
+        examples.append(Example(number, ids[:max_seq_len].tolist(), mask[:max_seq_len].tolist(),
+                                prompt_ids(tokenizer, messages[:last], conversation.tools), answer.reference,
+                                answer.reference_calls, task))
     if not examples:
         raise DataError(f"{path}: no conversations to evaluate")
     return examples

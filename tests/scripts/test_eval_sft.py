@@ -103,8 +103,7 @@ def test_batched_left_padded_greedy_equals_one_by_one(trained):
     examples = read_examples(trained["data"], tokenizer, 512)
     batched = greedy_answers(model, tokenizer, examples, batch_size=3, max_new_tokens=8)
     single = greedy_answers(model, tokenizer, examples, batch_size=1, max_new_tokens=8)
-    # the prompt ends at the assistant header, as the trainer's: the model writes its (empty) think block
-    assert batched == single == ["<think>\n\n</think>\n\n" + c[-1]["content"] for c in CONVERSATIONS]
+    assert batched == single == [c[-1]["content"] for c in CONVERSATIONS]
 
 
 def test_conversations_whose_answers_max_seq_len_cuts_off_are_named_not_left_out_silently(trained, tmp_path):
@@ -232,9 +231,9 @@ def test_a_tool_call_written_as_text_in_the_reference_is_scored_as_a_call(tmp_pa
             result["num_replies"]) == (2, 2, 1, 1)
 
 
-def test_the_prompts_and_references_are_the_trainers_evaluation_ones(tmp_path):
-    # the trainer's --eval_generate_samples and eval_sft.py answer the same prompts: the tokens before the last
-    # assistant turn, so the model writes its own think block; their exact-match figures agree on the same file
+def test_the_references_are_the_trainers_evaluation_ones_and_the_prompts_chats(tmp_path):
+    # eval_sft.py judges by the trainer's references; its prompts are chat.py's (thinking off: the trainer's
+    # prompt, which ends at the assistant header, and the template's empty think block)
     from types import SimpleNamespace
 
     from dataset import load_tokenizer
@@ -250,9 +249,12 @@ def test_the_prompts_and_references_are_the_trainers_evaluation_ones(tmp_path):
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     (eval_set,) = build_eval_sets(args, tokenizer, ctx, 512)
     examples = read_examples(data, tokenizer, 512)
-    assert [(e.prompt_ids, e.reference, e.reference_calls) for e in examples] == [
-        (e.prompt_ids, e.reference, e.reference_calls) for e in eval_set.examples]
-    assert tokenizer.decode(examples[2].prompt_ids) == "<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+    assert [(e.reference, e.reference_calls) for e in examples] == [
+        (e.reference, e.reference_calls) for e in eval_set.examples]
+    assert [e.prompt_ids for e in examples] == [
+        e.prompt_ids + tokenizer.encode("<think>\n\n</think>\n\n") for e in eval_set.examples]
+    assert tokenizer.decode(examples[2].prompt_ids) == ("<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+                                                        "<think>\n\n</think>\n\n")
     assert [e.reference for e in examples[2:]] == ["5", "Velm", "5", "blue"]
 
 
