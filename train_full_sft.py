@@ -144,7 +144,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch; the
     # run's identity (what defines its sample stream), from the data opened, kept in every checkpoint.
     data = build_train_data(args, tokenizer, ctx)
-    eval_sets = build_eval_sets(args, tokenizer, ctx)
+    eval_sets = build_eval_sets(args, tokenizer, ctx, config.max_position_embeddings)
     check_selection(args, metric_names(eval_sets))
 
     # 5. Model, its DDP (or --fsdp 1: FSDP2) wrapper, optimizer and mixed precision, resume state.

@@ -6,8 +6,9 @@ The shipped chat template (MiniMind's layout) renders an assistant turn as::
 
 ``parse_reply`` splits generated text (what follows the generation prompt, which may already hold
 the opening ``<think>``) into reasoning, reply and calls. A call is right when its name is equal
-and its arguments are JSON-equal to the reference (``calls_match``; the order of parallel calls
-does not matter). Used by ``scripts/eval_sft.py`` and ``scripts/chat.py``.
+and its arguments are JSON-equal to the reference (``calls_match``: ``1`` equals ``1.0`` but not
+``true``; the order of parallel calls does not matter). Used by ``scripts/eval_sft.py`` and
+``scripts/chat.py``.
 """
 
 from __future__ import annotations
@@ -70,21 +71,44 @@ def parse_reply(text: str) -> Reply:
     return reply
 
 
-def reference_calls(message: dict) -> list[dict]:
-    """The calls of a normalized assistant message (``dataset.formats``) as ``{"name", "arguments"}``."""
-    return [
-        {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}
-        for call in message.get("tool_calls") or []
-    ]
+def json_kind(value) -> str:
+    """The JSON type of a parsed value: a bool is not a number (in Python ``True == 1``)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return type(value).__name__
+
+
+def json_equal(first, second) -> bool:
+    """Equal as JSON values: numbers by value (``1 == 1.0``), a bool only to the same bool, arrays item
+    by item, objects key by key, at any depth (walked with a stack: no recursion limit)."""
+    pending = [(first, second)]
+    while pending:
+        a, b = pending.pop()
+        if json_kind(a) != json_kind(b):
+            return False
+        if isinstance(a, dict):
+            if a.keys() != b.keys():
+                return False
+            pending.extend((a[key], b[key]) for key in a)
+        elif isinstance(a, list):
+            if len(a) != len(b):
+                return False
+            pending.extend(zip(a, b))
+        elif a != b:
+            return False
+    return True
 
 
 def calls_match(predicted: list[dict], reference: list[dict]) -> bool:
-    """Same calls (name equal, arguments equal as JSON values: ``1 == 1.0``), in any order."""
+    """Same calls (name equal, arguments ``json_equal``: ``1 == 1.0``, ``true != 1``), in any order."""
     if len(predicted) != len(reference):
         return False
     unmatched = list(reference)
     for call in predicted:
-        if call not in unmatched:
+        found = next((index for index, wanted in enumerate(unmatched) if json_equal(call, wanted)), None)
+        if found is None:
             return False
-        unmatched.remove(call)
+        del unmatched[found]
     return True

@@ -30,12 +30,19 @@ from scripts._common import (  # noqa: E402
 from trainer.args import flag_bounds  # noqa: E402
 
 
+# The least sampling temperature: below it sampling is greedy decoding in all but name (a logit 0.1 above the
+# next is 22,000 times as likely), and far below it the logits divided by it overflow float32 to inf, which
+# sampling cannot draw from (a torch error at the first token).
+MIN_TEMPERATURE = 0.01
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="chat.py")
     add_model_args(parser)
     parser.add_argument("--prompt", default=None, help="one-shot mode: answer this message, print only the answer")
     parser.add_argument("--system", default=None, help="system prompt placed before the conversation")
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy decoding")
+    parser.add_argument("--temperature", type=float, default=0.7,
+                        help=f"0 = greedy decoding; else at least {MIN_TEMPERATURE}")
     parser.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling mass (sampling only)")
     parser.add_argument("--max_new_tokens", type=int, default=512,
                         help="most tokens generated per answer").bounds = flag_bounds("eval_max_new_tokens")
@@ -50,6 +57,8 @@ def build_parser() -> ArgumentParser:
 def check_args(args) -> None:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):  # nan would decode greedily, inf uniformly
         fail(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if 0 < args.temperature < MIN_TEMPERATURE:
+        fail(f"--temperature must be 0 (greedy decoding) or at least {MIN_TEMPERATURE}, got {args.temperature}")
     if not 0 < args.top_p <= 1:
         fail(f"--top_p must be in (0, 1], got {args.top_p}")
 

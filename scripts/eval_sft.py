@@ -4,9 +4,14 @@
 
 * loss: mean cross-entropy over all assistant tokens of the file (token-weighted, the same
   assistant-only mask as training), perplexity = exp(loss);
-* for each conversation, the messages before its final assistant turn (and its tools) are the
-  prompt (chat template, ``add_generation_prompt=True``: thinking off). The greedy answer up to
-  ``<|im_end|>`` is split into reasoning, reply and tool calls (``dataset.tool_calls``);
+* for each conversation, the prompt is the messages before its final assistant turn (and its
+  tools) with the chat template's generation prompt, as ``scripts/chat.py`` asks (the shipped
+  template's: thinking off, an empty think block); the reference is that turn as the trainer's
+  evaluation takes it (``trainer.evaluation.evaluate.generation_example``): a call in it counts as
+  a call whether it is a ``tool_calls`` entry or ``<tool_call>`` text in the content. The trainer's
+  ``--eval_generate_samples`` prompts end at the assistant header instead, so the model writes its
+  own think block there (docs/evaluation.md). The greedy answer up to the end-of-turn token and the
+  reference are split into reasoning, reply and tool calls (``dataset.tool_calls``);
 * exact match (conversations whose final turn is a reply): the reply must equal the reference
   after stripping whitespace, and the model must not call a tool;
 * tool-call accuracy (conversations whose final turn calls tools): the calls must be the
@@ -34,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import (  # noqa: E402
     REPO_DIR, ArgumentParser, add_model_args, check_not_an_input, check_output_file, fail, load_model_and_tokenizer,
-    prompt_ids, run_main,
-    write_output,
+    prompt_ids, run_main, write_output,
 )
 from trainer.args import Bounds, flag_bounds, path_value  # noqa: E402
 
@@ -44,7 +48,8 @@ DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_eval.jsonl"
 
 @dataclass
 class Example:
-    """One conversation: its training encoding (for the loss) and its final-turn prompt and answer."""
+    """One conversation: its training encoding cut to --max_seq_len (for the loss), and its final turn's
+    prompt and reference (``generation_example``)."""
 
     line: int
     input_ids: list[int]
@@ -74,12 +79,15 @@ def build_parser() -> ArgumentParser:
 
 def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> list[Example]:
     """Parse and encode the file, read as training reads it (``dataset.sources``); a bad line raises ``DataError("file:line: problem")``."""
-    from dataset import DataError, encode_conversation
+    import numpy as np
+
+    from dataset import IGNORE_INDEX, DataError, encode_conversation
     from dataset.formats import ROW_KEYS, Conversation, LineError, decode_line, load_row, parse_row
     from dataset.sources import check_data_file, open_lines
-    from dataset.tool_calls import reference_calls
+    from trainer.evaluation.evaluate import generation_example, stop_token_ids
 
     check_data_file(path)
+    stop_ids = stop_token_ids(tokenizer)
     examples = []
     lines = open_lines(path, (*ROW_KEYS, "task"))  # the reader of training: .jsonl, .jsonl.gz, .parquet
     for number, raw in enumerate(lines, start=1):
@@ -99,13 +107,18 @@ def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = N
                 raise LineError(f"'task' must be a string, got {type(task).__name__}")
             if task is not None and not task.strip():  # a blank name in by_task: a row of no task that reads as one
                 raise LineError(f"'task' must be a non-blank string, got {task!r}")
+            # whole, for the reference; the loss reads its first max_seq_len tokens, as training does
             ids, mask = encode_conversation(tokenizer, Conversation(messages[: last + 1], conversation.tools),
-                                            max_seq_len)
-            prompt = prompt_ids(tokenizer, messages[:last], conversation.tools)
+                                            sys.maxsize)
+            answer = generation_example(ids, np.where(mask, ids, IGNORE_INDEX), tokenizer, stop_ids)
+            if answer is None:
+                raise LineError("its last assistant turn does not end with the chat template's end-of-turn token: "
+                                "there is no answer to judge")
         except LineError as error:
             raise DataError(f"{path}:{number}: {error}") from None
-        examples.append(Example(number, ids.tolist(), mask.tolist(), prompt, messages[last]["content"],
-                                reference_calls(messages[last]), task))
+        examples.append(Example(number, ids[:max_seq_len].tolist(), mask[:max_seq_len].tolist(),
+                                prompt_ids(tokenizer, messages[:last], conversation.tools), answer.reference,
+                                answer.reference_calls, task))
     if not examples:
         raise DataError(f"{path}: no conversations to evaluate")
     return examples
@@ -170,14 +183,19 @@ def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size
 
 
 def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> list[str]:
-    """Greedy answers of all prompts (batched, left padding; trainer.evaluation.greedy_generate)."""
-    from trainer.evaluation.evaluate import greedy_generate, stop_token_ids
+    """Greedy answers of all prompts (batched, left padding; trainer.evaluation.greedy_generate); a line
+    says how many prompts are answered from their end only, the model's context less --max_new_tokens."""
+    from trainer.evaluation.evaluate import greedy_generate, long_prompts, stop_token_ids
 
     context = model.config.max_position_embeddings
     if max_new_tokens >= context:
         fail(f"--max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
-    answers = greedy_generate(model, [e.prompt_ids for e in examples], tokenizer.pad_token_id, stop_token_ids(tokenizer),
-                              batch_size, max_new_tokens)
+    prompts = [e.prompt_ids for e in examples]
+    cut = long_prompts(prompts, context, max_new_tokens, "--max_new_tokens")
+    if cut:
+        print(f"warning: {cut}", file=sys.stderr)
+    answers = greedy_generate(model, prompts, tokenizer.pad_token_id, stop_token_ids(tokenizer), batch_size,
+                              max_new_tokens)
     return [tokenizer.decode(answer, skip_special_tokens=True) for answer in answers]
 
 

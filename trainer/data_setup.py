@@ -21,7 +21,8 @@ from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, l
 from dataset.printable import print_escaped
 from dataset.sources import check_data_file
 from trainer.args import held_out_files
-from trainer.evaluation.evaluate import EvalSet, generation_examples
+from trainer.errors import ConfigError
+from trainer.evaluation.evaluate import EvalSet, generation_examples, long_prompts
 from trainer.evaluation.selection import eval_set_names
 from trainer.model_setup import COMPILE_PAD_MULTIPLE
 from trainer.run_identity import RunIdentity, epoch_grouping, identify_run
@@ -182,10 +183,14 @@ def rank_zero_log(ctx):
     return print_escaped if ctx.rank == 0 else (lambda message: None)
 
 
-def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
+def build_eval_sets(args, tokenizer, ctx, context: int) -> list[EvalSet]:
     """One EvalSet per held-out file. Each rank evaluates a disjoint slice of every file (no
     padding duplicates) and answers every world_size-th prompt of its generation subset; the
-    evaluation sums over ranks."""
+    evaluation sums over ranks. `context`: the model's (max_position_embeddings), which a prompt and
+    its --eval_max_new_tokens share: the prompts that do not fit are counted here, once per file."""
+    if args.eval_generate_samples and args.eval_max_new_tokens >= context:
+        raise ConfigError(f"--eval_max_new_tokens {args.eval_max_new_tokens} leaves no room for a prompt in the "
+                          f"model's context of {context} tokens")
     paths = held_out_files(args.eval_data_path)
     build_token_caches(paths, args, tokenizer)
     eval_sets = []
@@ -207,6 +212,10 @@ def build_eval_sets(args, tokenizer, ctx) -> list[EvalSet]:
                    "(the others were cut by --max_seq_len)")
             print_escaped(f"[eval] {name}: {len(examples)} generation prompts of the {args.eval_generate_samples} "
                           f"asked for (--eval_generate_samples): {why}")
+        cut = long_prompts([e.prompt_ids for e in examples], context, args.eval_max_new_tokens,
+                           "--eval_max_new_tokens") if examples else None  # no generation: nothing to fit
+        if cut and ctx.rank == 0:
+            print_escaped(f"[eval] warning: {name}: {cut}")
         tool_turns = sum(bool(example.reference_calls) for example in examples)
         forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
         eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size],

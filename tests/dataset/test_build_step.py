@@ -97,7 +97,7 @@ def test_the_training_data_setup_builds_each_file_s_cache_once_then_opens_it(tmp
                         real_open(path, *rest))
     assert len(build_train_data(args, tokenizer, ctx).dataset) == 14
     assert (built, opened) == (["a.jsonl", "b.jsonl"], ["a.jsonl", "b.jsonl"])
-    assert len(build_eval_sets(args, tokenizer, ctx)[0].loader.dataset) == 5
+    assert len(build_eval_sets(args, tokenizer, ctx, 512)[0].loader.dataset) == 5
     assert (built, opened) == (["a.jsonl", "b.jsonl"], ["a.jsonl", "b.jsonl", "b.jsonl"])
 
 

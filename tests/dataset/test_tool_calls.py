@@ -1,6 +1,6 @@
 """dataset/tool_calls.py: generated text split into reasoning, reply and calls; calls compared."""
 
-from dataset.tool_calls import Reply, calls_match, parse_reply, reference_calls
+from dataset.tool_calls import Reply, calls_match, json_equal, parse_reply
 
 
 def test_a_reply_splits_into_reasoning_text_and_calls():
@@ -29,9 +29,26 @@ def test_a_call_that_is_not_json_as_data_must_be_is_a_bad_call_not_its_last_valu
 
 
 def test_calls_match_in_any_order_and_as_json_values():
-    reference = reference_calls({"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "a", "arguments": {"n": 1}}},
-        {"type": "function", "function": {"name": "b", "arguments": {}}}]})
+    reference = [{"name": "a", "arguments": {"n": 1}}, {"name": "b", "arguments": {}}]
     assert calls_match([{"name": "b", "arguments": {}}, {"name": "a", "arguments": {"n": 1.0}}], reference)
     assert not calls_match([{"name": "a", "arguments": {"n": 1}}], reference)
     assert not calls_match([{"name": "a", "arguments": {"n": 1}}, {"name": "a", "arguments": {"n": 1}}], reference)
+
+
+def test_a_bool_equals_only_a_bool_at_any_depth_in_any_order():
+    # JSON true is not the number 1 (Python: True == 1): the demo calculator refuses {"a": true}
+    reference = [{"name": "calc", "arguments": {"a": 1, "b": 0, "flags": [{"on": True}], "x": None}},
+                 {"name": "calc", "arguments": {"a": 2, "b": 0, "flags": [], "x": None}}]
+    right = [{"name": "calc", "arguments": {"a": 2.0, "b": 0, "flags": [], "x": None}},
+             {"name": "calc", "arguments": {"a": 1.0, "b": 0.0, "flags": [{"on": True}], "x": None}}]
+    assert calls_match(right, reference)
+    swaps = [("a", True), ("b", False), ("flags", [{"on": 1}]), ("x", False), ("x", 0), ("flags", [{"on": True}, 1])]
+    for key, value in swaps:
+        wrong = [right[0], {**right[1], "arguments": {**right[1]["arguments"], key: value}}]
+        assert not calls_match(wrong, reference), (key, value)
+    assert not json_equal(True, 1) and not json_equal([False], [0]) and not json_equal({"a": 1}, {"a": True})
+    assert json_equal({"a": [1, {"b": 2.5}]}, {"a": [1.0, {"b": 2.5}]})
+    deep, deeper = [], []
+    for _ in range(5000):  # deeper than Python's recursion limit: walked, not recursed
+        deep, deeper = [deep], [deeper]
+    assert json_equal(deep, deeper)

@@ -26,3 +26,12 @@ def test_a_seed_or_a_token_count_outside_the_trainers_range_is_refused_in_one_li
     assert (done.returncode, done.stderr) == (2, f"error: --seed must be <= {2**32 - 1} (got {2**64})\n")
     done = script_in_process("chat.py", "--model_path", str(tmp_path / "none"), "--prompt", "hi", "--max_new_tokens", "0")
     assert (done.returncode, done.stderr) == (2, "error: --max_new_tokens must be >= 1 (got 0)\n")
+
+
+def test_a_temperature_between_0_and_the_least_one_is_refused_before_the_model_loads(tmp_path):
+    # 1e-40 overflows the logits divided by it to inf: a torch error at the first token, not an answer
+    for value in ("1e-40", "0.009"):
+        done = script_in_process("chat.py", "--model_path", str(tmp_path / "none"), "--prompt", "hi",
+                                 "--temperature", value)
+        assert (done.returncode, done.stderr) == (2, f"error: --temperature must be 0 (greedy decoding) or at least "
+                                                     f"0.01, got {float(value)}\n")

@@ -206,3 +206,88 @@ def test_a_blank_task_is_refused_with_its_line(trained, tmp_path):
                                  "--device", "cpu")
         assert (done.returncode, done.stderr, done.stdout) == (
             2, f"error: {data}:3: 'task' must be a non-blank string, got {task!r}\n", "")
+
+
+CALL = {"name": "calculator", "arguments": {"a": 31, "op": "*", "b": 76}}
+CALL_ROWS = [  # the same turn: a structured call, the call written as text, and a reply with reasoning
+    [{"role": "user", "content": "31*76?"}, {"role": "assistant", "content": "", "tool_calls": [CALL]}],
+    [{"role": "user", "content": "31*76?"},
+     {"role": "assistant", "content": "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"}],
+    [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5", "reasoning_content": "add"}],
+]
+
+
+def test_a_tool_call_written_as_text_in_the_reference_is_scored_as_a_call(tmp_path):
+    from dataset import load_tokenizer
+    from scripts.eval_sft import read_examples, score
+
+    data = tmp_path / "calls.jsonl"
+    data.write_text("".join(json.dumps({"conversations": row}) + "\n" for row in CALL_ROWS), encoding="utf-8")
+    examples = read_examples(data, load_tokenizer(None), 512)
+    assert [(e.reference, e.reference_calls) for e in examples] == [("", [CALL]), ("", [CALL]), ("5", [])]
+    answers = ["<think>\n\n</think>\n\n" + "<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"] * 2 + ["5"]
+    result = score(answers, examples)
+    assert (result["num_tool_calls_correct"], result["num_tool_call_turns"], result["num_correct"],
+            result["num_replies"]) == (2, 2, 1, 1)
+
+
+def test_the_references_are_the_trainers_evaluation_ones_and_the_prompts_chats(tmp_path):
+    # eval_sft.py judges by the trainer's references; its prompts are chat.py's (thinking off: the trainer's
+    # prompt, which ends at the assistant header, and the template's empty think block)
+    from types import SimpleNamespace
+
+    from dataset import load_tokenizer
+    from scripts.eval_sft import read_examples
+    from trainer.data_setup import build_eval_sets
+
+    data = tmp_path / "calls.jsonl"
+    data.write_text("".join(json.dumps({"conversations": row}) + "\n" for row in [*CALL_ROWS, *CONVERSATIONS]),
+                    encoding="utf-8")
+    tokenizer = load_tokenizer(None)
+    args = SimpleNamespace(eval_data_path=str(data), max_seq_len=512, bad_data="error", cache_dir=str(tmp_path),
+                           packing=0, batch_size=2, eval_generate_samples=6, eval_max_new_tokens=4)
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx, 512)
+    examples = read_examples(data, tokenizer, 512)
+    assert [(e.reference, e.reference_calls) for e in examples] == [
+        (e.reference, e.reference_calls) for e in eval_set.examples]
+    assert [e.prompt_ids for e in examples] == [
+        e.prompt_ids + tokenizer.encode("<think>\n\n</think>\n\n") for e in eval_set.examples]
+    assert tokenizer.decode(examples[2].prompt_ids) == ("<|im_start|>user\n2+3?<|im_end|>\n<|im_start|>assistant\n"
+                                                        "<think>\n\n</think>\n\n")
+    assert [e.reference for e in examples[2:]] == ["5", "Velm", "5", "blue"]
+
+
+def test_a_template_that_closes_no_turn_with_a_token_is_refused_with_the_line(tmp_path):
+    # the answer of such a turn has no end to stop at or to judge by (the trainer has no prompt from it either)
+    from dataset import DataError, load_tokenizer
+    from scripts.eval_sft import read_examples
+    from tests.helpers.templates import with_template
+
+    tokenizer = with_template(load_tokenizer(None), "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                                                    "{% if add_generation_prompt %}assistant: {% endif %}")
+    data = tmp_path / "plain.jsonl"
+    data.write_text(json.dumps({"conversations": CONVERSATIONS[1]}) + "\n", encoding="utf-8")
+    with pytest.raises(DataError) as raised:
+        read_examples(data, tokenizer, 512)
+    assert str(raised.value) == (f"{data}:1: its last assistant turn does not end with the chat template's "
+                                 "end-of-turn token: there is no answer to judge")
+
+
+def test_prompts_longer_than_the_context_less_max_new_tokens_are_counted_in_one_line(trained, tmp_path):
+    # answered from their last tokens (the system prompt cut off): said, once, with how to avoid it
+    from scripts.eval_sft import read_examples
+
+    data = tmp_path / "long.jsonl"
+    long = [{"role": "system", "content": "word " * 400}, *CONVERSATIONS[1]]
+    data.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in [long, *CONVERSATIONS]), encoding="utf-8")
+    assert [len(e.prompt_ids) > 512 - 128 for e in read_examples(data, trained["tokenizer"], 512)] == [
+        True, False, False, False]
+    out = tmp_path / "result.json"
+    for new_tokens, lines in (("128", ["warning: 1 of 4 prompts are longer than the model's context (512) minus "
+                                       "--max_new_tokens (128): answered from their last 384 tokens (lower "
+                                       "--max_new_tokens)"]),
+                              ("8", [])):
+        done = script_in_process("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(data),
+                                 "--max_new_tokens", new_tokens, "--json_out", str(out), "--device", "cpu")
+        assert (done.returncode, done.stderr.splitlines()) == (0, lines)

@@ -14,7 +14,8 @@ For every held-out file (`--eval_data_path a.jsonl,b.jsonl`), on every `--eval_i
 
 Every rank evaluates a disjoint slice (every world_size-th sample from its rank) and all figures
 are sums, reduced in one all-reduce at the end: N ranks give the same numbers as one.
-`greedy_generate` and `answer_is_right` are shared with `scripts/eval_sft.py`.
+`generation_example` (the prompt and reference of a conversation), `greedy_generate` and
+`answer_is_right` are shared with `scripts/eval_sft.py`.
 """
 
 from __future__ import annotations
@@ -101,6 +102,21 @@ def last_assistant_turn(input_ids: np.ndarray, labels: np.ndarray, stop_ids) -> 
     return start, int(positions[-1]) + 1
 
 
+def generation_example(input_ids: np.ndarray, labels: np.ndarray, tokenizer, stop_ids) -> GenerationExample | None:
+    """The prompt and reference of one encoded conversation (a held-out sample here, a row of
+    `scripts/eval_sft.py`): the tokens before its last assistant turn, so the model writes its own
+    think block, and that turn decoded and split by `parse_reply` (a call in `tool_calls` and one
+    written as `<tool_call>` text render alike, and are read alike). None when the turn is not whole
+    (`last_assistant_turn`)."""
+    span = last_assistant_turn(input_ids, labels, stop_ids)
+    if span is None:
+        return None
+    start, end = span
+    ids = input_ids.tolist()
+    reference = parse_reply(tokenizer.decode(ids[start:end - 1], skip_special_tokens=True))
+    return GenerationExample(ids[:start], reference.content, reference.calls)
+
+
 def generation_examples(dataset, count: int, tokenizer) -> list[GenerationExample]:
     """The first `count` usable samples of an (unpacked) SFT dataset as prompts and references."""
     stop_ids = stop_token_ids(tokenizer) if count else []
@@ -109,12 +125,9 @@ def generation_examples(dataset, count: int, tokenizer) -> list[GenerationExampl
         if len(examples) >= count:
             break
         sample = dataset[index]
-        span = last_assistant_turn(sample["input_ids"], sample["labels"], stop_ids)
-        if span is not None:
-            start, end = span
-            ids = sample["input_ids"].tolist()
-            reference = parse_reply(tokenizer.decode(ids[start:end - 1], skip_special_tokens=True))
-            examples.append(GenerationExample(ids[:start], reference.content, reference.calls))
+        example = generation_example(sample["input_ids"], sample["labels"], tokenizer, stop_ids)
+        if example is not None:
+            examples.append(example)
     return examples
 
 
@@ -134,17 +147,36 @@ def metric_names(eval_sets: list[EvalSet]) -> list[str]:
 # --------------------------------------------------------------------------- generation
 
 
+def prompt_room(context: int, max_new_tokens: int) -> int:
+    """The most tokens of a prompt that generation keeps: the model's context less the answer's room."""
+    if max_new_tokens >= context:
+        raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
+    return context - max_new_tokens
+
+
+def long_prompts(prompts: list[list[int]], context: int, max_new_tokens: int, flag: str) -> str | None:
+    """What `greedy_generate` does to the prompts longer than `prompt_room` (it answers them from their
+    last tokens: their start, the system prompt and the tools, unseen), as a line for a warning; None when
+    every prompt fits. `flag` names the setting of `max_new_tokens`, advised lower where that would let
+    one of them fit (one shorter than the context)."""
+    keep = prompt_room(context, max_new_tokens)
+    cut = [len(ids) for ids in prompts if len(ids) > keep]
+    if not cut:
+        return None
+    return (f"{len(cut)} of {len(prompts)} prompts are longer than the model's context ({context}) minus {flag} "
+            f"({max_new_tokens}): answered from their last {keep} tokens"
+            + (f" (lower {flag})" if min(cut) < context else ""))
+
+
 @torch.no_grad()
 def greedy_generate(model, prompts: list[list[int]], pad_token_id: int, eos_token_id: int | list[int],
                     batch_size: int, max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations (token ids, up to and without the first stop token: `eos_token_id`, an id
     or a list such as `stop_token_ids`) of all prompts, batched with left padding, longest prompts
-    first. A prompt longer than the model's context minus `max_new_tokens` keeps its end."""
+    first. A prompt longer than the model's context minus `max_new_tokens` keeps its end (the callers
+    say how many do, once per held-out set: `long_prompts`)."""
     stop_ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    context = model.config.max_position_embeddings
-    if max_new_tokens >= context:
-        raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
-    keep = context - max_new_tokens
+    keep = prompt_room(model.config.max_position_embeddings, max_new_tokens)
     prompts = [ids[-keep:] for ids in prompts]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     device = next(model.parameters()).device

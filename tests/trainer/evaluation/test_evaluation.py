@@ -225,7 +225,7 @@ def _evaluate_in_process(rank, world_size, init_file, data_path, out_dir):
     args = SimpleNamespace(eval_data_path=data_path, max_seq_len=128, bad_data="error", cache_dir=out_dir,
                            packing=0, batch_size=3, eval_generate_samples=5, eval_max_new_tokens=4)
     ctx = SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"))
-    eval_sets = build_eval_sets(args, tokenizer, ctx)
+    eval_sets = build_eval_sets(args, tokenizer, ctx, 1024)
     model = tiny_model_for(tokenizer)
     run = SimpleNamespace(raw_model=model, ctx=ctx, dtype=torch.float32, args=args, tokenizer=tokenizer,
                           eval_sets=eval_sets)
@@ -327,11 +327,11 @@ def test_a_tokenizer_whose_eos_is_not_the_end_of_turn_token_keeps_its_generation
                            cache_dir=str(tmp_path / "cache"), packing=0, batch_size=4, eval_generate_samples=5,
                            eval_max_new_tokens=4)
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    (eval_set,) = build_eval_sets(args, tokenizer, ctx)
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx, 2048)
     assert len(eval_set.examples) == 5  # was 0: the turns end with <|im_end|>, not with eos
     assert "generation prompts" not in capsys.readouterr().out
     args.eval_generate_samples = 40  # more than the file holds: one line says so
-    (eval_set,) = build_eval_sets(args, tokenizer, ctx)
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx, 2048)
     assert capsys.readouterr().out.splitlines() == [
         "[eval] eval: 16 generation prompts of the 40 asked for (--eval_generate_samples): the file has only 16 "
         "conversations"]
@@ -409,7 +409,7 @@ def test_tool_call_accuracy_and_exact_match_are_counted_per_kind_of_turn(tmp_pat
                            cache_dir=str(tmp_path), packing=0, batch_size=2, eval_generate_samples=10,
                            eval_max_new_tokens=4)
     ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
-    (eval_set,) = build_eval_sets(args, tokenizer, ctx)
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx, 1024)
     assert (eval_set.num_replies, eval_set.num_tool_turns) == (2, 3)
     assert [e.reference_calls for e in eval_set.examples[:3]] == [
         [{"name": "get_weather", "arguments": {"city": city, "days": 2}}] for city in ("Paris", "Rome", "Oslo")]

@@ -46,5 +46,5 @@ def test_data_loader_uses_workers_and_pinned_memory_on_cuda(data, tmp_path, monk
     loader = build_train_data(args, load_tokenizer(None), context(device)).loader
     assert loader.num_workers == workers
     assert loader.pin_memory is pinned
-    eval_sets = build_eval_sets(args, load_tokenizer(None), context(device))
+    eval_sets = build_eval_sets(args, load_tokenizer(None), context(device), 512)
     assert [eval_set.loader.pin_memory for eval_set in eval_sets] == [pinned]

@@ -1,0 +1,72 @@
+"""The generation prompts of the held-out files against the model's context: those that do not fit
+with --eval_max_new_tokens are counted in one line at start (rank 0), and no room at all is refused."""
+
+import pytest
+
+from tests.helpers.trainer_launch import eval_rows, run_trainer, run_trainer_in_process
+
+
+def small_context_run(data, trained, save_dir, *extra) -> list[str]:
+    """Trainer flags from the overfitted model (a context of 512 positions) with two generation prompts."""
+    return ["--from_weight", str(trained["hf_dir"]), "--data_path", str(data / "train.jsonl"), "--save_dir",
+            str(save_dir), "--max_seq_len", "512", "--dtype", "float32", "--batch_size", "8",
+            "--eval_data_path", str(data / "eval.jsonl"), "--eval_generate_samples", "2", *extra]
+
+
+WARNING = ("[eval] warning: eval: 2 of 2 prompts are longer than the model's context (512) minus "
+           "--eval_max_new_tokens (500): answered from their last 12 tokens (lower --eval_max_new_tokens)")
+
+
+def test_prompts_cut_to_fit_the_context_are_said_once_at_start(data, trained, tmp_path):
+    # the prompts are fixed at start: counted there, not at every evaluation
+    run = small_context_run(data, trained, tmp_path / "run", "--max_steps", "2", "--eval_interval", "1",
+                            "--eval_max_new_tokens", "500")
+    done = run_trainer_in_process(run, check=True)
+    assert [line for line in done.stdout.splitlines() if "[eval] warning" in line] == [WARNING]
+    assert len(eval_rows(tmp_path / "run")[0]) >= 2
+    fits = run_trainer_in_process(small_context_run(data, trained, tmp_path / "fits", "--max_steps", "1",
+                                                    "--eval_max_new_tokens", "8"), check=True)
+    assert "[eval] warning" not in fits.stdout
+
+
+def test_an_eval_max_new_tokens_that_leaves_no_room_is_refused_before_training(data, trained, tmp_path):
+    # else the first evaluation would end the run in a traceback
+    done = run_trainer_in_process(small_context_run(data, trained, tmp_path / "run", "--max_steps", "2",
+                                                    "--eval_max_new_tokens", "512"))
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == ("error: --eval_max_new_tokens 512 leaves no room for a prompt in the "
+                                            "model's context of 512 tokens")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_without_generation_eval_max_new_tokens_is_not_measured_against_the_context(data, tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from dataset import load_tokenizer
+    from trainer.data_setup import build_eval_sets
+
+    args = SimpleNamespace(eval_data_path=str(data / "eval.jsonl"), max_seq_len=512, bad_data="error",
+                           cache_dir=str(tmp_path), packing=0, batch_size=4, eval_generate_samples=0,
+                           eval_max_new_tokens=600)
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    (eval_set,) = build_eval_sets(args, load_tokenizer(None), ctx, 512)
+    assert (len(eval_set.loader.dataset), eval_set.examples) == (16, [])
+
+
+def test_fewer_new_tokens_are_advised_only_where_they_would_let_a_prompt_fit():
+    from trainer.evaluation.evaluate import long_prompts
+
+    head = "prompts are longer than the model's context (8) minus --x (2): answered from their last 6 tokens"
+    assert long_prompts([[0] * 8, [0] * 3, [0] * 9], 8, 2, "--x") == f"2 of 3 {head}"  # no room for either
+    assert long_prompts([[0] * 7, [0] * 8], 8, 2, "--x") == f"2 of 2 {head} (lower --x)"
+    assert long_prompts([[0] * 6, []], 8, 2, "--x") is None
+
+
+@pytest.mark.slow
+def test_under_ddp_rank_0_alone_says_how_many_prompts_are_cut(data, trained, tmp_path):
+    done = run_trainer(small_context_run(data, trained, tmp_path / "run", "--max_steps", "1",
+                                         "--eval_max_new_tokens", "500"), nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [line for line in done.stdout.splitlines() if "[eval] warning" in line] == [WARNING]
