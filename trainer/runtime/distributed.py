@@ -11,6 +11,7 @@ Launchers understood:
 import datetime
 import itertools
 import json
+import logging
 import os
 import re
 import socket
@@ -386,6 +387,9 @@ def spawn_local_workers(entry, argv, world_size: int) -> int:
     SIGTERM or SIGINT to this launcher (its pid or its process group) is passed on to the
     workers as SIGTERM: they stop at the next step boundary, save, and exit 0, and so does this."""
     port = free_port()
+    # torch logs a warning for each worker it stops once another has failed: the failed worker's own
+    # line says why, and is the only line.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         context = mp.start_processes(_spawned_worker, args=(world_size, port, entry, argv), nprocs=world_size,
                                      join=False, start_method="spawn")
