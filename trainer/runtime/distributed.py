@@ -162,6 +162,8 @@ def init_distributed(args) -> DistContext:
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     try:
         with native_frames_dropped():
+            if rank != 0:
+                wait_for_master(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), args.dist_timeout)
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None,
                                     **elastic_store(rank, world_size, timeout))
             # Rendezvous only proves the store is up; a collective proves every peer is here.
@@ -174,6 +176,24 @@ def init_distributed(args) -> DistContext:
             f"within --dist_timeout {args.dist_timeout:g}s ({type(error).__name__}: {first_line(error)})"
         ) from error
     return DistContext(rank, local_rank, world_size, device, backend)
+
+
+def wait_for_master(addr: str | None, port: str | None, timeout_s: float) -> None:
+    """Wait until rank 0's store at addr:port accepts connections, at most `timeout_s`: torch's
+    store client retries with a growing backoff and gives up at about twice its timeout. An
+    address or port that is missing or not a port is left to torch's rendezvous to report."""
+    if not addr or not (port or "").isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, int(port)), timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except OSError as error:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"nothing answered at {addr}:{port} ({first_line(error)})") from error
+            time.sleep(min(0.5, remaining))
 
 
 def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
