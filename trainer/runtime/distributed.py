@@ -11,10 +11,10 @@ Launchers understood:
 import datetime
 import itertools
 import json
+import logging
 import os
 import re
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +27,8 @@ from dataset.cache import waiting
 from dataset.printable import print_escaped
 from trainer.errors import DistributedError, NodeLaunchError, first_line
 from trainer.runtime.native_log import native_frames_dropped
-from trainer.runtime.node_lines import LEAVE_AFTER_S, local_rank_from
+from trainer.runtime.launcher import launch_env
+from trainer.runtime.node_lines import LEAVE_AFTER_S, launcher_names
 from trainer.runtime.preemption import forward_to
 
 
@@ -46,55 +47,6 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-def launch_env(args) -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from the launcher's environment variables."""
-    env = os.environ
-    check_launch_variables(env)
-    local = local_rank_from(env, args.local_rank)
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), local, int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-        # torch's env:// rendezvous reads these four variables.
-        env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"] = str(rank), str(world), str(local)
-        env.setdefault("MASTER_ADDR", slurm_master_addr())
-        env.setdefault("MASTER_PORT", str(29500 + int(env.get("SLURM_JOB_ID", "0")) % 1000))
-        return rank, local, world
-    return 0, 0, 1
-
-
-def check_launch_variables(env) -> None:
-    """The launcher's variables that `launch_env` reads must be whole numbers, the rank below the
-    number of processes: else one line, here, where the rendezvous would wait --dist_timeout for
-    peers that cannot come (RANK=5 of WORLD_SIZE=2) or fail in int()."""
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world, local = "RANK", "WORLD_SIZE", "LOCAL_RANK"
-    elif "SLURM_PROCID" in env:
-        rank, world, local = "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"
-    else:
-        return
-    for name, least in ((world, 1), (rank, 0), (local, 0)):
-        if name in env and not (env[name].strip().isdigit() and int(env[name]) >= least):
-            raise DistributedError(f"{name}={env[name]!r} in the environment is not a whole number >= {least} "
-                                   "(the launcher sets it: torchrun, srun or your own script)")
-    if world in env and int(env[rank]) >= int(env[world]):
-        raise DistributedError(f"{rank}={env[rank]} is not below {world}={env[world]}: the ranks of {env[world]} "
-                               f"processes are 0 to {int(env[world]) - 1} (the launcher sets them)")
-
-
-def slurm_master_addr() -> str:
-    """The first host of the SLURM allocation."""
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
-    if nodelist:
-        try:
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
-            if out.returncode == 0 and out.stdout.split():
-                return out.stdout.split()[0]
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")
 
 
 def pick_device(args, local_rank: int, env=os.environ) -> torch.device:
@@ -210,6 +162,8 @@ def init_distributed(args) -> DistContext:
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     try:
         with native_frames_dropped():
+            if rank != 0:
+                wait_for_master(os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), args.dist_timeout)
             dist.init_process_group(backend=backend, timeout=timeout, device_id=device if backend == "nccl" else None,
                                     **elastic_store(rank, world_size, timeout))
             # Rendezvous only proves the store is up; a collective proves every peer is here.
@@ -222,6 +176,24 @@ def init_distributed(args) -> DistContext:
             f"within --dist_timeout {args.dist_timeout:g}s ({type(error).__name__}: {first_line(error)})"
         ) from error
     return DistContext(rank, local_rank, world_size, device, backend)
+
+
+def wait_for_master(addr: str | None, port: str | None, timeout_s: float) -> None:
+    """Wait until rank 0's store at addr:port accepts connections, at most `timeout_s`: torch's
+    store client retries with a growing backoff and gives up at about twice its timeout. An
+    address or port that is missing or not a port is left to torch's rendezvous to report."""
+    if not addr or not (port or "").isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, int(port)), timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except OSError as error:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"nothing answered at {addr}:{port} ({first_line(error)})") from error
+            time.sleep(min(0.5, remaining))
 
 
 def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
@@ -407,7 +379,15 @@ def free_port() -> int:
 
 
 def spawned_by_us() -> bool:
-    return "RANK" not in os.environ and "SLURM_PROCID" not in os.environ
+    """Whether `--world_size N` starts the workers here: no launcher started this process with
+    others (`launcher_names`). RANK or WORLD_SIZE alone, or a SLURM_NTASKS that is not a number,
+    is left to the launch check, which refuses it in one line."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return False
+    try:
+        return launcher_names(os.environ) is None
+    except ValueError:
+        return False
 
 
 def _spawned_worker(local_rank: int, world_size: int, port: int, entry, argv) -> None:
@@ -427,6 +407,9 @@ def spawn_local_workers(entry, argv, world_size: int) -> int:
     SIGTERM or SIGINT to this launcher (its pid or its process group) is passed on to the
     workers as SIGTERM: they stop at the next step boundary, save, and exit 0, and so does this."""
     port = free_port()
+    # torch logs a warning for each worker it stops once another has failed: the failed worker's own
+    # line says why, and is the only line.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     try:
         context = mp.start_processes(_spawned_worker, args=(world_size, port, entry, argv), nprocs=world_size,
                                      join=False, start_method="spawn")

@@ -17,14 +17,32 @@ import time
 LEAVE_AFTER_S = 1.0
 
 
-def local_rank_from(env=os.environ, flag_local_rank: int | None = None) -> int:
-    """This process's rank on its node as its launcher gives it: torchrun, torch.distributed.launch
-    and --world_size N set LOCAL_RANK beside RANK and WORLD_SIZE (the legacy launcher may pass
-    `--local_rank` instead, `flag_local_rank`); srun with several tasks sets SLURM_LOCALID; a process
-    that no launcher started is 0. `distributed.launch_env` reads the local rank here too."""
+# The variables (rank, number of processes, local rank) that each launcher understood sets.
+TORCHRUN_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+SLURM_NAMES = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+
+
+def launcher_names(env=os.environ) -> tuple[str, str, str] | None:
+    """The variables of the launcher that started this process with others: torchrun,
+    torch.distributed.launch and --world_size N set RANK and WORLD_SIZE; srun with several tasks
+    sets SLURM_PROCID and SLURM_NTASKS > 1 (one task is no launch of several). None: no launcher,
+    one process (or --world_size N starts the others)."""
     if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env.get("LOCAL_RANK", flag_local_rank if flag_local_rank is not None else 0))
+        return TORCHRUN_NAMES
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return SLURM_NAMES
+    return None
+
+
+def local_rank_from(env=os.environ, flag_local_rank: int | None = None) -> int:
+    """This process's rank on its node as its launcher (`launcher_names`) gives it: LOCAL_RANK (the
+    legacy torch.distributed.launch may pass `--local_rank` instead, `flag_local_rank`) or
+    SLURM_LOCALID; a process that no launcher started is 0. `launcher.launch_env` reads the local
+    rank here too."""
+    names = launcher_names(env)
+    if names == TORCHRUN_NAMES:
+        return int(env.get("LOCAL_RANK", flag_local_rank if flag_local_rank is not None else 0))
+    if names == SLURM_NAMES:
         return int(env.get("SLURM_LOCALID", "0"))
     return 0
 
@@ -32,7 +50,7 @@ def local_rank_from(env=os.environ, flag_local_rank: int | None = None) -> int:
 def prints_for_node(env=os.environ) -> bool:
     """Whether this process prints the lines its node's processes have alike: local rank 0
     (`local_rank_from`). A local rank that is not a number prints: the line is a flag's error, and
-    `distributed.check_launch_variables` names that variable once the flags pass."""
+    `launcher.check_launch_variables` names that variable once the flags pass."""
     try:
         return local_rank_from(env) == 0
     except ValueError:
