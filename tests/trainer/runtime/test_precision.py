@@ -52,7 +52,7 @@ def test_picking_a_gpu_does_not_switch_tf32_on(tf32_flags, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    ctx = distributed.init_distributed(argparse.Namespace(device="auto", local_rank=None))
+    ctx = distributed.init_distributed(argparse.Namespace(device="auto", local_rank=None, world_size=1))
     assert ctx.device == torch.device("cuda", 0)
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
 
