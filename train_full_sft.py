@@ -58,7 +58,7 @@ from trainer.runtime.distributed import (
     spawn_local_workers, spawned_by_us,
 )
 from trainer.runtime.kernels import prefer_flash_attention
-from trainer.runtime.node_lines import print_for_node
+from trainer.runtime.node_lines import TORCHRUN_NAMES, launcher_names, print_for_node
 from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler, resolve_dtype
 from trainer.runtime.seeding import setup_seed
 from trainer.weights.write import minimind_pth_name
@@ -201,7 +201,7 @@ def warn_flags_without_effect(args, ctx, log) -> None:
         if name in args.explicit_flags and not args.use_wandb:
             log(f"warning: --{name} {getattr(args, name)} without --use_wandb 1: nothing is logged to wandb, "
                 "so it is not used")
-    if args.local_rank is not None and "WORLD_SIZE" not in os.environ:
+    if args.local_rank is not None and launcher_names(os.environ) != TORCHRUN_NAMES:  # local_rank_from reads it
         log(f"warning: --local_rank {args.local_rank} without a launcher: it is set by `python -m "
             "torch.distributed.launch`; this process is the only one, so it is not used")
     if ctx.world_size > 1:
