@@ -61,7 +61,7 @@ def choose_tokenizer(args) -> tuple[object, str, list[str]]:
     from dataset.inspection.report import tokenizer_differences
     from dataset.rendering import load_tokenizer
     from trainer.weights.inference import own_tokenizer_at
-    from trainer.weights.tokenizer import load_own
+    from trainer.weights.tokenizer import SAVED, load_own
 
     own = None
     if args.from_weight:
@@ -76,7 +76,7 @@ def choose_tokenizer(args) -> tuple[object, str, list[str]]:
     path = args.tokenizer_path or (own.where() if own else "model/tokenizer")
     name = f"{path} ({origin}, {len(tokenizer)} tokens)"
     notes = []
-    whose = ("saved with --from_weight's weights" if own and own.how == "saved with the weights"
+    whose = ("saved with --from_weight's weights" if own and own.how == SAVED
              else "--from_weight's run recorded")
     if args.from_weight and own is None:
         notes.append(f"note: --from_weight {args.from_weight} has no tokenizer saved with it; training uses "

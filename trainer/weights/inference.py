@@ -27,8 +27,9 @@ from model import MiniMindForCausalLM
 from dataset import DataError
 from trainer.checkpoint.save_dir import checkpoints_folder_problem, list_checkpoints
 from trainer.errors import CheckpointError, ConfigError, ModelLoadError
-from trainer.weights.read import build_config, check_torch_file, load_into, model_dir_of, read_weights, saved_tokenizer
-from trainer.weights.tokenizer import check_vocab_fits, of_folder, resolve_tokenizer
+from trainer.weights.read import (build_config, check_torch_file, folder_tokenizer, load_into, model_dir_of,
+                                  read_weights, saved_tokenizer)
+from trainer.weights.tokenizer import check_vocab_fits, resolve_tokenizer
 
 
 # --------------------------------------------------------------------------- path kinds
@@ -84,9 +85,9 @@ def own_tokenizer_at(path: str | Path):
     of its run's tokenizer (or, in a checkpoint without one, the directory and fingerprint it
     recorded); None for weights that name none."""
     kind, concrete = resolve_model_path(path)
-    if kind != "checkpoint":
-        return of_folder(str(concrete if kind == "hf_dir" else concrete.parent))
     try:
+        if kind != "checkpoint":
+            return folder_tokenizer(str(concrete if kind == "hf_dir" else concrete.parent))
         return saved_tokenizer(str(concrete))
     except CheckpointError as error:
         raise ModelLoadError(str(error)) from None

@@ -34,7 +34,7 @@ from trainer.checkpoint.files import safe_torch_load
 from trainer.checkpoint.resume import load_resume_checkpoint
 from trainer.checkpoint.save_dir import checkpoints_folder_problem
 from trainer.errors import CheckpointError, first_line
-from trainer.weights.tokenizer import OwnTokenizer, of_checkpoint, of_folder
+from trainer.weights.tokenizer import RECORD_FILE, OwnTokenizer, of_checkpoint, of_folder
 
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile / DDP
 QWEN3_TYPES = ("qwen3", "qwen3_moe")
@@ -84,7 +84,7 @@ def _read_any(path: str) -> Weights:
         config_file = os.path.join(os.path.dirname(path), "config.json")
         state = _load_safetensors([path])
         if os.path.isfile(config_file):
-            return _from_config_json(read_json(config_file), state, path, of_folder(os.path.dirname(path)))
+            return _from_config_json(read_json(config_file), state, path, folder_tokenizer(os.path.dirname(path)))
         return Weights(state, config_from_shapes(state, path), f"safetensors file {path}")
     return _read_torch_file(path)
 
@@ -146,7 +146,7 @@ def _read_directory(folder: str) -> Weights:
         files = [single]
     else:
         raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    return _from_config_json(saved, _load_safetensors(files), folder, of_folder(folder))
+    return _from_config_json(saved, _load_safetensors(files), folder, folder_tokenizer(folder))
 
 
 def _load_safetensors(files: list[str]) -> dict:
@@ -211,6 +211,12 @@ def _read_torch_file(path: str) -> Weights:
     refuse_float8(loaded, path)
     state = clean_state_dict(loaded)
     return Weights(state, config_from_shapes(state, path), f"MiniMind state dict {path}")
+
+
+def folder_tokenizer(folder: str) -> OwnTokenizer | None:
+    """The tokenizer a weights folder holds, with the fingerprint its RECORD_FILE gives (where it has one)."""
+    record = os.path.join(folder, RECORD_FILE)
+    return of_folder(folder, read_json(record) if os.path.isfile(record) else None)
 
 
 def saved_tokenizer(path: str) -> OwnTokenizer | None:

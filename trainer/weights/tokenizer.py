@@ -12,11 +12,18 @@ Weights name their own tokenizer in one of these ways (`OwnTokenizer`):
 A tokenizer given explicitly (`--tokenizer_path`) must be the weights' own: compared by fingerprint
 (vocabulary, special tokens, chat template) with the one the weights recorded, another one is refused
 in one line.
+
+A folder minisft writes (`model/`, `best/`, an export) records its tokenizer's `definition_fingerprint`
+in `RECORD_FILE`, so tokenizer files copied over it afterwards are refused, not read as the weights'
+own; a folder without that file (older runs, other tools, the hub) is taken as it is.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -25,6 +32,8 @@ from dataset.rendering import holds_tokenizer, tokenizer_fingerprint
 from trainer.errors import CheckpointError, ConfigError
 
 SHIPPED = "the shipped model/tokenizer"
+SAVED = "saved with the weights"
+RECORD_FILE = "minisft_tokenizer.json"  # in a weights folder: the fingerprint of the tokenizer the weights go with
 IDENTITY_KEY = "--tokenizer_path (tokenizer and chat template)"  # in the oldest checkpoints' sample_stream["fixed"]
 
 
@@ -32,10 +41,18 @@ IDENTITY_KEY = "--tokenizer_path (tokenizer and chat template)"  # in the oldest
 class OwnTokenizer:
     """The tokenizer weights were trained with, as far as they say."""
 
-    how: str  # "saved with the weights" | "recorded by the resume checkpoint's run"
+    how: str  # SAVED | "recorded by the resume checkpoint's run"
     directory: str | None = None  # where its files are (a checkpoint's None: the shipped model/tokenizer)
     files: dict | None = None  # its files (name -> text), as a resume checkpoint keeps them
-    fingerprint: str | None = None  # the fingerprint (or its leading characters) the checkpoint recorded
+    fingerprint: str | None = None  # the fingerprint (or its leading characters) the weights recorded
+    record: str | None = None  # the folder's RECORD_FILE: `fingerprint` is then a `definition_fingerprint`
+
+    def fingerprint_of(self, tokenizer) -> str:
+        """`tokenizer`'s fingerprint in the form `fingerprint` was recorded in."""
+        return definition_fingerprint(tokenizer) if self.record else tokenizer_fingerprint(tokenizer)
+
+    def matches(self, tokenizer) -> bool:
+        return self.fingerprint_of(tokenizer)[:len(self.fingerprint)] == self.fingerprint
 
     def name(self) -> str:
         return self.directory or SHIPPED
@@ -75,15 +92,60 @@ def _identity_fingerprint(stream) -> str | None:
     return None
 
 
-def of_folder(folder: str) -> OwnTokenizer | None:
-    """The tokenizer saved in a weights folder (an HF directory, the folder of a .safetensors), or None."""
+def definition_fingerprint(tokenizer) -> str:
+    """sha256 of what gives the token ids and the text they stand for, in a form no transformers or
+    tokenizers version changes: the backend's definition (vocabulary, merges, added and special tokens,
+    normalizer, pre-tokenizer, post-processor, decoder) as canonical JSON, the chat template and the
+    bos / eos / pad tokens. Not `tokenizer_fingerprint`, which hashes the class name (transformers 4's
+    PreTrainedTokenizerFast is 5's TokenizersBackend), so a folder written under one would be refused
+    under the other. Not the files' bytes either: the same tokenizer saved again (by transformers 4,
+    another tokenizers version, with another model_max_length) means the same ids and is accepted;
+    another vocabulary or chat template is not. Merges are taken as pairs (tokenizers before 0.20 wrote
+    "a b"), and a setting that is null or false counts as absent: a tokenizers version that adds a
+    setting writes it with its neutral value (ignore_merges: false)."""
+    definition = json.loads(tokenizer.backend_tokenizer.to_str())
+    for runtime in ("version", "truncation", "padding"):  # how a call pads or cuts, not what the ids mean
+        definition.pop(runtime, None)
+    model = definition.get("model") or {}
+    if isinstance(model.get("merges"), list):
+        model["merges"] = [merge.split(" ", 1) if isinstance(merge, str) else merge for merge in model["merges"]]
+    specials = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token")}
+    canonical = {"backend": _settings(definition), "chat_template": tokenizer.chat_template,
+                 "specials": {name: str(token) for name, token in specials.items() if token is not None}}
+    text = json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _settings(value):
+    """`value` with every dict's null and false entries left out, at any depth."""
+    if isinstance(value, dict):
+        return {key: _settings(item) for key, item in value.items() if item is not None and item is not False}
+    if isinstance(value, list):
+        return [_settings(item) for item in value]
+    return value
+
+
+def folder_record(tokenizer) -> str:
+    """The text of a weights folder's RECORD_FILE for `tokenizer`, the one the weights go with."""
+    record = {"tokenizer_fingerprint": definition_fingerprint(tokenizer),
+              "about": "minisft refuses this folder when its tokenizer files hold another tokenizer than the one "
+                       "its weights were trained with (this fingerprint); delete this file to use other ones"}
+    return json.dumps(record, indent=2) + "\n"
+
+
+def of_folder(folder: str, record: dict | None = None) -> OwnTokenizer | None:
+    """The tokenizer saved in a weights folder (an HF directory, the folder of a .safetensors), or None;
+    `record`: its RECORD_FILE as read (trainer/weights/read.py: `folder_tokenizer`), None where it has none."""
+    if record is not None:
+        path = os.path.join(folder, RECORD_FILE)
+        fingerprint = record.get("tokenizer_fingerprint")
+        if not isinstance(fingerprint, str) or not re.fullmatch(r"[0-9a-f]{64}", fingerprint):
+            raise CheckpointError(f"{path}: no tokenizer_fingerprint (64 hex digits) in it: not a record minisft "
+                                  "wrote; delete it to use the folder's tokenizer unchecked")
+        return OwnTokenizer(SAVED, folder, fingerprint=fingerprint, record=path)
     if holds_tokenizer(folder):
-        return OwnTokenizer("saved with the weights", folder)
+        return OwnTokenizer(SAVED, folder)
     return None
-
-
-def matches(tokenizer, fingerprint: str) -> bool:
-    return tokenizer_fingerprint(tokenizer)[:len(fingerprint)] == fingerprint
 
 
 def load_own(own: OwnTokenizer, source: str):
@@ -94,15 +156,25 @@ def load_own(own: OwnTokenizer, source: str):
                 with open(os.path.join(folder, os.path.basename(name)), "w", encoding="utf-8") as handle:
                     handle.write(text)
             tokenizer = load_tokenizer(folder)
-        if own.fingerprint and not matches(tokenizer, own.fingerprint):
+        if own.fingerprint and not own.matches(tokenizer):
             raise CheckpointError(f"{source}: the copy of its run's tokenizer does not have the fingerprint it "
                                   "recorded (a damaged checkpoint); give --tokenizer_path DIR (the run's tokenizer)")
         return tokenizer
     if own.directory and not os.path.isdir(own.directory):
         raise ConfigError(f"{source}: the tokenizer its run recorded, {own.directory}, is gone; give "
                           "--tokenizer_path DIR (that tokenizer or a copy of it)")
+    if own.record and not holds_tokenizer(own.directory):
+        raise ConfigError(f"{source}: the tokenizer files saved with the weights are gone from {own.directory} "
+                          f"({own.record} records their fingerprint); give --tokenizer_path DIR with the tokenizer "
+                          "the weights were trained with")
     tokenizer = load_tokenizer(own.directory)
-    if own.fingerprint and not matches(tokenizer, own.fingerprint):
+    if own.record and not own.matches(tokenizer):
+        now = own.fingerprint_of(tokenizer)
+        raise ConfigError(f"{source}: the tokenizer files in {own.directory} hold another tokenizer than the weights "
+                          f"were saved with (fingerprint {own.fingerprint[:16]} in {RECORD_FILE}, {now[:16]} now); "
+                          "give --tokenizer_path DIR with the tokenizer the weights were trained with, or, if these "
+                          f"files are meant for the weights, delete {own.record}")
+    if own.fingerprint and not own.matches(tokenizer):
         raise ConfigError(f"{source}: the tokenizer its run recorded ({own.name()}) has changed since (fingerprint "
                           f"{own.fingerprint[:16]} recorded, {tokenizer_fingerprint(tokenizer)[:16]} now); give "
                           "--tokenizer_path DIR with the tokenizer the run trained with")
@@ -117,11 +189,11 @@ def check_explicit(tokenizer, path: str, own: OwnTokenizer, source: str) -> str 
     except (ConfigError, CheckpointError, DataError):
         if own.fingerprint is None:
             return f"warning: the tokenizer {own.how} ({own.name()}) cannot be loaded: --tokenizer_path {path} is used unchecked"
-        if matches(tokenizer, own.fingerprint):
+        if own.matches(tokenizer):
             return (f"note: the tokenizer {own.how} ({own.name()}) is not at hand: --tokenizer_path {path} has "
                     "the fingerprint it recorded")
         raise ConfigError(f"--tokenizer_path {path} is not the tokenizer {own.how} (fingerprint {own.fingerprint[:16]}, "
-                          f"this one {tokenizer_fingerprint(tokenizer)[:16]}); give the tokenizer the weights were "
+                          f"this one {own.fingerprint_of(tokenizer)[:16]}); give the tokenizer the weights were "
                           "trained with") from None
     if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(theirs):
         what = ("another vocabulary" if tokenizer.get_vocab() != theirs.get_vocab()

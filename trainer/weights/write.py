@@ -23,6 +23,7 @@ from trainer.checkpoint.files import atomic_torch_save, fsync_dir, settle_files,
 from trainer.checkpoint.save_dir import MODEL_DIR
 from trainer.errors import CheckpointError
 from trainer.weights.read import LM_HEAD, read_json
+from trainer.weights.tokenizer import RECORD_FILE, folder_record
 
 
 def publish_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtype, name: str = MODEL_DIR,
@@ -63,14 +64,16 @@ def publish_inference_weights(model, tokenizer, save_dir: str, dtype: torch.dtyp
 def write_model_dir(model, tokenizer, folder: str, dtype: torch.dtype, fmt: str = "auto",
                     extra_files: dict[str, str] | None = None) -> str:
     """`folder` as an HF model directory: the weights (`fmt` "qwen3", "remote-code", or "auto": the
-    Qwen3 form where the config has one), the tokenizer and `extra_files` (file name -> text); every
-    file with the mode a plainly created file gets (the umask's) and fsynced. Returns the format."""
+    Qwen3 form where the config has one), the tokenizer with its record (RECORD_FILE: tokenizer files
+    copied over the folder later are refused, trainer/weights/tokenizer.py) and `extra_files` (file
+    name -> text); every file with the mode a plainly created file gets (the umask's) and fsynced.
+    Returns the format."""
     if fmt == "auto":
         fmt = write_inference_dir(model, folder, dtype)
     else:
         (write_qwen3_dir if fmt == "qwen3" else write_remote_code_dir)(model, folder, dtype)
     write_tokenizer(tokenizer, folder)
-    for file_name, text in (extra_files or {}).items():
+    for file_name, text in {RECORD_FILE: folder_record(tokenizer), **(extra_files or {})}.items():
         with open(os.path.join(folder, file_name), "w", encoding="utf-8") as handle:
             handle.write(text)
     settle_files(folder)

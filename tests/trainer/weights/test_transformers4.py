@@ -114,3 +114,50 @@ def test_transformers_4_reads_the_exported_model_and_tokenizer_as_transformers_5
             ours = load_model_for_inference(folder)(torch.tensor([ids])).logits
         assert torch.allclose(old[name]["logits"], new, atol=1e-5, rtol=0), name
         assert torch.allclose(new, ours, atol=1e-5, rtol=0), name
+
+
+TF4_FINGERPRINTS = textwrap.dedent("""
+    import json, sys, transformers
+    from transformers import AutoTokenizer
+    from trainer.weights.tokenizer import definition_fingerprint
+    result = {"version": transformers.__version__}
+    for folder in sys.argv[1].split(","):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        result[folder] = definition_fingerprint(tokenizer)
+        tokenizer.save_pretrained(folder + "-resaved")
+    print(json.dumps(result))
+""")
+
+
+@pytest.mark.slow
+def test_the_recorded_tokenizer_fingerprint_is_the_same_under_transformers_4(tmp_path, tokenizer):
+    """The fingerprint a weights folder records (trainer/weights/tokenizer.py: definition_fingerprint) of the
+    shipped tokenizer, one with another chat template and one with another vocabulary is computed alike by
+    transformers 4.57 (PreTrainedTokenizerFast, tokenizers 0.22) and 5 (TokenizersBackend); the files 4.57
+    saves again (other bytes) are accepted here as the same tokenizer."""
+    from dataset import load_tokenizer
+    from tests.helpers.templates import make_alt_tokenizer
+    from tests.helpers.trainer_launch import REPO
+    from tests.trainer.test_model_setup import custom_tokenizer
+    from trainer.weights.tokenizer import definition_fingerprint
+    from trainer.weights.write import write_tokenizer
+
+    python = transformers4_python()
+    sources = {"shipped": tokenizer, "template": load_tokenizer(custom_tokenizer(tmp_path / "template-source")),
+               "vocabulary": load_tokenizer(make_alt_tokenizer(tmp_path / "vocabulary-source"))}
+    for name, source in sources.items():
+        write_tokenizer(source, str(tmp_path / name))
+    env = {**{k: v for k, v in clean_env().items() if k != "PYTHONPATH"}, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([python, "-c", TF4_FINGERPRINTS, ",".join(str(tmp_path / name) for name in sources)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    old = json.loads(done.stdout.strip().splitlines()[-1])
+    assert old["version"].startswith("4.57.")
+    fingerprints = [definition_fingerprint(source) for source in sources.values()]
+    assert len(set(fingerprints)) == 3
+    for name, fingerprint in zip(sources, fingerprints):
+        assert old[str(tmp_path / name)] == fingerprint, name
+        resaved = tmp_path / f"{name}-resaved"
+        config = "tokenizer_config.json"
+        assert (resaved / config).read_bytes() != (tmp_path / name / config).read_bytes()  # saved otherwise
+        assert definition_fingerprint(load_tokenizer(resaved)) == fingerprint, name
