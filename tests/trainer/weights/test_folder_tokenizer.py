@@ -38,11 +38,15 @@ def copy_of_model(run, folder):
     return folder
 
 
-def replace_tokenizer(folder, source) -> None:
-    """`folder`'s tokenizer files replaced by those of the tokenizer directory `source`."""
+def remove_tokenizer(folder) -> None:
     for name in TOKENIZER_FILES:
         if os.path.exists(folder / name):
             os.remove(folder / name)
+
+
+def replace_tokenizer(folder, source) -> None:
+    """`folder`'s tokenizer files replaced by those of the tokenizer directory `source`."""
+    remove_tokenizer(folder)
     for name in os.listdir(source):
         shutil.copy(source / name, folder / name)
 
@@ -97,9 +101,7 @@ def test_a_model_folder_whose_tokenizer_files_were_replaced_is_refused_in_one_li
 
 def test_a_model_folder_whose_tokenizer_files_are_gone_is_refused_not_given_the_shipped_one(run, tmp_path):
     folder = copy_of_model(run, tmp_path / "model")
-    for name in TOKENIZER_FILES:
-        if os.path.exists(folder / name):
-            os.remove(folder / name)
+    remove_tokenizer(folder)
     with pytest.raises(ModelLoadError) as refused:
         load_tokenizer_for_model(folder)
     assert str(refused.value) == (
