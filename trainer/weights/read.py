@@ -319,7 +319,7 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
     try:
         hf = (Qwen3MoeConfig if moe else Qwen3Config).from_dict(saved)
     except Exception as error:  # noqa: BLE001 - transformers validates in many ways
-        why = declared_yarn_problem(saved) or f"invalid {saved['model_type']} config ({first_line(error, 160)})"
+        why = declared_yarn_problem(saved) or f"invalid {saved['model_type']} config ({first_line(error)})"
         raise CheckpointError(f"{source}: {why}") from error
 
     def refuse(reason: str):

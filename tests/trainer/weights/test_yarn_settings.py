@@ -1,6 +1,6 @@
-"""YaRN settings and head sizes read with the weights (model/configuration_minimind.py, rope_problem;
-trainer/weights/read.py): the values transformers computes with make its tables, the others are one line
-from the trainer naming the source, the key and the value."""
+"""YaRN settings, head sizes and what transformers refuses in a config read with the weights
+(model/configuration_minimind.py, rope_problem; trainer/weights/read.py): the values transformers computes
+with make its tables, the others are one line from the trainer naming the source, the key and the value."""
 
 import json
 import shutil
@@ -101,7 +101,7 @@ def test_head_sizes_of_a_qwen3_config_are_read_as_transformers_reads_them(qwen3_
     hidden_size / heads, and an impossible initializer_range is refused before a model is built."""
     for changes, line in (({"head_dim": 0}, "head_dim must be a positive integer, got 0"),
                           ({"initializer_range": -1.0}, "initializer_range must be a number >= 0, got -1.0")):
-        folder = changed_copy(qwen3_dir, tmp_path / str(changes), **changes)
+        folder = changed_copy(qwen3_dir, tmp_path / next(iter(changes)), **changes)
         done = run_trainer_in_process(flags(data, tmp_path / "run", "--from_weight", str(folder)))
         assert (done.returncode, done.stderr.splitlines()) == (
             2, [f"error: {folder}: invalid model config (MiniMindConfig: {line})"])
@@ -117,3 +117,16 @@ def test_head_sizes_of_a_qwen3_config_are_read_as_transformers_reads_them(qwen3_
     ids = torch.randint(0, 64, (2, 12))
     with torch.no_grad():
         assert torch.allclose(model.eval()(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_a_qwen3_config_transformers_refuses_is_one_line_with_its_reason(qwen3_dir, data, tmp_path):
+    """transformers' validation errors put their reason on a second line (dataset/formats.py, first_line)."""
+    for changes, reason in (
+            ({"rms_norm_eps": 0}, "Validation error for field 'rms_norm_eps': TypeError: Field 'rms_norm_eps' expected "
+                                  "float, got int (value: 0)"),
+            ({"head_dim": 7}, "Class validation error for validator 'validate_rope': ValueError: RoPE requires an even "
+                              "rotary dimension, but got `head_dim`=7 with `partial_rotary_factor`=1.0 for "
+                              "`full_attention`.")):
+        folder = changed_copy(qwen3_dir, tmp_path / next(iter(changes)), **changes)
+        done = run_trainer_in_process(flags(data, tmp_path / "run", "--from_weight", str(folder)))
+        assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: {folder}: invalid qwen3 config ({reason})"])
