@@ -71,9 +71,13 @@ class LineError(ValueError):
 
 def first_line(error: BaseException, limit: int = 300) -> str:
     """The first non-empty line of `error`'s message (at most `limit` characters), else its type:
-    a library's exception as part of one of our one-line errors."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[0][:limit] if lines else type(error).__name__
+    a library's exception as part of one of our one-line errors. A first line that only introduces
+    the next (it ends with ':', as transformers' config validation and torch's load_state_dict
+    write theirs) comes with that next line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return (f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0])[:limit]
 
 
 @dataclass

@@ -19,6 +19,65 @@ from transformers import PretrainedConfig
 # is absent (MiniMind's own weights), transformers' for a model read from a Qwen3 directory whose
 # settings tell the two apart.
 YARN_RAMPS = ("minimind", "transformers")
+# YaRN's rotation counts where the settings leave them out (or null): the paper's, MiniMind's and transformers'.
+YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def is_number(value) -> bool:
+    """A finite int or float: not a bool, a string, None, inf or nan."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def yarn_beta(yarn: dict, key: str) -> float:
+    """`beta_fast` or `beta_slow` of YaRN settings, YARN_BETAS's where absent or null."""
+    value = yarn.get(key)
+    return float(YARN_BETAS[key] if value is None else value)
+
+
+def rope_problem(rope_theta, yarn, key: str = "rope_scaling") -> str | None:
+    """Why the RoPE base `rope_theta` and the YaRN settings `yarn` (None: plain RoPE) cannot make the
+    tables (model/rope.py), as part of a line; None when they can. `key` names the settings as their
+    config does (rope_scaling, MiniMind's; rope_yarn, a saved minisft config's; rope_parameters, a Qwen3
+    config.json's).
+
+    Accepted are the values transformers' YaRN (`_compute_yarn_parameters`) computes with, and with
+    transformers' ramp (`yarn_ramp`) the tables are its tables. Refused are those its
+    `_validate_yarn_rope_parameters` calls wrong (factor below 1, attention_factor below 0) and those
+    that make no usable table: a missing or non-positive original context, a non-positive rotation
+    count (transformers reads a beta of 0 as its default), attention_factor 0 (every table 0), and
+    base 1 (the correction range divides by log(rope_theta)). beta_fast below beta_slow is accepted,
+    as transformers accepts it (`yarn_ramp` says what each ramp makes of it)."""
+    if not (is_number(rope_theta) and rope_theta > 0):
+        return f"rope_theta must be a positive number, got {rope_theta!r}"
+    if yarn is None:
+        return None
+    if not isinstance(yarn, dict):
+        return f"{key} must be a dict, got {yarn!r}"
+    kind = yarn.get("type", yarn.get("rope_type"))
+    if kind != "yarn":
+        return f"only YaRN {key} is supported, got type {kind!r}"
+    factor = yarn.get("factor")
+    if not (is_number(factor) and factor >= 1):
+        return f"{key}['factor'] must be a number >= 1 (the context's stretch), got {factor!r}"
+    if "original_max_position_embeddings" not in yarn:
+        return f"{key} has no original_max_position_embeddings (the context the model was trained for)"
+    original = yarn["original_max_position_embeddings"]
+    if not (is_number(original) and original > 0):
+        return f"{key}['original_max_position_embeddings'] must be a positive number, got {original!r}"
+    for name, default in YARN_BETAS.items():
+        value = yarn.get(name)
+        if value is not None and not (is_number(value) and value > 0):
+            zero = f" (transformers reads 0 as its default, {default:g}: give {default:g} or leave it out)"
+            return f"{key}['{name}'] must be a positive number, got {value!r}" + (zero if value == 0 else "")
+    scale = yarn.get("attention_factor")
+    if scale is not None and not (is_number(scale) and scale > 0):
+        zero = " (it scales the cos/sin tables: 0 makes them 0)" if scale == 0 else ""
+        return f"{key}['attention_factor'] must be a positive number, got {scale!r}{zero}"
+    if rope_theta == 1:
+        return f"{key} (YaRN) needs rope_theta other than 1: its correction range divides by log(rope_theta)"
+    if yarn.get("ramp", YARN_RAMPS[0]) not in YARN_RAMPS:
+        return f"{key}['ramp'] must be one of {', '.join(YARN_RAMPS)}, got {yarn['ramp']!r}"
+    return None
 
 
 class MiniMindConfig(PretrainedConfig):
@@ -65,6 +124,7 @@ class MiniMindConfig(PretrainedConfig):
         # transformers 5 reserves `config.rope_scaling` for its own RoPE machinery, so the
         # YaRN settings (MiniMind's `rope_scaling` argument) are stored as `rope_yarn`.
         self.rope_yarn = rope_scaling if rope_scaling is not None else kwargs.pop("rope_yarn", None)
+        yarn_key = "rope_scaling" if rope_scaling is not None else "rope_yarn"
         self.rms_norm_eps = rms_norm_eps
         self.dropout = dropout
         self.flash_attn = flash_attn
@@ -76,7 +136,7 @@ class MiniMindConfig(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         self.router_aux_loss_coef = router_aux_loss_coef
         self._fill_derived_sizes()
-        self._validate(head_dim_derived=head_dim is None)
+        self._validate(head_dim_derived=head_dim is None, yarn_key=yarn_key)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -94,11 +154,11 @@ class MiniMindConfig(PretrainedConfig):
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
 
-    def _validate(self, head_dim_derived: bool) -> None:
+    def _validate(self, head_dim_derived: bool, yarn_key: str) -> None:
         positive = (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings",
-        )
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings",
+        ) + (("num_experts", "num_experts_per_tok") if self.use_moe else ())
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -115,32 +175,19 @@ class MiniMindConfig(PretrainedConfig):
             )
         if self.head_dim % 2:
             raise ValueError(f"MiniMindConfig: head_dim must be even for RoPE, got {self.head_dim}")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
-            raise ValueError(f"MiniMindConfig: rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
-        if not (isinstance(self.router_aux_loss_coef, (int, float)) and self.router_aux_loss_coef >= 0):
-            raise ValueError(f"MiniMindConfig: router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"MiniMindConfig: dropout must be in [0, 1), got {self.dropout}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"MiniMindConfig: rope_theta must be positive, got {self.rope_theta}")
-        if self.use_moe:
-            if self.num_experts < 1:
-                raise ValueError(f"MiniMindConfig: num_experts must be >= 1, got {self.num_experts}")
-            if not 1 <= self.num_experts_per_tok <= self.num_experts:
-                raise ValueError(
-                    f"MiniMindConfig: num_experts_per_tok ({self.num_experts_per_tok}) must be "
-                    f"between 1 and num_experts ({self.num_experts})"
-                )
-        if self.rope_yarn is not None:
-            if not isinstance(self.rope_yarn, dict):
-                raise ValueError(f"MiniMindConfig: rope_scaling must be a dict, got {self.rope_yarn!r}")
-            kind = self.rope_yarn.get("type", self.rope_yarn.get("rope_type"))
-            if kind != "yarn":
-                raise ValueError(f"MiniMindConfig: only YaRN rope_scaling is supported, got type {kind!r}")
-            if float(self.rope_yarn.get("factor", 0)) <= 1.0:
-                raise ValueError("MiniMindConfig: rope_scaling['factor'] must be > 1")
-            if int(self.rope_yarn.get("original_max_position_embeddings", 0)) <= 0:
-                raise ValueError("MiniMindConfig: rope_scaling needs original_max_position_embeddings > 0")
-            if self.rope_yarn.get("ramp", YARN_RAMPS[0]) not in YARN_RAMPS:
-                raise ValueError(f"MiniMindConfig: rope_scaling['ramp'] must be one of {', '.join(YARN_RAMPS)}, "
-                                 f"got {self.rope_yarn['ramp']!r}")
+        if not (is_number(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ValueError(f"MiniMindConfig: rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        for name in ("router_aux_loss_coef", "initializer_range"):  # a loss weight, a standard deviation
+            value = getattr(self, name)
+            if not (is_number(value) and value >= 0):
+                raise ValueError(f"MiniMindConfig: {name} must be a number >= 0, got {value!r}")
+        if not (is_number(self.dropout) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"MiniMindConfig: dropout must be in [0, 1), got {self.dropout!r}")
+        if self.use_moe and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"MiniMindConfig: num_experts_per_tok ({self.num_experts_per_tok}) must be "
+                f"between 1 and num_experts ({self.num_experts})"
+            )
+        problem = rope_problem(self.rope_theta, self.rope_yarn, yarn_key)
+        if problem:
+            raise ValueError(f"MiniMindConfig: {problem}")

@@ -6,7 +6,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .configuration_minimind import MiniMindConfig
+from .configuration_minimind import MiniMindConfig, yarn_beta
 
 
 def precompute_rope_tables(config: MiniMindConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +26,8 @@ def precompute_rope_tables(config: MiniMindConfig, device=None) -> tuple[torch.T
         factor = float(yarn["factor"])
         ramp = yarn_ramp(dim, base, yarn, device=device)
         inv_freq = inv_freq * (1.0 - ramp) + (inv_freq / factor) * ramp
-        attention_factor = float(yarn.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
+        given = yarn.get("attention_factor")  # absent or null: YaRN's, from the factor
+        attention_factor = float(given) if given is not None else 0.1 * math.log(factor) + 1.0
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
@@ -41,9 +42,8 @@ def yarn_ramp(dim: int, base: float, yarn: dict, ramp: str | None = None, device
     MiniMind's is the last frequency, dim // 2 - 1 (an empty or inverted range: a step at its lower
     end); transformers' (and llama.cpp's) is dim - 1, so a range that runs past the last frequency
     gives a shallower ramp, and transformers divides by an inverted range as it is."""
-    original = int(yarn["original_max_position_embeddings"])
-    beta_fast = float(yarn.get("beta_fast", 32.0))
-    beta_slow = float(yarn.get("beta_slow", 1.0))
+    original = float(yarn["original_max_position_embeddings"])
+    beta_fast, beta_slow = yarn_beta(yarn, "beta_fast"), yarn_beta(yarn, "beta_slow")
 
     def dim_for_rotations(rotations: float) -> float:
         # The frequency index whose wavelength fits `rotations` times into the original context.

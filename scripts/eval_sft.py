@@ -185,11 +185,12 @@ def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size
 def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> list[str]:
     """Greedy answers of all prompts (batched, left padding; trainer.evaluation.greedy_generate); a line
     says how many prompts are answered from their end only, the model's context less --max_new_tokens."""
-    from trainer.evaluation.evaluate import greedy_generate, long_prompts, stop_token_ids
+    from trainer.evaluation.evaluate import greedy_generate, long_prompts, no_room_problem, stop_token_ids
 
     context = model.config.max_position_embeddings
-    if max_new_tokens >= context:
-        fail(f"--max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
+    problem = no_room_problem(context, max_new_tokens, "--max_new_tokens")
+    if problem:
+        fail(problem)
     prompts = [e.prompt_ids for e in examples]
     cut = long_prompts(prompts, context, max_new_tokens, "--max_new_tokens")
     if cut:

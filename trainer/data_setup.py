@@ -22,7 +22,7 @@ from dataset.printable import print_escaped
 from dataset.sources import check_data_file
 from trainer.args import held_out_files
 from trainer.errors import ConfigError
-from trainer.evaluation.evaluate import EvalSet, generation_examples, long_prompts
+from trainer.evaluation.evaluate import EvalSet, generation_examples, long_prompts, no_room_problem
 from trainer.evaluation.selection import eval_set_names
 from trainer.model_setup import COMPILE_PAD_MULTIPLE
 from trainer.run_identity import RunIdentity, epoch_grouping, identify_run
@@ -188,9 +188,10 @@ def build_eval_sets(args, tokenizer, ctx, context: int) -> list[EvalSet]:
     padding duplicates) and answers every world_size-th prompt of its generation subset; the
     evaluation sums over ranks. `context`: the model's (max_position_embeddings), which a prompt and
     its --eval_max_new_tokens share: the prompts that do not fit are counted here, once per file."""
-    if args.eval_generate_samples and args.eval_max_new_tokens >= context:
-        raise ConfigError(f"--eval_max_new_tokens {args.eval_max_new_tokens} leaves no room for a prompt in the "
-                          f"model's context of {context} tokens")
+    problem = (no_room_problem(context, args.eval_max_new_tokens, "--eval_max_new_tokens")
+               if args.eval_generate_samples else None)  # no generation: nothing to fit
+    if problem:
+        raise ConfigError(problem)
     paths = held_out_files(args.eval_data_path)
     build_token_caches(paths, args, tokenizer)
     eval_sets = []

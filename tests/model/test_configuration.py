@@ -42,6 +42,26 @@ def test_invalid_config_raises_clear_value_error(bad, message):
         tiny_config(**bad)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (dict(use_moe=True, moe_intermediate_size=0), "moe_intermediate_size must be a positive integer, got 0"),
+    (dict(use_moe=True, num_experts=2.5), "num_experts must be a positive integer, got 2.5"),
+    (dict(use_moe=True, num_experts_per_tok="1"), "num_experts_per_tok must be a positive integer, got '1'"),
+    (dict(rope_theta=float("nan")), "rope_theta must be a positive number, got nan"),
+    (dict(rope_theta="1e6"), "rope_theta must be a positive number, got '1e6'"),
+    (dict(rms_norm_eps=float("inf")), "rms_norm_eps must be a positive number, got inf"),
+    (dict(router_aux_loss_coef=float("inf")), "router_aux_loss_coef must be a number >= 0, got inf"),
+    (dict(initializer_range=-0.02), "initializer_range must be a number >= 0, got -0.02"),
+    (dict(dropout="0.1"), "dropout must be in [0, 1), got '0.1'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 16, "beta_fast": "32"}),
+     "rope_scaling['beta_fast'] must be a positive number, got '32'"),
+])
+def test_a_number_no_model_can_have_is_refused_by_name(bad, message):
+    """Each would otherwise fail inside torch (a tensor size, a std, topk's k) or train a broken model."""
+    with pytest.raises(ValueError) as refused:
+        tiny_config(**bad)
+    assert str(refused.value) == f"MiniMindConfig: {message}"
+
+
 def test_a_configs_parameters_counted_from_two_layers_are_the_built_models():
     for overrides in ({}, {"use_moe": True}, {"num_hidden_layers": 3, "tie_word_embeddings": False}):
         config = MiniMindConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **overrides)

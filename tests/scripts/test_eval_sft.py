@@ -274,6 +274,16 @@ def test_a_template_that_closes_no_turn_with_a_token_is_refused_with_the_line(tm
                                  "end-of-turn token: there is no answer to judge")
 
 
+def test_a_max_new_tokens_that_leaves_no_room_is_refused_as_the_trainer_refuses_its_flag(trained, tmp_path):
+    # the trainer's line for --eval_max_new_tokens (trainer/evaluation/evaluate.py, no_room_problem), naming ours
+    out = tmp_path / "result.json"
+    done = script_in_process("eval_sft.py", "--model_path", str(trained["run_dir"]), "--data_path", str(trained["data"]),
+                             "--max_new_tokens", "512", "--json_out", str(out), "--device", "cpu")
+    assert (done.returncode, done.stderr) == (
+        2, "error: --max_new_tokens 512 leaves no room for a prompt in the model's context of 512 tokens\n")
+    assert not out.exists()
+
+
 def test_prompts_longer_than_the_context_less_max_new_tokens_are_counted_in_one_line(trained, tmp_path):
     # answered from their last tokens (the system prompt cut off): said, once, with how to avoid it
     from scripts.eval_sft import read_examples

@@ -147,10 +147,22 @@ def metric_names(eval_sets: list[EvalSet]) -> list[str]:
 # --------------------------------------------------------------------------- generation
 
 
+def no_room_problem(context: int, max_new_tokens: int, flag: str) -> str | None:
+    """The line that refuses `flag`, the setting of `max_new_tokens`, where the answer's room leaves no
+    token of the model's context of `context` to a prompt; None where a prompt has room. The trainer's
+    evaluation and scripts/eval_sft.py refuse it before they generate, each naming its own flag
+    (scripts/chat.py refuses none: it drops old exchanges until its prompt fits and caps each answer at
+    the room left)."""
+    if max_new_tokens < context:
+        return None
+    return f"{flag} {max_new_tokens} leaves no room for a prompt in the model's context of {context} tokens"
+
+
 def prompt_room(context: int, max_new_tokens: int) -> int:
     """The most tokens of a prompt that generation keeps: the model's context less the answer's room."""
-    if max_new_tokens >= context:
-        raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room in the model's context of {context}")
+    problem = no_room_problem(context, max_new_tokens, "max_new_tokens")
+    if problem:  # the callers refused it already (`no_room_problem`): a bug of ours here
+        raise ValueError(problem)
     return context - max_new_tokens
 
 

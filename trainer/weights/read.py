@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from model import MiniMindConfig
+from model.configuration_minimind import rope_problem
 from model.rope import yarn_ramps_agree
 from trainer.checkpoint import single_file
 from trainer.checkpoint.files import safe_torch_load
@@ -299,11 +300,21 @@ def _minimind_fields(saved: dict) -> dict:
     return {k: v for k, v in saved.items() if k not in skip}
 
 
-def rope_theta(value, source: str) -> float:
-    """A config's RoPE base, a positive number (JSON's null, a string or 0 are refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise CheckpointError(f"{source}: rope_theta must be a positive number, got {value!r}")
-    return float(value)
+def rope_key(saved: dict) -> str:
+    """Where a Qwen3 config.json holds its RoPE settings, as transformers reads them: `rope_scaling` (4.x's
+    key) where it is set, else `rope_parameters`."""
+    return "rope_scaling" if saved.get("rope_scaling") else "rope_parameters"
+
+
+def declared_yarn_problem(saved: dict) -> str | None:
+    """Why YaRN settings of a Qwen3 config.json that transformers could not read cannot work (`rope_problem`:
+    its own check divides by original_max_position_embeddings), or None."""
+    key = rope_key(saved)
+    declared = saved.get(key)
+    if (not isinstance(declared, dict) or declared.get("rope_type", declared.get("type")) != "yarn"
+            or "original_max_position_embeddings" not in declared):  # transformers fills it in: not the cause
+        return None
+    return rope_problem(declared.get("rope_theta", saved.get("rope_theta", 10000.0)), declared, key)
 
 
 def config_from_qwen3(saved: dict, source: str) -> dict:
@@ -314,7 +325,8 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
     try:
         hf = (Qwen3MoeConfig if moe else Qwen3Config).from_dict(saved)
     except Exception as error:  # noqa: BLE001 - transformers validates in many ways
-        raise CheckpointError(f"{source}: invalid {saved['model_type']} config ({first_line(error, 160)})") from error
+        why = declared_yarn_problem(saved) or f"invalid {saved['model_type']} config ({first_line(error)})"
+        raise CheckpointError(f"{source}: {why}") from error
 
     def refuse(reason: str):
         raise CheckpointError(f"{source}: {reason}; this trainer's network cannot express it")
@@ -326,31 +338,38 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
     if getattr(hf, "use_sliding_window", False):
         refuse("use_sliding_window is true")
     rope = dict(hf.rope_parameters or {})
-    rope_type = rope.get("rope_type", "default")
+    rope_type, theta = rope.get("rope_type", "default"), rope.get("rope_theta", 10000.0)
+    yarn = None
+    if rope_type == "yarn":
+        if rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("truncate") is False:
+            refuse("YaRN with mscale / mscale_all_dim / truncate=false")
+        yarn = {key: rope[key] for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                                           "attention_factor") if key in rope and rope[key] is not None}
+        yarn["type"] = "yarn"
+    elif rope_type != "default":
+        refuse(f"rope_type {rope_type!r} (only default and yarn)")
+    problem = rope_problem(theta, yarn, rope_key(saved))
+    if problem:
+        raise CheckpointError(f"{source}: {problem}")
     config = dict(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
         num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,
-        head_dim=hf.head_dim or hf.hidden_size // hf.num_attention_heads, intermediate_size=hf.intermediate_size,
-        max_position_embeddings=hf.max_position_embeddings, rms_norm_eps=hf.rms_norm_eps,
-        rope_theta=rope_theta(rope.get("rope_theta", 10000.0), source), tie_word_embeddings=bool(hf.tie_word_embeddings),
-        initializer_range=hf.initializer_range, use_moe=moe,
+        # a Qwen3-MoE config may leave head_dim out: hidden_size / num_attention_heads then, as transformers has it
+        head_dim=getattr(hf, "head_dim", None), intermediate_size=hf.intermediate_size,
+        max_position_embeddings=hf.max_position_embeddings, rms_norm_eps=hf.rms_norm_eps, rope_theta=float(theta),
+        tie_word_embeddings=bool(hf.tie_word_embeddings), initializer_range=hf.initializer_range, use_moe=moe,
     )
-    if rope_type == "yarn":
-        if rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("truncate") is False or not rope.get("factor"):
-            refuse("YaRN with mscale / mscale_all_dim / truncate=false / no factor")
-        config["rope_scaling"] = {key: rope[key] for key in ("factor", "original_max_position_embeddings", "beta_fast",
-                                                             "beta_slow", "attention_factor") if rope.get(key) is not None}
-        config["rope_scaling"]["type"] = "yarn"
-        if not yarn_ramps_agree(config["head_dim"], config["rope_theta"], config["rope_scaling"]):
-            config["rope_scaling"]["ramp"] = "transformers"  # the ramp transformers computes for these settings
-    elif rope_type != "default":
-        refuse(f"rope_type {rope_type!r} (only default and yarn)")
     if moe:
         if hf.mlp_only_layers or hf.decoder_sparse_step != 1:
             refuse("some layers are dense (mlp_only_layers / decoder_sparse_step): every layer here is MoE")
         config.update(num_experts=hf.num_experts, num_experts_per_tok=hf.num_experts_per_tok,
                       moe_intermediate_size=hf.moe_intermediate_size, norm_topk_prob=bool(hf.norm_topk_prob),
                       router_aux_loss_coef=hf.router_aux_loss_coef)
+    if yarn is not None:
+        config["rope_scaling"] = yarn
+    checked = checked_config(config, source)  # refused here, naming the folder as the refusals above do
+    if yarn is not None and not yarn_ramps_agree(checked.head_dim, checked.rope_theta, yarn):
+        yarn["ramp"] = "transformers"  # the ramp transformers computes for these settings
     return config
 
 
@@ -385,7 +404,12 @@ def load_into(model, weights: Weights) -> None:
 
 def build_config(weights: Weights, **overrides) -> MiniMindConfig:
     """The complete MiniMindConfig of `weights` (`overrides` fill fields a `.pth` does not record)."""
+    return checked_config({**overrides, **weights.config}, weights.source)
+
+
+def checked_config(fields: dict, source: str) -> MiniMindConfig:
+    """MiniMindConfig(**fields) of the weights `source`; one it refuses is a CheckpointError naming them."""
     try:
-        return MiniMindConfig(**{**overrides, **weights.config})
+        return MiniMindConfig(**fields)
     except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{weights.source}: invalid model config ({first_line(error, 160)})") from error
+        raise CheckpointError(f"{source}: invalid model config ({first_line(error, 160)})") from error

@@ -55,6 +55,16 @@ def test_without_generation_eval_max_new_tokens_is_not_measured_against_the_cont
     assert (len(eval_set.loader.dataset), eval_set.examples) == (16, [])
 
 
+def test_the_no_room_line_names_the_flag_and_generation_without_room_is_a_value_error():
+    from trainer.evaluation.evaluate import no_room_problem, prompt_room
+
+    assert (no_room_problem(8, 7, "--x"), prompt_room(8, 7)) == (None, 1)
+    assert no_room_problem(8, 9, "--x") == "--x 9 leaves no room for a prompt in the model's context of 8 tokens"
+    with pytest.raises(ValueError) as refused:
+        prompt_room(8, 8)
+    assert str(refused.value) == "max_new_tokens 8 leaves no room for a prompt in the model's context of 8 tokens"
+
+
 def test_fewer_new_tokens_are_advised_only_where_they_would_let_a_prompt_fit():
     from trainer.evaluation.evaluate import long_prompts
 
