@@ -72,14 +72,15 @@ def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: 
     return result
 
 
-def run_trainer_with_a_read_only(folder, argv) -> subprocess.CompletedProcess:
-    """The trainer with `argv`, `folder` bind-mounted read-only in a private mount namespace (the
-    test is skipped where the machine refuses one)."""
+def run_trainer_with_a_read_only(folder, argv, nproc: int = 1) -> subprocess.CompletedProcess:
+    """The trainer with `argv` (under torchrun with `nproc` > 1), `folder` bind-mounted read-only in a
+    private mount namespace (the test is skipped where the machine refuses one)."""
     mount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
     probe = subprocess.run(["unshare", "-Urm", "sh", "-c", mount], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"this machine refuses a private read-only bind mount: {probe.stderr.strip()}")
-    command = shlex.join([sys.executable, "train_full_sft.py", *argv])
+    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    command = shlex.join([*launcher, "train_full_sft.py", *argv])
     return subprocess.run(["unshare", "-Urm", "sh", "-c", f"{mount} && exec {command}"], cwd=REPO,
                           env=clean_env(), capture_output=True, text=True, timeout=300)
 
