@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers.fault_checks import last_line
 from tests.helpers.trainer_launch import (
-    clean_env, flags, free_port, metric_rows, run_trainer, run_trainer_in_process, wait_until,
+    FAULTY_TRAINER, clean_env, flags, free_port, metric_rows, run_trainer, run_trainer_in_process, wait_until,
 )
 
 pytestmark = pytest.mark.slow
@@ -84,3 +84,23 @@ def test_a_rank_that_dies_in_a_collective_ends_the_survivor(data, launcher, tmp_
     _, err = launcher.output(ranks[0])
     assert last_line(err).startswith("error: rank 0: a peer process failed or stopped responding (RuntimeError: ")
     assert "by peer" in last_line(err) and "Traceback" not in err
+
+
+def test_a_rank_that_stops_on_an_error_ends_the_survivor_at_once(data, launcher, tmp_path):
+    """No torchrun: rank 1 runs out of memory at step 3 (tests/helpers/faults.py) and leaves with its
+    line; its exit closes its connections, so rank 0, in that step's gradient all-reduce or the next
+    step's count, fails within seconds, not after --dist_timeout."""
+    args = [*flags(data, tmp_path / "run", "--batch_size", "2", "--max_steps", "20", "--save_interval", "0"),
+            "--dist_timeout", "300"]
+    port = str(free_port())
+    ranks = [launcher.start(args, f"rank{rank}", script=FAULTY_TRAINER, env=clean_env(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        **({"MINISFT_FAULT_OOM_STEP": "3"} if rank else {}))) for rank in (0, 1)]
+    assert launcher.wait(ranks[1], timeout=240) == 1
+    left = time.monotonic()
+    assert launcher.wait(ranks[0], timeout=240) == 1
+    assert time.monotonic() - left < 30
+    (_, err0), (_, err1) = launcher.output(ranks[0]), launcher.output(ranks[1])
+    assert last_line(err1).startswith("error: step 3 ran out of memory on cpu (CUDA out of memory.")
+    assert last_line(err0).startswith("error: rank 0: a peer process failed or stopped responding (RuntimeError: ")
+    assert "by peer" in last_line(err0) and "Traceback" not in err0 + err1
