@@ -52,9 +52,8 @@ def test_a_flag_error_under_torchrun_is_printed_once_and_the_run_exits_2(tmp_pat
     assert [text for text in output.splitlines() if text.startswith("error:")] == [f"error: {line}"], output[-3000:]
     # no traceback of ours (torchrun's own names its files, which sit in a .venv inside the repo in CI)
     assert not re.search(rf'File "{re.escape(REPO)}/(?!\.venv/)', output), output[-3000:]
-    # torchrun's report per worker: 2, or SIGTERM from torchrun once the other worker has exited
-    codes = re.findall(r"exitcode\s*: (\S+) \(pid", output)
-    assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, output[-3000:]
+    # torchrun's report per worker: 2 each, also for the worker that torchrun stops once the other has exited
+    assert re.findall(r"exitcode\s*: (\S+) \(pid", output) == ["2", "2"], output[-3000:]
     assert not (tmp_path / "run").exists()
 
 
