@@ -22,11 +22,15 @@ import gc
 import os
 import sys
 
-from trainer.runtime.preemption import PreemptionFlag
+from trainer.runtime.preemption import PreemptionFlag, keep_exit_code
 
 # Run as a script, SIGTERM and Ctrl-C are handled from here on, before the slow imports below:
-# a scheduler's SIGTERM during start-up also ends in a clean stop (exit 0), not in exit 143.
-EARLY_PREEMPTION = PreemptionFlag().install() if __name__ == "__main__" else None
+# a scheduler's SIGTERM during start-up also ends in a clean stop (exit 0), not in exit 143; and
+# one while the process finalizes leaves its exit code as it is.
+EARLY_PREEMPTION = None
+if __name__ == "__main__":
+    EARLY_PREEMPTION = PreemptionFlag().install()
+    keep_exit_code()
 
 import torch
 

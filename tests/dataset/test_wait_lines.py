@@ -4,6 +4,9 @@ longer than reusing a cache takes (dataset/cache/resumable.py, dataset/cache/nod
 
 import threading
 import time
+from pathlib import Path
+
+import torch.distributed
 
 import dataset.cache.node as node_build
 from dataset.cache import waiting
@@ -29,25 +32,25 @@ def test_a_builder_waiting_for_a_live_builder_says_so_at_once(tokenizer, tmp_pat
     assert waits == [f"waiting for process otherhost.4242, which is building this token cache, {target} (0 s)"]
 
 
-def wait_for_status_file(tmp_path, after: float, capsys) -> list[str]:
-    """The lines rank 1 prints to stderr while local rank 0 writes its status file ``after`` seconds from now."""
-    status = tmp_path / f".build-{after}.json"
+def wait_for_local_outcome(after: float, capsys) -> list[str]:
+    """The lines rank 1 prints to stderr while local rank 0 sets its outcome in the store ``after`` seconds from now."""
+    store, key = torch.distributed.HashStore(), "minisft/cache-build-nonce/rank0"
 
-    def write_later():
+    def set_later():
         time.sleep(after)
-        status.write_text('[null, "/cache/key"]', encoding="utf-8")
+        store.set(key, '[null, "/cache/key", null]')
 
-    writer = threading.Thread(target=write_later)
-    writer.start()
-    assert node_build.wait_for_local_build(status, 1, tmp_path / "d.jsonl") == (None, "/cache/key")
-    writer.join()
+    setter = threading.Thread(target=set_later)
+    setter.start()
+    assert node_build.wait_for_local_build(store, key, 1, Path("d.jsonl")) == (None, "/cache/key", None)
+    setter.join()
     printed = capsys.readouterr()
     assert "waiting" not in printed.out  # stderr, with the other cache progress lines
     return printed.err.splitlines()
 
 
-def test_a_rank_waiting_for_local_rank_0_says_so_once_it_builds(tmp_path, capsys):
+def test_a_rank_waiting_for_local_rank_0_says_so_once_it_builds(capsys):
     assert waiting.WAIT_FIRST_S == 2.0 and waiting.WAIT_REPORT_S == 30.0
-    assert wait_for_status_file(tmp_path, 0.5, capsys) == []  # a reused cache is ready before WAIT_FIRST_S
-    [line] = wait_for_status_file(tmp_path, 3.0, capsys)  # a build: one line at 2 s, the next only at 32 s
+    assert wait_for_local_outcome(0.5, capsys) == []  # a reused cache is ready before WAIT_FIRST_S
+    [line] = wait_for_local_outcome(3.0, capsys)  # a build: one line at 2 s, the next only at 32 s
     assert line == "rank 1: waiting for local rank 0 to build the token cache of d.jsonl (2 s)"

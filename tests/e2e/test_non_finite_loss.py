@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.fault_checks import all_finite, last_line
-from tests.helpers.trainer_launch import REPO, assert_weights_equal, checkpoint_at, clean_env, flags, run_trainer
+from tests.helpers.trainer_launch import (
+    FAULTY_TRAINER, assert_weights_equal, checkpoint_at, clean_env, flags, run_trainer,
+)
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
-
-FAULTY_TRAINER = os.path.join(REPO, "tests", "helpers", "faults.py")  # the trainer with MINISFT_FAULT_* planted
 
 
 def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, tmp_path):

@@ -17,6 +17,7 @@ from tests.helpers.in_process import run_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "train_full_sft.py")
+FAULTY_TRAINER = os.path.join(REPO, "tests", "helpers", "faults.py")  # the trainer with MINISFT_FAULT_* planted
 # A ~30k-parameter model: every run below takes seconds on 2 CPU cores.
 TINY = [
     "--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
@@ -72,14 +73,15 @@ def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: 
     return result
 
 
-def run_trainer_with_a_read_only(folder, argv) -> subprocess.CompletedProcess:
-    """The trainer with `argv`, `folder` bind-mounted read-only in a private mount namespace (the
-    test is skipped where the machine refuses one)."""
+def run_trainer_with_a_read_only(folder, argv, nproc: int = 1) -> subprocess.CompletedProcess:
+    """The trainer with `argv` (under torchrun with `nproc` > 1), `folder` bind-mounted read-only in a
+    private mount namespace (the test is skipped where the machine refuses one)."""
     mount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
     probe = subprocess.run(["unshare", "-Urm", "sh", "-c", mount], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"this machine refuses a private read-only bind mount: {probe.stderr.strip()}")
-    command = shlex.join([sys.executable, "train_full_sft.py", *argv])
+    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    command = shlex.join([*launcher, "train_full_sft.py", *argv])
     return subprocess.run(["unshare", "-Urm", "sh", "-c", f"{mount} && exec {command}"], cwd=REPO,
                           env=clean_env(), capture_output=True, text=True, timeout=300)
 
@@ -168,11 +170,11 @@ class Launcher:
         self.folder = folder
         self.processes = []
 
-    def start(self, args, name, nproc=1, launcher=None, env=None) -> subprocess.Popen:
+    def start(self, args, name, nproc=1, launcher=None, env=None, script=SCRIPT) -> subprocess.Popen:
         if launcher is None:
             launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
         with open(self.folder / f"{name}.out", "w") as out, open(self.folder / f"{name}.err", "w") as err:
-            process = subprocess.Popen([*launcher, SCRIPT, *args], cwd=REPO, env=env or clean_env(), stdout=out,
+            process = subprocess.Popen([*launcher, script, *args], cwd=REPO, env=env or clean_env(), stdout=out,
                                        stderr=err, start_new_session=True)
         process.name = name
         self.processes.append(process)

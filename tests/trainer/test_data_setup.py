@@ -1,7 +1,9 @@
 """trainer/data_setup.py: the data files are checked before anything is set aside or tokenized; the start
 summary says what the run's --bad_data does with bad rows."""
 
+import re
 import shutil
+import time
 
 import pytest
 
@@ -71,4 +73,23 @@ def test_data_on_a_read_only_mount_without_cache_dir_names_cache_dir(data, tmp_p
     result = run_trainer_with_a_read_only(folder, flags(folder, tmp_path / "run", "--max_steps", "1"))
     assert (result.returncode, result.stderr) == (2, f"error: {folder / '.cache'}: Read-only file system; give "
                                                      "--cache_dir DIR for the token cache of train.jsonl\n")
+    assert sorted(path.name for path in folder.iterdir()) == ["train.jsonl"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare for a read-only bind mount")
+def test_data_on_a_read_only_mount_under_torchrun_is_one_line_and_no_rank_waits(data, tmp_path):
+    # local rank 0 cannot write the cache, nor anything else, in the data's folder: the rank that waits
+    # for its build learns the outcome through the store and fails with it at once, as rank 0 does
+    folder = tmp_path / "mounted"
+    folder.mkdir()
+    shutil.copy(data / "train.jsonl", folder / "train.jsonl")
+    start = time.monotonic()
+    result = run_trainer_with_a_read_only(folder, [*flags(folder, tmp_path / "run", "--max_steps", "1"),
+                                                   "--dist_timeout", "600"], nproc=2)
+    assert time.monotonic() - start < 120  # two starts of the trainer, no rank waiting for a timeout
+    output = result.stdout + result.stderr
+    assert [line for line in output.splitlines() if line.startswith(("error:", "stopped:"))] == [
+        f"error: {folder / '.cache'}: Read-only file system; give --cache_dir DIR for the token cache of train.jsonl"]
+    assert re.findall(r"exitcode\s*: (\S+) \(pid", output) == ["2", "2"], output[-3000:]  # torchrun's report
     assert sorted(path.name for path in folder.iterdir()) == ["train.jsonl"]

@@ -30,6 +30,7 @@ from trainer.runtime.native_log import native_frames_dropped
 from trainer.runtime.launcher import launch_env
 from trainer.runtime.node_lines import LEAVE_AFTER_S, launcher_names
 from trainer.runtime.preemption import forward_to
+from trainer.runtime.rendezvous import elastic_store, wait_for_master
 
 
 @dataclass
@@ -176,48 +177,6 @@ def init_distributed(args) -> DistContext:
             f"within --dist_timeout {args.dist_timeout:g}s ({type(error).__name__}: {first_line(error)})"
         ) from error
     return DistContext(rank, local_rank, world_size, device, backend)
-
-
-def wait_for_master(addr: str | None, port: str | None, timeout_s: float) -> None:
-    """Wait until rank 0's store at addr:port accepts connections, at most `timeout_s`: torch's
-    store client retries with a growing backoff and gives up at about twice its timeout. An
-    address or port that is missing or not a port is left to torch's rendezvous to report."""
-    if not addr or not (port or "").isdigit():
-        return
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((addr, int(port)), timeout=max(0.1, deadline - time.monotonic())):
-                return
-        except OSError as error:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"nothing answered at {addr}:{port} ({first_line(error)})") from error
-            time.sleep(min(0.5, remaining))
-
-
-def elastic_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
-    """Under `torchrun --max-restarts N`: the store arguments of init_process_group for this attempt.
-
-    torchrun's workers share the agent's TCPStore across restarts, and torch keys the process
-    group's entries the same way in every attempt, so a restarted group can read the dead
-    group's addresses (gloo: "connectFullMesh failed ... Connection refused"). A prefix per
-    attempt (TORCHELASTIC_RESTART_COUNT, the same on every agent) keeps the attempts apart.
-    Elsewhere: {} (the default env:// rendezvous).
-    """
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    if rank == 0 and int(env.get("GROUP_WORLD_SIZE", "1")) > 1 and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
-        # Each agent counts only its own restarts; a node whose workers were restarted for a
-        # failure elsewhere may count differently, and then the attempts' prefixes differ.
-        print("warning: torchrun on several nodes with --max-restarts shares one store across restarts; "
-              "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every torchrun (with --rdzv-backend c10d) so that "
-              "each restart gets a fresh one", file=sys.stderr, flush=True)
-    agent_store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False,
-                                timeout=timeout)
-    store = dist.PrefixStore(f"minisft/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
-    return {"store": store, "rank": rank, "world_size": world_size}
 
 
 # What the transports put in the plain RuntimeError they raise when a peer dies, closes its

@@ -3,9 +3,10 @@ group starts: a flag out of range, more processes than the node's GPUs. The proc
 share their flags, environment and devices, so each of them would print the same line; local rank
 0 prints it, the others exit with the same code silently, after a short wait: the first process
 to exit makes torchrun stop the others with SIGTERM, and local rank 0 should have printed by then
-(the trainer catches SIGTERM from its first line on, trainer/runtime/preemption.py, so a stopped
-process still ends as it would). Once the process group is up, ranks agree over it instead
-(`distributed.print_once`). No torch here: the flag parser uses it.
+(the trainer catches SIGTERM from its first line on and ignores it while Python finalizes,
+trainer/runtime/preemption.py, so a stopped process still ends with its own exit code). Once the
+process group is up, ranks agree over it instead (`distributed.print_once`). No torch here: the
+flag parser uses it.
 """
 
 import os

@@ -7,8 +7,10 @@ called from Python) and stay for the whole life of the process:
 a SIGTERM before training (the run stops at its first step boundary, saving) or after it (during
 the final save and shutdown, when nothing is left to lose) still ends with exit 0, not 143.
 A second SIGINT means "stop now": one line, exit 130, no checkpoint of the unfinished step.
+While Python finalizes, SIGTERM is ignored (`keep_exit_code`).
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -43,6 +45,14 @@ class PreemptionFlag:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
+
+
+def keep_exit_code() -> None:
+    """Ignore SIGTERM once Python starts finalizing this process (atexit): finalizing gives SIGTERM
+    its default action back, and a SIGTERM then (torchrun stopping the other workers once one has
+    exited, which happens while they leave with the same error line) would end the process by the
+    signal, -15 in torchrun's report, instead of with the exit code it already has."""
+    atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
 
 
 def say(line: str) -> None:
