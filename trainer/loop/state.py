@@ -15,7 +15,7 @@ from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.sharded import is_sharded
 from trainer.checkpoint.save_dir import (
-    BEST_DIR, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
+    BEST_DIR, Claim, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
 )
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
@@ -45,7 +45,8 @@ class TrainState:
     skipped_steps: int = 0
     bad_steps_in_a_row: int = 0
     wandb_run_id: str | None = None
-    run_id: str = field(default_factory=new_run_id)  # one line of training, kept across resumes
+    run_id: str = field(default_factory=new_run_id)  # one line of training, kept across resumes in its save_dir
+    forked_from: dict | None = None  # {run_id, step, checkpoint} of the run it forked (save_dir.Claim); None: none
     best_metric: str | None = None  # the --keep_best metric the best value below is of
     best_value: float | None = None  # of that metric, and the step that reached it
     best_step: int | None = None
@@ -118,12 +119,15 @@ def resume_state(run: Run) -> dict:
         "tokenizer": run.tokenizer_record,  # the run's own copy, what every reader of it loads
         "sample_stream": run_identity.recorded(run.data.identity, run.data.sampler.epoch_group_size(state.epoch)),
         "run_id": state.run_id,
+        "forked_from": state.forked_from,
         "wandb_run_id": run.logger.wandb_run_id,
     }
 
 
-def restore(run: Run, saved: dict) -> None:
-    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position).
+def restore(run: Run, saved: dict, claim: Claim) -> None:
+    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position), then
+    take --save_dir as `claim` says: rank 0 sets the previous run's files aside only once the checkpoint
+    has passed every check, and a fork gets a run id and a wandb run of its own.
 
     A resume that changes a fact of the sample stream is refused (every rank holds the same identity,
     so every rank refuses); another global batch or grouping finishes the interrupted epoch in the
@@ -145,18 +149,6 @@ def restore(run: Run, saved: dict) -> None:
     keep_fused_kernels(run.optimizer)
     if saved.get("scaler") and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
-    run.state = TrainState(
-        step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
-        skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
-        wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
-        best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
-        best_measured_on=saved.get("best_measured_on"),
-        evals_without_improvement=saved.get("evals_without_improvement", 0),
-    )
-    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
-    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
-        run.state.run_id = new_run_id()
-    restart_incomparable_selection(run)
     if saved["world_size"] == run.ctx.world_size:
         restore_rng_state(saved["rng"][run.ctx.rank], run.ctx.device)
     else:
@@ -166,6 +158,28 @@ def restore(run: Run, saved: dict) -> None:
             f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
             f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
         )
+    if run.ctx.is_main:
+        claim.carry_out(run.logger.print)
+    fork = claim.forked_from
+    run.state = TrainState(
+        step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
+        skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
+        wandb_run_id=None if fork else saved.get("wandb_run_id"),
+        run_id=run.state.run_id if fork else saved.get("run_id") or run.state.run_id,
+        forked_from=fork or saved.get("forked_from"),
+        best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
+        best_measured_on=saved.get("best_measured_on"),
+        evals_without_improvement=saved.get("evals_without_improvement", 0),
+    )
+    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
+    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
+        run.state.run_id = new_run_id()
+    if fork:
+        own = "a run id and a wandb run" if run.args.use_wandb else "a run id"
+        run.logger.print(f"fork: {fork['checkpoint']} is of run {fork['run_id']}, which {run.args.save_dir} does not "
+                         f"hold: this run goes on from its step {fork['step']} as run {run.state.run_id}, with {own} "
+                         "of its own")
+    restart_incomparable_selection(run, fork)
 
 
 def saved_best_metric(saved: dict) -> str | None:
@@ -188,12 +202,14 @@ def best_on_disk_differs(run: Run) -> tuple[str, str] | None:
     return None
 
 
-def restart_incomparable_selection(run: Run) -> None:
+def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
     """A resume with another --keep_best than the checkpoint's best is of, or with other held-out data
     than it was measured on (`Run.measured_on`; a checkpoint that records none is taken as measured on
     this run's): values of two metrics, or of one metric on two held-out sets, cannot be compared (an
     accuracy of 0.28 never "improves" on a loss of 8.38), so the selection starts afresh (every rank)
-    and rank 0 moves the best/ of the other metric or data aside; one line says so."""
+    and rank 0 moves the best/ of the other metric or data aside; one line says so. A `fork` starts it
+    afresh too: the checkpoint's best is in the best/ of the forked run's directory, and the fork keeps
+    its own best/ in its --save_dir."""
     metric, state = run.args.keep_best, run.state
     if not metric:
         return  # no selection now: the checkpoint's best is kept for a later resume with its metric
@@ -204,6 +220,9 @@ def restart_incomparable_selection(run: Run) -> None:
     elif state.best_value is not None and state.best_measured_on not in (None, run.measured_on):
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) was measured on "
                      "other held-out data than this run's --eval_data_path: the selection starts afresh")
+    elif fork and state.best_value is not None:
+        notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) is in the best/ of "
+                     f"run {fork['run_id']}, not in this fork's --save_dir: the selection starts afresh")
     if notes:
         state.best_metric = state.best_value = state.best_step = state.best_measured_on = None
         state.evals_without_improvement = 0

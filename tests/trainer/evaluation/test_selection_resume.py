@@ -81,3 +81,20 @@ def test_a_resume_keeps_comparing_with_the_best_on_the_same_or_unrecorded_held_o
     improved = row["eval_loss"] < old["value"]
     assert (row["new_best"], row["best_step"], row["best_value"]) == (
         (True, 3, row["eval_loss"]) if improved else (False, old["step"], old["value"]))
+
+
+def test_a_fork_starts_a_selection_of_its_own_in_its_save_dir(data, selected, tmp_path):
+    """The checkpoint's best is in the best/ of the run it forks: the fork's best/ is its own, so its selection
+    starts afresh (else an evaluation that does not beat the other directory's best leaves it none)."""
+    old = json.loads((selected / "run" / "best" / "best.json").read_text())
+    forked_run = torch.load(checkpoint_at(selected / "run", 2), weights_only=True)["run_id"]
+    fork = tmp_path / "fork"
+    forked = run_trainer_in_process(flags(data, fork, *SELECTION, "--max_steps", "3", "--eval_data_path",
+                                          str(data / "eval.jsonl"), "--resume_from", checkpoint_at(selected / "run", 2)),
+                                    check=True)
+    notes = [line for line in forked.stdout.splitlines() if line.startswith("--keep_best")]
+    assert notes == [f"--keep_best eval_loss: the checkpoint's best ({old['value']:.4f} at step {old['step']}) is in "
+                     f"the best/ of run {forked_run}, not in this fork's --save_dir: the selection starts afresh"]
+    [row] = eval_rows(fork)[0]
+    assert (row["step"], row["new_best"], row["best_step"], row["best_value"]) == (3, True, 3, row["eval_loss"])
+    assert json.loads((fork / "best" / "best.json").read_text())["step"] == 3
