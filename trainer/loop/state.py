@@ -20,7 +20,7 @@ from trainer.checkpoint.save_dir import (
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
-from trainer.evaluation.selection import measured_on
+from trainer.evaluation.selection import measured_on, measured_with
 from trainer.loop.health import StepHealth
 from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import keep_fused_kernels
@@ -85,7 +85,8 @@ class Run:
     @functools.cached_property
     def measured_on(self) -> list[str] | None:
         """What this run's --keep_best metric is measured on (selection.measured_on); None without one."""
-        return measured_on(self.eval_sets, self.args.keep_best) if self.args.keep_best else None
+        args = self.args
+        return measured_on(self.eval_sets, args.keep_best, args.eval_max_new_tokens) if args.keep_best else None
 
     @property
     def raw_model(self):
@@ -192,18 +193,20 @@ def saved_best_metric(saved: dict) -> str | None:
 
 def best_on_disk_differs(run: Run) -> tuple[str, str] | None:
     """(what it is of, a name for the folder it is moved to) when `<save_dir>/best/best.json` records
-    another metric than --keep_best, or other held-out data than this run's; else None."""
+    another metric than --keep_best, or other held-out data (or generated answers) than this run's; else None."""
     record = best_record_on_disk(run.args.save_dir)
     metric, data = record.get("metric"), record.get("measured_on")
     if isinstance(metric, str) and metric != run.args.keep_best:
         return f"of {metric}", "best-of-" + metric.replace("/", "-")
     if isinstance(data, list) and data != run.measured_on:
-        return "of other held-out data", "best-of-other-held-out-data"
+        what = measured_with(run.args.keep_best)[0]
+        return f"of other {what}", "best-of-other-" + what.replace(" ", "-")
     return None
 
 
 def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
     """A resume with another --keep_best than the checkpoint's best is of, or with other held-out data
+    (or, for the scores of generated answers, other --eval_generate_samples or --eval_max_new_tokens)
     than it was measured on (`Run.measured_on`; a checkpoint that records none is taken as measured on
     this run's): values of two metrics, or of one metric on two held-out sets, cannot be compared (an
     accuracy of 0.28 never "improves" on a loss of 8.38), so the selection starts afresh (every rank)
@@ -218,8 +221,9 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
         notes.append(f"the checkpoint's best is of {state.best_metric} ({state.best_value:.4f} at step "
                      f"{state.best_step}), which {metric} cannot be compared with: the selection starts afresh")
     elif state.best_value is not None and state.best_measured_on not in (None, run.measured_on):
+        what, flags = measured_with(metric)
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) was measured on "
-                     "other held-out data than this run's --eval_data_path: the selection starts afresh")
+                     f"other {what} than this run's {flags}: the selection starts afresh")
     elif fork and state.best_value is not None:
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) is in the best/ of "
                      f"run {fork['run_id']}, not in this fork's --save_dir: the selection starts afresh")
