@@ -31,7 +31,7 @@ from trainer.runtime.distributed import DistContext, all_gather_objects
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
-from trainer.weights.read import misfit
+from trainer.weights.read import misfit, with_tied_head
 from trainer.weights.tokenizer import checkpoint_record
 
 
@@ -137,10 +137,12 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
                                          run.logger.print)
     if problem:
         raise CheckpointError(problem)
-    problems = None if is_sharded(saved) else misfit(run.raw_model.state_dict(), saved["model"],
-                                                     run.raw_model.config.tie_word_embeddings)
-    if problems:
-        raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
+    if not is_sharded(saved):
+        tied = run.raw_model.config.tie_word_embeddings
+        problems = misfit(run.raw_model.state_dict(), saved["model"], tied)
+        if problems:
+            raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
+        saved["model"] = with_tied_head(saved["model"], tied)
     try:
         run.parallel.load_training_state(run.optimizer, saved)
     except CheckpointError:
