@@ -41,7 +41,7 @@ from trainer.checkpoint.resume import (
     check_model_config, claim_for_resume, find_resume_checkpoint, load_resume_checkpoint,
 )
 from trainer.checkpoint.save_dir import (
-    SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir,
+    Claim, SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir,
 )
 from trainer.data_setup import build_eval_sets, build_train_data, check_data_files
 from trainer.errors import (
@@ -85,44 +85,46 @@ def claim_save_dir(args, ctx):
     return SaveDirLock(args.save_dir).acquire()
 
 
-def locate_resume(args, config, ctx, log) -> dict | None:
-    """Step 3: the resume checkpoint to continue from (the same one on every rank), or None.
+def locate_resume(args, config, ctx, log) -> tuple[dict | None, Claim]:
+    """Step 3: the resume checkpoint to continue from (the same one on every rank), or None, and how the
+    run takes --save_dir (the same `Claim` on every rank).
 
     Rank 0 chooses it (and refuses a fresh run into another run's --save_dir unless --overwrite 1);
     every process then reads the file once, memory-mapped."""
-    path, saved, problem = None, None, None
+    path, saved, claim, problem = None, None, None, None
     if ctx.is_main:
         try:
-            path, saved = choose_resume_checkpoint(args, config, log)
+            path, saved, claim = choose_resume_checkpoint(args, config, log)
         except CheckpointError as error:
             problem = str(error)
-    path, problem = broadcast_object((path, problem))
+    path, claim, problem = broadcast_object((path, claim, problem))
     if problem:
         raise CheckpointError(problem)
     if path is None:
-        return None
+        return None, claim
     if saved is None:
         saved = load_resume_checkpoint(path)
     check_model_config(saved["model_config"], config)
     log(f"resuming from {path} (step {saved['step']}, epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']})")
-    return saved
+    return saved, claim
 
 
-def choose_resume_checkpoint(args, config, log) -> tuple[str | None, dict | None]:
-    """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run. A --save_dir
-    of another run is claimed (refused, or set aside with --overwrite 1), its MiniMind .pth too."""
+def choose_resume_checkpoint(args, config, log) -> tuple[str | None, dict | None, Claim]:
+    """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run, and the
+    `Claim` on --save_dir: a --save_dir of another run is refused, or with --overwrite 1 its files (its
+    MiniMind .pth too) are to be set aside once every check has passed."""
     pth_name = minimind_pth_name(config, args.save_weight) if args.save_weight else None
     if args.resume_from:
         saved = load_resume_checkpoint(args.resume_from)
-        claim_for_resume(args.save_dir, saved, args.overwrite, log, pth_name)
-        return args.resume_from, saved
+        return args.resume_from, saved, claim_for_resume(args.save_dir, args.resume_from, saved, args.overwrite,
+                                                         pth_name)
     found = find_resume_checkpoint(args.save_dir, log=log) if args.from_resume else None
     if found:
-        return found
-    claim_for_fresh_run(args.save_dir, args.overwrite, log, resuming=bool(args.from_resume), pth_name=pth_name)
+        return *found, Claim(args.save_dir)
+    claim = claim_for_fresh_run(args.save_dir, args.overwrite, resuming=bool(args.from_resume), pth_name=pth_name)
     if args.from_resume:
         log(f"--from_resume 1: no resume checkpoint in {args.save_dir}, starting from scratch")
-    return None, None
+    return None, None, claim
 
 
 def run_training(args, preemption: PreemptionFlag) -> int:
@@ -141,7 +143,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     weights = read_initial_weights(args, log)
     tokenizer, tokenizer_path = load_tokenizer_for_weights(args, weights, log)
     config = build_model_config(args, tokenizer, weights, ctx.device)
-    saved = locate_resume(args, config, ctx, log)
+    saved, claim = locate_resume(args, config, ctx, log)
     if args.resume_from or args.from_resume:
         log_start_weights(args, weights, saved, log)
 
@@ -159,14 +161,18 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     parallel = build_parallelism(args, ctx, dtype)
     wrapped = parallel.wrap(model)  # DDP around the model, or the model itself sharded in place
     optimizer = build_optimizer(model, args, ctx.device)
-    # The logger is finished (wandb.finish) however the run ends, also before fail()'s os._exit.
-    with RunLogger(args, ctx.is_main, wandb_run_id=saved.get("wandb_run_id") if saved else None) as logger:
+    # The logger is finished (wandb.finish) however the run ends, also before fail()'s os._exit. A fork
+    # logs to a wandb run of its own.
+    wandb_run_id = saved.get("wandb_run_id") if saved and not claim.forked_from else None
+    with RunLogger(args, ctx.is_main, wandb_run_id, claim.forked_from) as logger:
         run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
                   tokenizer, logger, preemption, parallel, tokenizer_path)
         del wrapped  # run.model stays its only reference (see step 9)
         if saved is not None:
-            restore(run, saved)
+            restore(run, saved, claim)  # sets the previous run's files aside once it fits
             del saved
+        elif ctx.is_main:
+            claim.carry_out(log)  # every refusal (data, flags, model) is behind: the previous run is set aside
         if args.use_compile:
             run.model = compile_model(run.model, ctx.device)
 

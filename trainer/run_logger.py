@@ -76,12 +76,14 @@ def format_figure(value, spec: str) -> str:
 class RunLogger:
     """Does nothing on ranks other than 0."""
 
-    def __init__(self, args, is_main: bool, wandb_run_id: str | None = None):
+    def __init__(self, args, is_main: bool, wandb_run_id: str | None = None, forked_from: dict | None = None):
         self.enabled = is_main
         self.metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
         self.wandb = None
         self.wandb_run_id = wandb_run_id
         self.run_id = None  # set by the loop: every metrics.jsonl row names the run it belongs to
+        # A fork's origin (trainer/checkpoint/save_dir.py:Claim): in its wandb config and its first metrics.jsonl row.
+        self.forked_from = forked_from
         self.bar = None  # a tqdm bar when stdout is a terminal, else one line per log interval
         self.use_bar = is_main and terminal_width() > 0
         if self.enabled and args.use_wandb:
@@ -94,7 +96,8 @@ class RunLogger:
         try:
             self.wandb = wandb.init(
                 project=args.wandb_project, name=args.wandb_run_name, id=run_id, resume="allow",
-                config=vars(args), dir=args.save_dir,
+                config={**vars(args), **({"forked_from": self.forked_from} if self.forked_from else {})},
+                dir=args.save_dir,
             )
         except wandb.errors.Error as error:  # no network, bad key, unknown project...: the user's to fix
             detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -156,6 +159,8 @@ class RunLogger:
 
     def _record(self, row: dict) -> None:
         row = {**row, "run_id": self.run_id, "time": time.time()}
+        if self.forked_from:
+            row["forked_from"], self.forked_from = self.forked_from, None  # said once, by the fork's first row
         try:
             with open(self.metrics_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(row) + "\n")

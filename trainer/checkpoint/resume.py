@@ -6,7 +6,9 @@ run, and refuses one whose architecture differs from the run's."""
 import os
 
 from trainer.checkpoint import sharded, single_file
-from trainer.checkpoint.save_dir import checkpoints_dir, claim_for_fresh_run, list_checkpoints, logged_run_ids
+from trainer.checkpoint.save_dir import (
+    Claim, checkpoints_dir, claim_for_fresh_run, list_checkpoints, logged_run_ids,
+)
 from trainer.errors import CheckpointError
 
 REQUIRED_KEYS = ("model_config", "model", "optimizer", "step", "epoch", "samples_in_epoch", "rng", "world_size", "args")
@@ -52,28 +54,49 @@ def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
     return None
 
 
-def claim_for_resume(save_dir: str, saved: dict, overwrite: bool, log=print, pth_name: str | None = None) -> None:
-    """--resume_from a checkpoint (`saved`) into `save_dir`. A checkpoint's run id (trainer/loop/state.py)
-    is kept across resumes, and a rollback's new line of training writes beside the checkpoints and the
-    metrics.jsonl rows of the line it left: a directory where neither a checkpoint nor a row names the
-    id holds another run, claimed as by a fresh run (`claim_for_fresh_run`), since this run's rotation
-    would delete that run's checkpoints and its saves replace its model. A checkpoint without a run id
-    is resumed without the check: nothing tells its run."""
+def claim_for_resume(save_dir: str, path: str, saved: dict, overwrite: bool, pth_name: str | None = None) -> Claim:
+    """--resume_from `path` (its checkpoint `saved`) into `save_dir`. A checkpoint's run id (trainer/loop/state.py)
+    is kept across resumes in its directory, and a rollback's new line of training writes beside the checkpoints
+    and the metrics.jsonl rows of the line it left: a directory where neither a checkpoint nor a row names the
+    id holds another run, claimed as by a fresh run (`claim_for_fresh_run`), since this run's rotation would
+    delete that run's checkpoints and its saves replace its model. A checkpoint without a run id is resumed
+    without that check: nothing tells its run.
+
+    A checkpoint from outside `save_dir` of a run that `save_dir` does not hold starts a fork there: a line of
+    training of its own (a new run id, a new wandb run), whose `forked_from` names where it comes from. Kept
+    under the checkpoint's run id, two directories would hold two diverging lines of one run: a later resume
+    of one's checkpoint into the other would be taken as that directory's own, and its rotation would delete
+    the other line's checkpoints."""
     run_id = saved.get("run_id")
-    if run_id is None or run_id in logged_run_ids(save_dir) or run_id in checkpoint_run_ids(save_dir):
-        return
-    claim_for_fresh_run(save_dir, overwrite, log, pth_name=pth_name, resumed=run_id)
+    in_checkpoints = os.path.realpath(os.path.dirname(path)) == os.path.realpath(checkpoints_dir(save_dir))
+    held = run_id is not None and (in_checkpoints or holds_run(save_dir, run_id))
+    claim = claim_for_fresh_run(save_dir, overwrite, pth_name=pth_name, resumed=run_id) \
+        if run_id is not None and not held else Claim(save_dir)
+    if not held and not is_inside(path, save_dir):
+        claim.forked_from = {"run_id": run_id, "step": saved["step"], "checkpoint": os.path.abspath(path)}
+    return claim
 
 
-def checkpoint_run_ids(save_dir: str) -> set:
-    """The run ids of the readable checkpoints in `save_dir`."""
-    found = set()
-    for path in list_checkpoints(save_dir):
-        try:
-            found.add(load_resume_checkpoint(path, required=()).get("run_id"))
-        except CheckpointError:
-            pass
-    return found
+def holds_run(save_dir: str, run_id: str) -> bool:
+    """Whether a metrics.jsonl row or a readable checkpoint of `save_dir` names the run `run_id`; the
+    checkpoints are read only where no row names it, newest first, up to the first that names it."""
+    if run_id in logged_run_ids(save_dir):
+        return True
+    return any(checkpoint_run_id(path) == run_id for path in list_checkpoints(save_dir))
+
+
+def checkpoint_run_id(path: str) -> str | None:
+    """The run id that the resume checkpoint `path` records; None where it records none or cannot be read."""
+    try:
+        return load_resume_checkpoint(path, required=()).get("run_id")
+    except CheckpointError:
+        return None
+
+
+def is_inside(path: str, folder: str) -> bool:
+    """Whether `path` lies in `folder` (real paths: through symlinks)."""
+    real = os.path.realpath(folder)
+    return os.path.commonpath([os.path.realpath(path), real]) == real
 
 
 def check_model_config(saved: dict, current) -> None:

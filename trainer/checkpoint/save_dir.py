@@ -25,6 +25,7 @@ import shutil
 import struct
 import sys
 import time
+from dataclasses import dataclass, field
 
 from trainer.checkpoint.files import fsync_dir
 from trainer.errors import CheckpointError
@@ -156,17 +157,37 @@ def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
     return bool(later)
 
 
-def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: bool = False, pth_name: str | None = None,
-                        resumed: str | None = None) -> None:
+@dataclass
+class Claim:
+    """How a run takes its --save_dir, decided before anything there moves: the previous run's files that
+    rank 0 sets aside (`carry_out`) once every check of the run has passed, so a refused run leaves them
+    where they are; and `forked_from` ({run_id, step, checkpoint}) for a --resume_from of a run that the
+    directory does not hold, which goes on there as a new run (trainer/checkpoint/resume.py)."""
+
+    save_dir: str
+    previous: list[str] = field(default_factory=list)
+    reason: str = ""  # the suffix of their set_aside/ folder
+    why: str = ""  # what moves them, for the line that says so
+    forked_from: dict | None = None
+
+    def carry_out(self, log=print) -> None:
+        if not self.previous:
+            return
+        folder = set_aside(self.save_dir, self.previous, self.reason)
+        log(f"{self.why}: moved the previous run's {', '.join(os.path.basename(p) for p in self.previous)} to {folder}")
+
+
+def claim_for_fresh_run(save_dir: str, overwrite: bool, resuming: bool = False, pth_name: str | None = None,
+                        resumed: str | None = None) -> Claim:
     """Refuse to start a new run in a directory holding another run's files (checkpoints, model/, best/,
     `pth_name`: the MiniMind .pth that this run's --save_weight writes, or only its metrics.jsonl, of a
-    run stopped before its first save) unless `overwrite`; then they are moved aside, not deleted. A .pth
-    of another name is no run's file here (MiniMind's out/ keeps the --from_weight pretrain_768.pth beside
-    full_sft_768.pth): it stays. `resuming` (--from_resume 1 finding no checkpoint): a run without a
-    checkpoint has nothing to continue, so its best/ and metrics.jsonl are moved aside as well, with a
-    line (a restarted job starts afresh instead of appending to them). `resumed`: the run id of the
-    --resume_from checkpoint of another run that this one continues here; its saves would rotate away
-    and replace the directory's own files just the same."""
+    run stopped before its first save) unless `overwrite`; then they are to be moved aside, not deleted
+    (the `Claim`). A .pth of another name is no run's file here (MiniMind's out/ keeps the --from_weight
+    pretrain_768.pth beside full_sft_768.pth): it stays. `resuming` (--from_resume 1 finding no
+    checkpoint): a run without a checkpoint has nothing to continue, so its best/ and metrics.jsonl are
+    moved aside as well, with a line (a restarted job starts afresh instead of appending to them).
+    `resumed`: the run id of the --resume_from checkpoint of another run that this one continues here;
+    its saves would rotate away and replace the directory's own files just the same."""
     model_dir = os.path.join(save_dir, MODEL_DIR)
     if os.path.isdir(model_dir) and any(name.endswith(".py") for name in os.listdir(model_dir)):
         raise CheckpointError(f"--save_dir {save_dir}: its {MODEL_DIR}/ holds Python source (minisft's own package?), "
@@ -180,7 +201,7 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: boo
         previous.append(pth)
     has_run = list_checkpoints(save_dir) or os.path.isdir(os.path.join(save_dir, MODEL_DIR))
     if not previous or (os.path.isdir(checkpoints_dir(save_dir)) and not has_run and len(previous) == 1):
-        return  # nothing, or only an empty checkpoints/
+        return Claim(save_dir)  # nothing, or only an empty checkpoints/
     # a .pth is written with a checkpoint: one without any is no restarted job's (downloaded weights?)
     if not (overwrite or (resuming and not has_run and pth not in previous)):
         what = "checkpoints/ or model/" if has_run else " and ".join(os.path.basename(path) for path in previous)
@@ -191,9 +212,9 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, log=print, resuming: boo
             f"--overwrite 1 to {'resume' if resumed else 'start over'} there (its files are moved to "
             f"{os.path.join(save_dir, 'set_aside')}/)"
         )
-    folder = set_aside(save_dir, previous, "overwritten" if overwrite else "no-checkpoint")
-    why = "--overwrite 1" if overwrite else "--from_resume 1 found no checkpoint to continue"
-    log(f"{why}: moved the previous run's {', '.join(os.path.basename(p) for p in previous)} to {folder}")
+    if overwrite:
+        return Claim(save_dir, previous, "overwritten", "--overwrite 1")
+    return Claim(save_dir, previous, "no-checkpoint", "--from_resume 1 found no checkpoint to continue")
 
 
 def logged_run_ids(save_dir: str) -> set[str]:

@@ -10,7 +10,8 @@ rank decides on the same all-reduced figures, so all stop at the same step, and 
 The state (the metric, its best value and step, evaluations since) lives in `TrainState` and so in
 every resume checkpoint: a resumed run keeps comparing against the best of the run before. A resume
 with another --keep_best, or whose held-out data differs from what the best was measured on
-(`measured_on`: the files' content, --max_seq_len, the tokenizer and chat template), starts the
+(`measured_on`: the files' content, --max_seq_len, the tokenizer and chat template; for the scores of
+generated answers also their number and --eval_max_new_tokens), starts the
 selection afresh and moves the other best/ aside (trainer/loop/state.py), since values of two metrics,
 or of one metric on two held-out sets, cannot be compared. A resume to a step before
 the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
@@ -84,12 +85,27 @@ def check_selection(args, metric_names: list[str]) -> None:
                              f"(it reports: {', '.join(metric_names)})")
 
 
-def measured_on(eval_sets, metric: str) -> list[str]:
+def measured_on(eval_sets, metric: str, max_new_tokens: int) -> list[str]:
     """What the values of `metric` are measured on: the token cache keys (`EvalSet.data_key`) of the
     held-out files it covers, for `KEY/NAME` the file NAME alone, else all of them (sorted: their sums
-    do not depend on the order). Values measured on other keys cannot be compared."""
-    name = metric.partition("/")[2]
-    return sorted(eval_set.data_key for eval_set in eval_sets if not name or eval_set.name == name)
+    do not depend on the order); for a metric of generated answers (GENERATED), also how many answers
+    (the first of each file, --eval_generate_samples) of at most how many tokens (--eval_max_new_tokens)
+    were judged. Values measured on other keys cannot be compared."""
+    key, _, name = metric.partition("/")
+    covered = [eval_set for eval_set in eval_sets if not name or eval_set.name == name]
+    data = sorted(eval_set.data_key for eval_set in covered)
+    if key not in GENERATED:
+        return data
+    answers = sum(eval_set.num_replies + eval_set.num_tool_turns for eval_set in covered)
+    return [*data, f"{answers} generated answers of at most {max_new_tokens} tokens"]
+
+
+def measured_with(metric: str) -> tuple[str, str]:
+    """What `measured_on` records for `metric`, in words, and the flags that set it, for the lines that
+    say it differs."""
+    if metric.partition("/")[0] in GENERATED:
+        return "held-out data or generated answers", "--eval_data_path, --eval_generate_samples or --eval_max_new_tokens"
+    return "held-out data", "--eval_data_path"
 
 
 def update_selection(state, metric: str, figures: dict, patience: int, data: list[str]) -> tuple[bool, bool]:

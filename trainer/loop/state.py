@@ -15,12 +15,12 @@ from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.sharded import is_sharded
 from trainer.checkpoint.save_dir import (
-    BEST_DIR, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
+    BEST_DIR, Claim, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
 )
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
-from trainer.evaluation.selection import measured_on
+from trainer.evaluation.selection import measured_on, measured_with
 from trainer.loop.health import StepHealth
 from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import keep_fused_kernels
@@ -31,7 +31,7 @@ from trainer.runtime.distributed import DistContext, all_gather_objects
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
-from trainer.weights.read import misfit
+from trainer.weights.read import misfit, with_tied_head
 from trainer.weights.tokenizer import checkpoint_record
 
 
@@ -45,7 +45,8 @@ class TrainState:
     skipped_steps: int = 0
     bad_steps_in_a_row: int = 0
     wandb_run_id: str | None = None
-    run_id: str = field(default_factory=new_run_id)  # one line of training, kept across resumes
+    run_id: str = field(default_factory=new_run_id)  # one line of training, kept across resumes in its save_dir
+    forked_from: dict | None = None  # {run_id, step, checkpoint} of the run it forked (save_dir.Claim); None: none
     best_metric: str | None = None  # the --keep_best metric the best value below is of
     best_value: float | None = None  # of that metric, and the step that reached it
     best_step: int | None = None
@@ -84,7 +85,8 @@ class Run:
     @functools.cached_property
     def measured_on(self) -> list[str] | None:
         """What this run's --keep_best metric is measured on (selection.measured_on); None without one."""
-        return measured_on(self.eval_sets, self.args.keep_best) if self.args.keep_best else None
+        args = self.args
+        return measured_on(self.eval_sets, args.keep_best, args.eval_max_new_tokens) if args.keep_best else None
 
     @property
     def raw_model(self):
@@ -118,12 +120,15 @@ def resume_state(run: Run) -> dict:
         "tokenizer": run.tokenizer_record,  # the run's own copy, what every reader of it loads
         "sample_stream": run_identity.recorded(run.data.identity, run.data.sampler.epoch_group_size(state.epoch)),
         "run_id": state.run_id,
+        "forked_from": state.forked_from,
         "wandb_run_id": run.logger.wandb_run_id,
     }
 
 
-def restore(run: Run, saved: dict) -> None:
-    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position).
+def restore(run: Run, saved: dict, claim: Claim) -> None:
+    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position), then
+    take --save_dir as `claim` says: rank 0 sets the previous run's files aside only once the checkpoint
+    has passed every check, and a fork gets a run id and a wandb run of its own.
 
     A resume that changes a fact of the sample stream is refused (every rank holds the same identity,
     so every rank refuses); another global batch or grouping finishes the interrupted epoch in the
@@ -132,10 +137,12 @@ def restore(run: Run, saved: dict) -> None:
                                          run.logger.print)
     if problem:
         raise CheckpointError(problem)
-    problems = None if is_sharded(saved) else misfit(run.raw_model.state_dict(), saved["model"],
-                                                     run.raw_model.config.tie_word_embeddings)
-    if problems:
-        raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
+    if not is_sharded(saved):
+        tied = run.raw_model.config.tie_word_embeddings
+        problems = misfit(run.raw_model.state_dict(), saved["model"], tied)
+        if problems:
+            raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
+        saved["model"] = with_tied_head(saved["model"], tied)
     try:
         run.parallel.load_training_state(run.optimizer, saved)
     except CheckpointError:
@@ -145,18 +152,6 @@ def restore(run: Run, saved: dict) -> None:
     keep_fused_kernels(run.optimizer)
     if saved.get("scaler") and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
-    run.state = TrainState(
-        step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
-        skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
-        wandb_run_id=saved.get("wandb_run_id"), run_id=saved.get("run_id") or run.state.run_id,
-        best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
-        best_measured_on=saved.get("best_measured_on"),
-        evals_without_improvement=saved.get("evals_without_improvement", 0),
-    )
-    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
-    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
-        run.state.run_id = new_run_id()
-    restart_incomparable_selection(run)
     if saved["world_size"] == run.ctx.world_size:
         restore_rng_state(saved["rng"][run.ctx.rank], run.ctx.device)
     else:
@@ -166,6 +161,28 @@ def restore(run: Run, saved: dict) -> None:
             f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
             f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
         )
+    if run.ctx.is_main:
+        claim.carry_out(run.logger.print)
+    fork = claim.forked_from
+    run.state = TrainState(
+        step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
+        skipped_steps=saved.get("skipped_steps", 0), bad_steps_in_a_row=saved.get("bad_steps_in_a_row", 0),
+        wandb_run_id=None if fork else saved.get("wandb_run_id"),
+        run_id=run.state.run_id if fork else saved.get("run_id") or run.state.run_id,
+        forked_from=fork or saved.get("forked_from"),
+        best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
+        best_measured_on=saved.get("best_measured_on"),
+        evals_without_improvement=saved.get("evals_without_improvement", 0),
+    )
+    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
+    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
+        run.state.run_id = new_run_id()
+    if fork:
+        own = "a run id and a wandb run" if run.args.use_wandb else "a run id"
+        run.logger.print(f"fork: {fork['checkpoint']} is of run {fork['run_id'] or '(no run id recorded)'}, which {run.args.save_dir} does not "
+                         f"hold: this run goes on from its step {fork['step']} as run {run.state.run_id}, with {own} "
+                         "of its own")
+    restart_incomparable_selection(run, fork)
 
 
 def saved_best_metric(saved: dict) -> str | None:
@@ -178,22 +195,26 @@ def saved_best_metric(saved: dict) -> str | None:
 
 def best_on_disk_differs(run: Run) -> tuple[str, str] | None:
     """(what it is of, a name for the folder it is moved to) when `<save_dir>/best/best.json` records
-    another metric than --keep_best, or other held-out data than this run's; else None."""
+    another metric than --keep_best, or other held-out data (or generated answers) than this run's; else None."""
     record = best_record_on_disk(run.args.save_dir)
     metric, data = record.get("metric"), record.get("measured_on")
     if isinstance(metric, str) and metric != run.args.keep_best:
         return f"of {metric}", "best-of-" + metric.replace("/", "-")
     if isinstance(data, list) and data != run.measured_on:
-        return "of other held-out data", "best-of-other-held-out-data"
+        what = measured_with(run.args.keep_best)[0]
+        return f"of other {what}", "best-of-other-" + what.replace(" ", "-")
     return None
 
 
-def restart_incomparable_selection(run: Run) -> None:
+def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
     """A resume with another --keep_best than the checkpoint's best is of, or with other held-out data
+    (or, for the scores of generated answers, other --eval_generate_samples or --eval_max_new_tokens)
     than it was measured on (`Run.measured_on`; a checkpoint that records none is taken as measured on
     this run's): values of two metrics, or of one metric on two held-out sets, cannot be compared (an
     accuracy of 0.28 never "improves" on a loss of 8.38), so the selection starts afresh (every rank)
-    and rank 0 moves the best/ of the other metric or data aside; one line says so."""
+    and rank 0 moves the best/ of the other metric or data aside; one line says so. A `fork` starts it
+    afresh too: the checkpoint's best is in the best/ of the forked run's directory, and the fork keeps
+    its own best/ in its --save_dir."""
     metric, state = run.args.keep_best, run.state
     if not metric:
         return  # no selection now: the checkpoint's best is kept for a later resume with its metric
@@ -202,8 +223,12 @@ def restart_incomparable_selection(run: Run) -> None:
         notes.append(f"the checkpoint's best is of {state.best_metric} ({state.best_value:.4f} at step "
                      f"{state.best_step}), which {metric} cannot be compared with: the selection starts afresh")
     elif state.best_value is not None and state.best_measured_on not in (None, run.measured_on):
+        what, flags = measured_with(metric)
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) was measured on "
-                     "other held-out data than this run's --eval_data_path: the selection starts afresh")
+                     f"other {what} than this run's {flags}: the selection starts afresh")
+    elif fork and state.best_value is not None:
+        notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) is in the best/ of "
+                     f"run {fork['run_id']}, not in this fork's --save_dir: the selection starts afresh")
     if notes:
         state.best_metric = state.best_value = state.best_step = state.best_measured_on = None
         state.evals_without_improvement = 0

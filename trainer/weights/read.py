@@ -376,14 +376,26 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
 def misfit(expected: dict, state: dict, tied: bool) -> str | None:
     """What keeps the tensors `state` from loading into a model whose state dict is `expected`, one part
     per kind, each counted and its first tensors named ("missing 9 tensors (a, b, c, ...); unexpected 1
-    tensor (d)"), or None. A `tied` model needs no `lm_head.weight` (it is the embedding)."""
+    tensor (d)"), or None. A `tied` model needs no `lm_head.weight` (it is the embedding), and takes none
+    that differs from the embedding: one tensor cannot hold both, so one of them would be lost."""
     kinds = {
         "missing": [k for k in expected if k not in state and not (tied and k == LM_HEAD)],
         "unexpected": [k for k in state if k not in expected],
         "wrong shape": [k for k in state if k in expected and state[k].shape != expected[k].shape],
         "not float": [k for k in state if k in expected and not state[k].is_floating_point()],
     }
-    return "; ".join(f"{kind} {_tensors(keys)}" for kind, keys in kinds.items() if keys) or None
+    problems = [f"{kind} {_tensors(keys)}" for kind, keys in kinds.items() if keys]
+    if (tied and LM_HEAD in state and EMBED in state and state[LM_HEAD].shape == state[EMBED].shape
+            and not torch.equal(state[LM_HEAD], state[EMBED])):
+        problems.append(f"{LM_HEAD} differs from {EMBED}, which is the same tensor in a model with "
+                        "tie_word_embeddings")
+    return "; ".join(problems) or None
+
+
+def with_tied_head(state: dict, tied: bool) -> dict:
+    """`state` as a `tied` model's strict `load_state_dict` takes it: an `lm_head.weight` that it leaves
+    out (`misfit` lets it) is its embedding."""
+    return {**state, LM_HEAD: state[EMBED]} if tied and LM_HEAD not in state and EMBED in state else state
 
 
 def load_into(model, weights: Weights) -> None:
@@ -394,8 +406,6 @@ def load_into(model, weights: Weights) -> None:
     problems = misfit(expected, state, tied)
     if problems:
         raise CheckpointError(f"{weights.source} does not fit its model config: {problems}")
-    if tied and LM_HEAD in state and not torch.equal(state[LM_HEAD], state[EMBED]):
-        raise CheckpointError(f"{weights.source}: tie_word_embeddings is set but lm_head differs from the embedding")
     with torch.no_grad():
         for key, value in state.items():
             if not (tied and key == LM_HEAD):

@@ -7,7 +7,7 @@ import torch
 from model import MiniMindForCausalLM
 from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer_in_process
 from trainer.errors import CheckpointError
-from trainer.weights.read import build_config, load_into, read_weights
+from trainer.weights.read import EMBED, LM_HEAD, build_config, load_into, read_weights
 
 
 def test_a_checkpoint_without_a_layer_or_with_an_extra_tensor_is_one_line_naming_them(data, tmp_path):
@@ -30,3 +30,38 @@ def test_a_checkpoint_without_a_layer_or_with_an_extra_tensor_is_one_line_naming
     with pytest.raises(CheckpointError) as caught:
         load_into(MiniMindForCausalLM(build_config(weights)), weights)
     assert str(caught.value) == f"resume checkpoint {damaged} does not fit its model config: {problems}"
+
+
+def test_a_tied_checkpoint_resumes_into_a_tied_model_and_a_tie_that_the_tensors_or_the_model_break_is_one_line(
+        data, tmp_path):
+    run_trainer_in_process(flags(data, tmp_path / "tied", "--batch_size", "8", "--max_steps", "1"), check=True)
+    saved = torch.load(checkpoint_at(tmp_path / "tied", 1), weights_only=True)
+    assert saved["model_config"]["tie_word_embeddings"] and torch.equal(saved["model"][LM_HEAD], saved["model"][EMBED])
+    resume = ["--batch_size", "8", "--max_steps", "2", "--resume_from"]
+
+    # Without its lm_head.weight (the embedding, for a tied model): resumed, the head is the embedding.
+    torch.save({**saved, "model": {k: v for k, v in saved["model"].items() if k != LM_HEAD}}, tmp_path / "headless.pt")
+    run_trainer_in_process(flags(data, tmp_path / "headless", *resume, str(tmp_path / "headless.pt")), check=True)
+    final = torch.load(checkpoint_at(tmp_path / "headless", 2), weights_only=True)["model"]
+    assert torch.equal(final[LM_HEAD], final[EMBED])
+
+    # A config that ties an lm_head.weight of its own to the embedding: one line, not one of the two lost.
+    apart = {**saved["model"], LM_HEAD: saved["model"][LM_HEAD] + 1}
+    torch.save({**saved, "model": apart}, tmp_path / "apart.pt")
+    refused = run_trainer_in_process(flags(data, tmp_path / "apart", *resume, str(tmp_path / "apart.pt")))
+    assert (refused.returncode, refused.stderr.splitlines()) == (2, [
+        "error: resume checkpoint does not fit this run: lm_head.weight differs from model.embed_tokens.weight, "
+        "which is the same tensor in a model with tie_word_embeddings"])
+
+    # A tied checkpoint into an untied model (--from_weight of untied weights), and the reverse: one line.
+    torch.save(apart, tmp_path / "untied.pt")
+    untied = ["--from_weight", str(tmp_path / "untied.pt")]
+    into_untied = run_trainer_in_process(flags(data, tmp_path / "into_untied", *untied, *resume,
+                                               checkpoint_at(tmp_path / "tied", 1)))
+    run_trainer_in_process(flags(data, tmp_path / "untied", *untied, "--batch_size", "8", "--max_steps", "1"),
+                           check=True)
+    into_tied = run_trainer_in_process(flags(data, tmp_path / "into_tied", *resume, checkpoint_at(tmp_path / "untied", 1)))
+    for result, (before, now) in ((into_untied, (True, False)), (into_tied, (False, True))):
+        assert (result.returncode, result.stderr.splitlines()) == (2, [
+            f"error: checkpoint model config differs from the flags: tie_word_embeddings (checkpoint {before}, "
+            f"flags {now})"])

@@ -289,7 +289,9 @@ def test_overwrite_moves_the_previous_run_aside(tmp_path):
     with pytest.raises(CheckpointError, match="holds another run"):
         claim_for_fresh_run(str(tmp_path), overwrite=False)
     messages = []
-    claim_for_fresh_run(str(tmp_path), overwrite=True, log=messages.append)
+    claim = claim_for_fresh_run(str(tmp_path), overwrite=True)
+    assert os.path.isdir(tmp_path / "model")  # nothing moves before every check of the run has passed
+    claim.carry_out(messages.append)
     [folder] = os.listdir(tmp_path / "set_aside")
     assert folder.endswith("-overwritten")
     moved = tmp_path / "set_aside" / folder
@@ -313,7 +315,7 @@ def test_a_dir_holding_only_another_runs_best_or_metrics_is_claimed_like_one_wit
             f"--overwrite 1 to start over there (its files are moved to {save_dir / 'set_aside'}/)")
         # --from_resume 1 finds nothing to continue: the files are moved aside, named, and the run starts afresh
         messages = []
-        claim_for_fresh_run(str(save_dir), overwrite=False, log=messages.append, resuming=True)
+        claim_for_fresh_run(str(save_dir), overwrite=False, resuming=True).carry_out(messages.append)
         [folder] = os.listdir(save_dir / "set_aside")
         moved = save_dir / "set_aside" / folder
         assert folder.endswith("-no-checkpoint") and sorted(os.listdir(moved)) == sorted(files)
@@ -424,7 +426,7 @@ def test_rank_zero_reads_the_resume_file_once_and_memory_maps_it(tmp_path, monke
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("mmap")) or real_load(*a, **k))
     args = SimpleNamespace(resume_from=None, from_resume=1, save_dir=str(tmp_path), overwrite=0, save_weight=None)
     ctx = SimpleNamespace(is_main=True)
-    saved = train_full_sft.locate_resume(args, SimpleNamespace(to_dict=lambda: config), ctx, lambda _: None)
+    saved, _ = train_full_sft.locate_resume(args, SimpleNamespace(to_dict=lambda: config), ctx, lambda _: None)
     assert saved["step"] == 3 and torch.equal(saved["model"]["w"], torch.ones(3))
     assert loads == [True]
 

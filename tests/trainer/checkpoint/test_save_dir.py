@@ -55,10 +55,11 @@ def test_a_resume_is_into_its_own_dir_where_a_checkpoint_or_a_metrics_row_names_
     checkpoints away), is its own directory; a directory of other run ids is another run's."""
     write_checkpoint(tmp_path, 5, "new-line")
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 4, "run_id": "old-line"}\n{"kind": "tr')
+    elsewhere = str(tmp_path.parent / "elsewhere.pt")
     for run_id in ("new-line", "old-line", None):
-        claim_for_resume(str(tmp_path), {"run_id": run_id} if run_id else {}, overwrite=False)
+        claim_for_resume(str(tmp_path), elsewhere, {"step": 1, **({"run_id": run_id} if run_id else {})}, overwrite=False)
     with pytest.raises(CheckpointError) as refused:
-        claim_for_resume(str(tmp_path), {"run_id": "other"}, overwrite=False)
+        claim_for_resume(str(tmp_path), elsewhere, {"run_id": "other", "step": 1}, overwrite=False)
     assert str(refused.value) == (
         f"--save_dir {tmp_path} holds another run (checkpoints/ or model/), not the run other of the --resume_from "
         f"checkpoint: choose another --save_dir, or pass --overwrite 1 to resume there (its files are moved to "
@@ -90,7 +91,8 @@ def test_a_resume_of_another_runs_checkpoint_never_deletes_the_save_dirs_own_run
             if path.name != ".lock"} == {path: path.read_bytes() for path in aside.rglob("*") if path.is_file()}
     assert sorted(os.listdir(tmp_path / "B" / "checkpoints")) == ["step_00000002.pt", "step_00000003.pt"]
     rows = [json.loads(line) for line in open(tmp_path / "B" / "metrics.jsonl", encoding="utf-8")]
-    assert [(row["step"], row["run_id"]) for row in rows] == [(2, a_run), (3, a_run)] and a_run != b_run
+    fork = load_resume_checkpoint(checkpoint_at(tmp_path / "B", 3))["run_id"]  # a line of training of its own
+    assert [(row["step"], row["run_id"]) for row in rows] == [(2, fork), (3, fork)] and fork not in (a_run, b_run)
 
 
 @pytest.mark.slow
@@ -133,5 +135,6 @@ def test_from_resume_finding_no_checkpoint_refuses_a_pth_that_no_restarted_job_w
         f"--save_dir {tmp_path} holds another run (metrics.jsonl and full_sft_32.pth): choose another --save_dir, or "
         f"pass --overwrite 1 to start over there (its files are moved to {tmp_path / 'set_aside'}/)")
     assert sorted(os.listdir(tmp_path)) == ["full_sft_32.pth", "metrics.jsonl"]
-    claim_for_fresh_run(str(tmp_path), overwrite=False, resuming=True, pth_name="pretrain_32.pth")  # not this run's
+    not_this_runs = claim_for_fresh_run(str(tmp_path), overwrite=False, resuming=True, pth_name="pretrain_32.pth")
+    not_this_runs.carry_out()
     assert sorted(os.listdir(tmp_path)) == ["full_sft_32.pth", "set_aside"]

@@ -16,10 +16,13 @@ from trainer.evaluation.selection import measured_on
 SELECTION = ["--batch_size", "8", "--eval_interval", "1", "--keep_best", "eval_loss"]
 
 
-def test_a_metric_is_measured_on_the_files_it_covers():
-    eval_sets = [EvalSet("b", None, data_key="kb"), EvalSet("a", None, data_key="ka")]
-    assert measured_on(eval_sets, "eval_loss") == ["ka", "kb"]
-    assert measured_on(eval_sets, "eval_loss/b") == ["kb"]
+def test_a_metric_is_measured_on_the_files_it_covers_and_a_generated_one_on_its_answers_too():
+    eval_sets = [EvalSet("b", None, num_replies=3, num_tool_turns=1, data_key="kb"),
+                 EvalSet("a", None, num_replies=2, data_key="ka")]
+    assert measured_on(eval_sets, "eval_loss", 64) == ["ka", "kb"]  # no answer is generated for a loss
+    assert measured_on(eval_sets, "eval_token_accuracy/b", 64) == ["kb"]
+    assert measured_on(eval_sets, "eval_exact_match", 64) == ["ka", "kb", "6 generated answers of at most 64 tokens"]
+    assert measured_on(eval_sets, "eval_tool_call_accuracy/b", 8) == ["kb", "4 generated answers of at most 8 tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +84,44 @@ def test_a_resume_keeps_comparing_with_the_best_on_the_same_or_unrecorded_held_o
     improved = row["eval_loss"] < old["value"]
     assert (row["new_best"], row["best_step"], row["best_value"]) == (
         (True, 3, row["eval_loss"]) if improved else (False, old["step"], old["value"]))
+
+
+def test_a_fork_starts_a_selection_of_its_own_in_its_save_dir(data, selected, tmp_path):
+    """The checkpoint's best is in the best/ of the run it forks: the fork's best/ is its own, so its selection
+    starts afresh (else an evaluation that does not beat the other directory's best leaves it none)."""
+    old = json.loads((selected / "run" / "best" / "best.json").read_text())
+    forked_run = torch.load(checkpoint_at(selected / "run", 2), weights_only=True)["run_id"]
+    fork = tmp_path / "fork"
+    forked = run_trainer_in_process(flags(data, fork, *SELECTION, "--max_steps", "3", "--eval_data_path",
+                                          str(data / "eval.jsonl"), "--resume_from", checkpoint_at(selected / "run", 2)),
+                                    check=True)
+    notes = [line for line in forked.stdout.splitlines() if line.startswith("--keep_best")]
+    assert notes == [f"--keep_best eval_loss: the checkpoint's best ({old['value']:.4f} at step {old['step']}) is in "
+                     f"the best/ of run {forked_run}, not in this fork's --save_dir: the selection starts afresh"]
+    [row] = eval_rows(fork)[0]
+    assert (row["step"], row["new_best"], row["best_step"], row["best_value"]) == (3, True, 3, row["eval_loss"])
+    assert json.loads((fork / "best" / "best.json").read_text())["step"] == 3
+
+
+def test_a_resume_with_other_generation_settings_starts_the_selection_of_a_generated_score_afresh(data, tmp_path):
+    """Exact match of answers cut at 8 tokens is no measure of answers of 64: another --eval_max_new_tokens
+    (or --eval_generate_samples) restarts the selection of eval_exact_match, as other held-out data does."""
+    run = tmp_path / "run"
+    generated = ["--batch_size", "8", "--eval_interval", "1", "--keep_best", "eval_exact_match",
+                 "--eval_generate_samples", "2", "--eval_data_path", str(data / "eval.jsonl")]
+    run_trainer_in_process(flags(data, run, *generated, "--max_steps", "2"), check=True)
+    old = json.loads((run / "best" / "best.json").read_text())
+    assert old["measured_on"] == [data_key(data / "eval.jsonl"), "2 generated answers of at most 64 tokens"]
+    resumed = run_trainer_in_process(flags(data, run, *generated, "--max_steps", "3", "--from_resume", "1",
+                                           "--eval_max_new_tokens", "8"), check=True)
+    [folder] = os.listdir(run / "set_aside")
+    notes = [line for line in resumed.stdout.splitlines() if line.startswith("--keep_best")]
+    assert notes == [f"--keep_best eval_exact_match: the checkpoint's best ({old['value']:.4f} at step {old['step']}) "
+                     "was measured on other held-out data or generated answers than this run's --eval_data_path, "
+                     "--eval_generate_samples or --eval_max_new_tokens: the selection starts afresh; its best/ (of "
+                     f"other held-out data or generated answers) moved to {run / 'set_aside' / folder}"]
+    assert folder.endswith("-best-of-other-held-out-data-or-generated-answers")
+    [row] = [row for row in eval_rows(run)[0] if row["step"] == 3]
+    assert (row["new_best"], row["best_step"], row["best_value"]) == (True, 3, row["eval_exact_match"])
+    assert json.loads((run / "best" / "best.json").read_text())["measured_on"] == [
+        data_key(data / "eval.jsonl"), "2 generated answers of at most 8 tokens"]
