@@ -179,9 +179,9 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         run.state.run_id = new_run_id()
     if fork:
         own = "a run id and a wandb run" if run.args.use_wandb else "a run id"
-        run.logger.print(f"fork: {fork['checkpoint']} is of run {fork['run_id'] or '(no run id recorded)'}, which {run.args.save_dir} does not "
-                         f"hold: this run goes on from its step {fork['step']} as run {run.state.run_id}, with {own} "
-                         "of its own")
+        source = fork["run_id"] or "(no run id recorded)"
+        run.logger.print(f"fork: {fork['checkpoint']} is of run {source}, which {run.args.save_dir} does not hold: "
+                         f"this run goes on from its step {fork['step']} as run {run.state.run_id}, with {own} of its own")
     restart_incomparable_selection(run, fork)
 
 

@@ -98,3 +98,20 @@ def test_the_run_of_a_save_dir_is_read_from_as_few_of_its_checkpoints_as_tell_it
     assert claim_for_resume(str(save_dir), checkpoint_at(save_dir, 1), {"run_id": "old-line", "step": 1},
                             overwrite=False).forked_from is None
     assert read == []
+
+
+def test_a_fork_of_a_checkpoint_without_a_run_id_says_so(data, tmp_path):
+    a_dir, b_dir = tmp_path / "a", tmp_path / "b"
+    run_trainer_in_process(flags(data, a_dir, "--batch_size", "8", "--save_interval", "1", "--max_steps", "1"),
+                           check=True)
+    saved = load_resume_checkpoint(checkpoint_at(a_dir, 1))
+    del saved["run_id"]  # as a checkpoint of a minisft that recorded none
+    old = tmp_path / "old" / "step_00000001.pt"
+    old.parent.mkdir()
+    torch.save(saved, old)
+    forked = run_trainer_in_process(flags(data, b_dir, "--batch_size", "8", "--max_steps", "2", "--resume_from",
+                                          str(old)), check=True)
+    b = load_resume_checkpoint(checkpoint_at(b_dir, 2))
+    assert (f"fork: {old} is of run (no run id recorded), which {b_dir} does not hold: this run goes on from its "
+            f"step 1 as run {b['run_id']}, with a run id of its own\n") in forked.stdout
+    assert b["forked_from"] == {"run_id": None, "step": 1, "checkpoint": str(old)}
