@@ -1,13 +1,15 @@
 """A full or unwritable disk: one line, before training or at the failed save, and the previous checkpoint kept."""
 
-import resource
 import shutil
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.helpers.fault_checks import ONE_PROCESS, all_finite, checkpoint_names, digest, last_line
-from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer, run_trainer_with_a_read_only, wait_until
+from tests.helpers.faults import FILE_LIMIT_ENV
+from tests.helpers.trainer_launch import (
+    FAULTY_TRAINER, checkpoint_at, clean_env, flags, run_trainer, run_trainer_with_a_read_only,
+)
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -53,17 +55,15 @@ def test_a_model_folder_that_links_to_a_read_only_one_is_replaced_by_the_save_no
 
 def test_a_full_disk_fails_the_save_cleanly_and_keeps_the_previous_checkpoint(data, launcher, tmp_path):
     save_dir = tmp_path / "run"
-    process = launcher.start(flags(data, save_dir, *ONE_PROCESS), "disk_full")
-    first = checkpoint_at(save_dir, 2)
-    # once the first save (resume checkpoint + inference weights) is complete
-    wait_until(lambda: f"saved {first}" in launcher.output(process)[0], process, launcher, what="the first save")
-    before = digest(first)
-    limit = 256 * 1024  # well above metrics.jsonl and the logs, well below a 2.8 MB checkpoint
-    resource.prlimit(process.pid, resource.RLIMIT_FSIZE, (limit, limit))
+    # from the second save on (step 4), once the first is written, no file may grow past 256 KiB: well
+    # above metrics.jsonl and the logs, well below a 2.8 MB checkpoint
+    env = clean_env(**{FILE_LIMIT_ENV: f"4:{256 * 1024}"})
+    process = launcher.start(flags(data, save_dir, *ONE_PROCESS), "disk_full", env=env, script=FAULTY_TRAINER)
     assert launcher.wait(process) == 2, launcher.output(process)
+    first = checkpoint_at(save_dir, 2)
     out, err = launcher.output(process)
     assert last_line(err) == f"error: could not write {checkpoint_at(save_dir, 4)}: File too large"
     assert "Traceback" not in err
     assert checkpoint_names(save_dir) == ["step_00000002.pt"]  # no .tmp leftovers
-    assert digest(first) == before and load_resume_checkpoint(first)["step"] == 2
+    assert load_resume_checkpoint(first)["step"] == 2  # complete: it loads
     assert all_finite(load_file(save_dir / "model" / "model.safetensors"))

@@ -13,6 +13,9 @@ The faults come from the environment (torchrun's workers and the equivalence too
   MINISFT_FAULT_OOM_EVAL_STEP=2 the evaluation at that step does, with MINISFT_FAULT_OOM_SAVE_STEP=4
   the save at that step, with MINISFT_FAULT_OOM_BEST=1 the first write of best/
   (tests/e2e/test_non_finite_loss.py);
+- MINISFT_FAULT_FILE_LIMIT="4:262144": from the save at that optimizer step on, once the saves
+  before it are written, no file of the process may grow past that many bytes (RLIMIT_FSIZE: the
+  write fails with EFBIG, "File too large", as on a full disk; tests/e2e/test_disk_faults.py);
 - MINISFT_FAULT_GPU_MEMORY_MIB=16: the caching allocator of GPU 0 is capped at that much, so a
   real step runs out of memory on a real GPU (tests/test_cuda.py);
 - MINISFT_FAULT_LOCAL_MEAN=1: the classic normalisation bug, every rank divides its token loss
@@ -24,6 +27,7 @@ place the faults enter.
 """
 
 import os
+import resource
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +40,7 @@ OOM_EVAL_STEP_ENV = "MINISFT_FAULT_OOM_EVAL_STEP"
 OOM_SAVE_STEP_ENV = "MINISFT_FAULT_OOM_SAVE_STEP"
 OOM_BEST_ENV = "MINISFT_FAULT_OOM_BEST"
 GPU_MEMORY_ENV = "MINISFT_FAULT_GPU_MEMORY_MIB"
+FILE_LIMIT_ENV = "MINISFT_FAULT_FILE_LIMIT"
 # What the CUDA caching allocator raises: one line
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
             "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the "
@@ -65,14 +70,17 @@ def out_of_memory() -> None:
 
 def install() -> None:
     """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory), `evaluate`,
-    `save_in_background` and `publish_inference_weights` (out of memory) and `agree_on_step` (local
-    mean); cap GPU 0's memory."""
+    `save_in_background` (out of memory, a file size limit) and `publish_inference_weights` (out of
+    memory) and `agree_on_step` (local mean); cap GPU 0's memory."""
     from trainer.loop import loop
+    from trainer.loop.saves import wait_for_last_write
 
     steps, local_mean = nan_steps(), os.environ.get(LOCAL_MEAN_ENV) == "1"
     oom_step = int(os.environ.get(OOM_STEP_ENV, "0"))
     oom_eval_step = int(os.environ.get(OOM_EVAL_STEP_ENV, "0"))
     oom_save_step = int(os.environ.get(OOM_SAVE_STEP_ENV, "0"))
+    limit_step, _, limit = os.environ.get(FILE_LIMIT_ENV, "0:0").partition(":")
+    limit_step, limit = int(limit_step), int(limit)
     real_step, real_agree, real_evaluate = loop.optimizer_step, loop.agree_on_step, loop.evaluate
     oom_best = os.environ.get(OOM_BEST_ENV) == "1"
     real_save, real_publish = loop.save_in_background, loop.publish_inference_weights
@@ -96,6 +104,9 @@ def install() -> None:
     def save_in_background(run):
         if run.state.step == oom_save_step:
             out_of_memory()
+        if run.state.step == limit_step:
+            wait_for_last_write(run)  # the saves before are complete: only this one meets the limit
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         return real_save(run)
 
     def publish_inference_weights(model, tokenizer, save_dir, dtype, **kwargs):  # best/ in loop.py
@@ -120,7 +131,7 @@ def install() -> None:
         loop.agree_on_step = agree_on_step
     if oom_eval_step:
         loop.evaluate = evaluate
-    if oom_save_step:
+    if oom_save_step or limit_step:
         loop.save_in_background = save_in_background
     if oom_best:
         loop.publish_inference_weights = publish_inference_weights
