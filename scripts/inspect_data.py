@@ -56,12 +56,11 @@ def build_parser() -> ArgumentParser:
 
 def choose_tokenizer(args) -> tuple[object, str, list[str]]:
     """(tokenizer, where it came from, lines about --from_weight's tokenizer): the trainer's choice
-    (trainer/weights/tokenizer.py), except that a --tokenizer_path other than the weights' own is shown
-    with what differs instead of refused."""
-    from dataset.inspection.report import tokenizer_differences
+    (trainer/weights/tokenizer.py), except that a --tokenizer_path other than the weights' own (by the
+    trainer's rule, `compare_with_own`) is shown with what differs instead of refused."""
     from dataset.rendering import load_tokenizer
     from trainer.weights.inference import own_tokenizer_at
-    from trainer.weights.tokenizer import SAVED, load_own
+    from trainer.weights.tokenizer import SAVED, compare_with_own, load_own, tokenizer_differences
 
     own = None
     if args.from_weight:
@@ -83,13 +82,17 @@ def choose_tokenizer(args) -> tuple[object, str, list[str]]:
                      f"{'--tokenizer_path' if args.tokenizer_path else 'the shipped one'}: make sure the weights "
                      "were trained with it")
     elif own and args.tokenizer_path:
-        differences = tokenizer_differences(tokenizer, load_own(own, args.from_weight))
-        if differences:
+        comparison = compare_with_own(tokenizer, own, args.from_weight)
+        note = comparison.note(args.tokenizer_path)
+        if comparison.same is False:
+            differences = (tokenizer_differences(tokenizer, comparison.theirs) if comparison.theirs is not None else
+                           [f"fingerprint {own.fingerprint_of(tokenizer)[:16]} against {own.fingerprint[:16]} recorded"])
             notes.append(f"warning: --tokenizer_path {args.tokenizer_path} differs from the tokenizer {whose} "
                          f"({own.name()}): {'; '.join(differences)}; the weights learned another "
                          "text than this data would train (leave --tokenizer_path out to use theirs)")
-        else:
+        elif note is None:
             notes.append(f"--tokenizer_path {args.tokenizer_path} is the tokenizer {whose} (same fingerprint)")
+        notes += [note] if note else []
     return tokenizer, name, notes
 
 

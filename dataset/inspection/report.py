@@ -13,8 +13,7 @@ tokens and loss mask as the token cache, cut at ``max_seq_len``). ``SourceReport
 * assistant turns that learn an empty think block (``<think>\\n\\n</think>``).
 
 ``SourceReport.warnings`` says what looks wrong; ``training_summary`` is the trainer's few start
-lines (trainer/data_setup.py); ``tokenizer_differences`` compares a tokenizer with the one saved
-with the weights (``rendering.tokenizer_fingerprint``).
+lines (trainer/data_setup.py).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import numpy as np
 
 from ..formats import LineError, decode_line, parse_line
 from ..mixture import Source
-from ..rendering import tokenizer_fingerprint
 from ..sources import is_gzip, is_parquet, open_lines
 from .segments import REPLY, SEGMENTS, THINK, TOOL_CALL, SegmentedRow, segment_row
 
@@ -319,38 +317,3 @@ def training_summary(sources: list[Source], tokenizer, max_seq_len: int, drop_em
     if not drop_empty_think and any(report.empty_thinks for report in reports):
         lines.append(f"[data] warning: {empty_think_warning(reports)}")
     return lines
-
-
-# --------------------------------------------------------------------------- tokenizers
-
-
-def tokenizer_differences(tokenizer, reference) -> list[str]:
-    """What differs between ``tokenizer`` and ``reference`` (the one saved with the weights):
-    nothing when their ``tokenizer_fingerprint`` are equal."""
-    if tokenizer_fingerprint(tokenizer) == tokenizer_fingerprint(reference):
-        return []
-    differences = []
-    vocab, other = tokenizer.get_vocab(), reference.get_vocab()
-    if vocab != other:
-        moved = sum(1 for token, index in vocab.items() if other.get(token) != index)
-        differences.append(f"vocabulary ({len(vocab)} tokens against {len(other)}; {moved} tokens have another id "
-                           "or are missing)")
-    elif tokenizer.backend_tokenizer.to_str() != reference.backend_tokenizer.to_str():
-        differences.append("tokenization (merges, normalizer, pre-tokenizer or added tokens)")
-    if tokenizer.chat_template != reference.chat_template:
-        differences.append("chat template" + _first_difference(str(tokenizer.chat_template),
-                                                                 str(reference.chat_template)))
-    for name in ("bos_token", "eos_token", "pad_token"):
-        mine, theirs = getattr(tokenizer, name, None), getattr(reference, name, None)
-        if str(mine) != str(theirs):
-            differences.append(f"{name} ({mine!r} against {theirs!r})")
-    if type(tokenizer).__name__ != type(reference).__name__:
-        differences.append(f"tokenizer class ({type(tokenizer).__name__} against {type(reference).__name__})")
-    return differences or ["tokenizer fingerprint"]
-
-
-def _first_difference(mine: str, theirs: str) -> str:
-    for number, (a, b) in enumerate(zip(mine.splitlines(), theirs.splitlines()), start=1):
-        if a != b:
-            return f" (first at line {number}: {a.strip()[:60]!r} against {b.strip()[:60]!r})"
-    return f" ({len(mine.splitlines())} lines against {len(theirs.splitlines())})"

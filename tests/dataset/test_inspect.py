@@ -13,7 +13,7 @@ import numpy as np
 import dataset.inspection.report as data_report
 from dataset import encode_conversation, load_tokenizer
 from dataset.inspection.report import (
-    Sample, inspect_source, pick_samples, sample_lines, tokenizer_differences, training_summary,
+    Sample, inspect_source, pick_samples, sample_lines, training_summary,
 )
 from dataset.formats import Conversation, parse_row
 from dataset.mixture import parse_data_path
@@ -244,19 +244,6 @@ def test_samples_shown_are_a_dropped_row_a_tool_call_and_reasoning_first(tokeniz
     picked = [sample.location for sample in pick_samples(samples, 3)]
     assert picked == ["f:5", "f:6", "f:7"]  # tool call (also reasoning), reasoning, dropped
     assert len(pick_samples(samples, 20)) == 8 and pick_samples(samples, 0) == []
-
-
-def test_tokenizer_differences_name_the_template_and_the_vocabulary():
-    mine, theirs = load_tokenizer(None), load_tokenizer(None)
-    assert tokenizer_differences(mine, theirs) == []
-    theirs.chat_template = theirs.chat_template.replace("# Tools", "# Functions")
-    differences = tokenizer_differences(mine, theirs)
-    assert len(differences) == 1 and differences[0].startswith("chat template (first at line")
-    assert "# Tools" in differences[0] and "# Functions" in differences[0]
-    bigger = load_tokenizer(None)
-    bigger.add_tokens(["<extra_token>"])
-    differences = tokenizer_differences(bigger, mine)
-    assert differences[0].startswith(f"vocabulary ({len(mine) + 1} tokens against {len(mine)}")
 
 
 # --------------------------------------------------------------------------- pictures

@@ -94,8 +94,8 @@ def test_from_weight_of_a_resume_checkpoint_follows_the_tokenizer_its_run_record
     assert not os.path.exists(tmp_path / "cache")
     tokenizer, path, messages = tokenizer_of([*base, "--tokenizer_path", str(tmp_path / "moved")])
     assert path == str(tmp_path / "moved") and messages[-2] == (
-        f"note: the tokenizer recorded by the resume checkpoint's run ({tok}) is not at hand: --tokenizer_path "
-        f"{tmp_path / 'moved'} has the fingerprint it recorded")
+        f"note: resume checkpoint {step_1}: the tokenizer its run recorded, {tok}, is gone; --tokenizer_path "
+        f"{tmp_path / 'moved'} has the fingerprint the weights recorded")
 
 
 def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_one_line_before_tokenizing(data, tmp_path, monkeypatch):

@@ -9,9 +9,10 @@ Weights name their own tokenizer in one of these ways (`OwnTokenizer`):
 - a checkpoint without that copy names a directory (`args["tokenizer_path"]`, None: the shipped one)
   and the fingerprint its run trained with (its run-identity record); the directory's tokenizer must
   still have that fingerprint.
-A tokenizer given explicitly (`--tokenizer_path`) must be the weights' own: compared by fingerprint
-(vocabulary, special tokens, chat template) with the one the weights recorded, another one is refused
-in one line.
+A tokenizer given explicitly (`--tokenizer_path`) must be the weights' own, by one rule for every entry
+point (`compare_with_own`, inspect_data's too): the same `definition_fingerprint` as their own tokenizer,
+or, where its files are gone or hold another tokenizer, the fingerprint the weights recorded; another
+one is refused in one line (inspect_data shows what differs).
 
 A folder minisft writes (`model/`, `best/`, an export) records its tokenizer's `definition_fingerprint`
 in `RECORD_FILE`, so tokenizer files copied over it afterwards are refused, not read as the weights'
@@ -33,6 +34,7 @@ from trainer.errors import CheckpointError, ConfigError
 
 SHIPPED = "the shipped model/tokenizer"
 SAVED = "saved with the weights"
+TOKENIZATION = "tokenization (merges, normalizer, pre-tokenizer or added tokens)"
 RECORD_FILE = "minisft_tokenizer.json"  # in a weights folder: the fingerprint of the tokenizer the weights go with
 IDENTITY_KEY = "--tokenizer_path (tokenizer and chat template)"  # in the oldest checkpoints' sample_stream["fixed"]
 
@@ -103,6 +105,12 @@ def definition_fingerprint(tokenizer) -> str:
     another vocabulary or chat template is not. Merges are taken as pairs (tokenizers before 0.20 wrote
     "a b"), and a setting that is null or false counts as absent: a tokenizers version that adds a
     setting writes it with its neutral value (ignore_merges: false)."""
+    text = json.dumps(_definition(tokenizer), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _definition(tokenizer) -> dict:
+    """What `definition_fingerprint` hashes: {"backend", "chat_template", "specials"}."""
     definition = json.loads(tokenizer.backend_tokenizer.to_str())
     for runtime in ("version", "truncation", "padding"):  # how a call pads or cuts, not what the ids mean
         definition.pop(runtime, None)
@@ -110,10 +118,8 @@ def definition_fingerprint(tokenizer) -> str:
     if isinstance(model.get("merges"), list):
         model["merges"] = [merge.split(" ", 1) if isinstance(merge, str) else merge for merge in model["merges"]]
     specials = {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "pad_token")}
-    canonical = {"backend": _settings(definition), "chat_template": tokenizer.chat_template,
-                 "specials": {name: str(token) for name, token in specials.items() if token is not None}}
-    text = json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return {"backend": _settings(definition), "chat_template": tokenizer.chat_template,
+            "specials": {name: str(token) for name, token in specials.items() if token is not None}}
 
 
 def _settings(value):
@@ -148,8 +154,18 @@ def of_folder(folder: str, record: dict | None = None) -> OwnTokenizer | None:
     return None
 
 
-def load_own(own: OwnTokenizer, source: str):
-    """The weights' own tokenizer, checked against the fingerprint they recorded; one line if it cannot be."""
+@dataclass(frozen=True)
+class Trouble:
+    """Why the weights' own tokenizer does not load as they recorded it."""
+
+    fact: str  # what is true of its files, naming them
+    advice: str  # what to give instead
+    error: type = ConfigError
+
+
+def _load_as_recorded(own: OwnTokenizer):
+    """(the weights' own tokenizer, None), or (None, the `Trouble` with its files); a `DataError` where its
+    files cannot be read as a tokenizer."""
     if own.files:
         with tempfile.TemporaryDirectory(prefix="minisft-tokenizer-") as folder:
             for name, text in own.files.items():
@@ -157,50 +173,116 @@ def load_own(own: OwnTokenizer, source: str):
                     handle.write(text)
             tokenizer = load_tokenizer(folder)
         if own.fingerprint and not own.matches(tokenizer):
-            raise CheckpointError(f"{source}: the copy of its run's tokenizer does not have the fingerprint it "
-                                  "recorded (a damaged checkpoint); give --tokenizer_path DIR (the run's tokenizer)")
-        return tokenizer
+            return None, Trouble("the copy of its run's tokenizer does not have the fingerprint it recorded (a damaged "
+                                 "checkpoint)", "give --tokenizer_path DIR (the run's tokenizer)", CheckpointError)
+        return tokenizer, None
     if own.directory and not os.path.isdir(own.directory):
-        raise ConfigError(f"{source}: the tokenizer its run recorded, {own.directory}, is gone; give "
-                          "--tokenizer_path DIR (that tokenizer or a copy of it)")
+        return None, Trouble(f"the tokenizer its run recorded, {own.directory}, is gone",
+                             "give --tokenizer_path DIR (that tokenizer or a copy of it)")
     if own.record and not holds_tokenizer(own.directory):
-        raise ConfigError(f"{source}: the tokenizer files saved with the weights are gone from {own.directory} "
-                          f"({own.record} records their fingerprint); give --tokenizer_path DIR with the tokenizer "
-                          "the weights were trained with")
+        return None, Trouble(f"the tokenizer files saved with the weights are gone from {own.directory} "
+                             f"({own.record} records their fingerprint)",
+                             "give --tokenizer_path DIR with the tokenizer the weights were trained with")
     tokenizer = load_tokenizer(own.directory)
-    if own.record and not own.matches(tokenizer):
-        now = own.fingerprint_of(tokenizer)
-        raise ConfigError(f"{source}: the tokenizer files in {own.directory} hold another tokenizer than the weights "
-                          f"were saved with (fingerprint {own.fingerprint[:16]} in {RECORD_FILE}, {now[:16]} now); "
-                          "give --tokenizer_path DIR with the tokenizer the weights were trained with, or, if these "
-                          f"files are meant for the weights, delete {own.record}")
     if own.fingerprint and not own.matches(tokenizer):
-        raise ConfigError(f"{source}: the tokenizer its run recorded ({own.name()}) has changed since (fingerprint "
-                          f"{own.fingerprint[:16]} recorded, {tokenizer_fingerprint(tokenizer)[:16]} now); give "
-                          "--tokenizer_path DIR with the tokenizer the run trained with")
+        now = own.fingerprint_of(tokenizer)[:16]
+        if own.record:
+            return None, Trouble(f"the tokenizer files in {own.directory} hold another tokenizer than the weights "
+                                 f"were saved with (fingerprint {own.fingerprint[:16]} in {RECORD_FILE}, {now} now)",
+                                 "give --tokenizer_path DIR with the tokenizer the weights were trained with, or, if "
+                                 f"these files are meant for the weights, delete {own.record}")
+        return None, Trouble(f"the tokenizer its run recorded ({own.name()}) has changed since (fingerprint "
+                             f"{own.fingerprint[:16]} recorded, {now} now)",
+                             "give --tokenizer_path DIR with the tokenizer the run trained with")
+    return tokenizer, None
+
+
+def load_own(own: OwnTokenizer, source: str):
+    """The weights' own tokenizer, checked against the fingerprint they recorded; one line if it cannot be."""
+    tokenizer, trouble = _load_as_recorded(own)
+    if trouble:
+        raise trouble.error(f"{source}: {trouble.fact}; {trouble.advice}")
     return tokenizer
 
 
-def check_explicit(tokenizer, path: str, own: OwnTokenizer, source: str) -> str | None:
-    """Refuse an explicit tokenizer that is not the weights' own; a note when it could be checked only by
-    the fingerprint the weights recorded (their tokenizer's files are gone), else None."""
+@dataclass(frozen=True)
+class Comparison:
+    """A tokenizer against the weights' own (`compare_with_own`)."""
+
+    same: bool | None  # it is their own; None: cannot be told (no fingerprint recorded, their own does not load)
+    theirs: object = None  # their own tokenizer, where it loads as they recorded it
+    trouble: str | None = None  # where it does not: "SOURCE: what is true of its files" (gone, replaced, unreadable)
+
+    def note(self, path: str) -> str | None:
+        """The line that says what is true of the weights' own tokenizer where it does not load, None where it does."""
+        if self.trouble is None:
+            return None
+        if self.same is None:
+            return f"warning: {self.trouble}; --tokenizer_path {path} is used unchecked"
+        if self.same:
+            return f"note: {self.trouble}; --tokenizer_path {path} has the fingerprint the weights recorded"
+        return f"note: {self.trouble}"
+
+
+def compare_with_own(tokenizer, own: OwnTokenizer, source: str) -> Comparison:
+    """Whether `tokenizer` is the weights' own, the one rule of every entry point: where their own loads as
+    they recorded it, the same `definition_fingerprint` (the same ids and text, however the files are
+    written and whichever class reads them); where it does not (its files gone, replaced by another
+    tokenizer's, changed since, unreadable), the fingerprint the weights recorded (a folder's RECORD_FILE,
+    a checkpoint's), so a tokenizer with that fingerprint stands in for the files."""
     try:
-        theirs = load_own(own, source)
-    except (ConfigError, CheckpointError, DataError):
-        if own.fingerprint is None:
-            return f"warning: the tokenizer {own.how} ({own.name()}) cannot be loaded: --tokenizer_path {path} is used unchecked"
-        if own.matches(tokenizer):
-            return (f"note: the tokenizer {own.how} ({own.name()}) is not at hand: --tokenizer_path {path} has "
-                    "the fingerprint it recorded")
+        theirs, trouble = _load_as_recorded(own)
+        trouble = trouble and f"{source}: {trouble.fact}"
+    except DataError as error:
+        theirs, trouble = None, f"{source}: {error}"
+    if theirs is not None:
+        return Comparison(definition_fingerprint(tokenizer) == definition_fingerprint(theirs), theirs)
+    return Comparison(own.matches(tokenizer) if own.fingerprint else None, trouble=trouble)
+
+
+def tokenizer_differences(tokenizer, reference) -> list[str]:
+    """What differs between `tokenizer` and `reference` (the weights' own) in what `definition_fingerprint`
+    covers: vocabulary, tokenization, chat template, bos / eos / pad tokens; empty where nothing does."""
+    mine, theirs = _definition(tokenizer), _definition(reference)
+    differences = []
+    vocab, other = tokenizer.get_vocab(), reference.get_vocab()
+    if vocab != other:
+        moved = sum(1 for token, index in vocab.items() if other.get(token) != index)
+        differences.append(f"vocabulary ({len(vocab)} tokens against {len(other)}; {moved} tokens have another id "
+                           "or are missing)")
+    elif mine["backend"] != theirs["backend"]:
+        differences.append(TOKENIZATION)
+    if mine["chat_template"] != theirs["chat_template"]:
+        differences.append("chat template" + _first_difference(str(tokenizer.chat_template),
+                                                                 str(reference.chat_template)))
+    for name in ("bos_token", "eos_token", "pad_token"):
+        if mine["specials"].get(name) != theirs["specials"].get(name):
+            differences.append(f"{name} ({getattr(tokenizer, name, None)!r} against {getattr(reference, name, None)!r})")
+    return differences
+
+
+def _first_difference(mine: str, theirs: str) -> str:
+    for number, (a, b) in enumerate(zip(mine.splitlines(), theirs.splitlines()), start=1):
+        if a != b:
+            return f" (first at line {number}: {a.strip()[:60]!r} against {b.strip()[:60]!r})"
+    return f" ({len(mine.splitlines())} lines against {len(theirs.splitlines())})"
+
+
+def check_explicit(tokenizer, path: str, own: OwnTokenizer, source: str) -> str | None:
+    """Refuse an explicit tokenizer that is not the weights' own (`compare_with_own`); the line that says what
+    is true of their own tokenizer's files where it does not load, else None."""
+    comparison = compare_with_own(tokenizer, own, source)
+    if comparison.same is False and comparison.theirs is None:
         raise ConfigError(f"--tokenizer_path {path} is not the tokenizer {own.how} (fingerprint {own.fingerprint[:16]}, "
                           f"this one {own.fingerprint_of(tokenizer)[:16]}); give the tokenizer the weights were "
-                          "trained with") from None
-    if tokenizer_fingerprint(tokenizer) != tokenizer_fingerprint(theirs):
-        what = ("another vocabulary" if tokenizer.get_vocab() != theirs.get_vocab()
-                else "another chat template or other special tokens")
+                          "trained with")
+    if comparison.same is False:
+        first = tokenizer_differences(tokenizer, comparison.theirs)[0]
+        what = ("another vocabulary" if first.startswith("vocabulary") else f"another {TOKENIZATION}"
+                if first == TOKENIZATION else "another chat template or other special tokens")
         raise ConfigError(f"--tokenizer_path {path} has {what} than the tokenizer {own.how} ({own.name()}); "
                           "leave --tokenizer_path out to use that one")
-    return None
+    return comparison.note(path)
 
 
 def check_vocab_fits(tokenizer, vocab_size: int, own: OwnTokenizer | None, source: str) -> None:

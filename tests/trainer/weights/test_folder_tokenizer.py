@@ -13,10 +13,10 @@ from dataset.rendering import DEFAULT_TOKENIZER_DIR
 from tests.helpers.overfitted import script_in_process
 from tests.helpers.templates import make_alt_tokenizer
 from tests.helpers.trainer_launch import flags, run_trainer_in_process
-from tests.trainer.test_model_setup import custom_tokenizer
+from tests.trainer.test_model_setup import custom_tokenizer, tokenizer_of
 from trainer.errors import ModelLoadError
 from trainer.weights.inference import load_tokenizer_for_model
-from trainer.weights.tokenizer import RECORD_FILE, definition_fingerprint
+from trainer.weights.tokenizer import RECORD_FILE, definition_fingerprint, tokenizer_differences
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -84,11 +84,6 @@ def test_a_model_folder_whose_tokenizer_files_were_replaced_is_refused_in_one_li
     assert (trainer.returncode, trainer.stderr) == (2, f"error: qwen3 model {line}\n")
     assert not os.path.exists(tmp_path / "next" / "model")
 
-    messages = []
-    theirs = load_tokenizer_for_model(folder, DEFAULT_TOKENIZER_DIR, log=messages.append)
-    assert definition_fingerprint(theirs) == shipped_fingerprint()
-    assert messages == [f"note: the tokenizer saved with the weights ({folder}) is not at hand: --tokenizer_path "
-                        f"{DEFAULT_TOKENIZER_DIR} has the fingerprint it recorded"]
     with pytest.raises(ModelLoadError) as refused:
         load_tokenizer_for_model(folder, source)
     assert str(refused.value) == (
@@ -97,6 +92,99 @@ def test_a_model_folder_whose_tokenizer_files_were_replaced_is_refused_in_one_li
 
     os.remove(folder / RECORD_FILE)  # the replacement meant: the folder is taken as one without a record
     assert definition_fingerprint(load_tokenizer_for_model(folder)) == now
+
+
+def inspected(*argv):
+    """inspect_data.py's tokenizer for `argv`: (its definition_fingerprint, the lines about it)."""
+    from scripts.inspect_data import build_parser, choose_tokenizer
+
+    tokenizer, _, notes = choose_tokenizer(build_parser().parse_args(list(argv)))
+    return definition_fingerprint(tokenizer), notes
+
+
+@pytest.mark.parametrize("damage", ["gone", "replaced"])
+def test_the_weights_own_tokenizer_stands_in_for_files_gone_or_replaced_at_every_entry_point(run, tmp_path, damage):
+    """The files deleted, or another tokenizer's copied over them: the shipped tokenizer (the weights' own, by
+    RECORD_FILE) given as --tokenizer_path is taken by chat, eval, export, the trainer and inspect_data alike,
+    with a note that says which of the two happened; inspect_data shows the replaced files given explicitly as
+    another tokenizer, as the others refuse them."""
+    folder, shipped, explicit = copy_of_model(run, tmp_path / "model"), shipped_fingerprint(), str(DEFAULT_TOKENIZER_DIR)
+    if damage == "gone":
+        remove_tokenizer(folder)
+        fact = (f"the tokenizer files saved with the weights are gone from {folder} ({folder / RECORD_FILE} records "
+                "their fingerprint)")
+    else:
+        source = custom_tokenizer(tmp_path / "tok")
+        replace_tokenizer(folder, source)
+        now = definition_fingerprint(load_tokenizer(source))
+        fact = (f"the tokenizer files in {folder} hold another tokenizer than the weights were saved with (fingerprint "
+                f"{shipped[:16]} in {RECORD_FILE}, {now[:16]} now)")
+    note = f"note: {folder}: {fact}; --tokenizer_path {explicit} has the fingerprint the weights recorded"
+    messages = []
+    assert definition_fingerprint(load_tokenizer_for_model(folder, explicit, log=messages.append)) == shipped
+    assert messages == [note]
+    tokenizer, path, messages = tokenizer_of(["--from_weight", str(folder), "--tokenizer_path", explicit,
+                                              "--save_dir", str(tmp_path / "next")])
+    assert (definition_fingerprint(tokenizer), path) == (shipped, explicit)
+    assert messages[-2:] == [f"note: qwen3 model {folder}: {fact}; --tokenizer_path {explicit} has the fingerprint "
+                             "the weights recorded", f"tokenizer: {explicit} (--tokenizer_path, {len(tokenizer)} tokens)"]
+    assert inspected("--from_weight", str(folder), "--tokenizer_path", explicit) == (shipped, [note])
+    if damage == "replaced":
+        assert inspected("--from_weight", str(folder), "--tokenizer_path", str(source)) == (now, [
+            f"warning: --tokenizer_path {source} differs from the tokenizer saved with --from_weight's weights "
+            f"({folder}): fingerprint {now[:16]} against {shipped[:16]} recorded; the weights learned another text "
+            "than this data would train (leave --tokenizer_path out to use theirs)", f"note: {folder}: {fact}"])
+
+
+def truncate(folder) -> None:
+    """`folder`'s tokenizer.json cuts every call at 512 tokens: how a call cuts, not what the ids mean."""
+    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["truncation"] = {"direction": "Right", "max_length": 512, "strategy": "LongestFirst", "stride": 0}
+    (folder / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+
+
+def test_a_tokenizer_that_differs_only_in_truncation_is_the_weights_own_at_every_entry_point(run, tmp_path):
+    """definition_fingerprint leaves truncation out, and so does every entry point's check of --tokenizer_path:
+    the shipped tokenizer for a folder whose tokenizer.json truncates (its record matches), and that folder's
+    tokenizer for the run's model/, are taken without a line, and inspect_data calls them the same; a
+    normalizer is another tokenization, refused as that."""
+    folder = copy_of_model(run, tmp_path / "model")
+    truncate(folder)
+    shipped, explicit = shipped_fingerprint(), str(DEFAULT_TOKENIZER_DIR)
+    assert load_tokenizer(folder).backend_tokenizer.truncation is not None
+    messages = []
+    assert definition_fingerprint(load_tokenizer_for_model(folder, explicit, log=messages.append)) == shipped
+    assert definition_fingerprint(load_tokenizer_for_model(run / "model", folder, log=messages.append)) == shipped
+    assert messages == []
+    tokenizer, _, messages = tokenizer_of(["--from_weight", str(folder), "--tokenizer_path", explicit,
+                                           "--save_dir", str(tmp_path / "next")])
+    assert messages[-1] == f"tokenizer: {explicit} (--tokenizer_path, {len(tokenizer)} tokens)"
+    assert not any(message.startswith(("note", "warning")) for message in messages)
+    assert inspected("--from_weight", str(folder), "--tokenizer_path", explicit) == (shipped, [
+        f"--tokenizer_path {explicit} is the tokenizer saved with --from_weight's weights (same fingerprint)"])
+
+    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["normalizer"] = {"type": "Lowercase"}  # the same vocabulary, other ids for "Hi": another tokenization
+    (folder / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(ModelLoadError) as refused:
+        load_tokenizer_for_model(run / "model", folder)
+    assert str(refused.value) == (
+        f"--tokenizer_path {folder} has another tokenization (merges, normalizer, pre-tokenizer or added tokens) than "
+        f"the tokenizer saved with the weights ({run / 'model'}); leave --tokenizer_path out to use that one")
+
+
+def test_tokenizer_differences_name_the_template_and_the_vocabulary_not_truncation(tmp_path):
+    mine, theirs = load_tokenizer(None), load_tokenizer(None)
+    assert tokenizer_differences(mine, theirs) == []
+    theirs.chat_template = theirs.chat_template.replace("# Tools", "# Functions")
+    theirs.backend_tokenizer.enable_truncation(512)
+    differences = tokenizer_differences(mine, theirs)
+    eighth = [tokenizer.chat_template.splitlines()[7].strip()[:60] for tokenizer in (mine, theirs)]
+    assert "# Tools" in eighth[0] and differences == [f"chat template (first at line 8: {eighth[0]!r} against {eighth[1]!r})"]
+    bigger = load_tokenizer(None)
+    bigger.add_tokens(["<extra_token>"])
+    assert tokenizer_differences(bigger, mine) == [
+        f"vocabulary ({len(mine) + 1} tokens against {len(mine)}; 1 tokens have another id or are missing)"]
 
 
 def test_a_model_folder_whose_tokenizer_files_are_gone_is_refused_not_given_the_shipped_one(run, tmp_path):
