@@ -15,7 +15,7 @@ from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.sharded import is_sharded
 from trainer.checkpoint.save_dir import (
-    BEST_DIR, Claim, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
+    BEST_DIR, Claim, best_record_on_disk, new_run_id, run_label, set_aside, set_aside_later_checkpoints,
 )
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
@@ -179,8 +179,7 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         run.state.run_id = new_run_id()
     if fork:
         own = "a run id and a wandb run" if run.args.use_wandb else "a run id"
-        source = fork["run_id"] or "(no run id recorded)"
-        run.logger.print(f"fork: {fork['checkpoint']} is of run {source}, which {run.args.save_dir} does not hold: "
+        run.logger.print(f"fork: {fork['checkpoint']} is of run {run_label(fork['run_id'])}, which {run.args.save_dir} does not hold: "
                          f"this run goes on from its step {fork['step']} as run {run.state.run_id}, with {own} of its own")
     restart_incomparable_selection(run, fork)
 
@@ -228,7 +227,7 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
                      f"other {what} than this run's {flags}: the selection starts afresh")
     elif fork and state.best_value is not None:
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) is in the best/ of "
-                     f"run {fork['run_id']}, not in this fork's --save_dir: the selection starts afresh")
+                     f"run {run_label(fork['run_id'])}, not in this fork's --save_dir: the selection starts afresh")
     if notes:
         state.best_metric = state.best_value = state.best_step = state.best_measured_on = None
         state.evals_without_improvement = 0
