@@ -212,11 +212,14 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
     this run's): values of two metrics, or of one metric on two held-out sets, cannot be compared (an
     accuracy of 0.28 never "improves" on a loss of 8.38), so the selection starts afresh (every rank)
     and rank 0 moves the best/ of the other metric or data aside; one line says so. A `fork` starts it
-    afresh too: the checkpoint's best is in the best/ of the forked run's directory, and the fork keeps
-    its own best/ in its --save_dir."""
+    afresh whatever its flags: the checkpoint's best is in the best/ of the forked run's directory, and
+    the fork keeps its own best/ in its --save_dir (a fork without --keep_best keeps no best to compare
+    a later resume's evaluations with)."""
     metric, state = run.args.keep_best, run.state
-    if not metric:
-        return  # no selection now: the checkpoint's best is kept for a later resume with its metric
+    if not metric:  # no selection now: the checkpoint's best is kept for a later resume with its metric
+        if fork:
+            start_selection_afresh(state)
+        return
     notes = []
     if state.best_metric not in (None, metric):
         notes.append(f"the checkpoint's best is of {state.best_metric} ({state.best_value:.4f} at step "
@@ -229,8 +232,7 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) is in the best/ of "
                      f"run {run_label(fork['run_id'])}, not in this fork's --save_dir: the selection starts afresh")
     if notes:
-        state.best_metric = state.best_value = state.best_step = state.best_measured_on = None
-        state.evals_without_improvement = 0
+        start_selection_afresh(state)
     if run.ctx.is_main:
         differs = best_on_disk_differs(run)
         if differs:
@@ -238,3 +240,9 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
             notes.append(f"its best/ ({differs[0]}) moved to {folder}")
     if notes:
         run.logger.print(f"--keep_best {metric}: " + "; ".join(notes))
+
+
+def start_selection_afresh(state: TrainState) -> None:
+    """Forget the best evaluation so far: the next evaluation is the best."""
+    state.best_metric = state.best_value = state.best_step = state.best_measured_on = None
+    state.evals_without_improvement = 0
