@@ -126,9 +126,8 @@ def resume_state(run: Run) -> dict:
 
 
 def restore(run: Run, saved: dict, claim: Claim) -> None:
-    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position), then
-    take --save_dir as `claim` says: rank 0 sets the previous run's files aside only once the checkpoint
-    has passed every check, and a fork gets a run id and a wandb run of its own.
+    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position); a fork
+    (`claim`) gets a run id of its own. Nothing in --save_dir moves here (`take_save_dir`).
 
     A resume that changes a fact of the sample stream is refused (every rank holds the same identity,
     so every rank refuses); another global batch or grouping finishes the interrupted epoch in the
@@ -161,8 +160,6 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
             f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
             f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
         )
-    if run.ctx.is_main:
-        claim.carry_out(run.logger.print)
     fork = claim.forked_from
     run.state = TrainState(
         step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
@@ -174,13 +171,26 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         best_measured_on=saved.get("best_measured_on"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
-    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
-    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
+
+
+def take_save_dir(run: Run, claim: Claim, resumed: bool) -> None:
+    """Take --save_dir as `claim` says, once every check of the run has passed (train_full_sft.py): rank 0
+    sets the previous run's files aside, so a refused run leaves them where they are. A run `resumed` from
+    a checkpoint earlier than the directory's later checkpoints then rolls back (the new line of training,
+    with a run id of its own, must outlive them: they are set aside too); a fork says so in one line; and a
+    selection that cannot go on starts afresh (`restart_incomparable_selection`)."""
+    if run.ctx.is_main:
+        claim.carry_out(run.logger.print)
+    if not resumed:
+        return
+    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, run.state.step, run.logger.print):
         run.state.run_id = new_run_id()
+    fork = claim.forked_from
     if fork:
         own = "a run id and a wandb run" if run.args.use_wandb else "a run id"
-        run.logger.print(f"fork: {fork['checkpoint']} is of run {run_label(fork['run_id'])}, which {run.args.save_dir} does not hold: "
-                         f"this run goes on from its step {fork['step']} as run {run.state.run_id}, with {own} of its own")
+        run.logger.print(f"fork: {fork['checkpoint']} is of run {run_label(fork['run_id'])}, which "
+                         f"{run.args.save_dir} does not hold: this run goes on from its step {fork['step']} as run "
+                         f"{run.state.run_id}, with {own} of its own")
     restart_incomparable_selection(run, fork)
 
 

@@ -60,7 +60,8 @@ def test_a_resume_of_another_dirs_run_is_a_fork_with_a_run_id_and_a_wandb_run_of
 
 def test_overwrite_moves_nothing_when_the_run_is_refused_after_its_claim(data, tmp_path):
     """--overwrite 1 sets the previous run aside only once the resume checkpoint fits the run's sample stream
-    and model, and the data has been read: a refusal after the claim leaves the directory as it was."""
+    and model, the data has been read, and something is left to train: a refusal after the claim leaves the
+    directory as it was."""
     run_trainer_in_process(flags(data, tmp_path / "a", "--batch_size", "8", "--max_steps", "1"), check=True)
     b_dir = tmp_path / "b"
     write_checkpoint(b_dir, 5, "b-run")
@@ -77,8 +78,13 @@ def test_overwrite_moves_nothing_when_the_run_is_refused_after_its_claim(data, t
     bad.write_text(open(data / "train.jsonl", encoding="utf-8").readline() + "{not json\n")
     fresh = run_trainer_in_process([*flags(data, b_dir, "--max_steps", "1", "--overwrite", "1"), "--data_path", str(bad)])
     assert fresh.returncode == 2 and fresh.stderr.splitlines()[-1].startswith(f"error: {bad}:2: invalid JSON")
+    finished = run_trainer_in_process(flags(data, b_dir, "--batch_size", "8", "--max_steps", "1", "--overwrite", "1",
+                                            "--resume_from", checkpoint_at(tmp_path / "a", 1)))
+    assert (finished.returncode, finished.stderr.splitlines()) == (2, [
+        "error: nothing left to train: the checkpoint is at step 1 and the run ends at step 1 (--epochs 1, --max_steps "
+        f"1); raise --epochs or --max_steps to train further; nothing in {b_dir} was moved"])
     assert files_of(b_dir) == {**before, ".lock": (b_dir / ".lock").read_bytes()}
-    assert "moved the previous run's" not in resumed.stdout + fresh.stdout
+    assert "moved the previous run's" not in resumed.stdout + fresh.stdout + finished.stdout
 
 
 def test_the_run_of_a_save_dir_is_read_from_as_few_of_its_checkpoints_as_tell_it(tmp_path, monkeypatch):
