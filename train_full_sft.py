@@ -41,7 +41,8 @@ from trainer.checkpoint.resume import (
     check_model_config, claim_for_resume, find_resume_checkpoint, load_resume_checkpoint,
 )
 from trainer.checkpoint.save_dir import (
-    Claim, SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir, inside_a_run_model_dir,
+    BEST_DIR, MODEL_DIR, Claim, SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir,
+    inside_a_run_model_dir,
 )
 from trainer.data_setup import build_eval_sets, build_train_data, check_data_files
 from trainer.errors import (
@@ -49,8 +50,8 @@ from trainer.errors import (
 )
 from trainer.evaluation.evaluate import metric_names
 from trainer.evaluation.selection import check_selection, flag_problems as selection_flag_problems
-from trainer.loop.loop import train
-from trainer.loop.state import Run, restore
+from trainer.loop.loop import check_something_to_train, train
+from trainer.loop.state import Run, restore, take_save_dir
 from trainer.model_setup import (
     build_model, build_model_config, build_optimizer, compile_model, load_tokenizer_for_weights, log_start_weights,
     read_initial_weights,
@@ -168,11 +169,12 @@ def run_training(args, preemption: PreemptionFlag) -> int:
         run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets,
                   tokenizer, logger, preemption, parallel, tokenizer_path)
         del wrapped  # run.model stays its only reference (see step 9)
-        if saved is not None:
-            restore(run, saved, claim)  # sets the previous run's files aside once it fits
-            del saved
-        elif ctx.is_main:
-            claim.carry_out(log)  # every refusal (data, flags, model) is behind: the previous run is set aside
+        resumed = saved is not None
+        if resumed:
+            restore(run, saved, claim)  # moves nothing in --save_dir
+        del saved
+        check_something_to_train(run)
+        take_save_dir(run, claim, resumed)  # every refusal (data, flags, model, checkpoint) is behind
         if args.use_compile:
             run.model = compile_model(run.model, ctx.device)
 
@@ -196,10 +198,18 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     else:
         if status == "early_stopped":
             log(f"stopped early: no improvement of {args.keep_best} in {args.early_stop_patience} evaluations")
-        best = f" (the best evaluation's in {os.path.join(args.save_dir, 'best')})" if args.keep_best else ""
-        log(f"done: the model is in {os.path.join(args.save_dir, 'model')}{best}; talk to it with: python "
-            f"scripts/chat.py --model_path {args.save_dir}")
+        log(done_line(args.save_dir))
     return 0
+
+
+def done_line(save_dir: str) -> str:
+    """The run's last line: the weights folders that --save_dir holds at its end (a resume with nothing
+    left to train writes none, so what is not there is not named) and how to talk to the model."""
+    model, best = (os.path.join(save_dir, name) for name in (MODEL_DIR, BEST_DIR))
+    if not os.path.isdir(model):
+        return f"done: {save_dir} holds no {MODEL_DIR}/ (nothing was trained in this run)"
+    kept = f" (the best evaluation's in {best})" if os.path.isdir(best) else ""
+    return f"done: the model is in {model}{kept}; talk to it with: python scripts/chat.py --model_path {save_dir}"
 
 
 def warn_flags_without_effect(args, ctx, log) -> None:

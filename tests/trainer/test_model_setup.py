@@ -2,6 +2,7 @@
 resume checkpoint) and which tokenizer goes with them."""
 
 import os
+import shutil
 
 import pytest
 
@@ -188,6 +189,10 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
                                    check=True)
     assert ("nothing left to train: the checkpoint is at step 2 and the run ends at step 2 (--epochs 1, --max_steps 2); "
             "raise --epochs or --max_steps to train further") in again.stdout.splitlines()
+    shutil.rmtree(run / "model")  # the last line names no folder that is not there
+    gone = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--from_resume", "1"),
+                                  check=True)
+    assert gone.stdout.splitlines()[-1] == f"done: {run} holds no model/ (nothing was trained in this run)"
     for extra, message in ((["--dtype", "float16"], "error: --dtype float16 needs a GPU; on CPU use float32 or bfloat16"),
                            (["--save_weight", "../x"], "error: --save_weight ../x: a name for the .pth file inside "
                                                        "--save_dir (e.g. full_sft), not a path")):

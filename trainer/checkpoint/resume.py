@@ -3,11 +3,12 @@
 trainer/checkpoint/sharded.py). It validates the format, finds the newest readable checkpoint of a
 run, and refuses one whose architecture differs from the run's."""
 
+import itertools
 import os
 
 from trainer.checkpoint import sharded, single_file
 from trainer.checkpoint.save_dir import (
-    Claim, checkpoints_dir, claim_for_fresh_run, list_checkpoints, logged_run_ids,
+    SET_ASIDE_DIR, Claim, checkpoints_dir, claim_for_fresh_run, list_checkpoints, logged_rows, run_label,
 )
 from trainer.errors import CheckpointError
 
@@ -55,42 +56,68 @@ def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
 
 
 def claim_for_resume(save_dir: str, path: str, saved: dict, overwrite: bool, pth_name: str | None = None) -> Claim:
-    """--resume_from `path` (its checkpoint `saved`) into `save_dir`. A checkpoint's run id (trainer/loop/state.py)
-    is kept across resumes in its directory, and a rollback's new line of training writes beside the checkpoints
-    and the metrics.jsonl rows of the line it left: a directory where neither a checkpoint nor a row names the
-    id holds another run, claimed as by a fresh run (`claim_for_fresh_run`), since this run's rotation would
-    delete that run's checkpoints and its saves replace its model. A checkpoint without a run id is resumed
-    without that check: nothing tells its run.
+    """--resume_from `path` (its checkpoint `saved`) into `save_dir`: the one rule that decides whether the
+    directory holds the run of the checkpoint, so that this run goes on as that run, or this run is a fork.
+    A run id (trainer/loop/state.py) names a line of training and is kept across resumes in its directory; a
+    rollback's new line (a run id of its own) writes beside the checkpoints and metrics.jsonl rows of the
+    line it left. So the checkpoint is
 
-    A checkpoint from outside `save_dir` of a run that `save_dir` does not hold starts a fork there: a line of
-    training of its own (a new run id, a new wandb run), whose `forked_from` names where it comes from. Kept
-    under the checkpoint's run id, two directories would hold two diverging lines of one run: a later resume
-    of one's checkpoint into the other would be taken as that directory's own, and its rotation would delete
-    the other line's checkpoints."""
+    - of the directory's run where it lies in the directory's checkpoints/, or a checkpoint or a row there
+      names its run id (`held_as`): this run goes on as that run;
+    - of the directory's fork where a checkpoint or a row there records it as their `forked_from` (the same
+      --resume_from once more, after a crash): a fork again (a new run id), in the directory of its earlier
+      try, whose later checkpoints and best/ the rollback of trainer/loop/state.py:take_save_dir sets aside;
+    - else of another run, a fork's own or one of a checkpoint that records no run id: this run is a fork, a
+      line of training of its own (a new run id, a new wandb run), whose `forked_from` names where it comes
+      from. Kept under the checkpoint's run id, two directories would hold two diverging lines of one run: a
+      later resume of one's checkpoint into the other would be taken as that directory's own, and its
+      rotation would delete the other line's checkpoints. Only a checkpoint in the directory's set_aside/ (a
+      run that --overwrite 1 replaced there) is no fork: it goes on as its run, back in its directory.
+      Either way the directory is claimed as by a fresh run (`claim_for_fresh_run`): one that holds another
+      run is refused unless --overwrite 1, since this run's rotation would delete that run's checkpoints and
+      its saves replace its model.
+
+    Anything else under the directory (a run directory inside it) is no part of its run."""
     run_id = saved.get("run_id")
-    in_checkpoints = os.path.realpath(os.path.dirname(path)) == os.path.realpath(checkpoints_dir(save_dir))
-    held = run_id is not None and (in_checkpoints or holds_run(save_dir, run_id))
-    claim = claim_for_fresh_run(save_dir, overwrite, pth_name=pth_name, resumed=run_id) \
-        if run_id is not None and not held else Claim(save_dir)
-    if not held and not is_inside(path, save_dir):
-        claim.forked_from = {"run_id": run_id, "step": saved["step"], "checkpoint": os.path.abspath(path)}
+    origin = {"run_id": run_id, "step": saved["step"], "checkpoint": os.path.abspath(path)}
+    real = os.path.realpath(path)
+    held = "run" if os.path.dirname(real) == os.path.realpath(checkpoints_dir(save_dir)) \
+        else held_as(save_dir, run_id, origin)
+    if held:
+        return Claim(save_dir, forked_from=origin if held == "fork" else None)
+    claim = claim_for_fresh_run(save_dir, overwrite, pth_name=pth_name, resumed=run_label(run_id))
+    if not is_inside(real, os.path.join(save_dir, SET_ASIDE_DIR)):
+        claim.forked_from = origin
     return claim
 
 
-def holds_run(save_dir: str, run_id: str) -> bool:
-    """Whether a metrics.jsonl row or a readable checkpoint of `save_dir` names the run `run_id`; the
-    checkpoints are read only where no row names it, newest first, up to the first that names it."""
-    if run_id in logged_run_ids(save_dir):
-        return True
-    return any(checkpoint_run_id(path) == run_id for path in list_checkpoints(save_dir))
+def held_as(save_dir: str, run_id: str | None, origin: dict) -> str | None:
+    """"run" where a metrics.jsonl row or a readable checkpoint of `save_dir` names the run `run_id`, "fork"
+    where one records `origin` ({run_id, step, checkpoint}) as its `forked_from`, else None. The
+    checkpoints are read only where no row tells, newest first, up to the first that tells."""
+    def tells(record: dict) -> str | None:
+        if run_id is not None and record.get("run_id") == run_id:
+            return "run"
+        return "fork" if same_origin(record.get("forked_from"), origin) else None
+
+    records = itertools.chain(logged_rows(save_dir), map(checkpoint_record, list_checkpoints(save_dir)))
+    return next(filter(None, map(tells, records)), None)
 
 
-def checkpoint_run_id(path: str) -> str | None:
-    """The run id that the resume checkpoint `path` records; None where it records none or cannot be read."""
+def same_origin(recorded, origin: dict) -> bool:
+    """Whether the `forked_from` `recorded` names the checkpoint of `origin`: its run, its step, its file
+    (real paths: through symlinks)."""
+    return (isinstance(recorded, dict) and isinstance(recorded.get("checkpoint"), str)
+            and (recorded.get("run_id"), recorded.get("step")) == (origin["run_id"], origin["step"])
+            and os.path.realpath(recorded["checkpoint"]) == os.path.realpath(origin["checkpoint"]))
+
+
+def checkpoint_record(path: str) -> dict:
+    """The non-tensor entries of the resume checkpoint `path` ({} where it cannot be read)."""
     try:
-        return load_resume_checkpoint(path, required=()).get("run_id")
+        return load_resume_checkpoint(path, required=())
     except CheckpointError:
-        return None
+        return {}
 
 
 def is_inside(path: str, folder: str) -> bool:

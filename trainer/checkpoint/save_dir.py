@@ -25,6 +25,7 @@ import shutil
 import struct
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from trainer.checkpoint.files import fsync_dir
@@ -35,6 +36,8 @@ CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.(pt|dcp)$")
 MODEL_DIR = "model"
 BEST_DIR = "best"
 BEST_FILE = "best.json"
+SET_ASIDE_DIR = "set_aside"
+NO_RUN_ID = "(no run id recorded)"  # names the run of a checkpoint that records no run id
 SAVED_FOLDERS = ("checkpoints", MODEL_DIR, BEST_DIR)  # the folders of a save_dir that saves write into
 
 
@@ -76,6 +79,11 @@ def step_of(path: str) -> int:
 def new_run_id() -> str:
     """Names one line of training: kept in its checkpoints and metrics.jsonl rows, kept across resumes."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def run_label(run_id: str | None) -> str:
+    """How a line names the run `run_id` of a checkpoint (`NO_RUN_ID` where it records none)."""
+    return run_id or NO_RUN_ID
 
 
 def ensure_writable_dir(path: str) -> None:
@@ -133,7 +141,7 @@ def check_folder_can_be_made(path: str, flag: str) -> None:
 def set_aside(save_dir: str, paths: list[str], reason: str) -> str:
     """Move `paths` (files or folders of `save_dir`) into `<save_dir>/set_aside/<time>-<reason>/`,
     keeping their relative paths; nothing is deleted. Returns that folder."""
-    folder = os.path.join(save_dir, "set_aside", time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + reason)
+    folder = os.path.join(save_dir, SET_ASIDE_DIR, time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + reason)
     for path in paths:
         target = os.path.join(folder, os.path.relpath(path, save_dir))
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -183,54 +191,55 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, resuming: bool = False, 
     `pth_name`: the MiniMind .pth that this run's --save_weight writes, or only its metrics.jsonl, of a
     run stopped before its first save) unless `overwrite`; then they are to be moved aside, not deleted
     (the `Claim`). A .pth of another name is no run's file here (MiniMind's out/ keeps the --from_weight
-    pretrain_768.pth beside full_sft_768.pth): it stays. `resuming` (--from_resume 1 finding no
-    checkpoint): a run without a checkpoint has nothing to continue, so its best/ and metrics.jsonl are
-    moved aside as well, with a line (a restarted job starts afresh instead of appending to them).
-    `resumed`: the run id of the --resume_from checkpoint of another run that this one continues here;
-    its saves would rotate away and replace the directory's own files just the same."""
+    pretrain_768.pth beside full_sft_768.pth): it stays; a checkpoints/ without a checkpoint holds nothing
+    of a run. `resuming` (--from_resume 1 finding no checkpoint): a run without a checkpoint has nothing to
+    continue, so its best/ and metrics.jsonl are moved aside as well, with a line (a restarted job starts
+    afresh instead of appending to them). `resumed`: the run (`run_label`) of the --resume_from checkpoint
+    that this run goes on from here (trainer/checkpoint/resume.py:claim_for_resume); its saves would rotate
+    away and replace the directory's own files just the same."""
     model_dir = os.path.join(save_dir, MODEL_DIR)
     if os.path.isdir(model_dir) and any(name.endswith(".py") for name in os.listdir(model_dir)):
         raise CheckpointError(f"--save_dir {save_dir}: its {MODEL_DIR}/ holds Python source (minisft's own package?), "
                               "not a run's weights, and is never moved: choose another --save_dir")
+    checkpoints = list_checkpoints(save_dir)
     previous = [os.path.join(save_dir, name) for name in SAVED_FOLDERS
-                if os.path.lexists(os.path.join(save_dir, name))]
+                if os.path.lexists(os.path.join(save_dir, name)) and (name != "checkpoints" or checkpoints)]
     if os.path.isfile(os.path.join(save_dir, "metrics.jsonl")):  # a run's log (anything else fails at its first write)
         previous.append(os.path.join(save_dir, "metrics.jsonl"))
     pth = os.path.join(save_dir, pth_name) if pth_name else None
     if pth and os.path.lexists(pth):
         previous.append(pth)
-    has_run = list_checkpoints(save_dir) or os.path.isdir(os.path.join(save_dir, MODEL_DIR))
-    if not previous or (os.path.isdir(checkpoints_dir(save_dir)) and not has_run and len(previous) == 1):
-        return Claim(save_dir)  # nothing, or only an empty checkpoints/
+    if not previous:
+        return Claim(save_dir)
+    has_run = checkpoints or os.path.isdir(os.path.join(save_dir, MODEL_DIR))
     # a .pth is written with a checkpoint: one without any is no restarted job's (downloaded weights?)
     if not (overwrite or (resuming and not has_run and pth not in previous)):
         what = "checkpoints/ or model/" if has_run else " and ".join(os.path.basename(path) for path in previous)
-        keep_on = "continue it with --from_resume 1, " if has_run and not resumed else ""
+        instead = " instead of --resume_from" if resumed else ""
+        keep_on = f"continue it with --from_resume 1{instead}, " if has_run else ""
         other = f"another run ({what})" + (f", not the run {resumed} of the --resume_from checkpoint" if resumed else "")
         raise CheckpointError(
             f"--save_dir {save_dir} holds {other}: {keep_on}choose another --save_dir, or pass "
             f"--overwrite 1 to {'resume' if resumed else 'start over'} there (its files are moved to "
-            f"{os.path.join(save_dir, 'set_aside')}/)"
+            f"{os.path.join(save_dir, SET_ASIDE_DIR)}/)"
         )
     if overwrite:
         return Claim(save_dir, previous, "overwritten", "--overwrite 1")
     return Claim(save_dir, previous, "no-checkpoint", "--from_resume 1 found no checkpoint to continue")
 
 
-def logged_run_ids(save_dir: str) -> set[str]:
-    """The run ids that the rows of `<save_dir>/metrics.jsonl` name; a line that is no such row (the
-    half-written last line of a crash) names none."""
-    found = set()
+def logged_rows(save_dir: str) -> Iterator[dict]:
+    """The rows of `<save_dir>/metrics.jsonl`, in order; a line that is no row (the half-written last
+    line of a crash) is left out."""
     try:
         with open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8", errors="replace") as handle:
             for line in handle:
                 with contextlib.suppress(ValueError):
                     row = json.loads(line)
-                    if isinstance(row, dict) and isinstance(row.get("run_id"), str):
-                        found.add(row["run_id"])
+                    if isinstance(row, dict):
+                        yield row
     except OSError:
         pass
-    return found
 
 
 class SaveDirLock:

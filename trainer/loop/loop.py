@@ -28,7 +28,7 @@ import torch
 
 from dataset import IGNORE_INDEX, model_inputs
 from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE
-from trainer.errors import CheckpointError, TrainingError, first_line
+from trainer.errors import CheckpointError, ConfigError, TrainingError, first_line
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
@@ -84,6 +84,24 @@ def count_total_steps(run: Run) -> int:
         natural += steps_in_epoch(run, state.epoch, state.samples_in_epoch)
         natural += (args.epochs - state.epoch - 1) * steps_in_epoch(run, state.epoch + 1, 0)
     return min(natural, args.max_steps) if args.max_steps else natural
+
+
+def nothing_left_to_train(run: Run, total_steps: int) -> str | None:
+    """What to say where the run resumes at or past its last step `total_steps`, else None."""
+    state, args = run.state, run.args
+    if not 0 < total_steps <= state.step:
+        return None
+    return (f"nothing left to train: the checkpoint is at step {state.step} and the run ends at step {total_steps} "
+            f"(--epochs {args.epochs}, --max_steps {args.max_steps}); raise --epochs or --max_steps to train further")
+
+
+def check_something_to_train(run: Run) -> None:
+    """Refuse a resume with nothing left to train before --save_dir changes (trainer/loop/state.py:take_save_dir):
+    it would set the previous run or later checkpoints aside, or start a fork, and write nothing. Only
+    --from_resume 1, a restarted job that has finished, goes on to say so and end: its directory stays as it is."""
+    problem = nothing_left_to_train(run, count_total_steps(run))
+    if problem and not run.args.from_resume:
+        raise ConfigError(f"{problem}; nothing in {run.args.save_dir} was moved")
 
 
 class StepTotals(NamedTuple):
@@ -235,10 +253,9 @@ def train(run: Run) -> str:
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
         logger.print(f"warning: --max_steps {args.max_steps} is more than the {total_steps} optimizer steps of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
-    if 0 < total_steps <= state.step:
-        logger.print(f"nothing left to train: the checkpoint is at step {state.step} and the run ends at step "
-                     f"{total_steps} (--epochs {args.epochs}, --max_steps {args.max_steps}); raise --epochs or "
-                     "--max_steps to train further")
+    nothing_left = nothing_left_to_train(run, total_steps)
+    if nothing_left:
+        logger.print(nothing_left)
     run.model.train()
     logger.print(
         f"training {total_steps} optimizer steps from step {state.step}: {run.ctx.world_size} process(es) x "

@@ -15,7 +15,7 @@ from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.sharded import is_sharded
 from trainer.checkpoint.save_dir import (
-    BEST_DIR, Claim, best_record_on_disk, new_run_id, set_aside, set_aside_later_checkpoints,
+    BEST_DIR, Claim, best_record_on_disk, new_run_id, run_label, set_aside, set_aside_later_checkpoints,
 )
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
@@ -126,9 +126,8 @@ def resume_state(run: Run) -> dict:
 
 
 def restore(run: Run, saved: dict, claim: Claim) -> None:
-    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position), then
-    take --save_dir as `claim` says: rank 0 sets the previous run's files aside only once the checkpoint
-    has passed every check, and a fork gets a run id and a wandb run of its own.
+    """Load a validated resume checkpoint into the run (model, optimizer, scaler, RNG, position); a fork
+    (`claim`) gets a run id of its own. Nothing in --save_dir moves here (`take_save_dir`).
 
     A resume that changes a fact of the sample stream is refused (every rank holds the same identity,
     so every rank refuses); another global batch or grouping finishes the interrupted epoch in the
@@ -161,8 +160,6 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
             f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
             f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
         )
-    if run.ctx.is_main:
-        claim.carry_out(run.logger.print)
     fork = claim.forked_from
     run.state = TrainState(
         step=saved["step"], epoch=saved["epoch"], samples_in_epoch=saved["samples_in_epoch"],
@@ -174,14 +171,26 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         best_measured_on=saved.get("best_measured_on"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
-    # A rollback: the new line of training (with a run id of its own) must outlive the old line's later checkpoints.
-    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, saved["step"], run.logger.print):
+
+
+def take_save_dir(run: Run, claim: Claim, resumed: bool) -> None:
+    """Take --save_dir as `claim` says, once every check of the run has passed (train_full_sft.py): rank 0
+    sets the previous run's files aside, so a refused run leaves them where they are. A run `resumed` from
+    a checkpoint earlier than the directory's later checkpoints then rolls back (the new line of training,
+    with a run id of its own, must outlive them: they are set aside too); a fork says so in one line; and a
+    selection that cannot go on starts afresh (`restart_incomparable_selection`)."""
+    if run.ctx.is_main:
+        claim.carry_out(run.logger.print)
+    if not resumed:
+        return
+    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, run.state.step, run.logger.print):
         run.state.run_id = new_run_id()
+    fork = claim.forked_from
     if fork:
         own = "a run id and a wandb run" if run.args.use_wandb else "a run id"
-        source = fork["run_id"] or "(no run id recorded)"
-        run.logger.print(f"fork: {fork['checkpoint']} is of run {source}, which {run.args.save_dir} does not hold: "
-                         f"this run goes on from its step {fork['step']} as run {run.state.run_id}, with {own} of its own")
+        run.logger.print(f"fork: {fork['checkpoint']} is of run {run_label(fork['run_id'])}, which "
+                         f"{run.args.save_dir} does not hold: this run goes on from its step {fork['step']} as run "
+                         f"{run.state.run_id}, with {own} of its own")
     restart_incomparable_selection(run, fork)
 
 
@@ -213,11 +222,14 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
     this run's): values of two metrics, or of one metric on two held-out sets, cannot be compared (an
     accuracy of 0.28 never "improves" on a loss of 8.38), so the selection starts afresh (every rank)
     and rank 0 moves the best/ of the other metric or data aside; one line says so. A `fork` starts it
-    afresh too: the checkpoint's best is in the best/ of the forked run's directory, and the fork keeps
-    its own best/ in its --save_dir."""
+    afresh whatever its flags: the checkpoint's best is in the best/ of the forked run's directory, and
+    the fork keeps its own best/ in its --save_dir (a fork without --keep_best keeps no best to compare
+    a later resume's evaluations with)."""
     metric, state = run.args.keep_best, run.state
-    if not metric:
-        return  # no selection now: the checkpoint's best is kept for a later resume with its metric
+    if not metric:  # no selection now: the checkpoint's best is kept for a later resume with its metric
+        if fork:
+            start_selection_afresh(state)
+        return
     notes = []
     if state.best_metric not in (None, metric):
         notes.append(f"the checkpoint's best is of {state.best_metric} ({state.best_value:.4f} at step "
@@ -228,10 +240,9 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
                      f"other {what} than this run's {flags}: the selection starts afresh")
     elif fork and state.best_value is not None:
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) is in the best/ of "
-                     f"run {fork['run_id']}, not in this fork's --save_dir: the selection starts afresh")
+                     f"run {run_label(fork['run_id'])}, not in this fork's --save_dir: the selection starts afresh")
     if notes:
-        state.best_metric = state.best_value = state.best_step = state.best_measured_on = None
-        state.evals_without_improvement = 0
+        start_selection_afresh(state)
     if run.ctx.is_main:
         differs = best_on_disk_differs(run)
         if differs:
@@ -239,3 +250,9 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
             notes.append(f"its best/ ({differs[0]}) moved to {folder}")
     if notes:
         run.logger.print(f"--keep_best {metric}: " + "; ".join(notes))
+
+
+def start_selection_afresh(state: TrainState) -> None:
+    """Forget the best evaluation so far: the next evaluation is the best."""
+    state.best_metric = state.best_value = state.best_step = state.best_measured_on = None
+    state.evals_without_improvement = 0

@@ -303,9 +303,10 @@ def test_overwrite_moves_the_previous_run_aside(tmp_path):
 
 
 def test_a_dir_holding_only_another_runs_best_or_metrics_is_claimed_like_one_with_checkpoints(tmp_path):
+    """An empty checkpoints/ beside them holds nothing of a run: it is neither named nor moved."""
     for files in (("best", "metrics.jsonl"), ("metrics.jsonl",)):
         save_dir = tmp_path / "-".join(files)
-        save_dir.mkdir()
+        (save_dir / "checkpoints").mkdir(parents=True)
         for name in files:
             (save_dir / name).mkdir() if name == "best" else (save_dir / name).write_text('{"step": 1}\n')
         with pytest.raises(CheckpointError) as refused:
@@ -321,7 +322,7 @@ def test_a_dir_holding_only_another_runs_best_or_metrics_is_claimed_like_one_wit
         assert folder.endswith("-no-checkpoint") and sorted(os.listdir(moved)) == sorted(files)
         assert messages == [f"--from_resume 1 found no checkpoint to continue: moved the previous run's "
                             f"{', '.join(files)} to {moved}"]
-        assert sorted(os.listdir(save_dir)) == ["set_aside"]
+        assert sorted(os.listdir(save_dir)) == ["checkpoints", "set_aside"]
 
 
 def test_a_save_dir_reached_through_a_symlink_into_a_runs_model_dir_is_seen(tmp_path):

@@ -56,14 +56,15 @@ def test_a_resume_is_into_its_own_dir_where_a_checkpoint_or_a_metrics_row_names_
     write_checkpoint(tmp_path, 5, "new-line")
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 4, "run_id": "old-line"}\n{"kind": "tr')
     elsewhere = str(tmp_path.parent / "elsewhere.pt")
-    for run_id in ("new-line", "old-line", None):
-        claim_for_resume(str(tmp_path), elsewhere, {"step": 1, **({"run_id": run_id} if run_id else {})}, overwrite=False)
-    with pytest.raises(CheckpointError) as refused:
-        claim_for_resume(str(tmp_path), elsewhere, {"run_id": "other", "step": 1}, overwrite=False)
-    assert str(refused.value) == (
-        f"--save_dir {tmp_path} holds another run (checkpoints/ or model/), not the run other of the --resume_from "
-        f"checkpoint: choose another --save_dir, or pass --overwrite 1 to resume there (its files are moved to "
-        f"{tmp_path / 'set_aside'}/)")
+    for run_id in ("new-line", "old-line"):
+        claim_for_resume(str(tmp_path), elsewhere, {"run_id": run_id, "step": 1}, overwrite=False)
+    for saved, run in (({"run_id": "other", "step": 1}, "other"), ({"step": 1}, "(no run id recorded)")):
+        with pytest.raises(CheckpointError) as refused:
+            claim_for_resume(str(tmp_path), elsewhere, saved, overwrite=False)
+        assert str(refused.value) == (
+            f"--save_dir {tmp_path} holds another run (checkpoints/ or model/), not the run {run} of the --resume_from "
+            f"checkpoint: continue it with --from_resume 1 instead of --resume_from, choose another --save_dir, or "
+            f"pass --overwrite 1 to resume there (its files are moved to {tmp_path / 'set_aside'}/)")
     assert sorted(os.listdir(tmp_path)) == ["checkpoints", "metrics.jsonl"]
 
 
@@ -80,8 +81,8 @@ def test_a_resume_of_another_runs_checkpoint_never_deletes_the_save_dirs_own_run
     refused = run_trainer_in_process(resume)
     assert (refused.returncode, refused.stderr.splitlines()) == (2, [
         f"error: --save_dir {tmp_path / 'B'} holds another run (checkpoints/ or model/), not the run {a_run} of the "
-        f"--resume_from checkpoint: choose another --save_dir, or pass --overwrite 1 to resume there (its files are "
-        f"moved to {tmp_path / 'B' / 'set_aside'}/)"])
+        f"--resume_from checkpoint: continue it with --from_resume 1 instead of --resume_from, choose another "
+        f"--save_dir, or pass --overwrite 1 to resume there (its files are moved to {tmp_path / 'B' / 'set_aside'}/)"])
     assert {path: path.read_bytes() for path in (tmp_path / "B").rglob("*") if path.is_file()} == before
     done = run_trainer_in_process([*resume, "--overwrite", "1"], check=True)
     [folder] = os.listdir(tmp_path / "B" / "set_aside")

@@ -103,6 +103,22 @@ def test_a_fork_starts_a_selection_of_its_own_in_its_save_dir(data, selected, tm
     assert json.loads((fork / "best" / "best.json").read_text())["step"] == 3
 
 
+def test_a_fork_without_keep_best_keeps_no_best_of_the_run_it_forks(data, selected, tmp_path):
+    """Whatever its flags, a fork's selection starts afresh: a later resume of it with --keep_best keeps its first
+    evaluation in the fork's own best/, never comparing with a best that is in the forked run's directory."""
+    fork = tmp_path / "fork"
+    run_trainer_in_process(flags(data, fork, "--batch_size", "8", "--max_steps", "3", "--resume_from",
+                                 checkpoint_at(selected / "run", 2)), check=True)
+    saved = torch.load(checkpoint_at(fork, 3), weights_only=True)
+    assert [saved[name] for name in ("best_metric", "best_value", "best_step", "best_measured_on",
+                                     "evals_without_improvement")] == [None, None, None, None, 0]
+    run_trainer_in_process(flags(data, fork, *SELECTION, "--max_steps", "4", "--from_resume", "1",
+                                 "--eval_data_path", str(data / "eval.jsonl")), check=True)
+    [row] = eval_rows(fork)[0]
+    assert (row["step"], row["new_best"], row["best_step"], row["best_value"]) == (4, True, 4, row["eval_loss"])
+    assert json.loads((fork / "best" / "best.json").read_text())["step"] == 4
+
+
 def test_a_resume_with_other_generation_settings_starts_the_selection_of_a_generated_score_afresh(data, tmp_path):
     """Exact match of answers cut at 8 tokens is no measure of answers of 64: another --eval_max_new_tokens
     (or --eval_generate_samples) restarts the selection of eval_exact_match, as other held-out data does."""
