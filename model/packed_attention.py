@@ -17,9 +17,9 @@ Both paths give the same result as the dense document mask: tests/model/test_pac
 checks the bucketed path against the eager reference, tests/test_cuda.py the varlen kernel against
 the bucketed path (on a GPU). The layout is built on the CPU from `position_ids`, by the collator
 (dataset/collate.py, where the batch already is) and handed to the model, so a CUDA forward
-never waits for the GPU; it is shared by every layer (the SDPA buckets are built only when that
-path runs, on the CPU too). A model called without it builds it itself from `position_ids`,
-which on a GPU costs one host sync per forward.
+never waits for the GPU; it is shared by every layer. The buckets are planned with it, on the
+CPU, and copied to the GPU only by the bucketed path, where it runs. A model called without it
+builds it itself from `position_ids`, which on a GPU costs one host sync per forward.
 """
 
 from __future__ import annotations
@@ -50,14 +50,15 @@ def document_starts(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 class PackedDocuments:
     """Where the documents of packed [B, T] rows lie once the rows are flattened to B x T tokens.
 
-    `starts`/`lengths` stay on the CPU (the buckets are planned there); `cu_seqlens` and the
-    bucket indices live on `device` (see `to`)."""
+    `starts`/`lengths` and the buckets' plan (`gather`, `bucket_shapes`, `rows`: `plan_buckets`)
+    stay on the CPU; `cu_seqlens` lives on `device` (see `to`)."""
 
     def __init__(self, starts: torch.Tensor, lengths: torch.Tensor, shape: tuple[int, int]):
         self.shape, self.device = tuple(shape), torch.device("cpu")
         self.starts, self.lengths = starts, lengths
         self.max_length = int(lengths.max()) if len(lengths) else 0
         self.cu_seqlens = torch.cat([starts, torch.tensor([shape[0] * shape[1]])]).to(torch.int32)
+        self.gather, self.bucket_shapes, self.rows = plan_buckets(starts, lengths)
 
     @classmethod
     @torch.compiler.disable
@@ -67,50 +68,29 @@ class PackedDocuments:
         return cls(starts, lengths, position_ids.shape).to(position_ids.device)
 
     def pin_memory(self) -> PackedDocuments:
-        """A copy whose `cu_seqlens` is in page-locked memory; a DataLoader with `pin_memory=True`
-        calls this in its pinning thread, as it pins the batch's tensors."""
+        """A copy whose `cu_seqlens` and bucket indices (`gather`, `rows`) are in page-locked memory;
+        a DataLoader with `pin_memory=True` calls this in its pinning thread, as it pins the batch's
+        tensors. `bucket_shapes` is only read on the host."""
         pinned = copy.copy(self)
-        pinned.__dict__.pop("buckets", None)
-        pinned.cu_seqlens = self.cu_seqlens.pin_memory()
+        pinned.cu_seqlens, pinned.gather, pinned.rows = (
+            t.pin_memory() for t in (self.cu_seqlens, self.gather, self.rows))
         return pinned
 
     def to(self, device, non_blocking: bool = True) -> PackedDocuments:
-        """A copy whose device tensors are on `device` (asynchronous host-to-device copies)."""
+        """A copy whose `cu_seqlens` is on `device` (an asynchronous host-to-device copy); the
+        buckets' indices are copied where the bucketed path runs (`attend_in_buckets`)."""
         device = torch.device(device)
         if device == self.device:
             return self
         moved = copy.copy(self)
-        moved.__dict__.pop("buckets", None)  # planned again for the new device when needed
         moved.device = device
         moved.cu_seqlens = to_device(self.cu_seqlens, device) if non_blocking else self.cu_seqlens.to(device)
         return moved
 
-    @functools.cached_property
-    def buckets(self) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """For the SDPA path only: ([gather index [n, L] of each bucket], the rows of the buckets'
-        padded outputs, flattened one after the other, that hold each token's output, in token order)."""
-        starts, lengths, device = self.starts, self.lengths, self.device
-        # Power-of-two buckets: (0, 1], (1, 2], (2, 4], ... so padding at most doubles a document.
-        bucket_of = torch.ceil(torch.log2(lengths.double())).long()
-        buckets, tokens, rows, offset = [], [], [], 0
-        for bucket in torch.unique(bucket_of).tolist():
-            chosen = (bucket_of == bucket).nonzero().squeeze(1)
-            bucket_len = int(lengths[chosen].max())
-            offsets = torch.arange(bucket_len)
-            real = offsets < lengths[chosen].view(-1, 1)
-            index = starts[chosen].view(-1, 1) + offsets
-            index = torch.where(real, index, starts[chosen].view(-1, 1))  # pads repeat a real token
-            buckets.append(to_device(index, device))
-            tokens.append(index[real])
-            rows.append(offset + real.reshape(-1).nonzero().squeeze(1))
-            offset += index.numel()
-        rows_in_token_order = torch.cat(rows)[torch.argsort(torch.cat(tokens))]
-        return buckets, to_device(rows_in_token_order, device)
-
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
         """q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], causal within each document.
-        The varlen path traces under torch.compile (the kernel is a custom op); the buckets,
-        planned from host values, run outside the compiled graph."""
+        The varlen path traces under torch.compile (the kernel is a custom op); the buckets, a
+        loop over host values, run outside the compiled graph."""
         batch, length = self.shape
         heads, head_dim = q.shape[1], q.shape[-1]
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (q, k, v)]
@@ -123,20 +103,9 @@ class PackedDocuments:
 
     @torch.compiler.disable
     def _attend_in_buckets(self, q, k, v, dropout: float) -> torch.Tensor:
-        """Flat q [N, H, D], k/v [N, H_kv, D] -> [N, H, D] through SDPA, one bucket at a time."""
-        buckets, rows = self.buckets
-        heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-        qkv = torch.cat([q, k, v], dim=1)  # one gather per bucket (and one scatter back) for q, k and v
+        """`attend_in_buckets` by this layout's plan."""
         expand = gqa_needs_expanded_heads(q, k, masked=False)
-        padded = []
-        for index in buckets:
-            qb, kb, vb = qkv[index].transpose(1, 2).split([heads, kv_heads, kv_heads], dim=1)  # [n, H, L, D]
-            if expand:
-                kb, vb = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (kb, vb))
-            ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout,
-                                                enable_gqa=kb.shape[1] != heads)
-            padded.append(ob.transpose(1, 2).reshape(-1, heads, head_dim))
-        return torch.cat(padded)[rows]  # every token's output, pads left out, in token order
+        return attend_in_buckets(q, k, v, self.gather, self.bucket_shapes, self.rows, expand, dropout)
 
     def dense(self) -> torch.Tensor:
         """The equivalent boolean [B, 1, T, T] mask (True = attend), for eager attention."""
@@ -147,6 +116,63 @@ class PackedDocuments:
         same = ids.view(batch, 1, length, 1) == ids.view(batch, 1, 1, length)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         return same & causal
+
+
+# Power-of-two buckets (0, 1], (1, 2], (2, 4], ...: one row of `bucket_shapes` each, as many as
+# an int64 length can need.
+BUCKETS = 64
+
+
+def plan_buckets(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SDPA buckets of documents (CPU `document_starts`): (`gather`: the flat token index of
+    every bucket's [n, L] batch, bucket after bucket, a pad repeating its document's first token;
+    `bucket_shapes` [BUCKETS, 2]: each bucket's (n, L), (0, 0) where no document falls; `rows`:
+    the rows of the buckets' padded outputs, flattened one after the other, that hold each token's
+    output, in token order). Padding at most doubles a document."""
+    bucket_of = torch.ceil(torch.log2(lengths.double())).long()
+    bucket_shapes = [(0, 0)] * BUCKETS
+    gather, tokens, rows, offset = [], [], [], 0
+    for bucket in torch.unique(bucket_of).tolist():
+        chosen = (bucket_of == bucket).nonzero().squeeze(1)
+        doc_starts, doc_lengths = starts[chosen].view(-1, 1), lengths[chosen].view(-1, 1)
+        offsets = torch.arange(int(doc_lengths.max()))
+        real = offsets < doc_lengths
+        index = torch.where(real, doc_starts + offsets, doc_starts)  # pads repeat a real token
+        bucket_shapes[bucket] = tuple(index.shape)
+        gather.append(index.reshape(-1))
+        tokens.append(index[real])
+        rows.append(offset + real.reshape(-1).nonzero().squeeze(1))
+        offset += index.numel()
+    rows_in_bucket_order = torch.cat(rows)
+    rows_in_token_order = torch.empty_like(rows_in_bucket_order)
+    rows_in_token_order[torch.cat(tokens)] = rows_in_bucket_order
+    return torch.cat(gather), torch.tensor(bucket_shapes), rows_in_token_order
+
+
+def attend_in_buckets(q, k, v, gather: torch.Tensor, bucket_shapes: torch.Tensor, rows: torch.Tensor,
+                      expand_heads: bool, dropout: float = 0.0) -> torch.Tensor:
+    """Flat q [N, H, D], k/v [N, H_kv, D] -> [N, H, D] through SDPA, one bucket at a time, by the
+    CPU plan of `plan_buckets` (its indices copied to q's device here). `expand_heads`: the k/v
+    heads repeated for SDPA (`gqa_needs_expanded_heads`)."""
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    gather, rows = (to_device(t, q.device) for t in (gather, rows))
+    shapes = [(n, length) for n, length in bucket_shapes.tolist() if n]
+    # One gather for all the buckets and one scatter back, for q, k and v: its gradient is one
+    # scatter into one zero tensor (a gather per bucket would fill and add a full-size one each).
+    gathered = torch.cat([q, k, v], dim=1)[gather]
+    # (one bucket: the whole tensor; a split of one piece would concatenate it again in the backward)
+    chunks = gathered.split([n * length for n, length in shapes]) if len(shapes) > 1 else [gathered]
+    padded = []
+    for chunk, (n, length) in zip(chunks, shapes):
+        # heads split before the transposes: their gradients then concatenate into chunk's layout
+        by_heads = chunk.view(n, length, -1, head_dim).split([heads, kv_heads, kv_heads], dim=2)
+        qb, kb, vb = (t.transpose(1, 2) for t in by_heads)  # [n, H, L, D]
+        if expand_heads:
+            kb, vb = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (kb, vb))
+        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout,
+                                            enable_gqa=kb.shape[1] != heads)
+        padded.append(ob.transpose(1, 2).reshape(-1, heads, head_dim))
+    return torch.cat(padded)[rows]  # every token's output, pads left out, in token order
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

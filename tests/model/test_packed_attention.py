@@ -175,22 +175,25 @@ def test_packed_attention_matches_the_dense_document_mask_in_values_and_gradient
 
 
 def test_packed_attention_builds_no_dense_mask_and_pads_a_bucket_at_most_twofold():
-    from model.packed_attention import PackedDocuments
+    from model.packed_attention import BUCKETS, PackedDocuments
 
     _, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40]], row_len=40)
     layout = PackedDocuments.from_position_ids(positions)
     assert layout.cu_seqlens.tolist() == [0, 1, 3, 6, 15, 32, 37, 38, 39, 40, 80]
     assert layout.max_length == 40
     # (0,1]: the three 1-token pads and the 1-token document; (1,2]; (2,4]; (4,8]; (8,16]; (16,32]; (32,64]
-    buckets, rows = layout.buckets
-    shapes = [tuple(index.shape) for index in buckets]
-    assert shapes == [(4, 1), (1, 2), (1, 3), (1, 5), (1, 9), (1, 17), (1, 40)]
+    assert layout.bucket_shapes.shape == (BUCKETS, 2)
+    assert {bucket: tuple(shape) for bucket, shape in enumerate(layout.bucket_shapes.tolist()) if shape[0]} == {
+        0: (4, 1), 1: (1, 2), 2: (1, 3), 3: (1, 5), 4: (1, 9), 5: (1, 17), 6: (1, 40)}
+    assert layout.gather[:4 + 2 + 3 + 5].tolist() == [0, 37, 38, 39, 1, 2, 3, 4, 5, 32, 33, 34, 35, 36]
+    rows = layout.rows
     assert len(rows) == 80 and len(set(rows.tolist())) == 80  # one padded-output row per token
     start = 0
-    for index in buckets:
-        real = int(((rows >= start) & (rows < start + index.numel())).sum())
-        assert index.numel() <= 2 * real
-        start += index.numel()
+    for n, length in layout.bucket_shapes.tolist():
+        real = int(((rows >= start) & (rows < start + n * length)).sum())
+        assert n * length <= 2 * real
+        start += n * length
+    assert start == len(layout.gather) == 4 + 2 + 3 + 5 + 9 + 17 + 40
 
 
 class PinRecorder:
@@ -218,25 +221,40 @@ class PinRecorder:
 
 
 def test_a_loader_with_pin_memory_pins_the_packed_layout(monkeypatch):
-    """The DataLoader's pinning thread pins `cu_seqlens` with the batch's tensors; the values stay."""
+    """The DataLoader's pinning thread pins `cu_seqlens` and the buckets' indices with the batch's
+    tensors; the values stay."""
     from torch.utils.data._utils.pin_memory import pin_memory
 
     recorder = PinRecorder(monkeypatch)
     starts, lengths = document_starts(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))
     layout = PackedDocuments(starts, lengths, (2, 5))
     pinned = pin_memory({"packed_layout": layout})["packed_layout"]
-    assert pinned.cu_seqlens.data_ptr() in recorder.pinned
+    assert {pinned.cu_seqlens.data_ptr(), pinned.gather.data_ptr(), pinned.rows.data_ptr()} <= recorder.pinned
     assert pinned.cu_seqlens.tolist() == layout.cu_seqlens.tolist() == [0, 3, 5, 7, 10]
     assert (pinned.starts.tolist(), pinned.lengths.tolist(), pinned.shape) == ([0, 3, 5, 7], [3, 2, 2, 3], (2, 5))
+    assert pinned.gather.tolist() == layout.gather.tolist() == [3, 4, 5, 6, 0, 1, 2, 7, 8, 9]
+    assert pinned.rows.tolist() == layout.rows.tolist() == [4, 5, 6, 0, 1, 2, 3, 7, 8, 9]
+    assert pinned.bucket_shapes is layout.bucket_shapes  # read on the host only
 
 
 def test_every_copy_of_the_layout_to_a_gpu_starts_from_page_locked_memory(monkeypatch):
     """From pageable memory a copy to the GPU may wait for the stream: cu_seqlens, the SDPA
-    buckets' indices and the dense mask's document ids are pinned first, and copied asynchronously."""
+    buckets' indices and the dense mask's document ids are pinned first, and copied asynchronously;
+    the buckets' indices only where the bucketed path runs, not with the layout."""
     recorder = PinRecorder(monkeypatch)
     starts, lengths = document_starts(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))
     on_gpu = PackedDocuments(starts, lengths, (2, 5)).to("cuda")
-    on_gpu.buckets
+    assert len(recorder.copies) == 1  # cu_seqlens
     on_gpu.dense()
-    assert len(recorder.copies) == 1 + 2 + 1 + 1  # cu_seqlens, two buckets, their rows, the document ids
-    assert recorder.copies == [(True, True)] * 5
+    assert len(recorder.copies) == 2  # the document ids
+    copied, real_to_device = [], packed_attention.to_device
+
+    def to_a_gpu(tensor, device):  # the bucketed path with q on a GPU (the attention itself runs on the CPU)
+        copied.append(tensor)
+        return real_to_device(tensor, torch.device("cuda"))
+
+    monkeypatch.setattr(packed_attention, "to_device", to_a_gpu)
+    q, kv = torch.randn(10, 4, 8), torch.randn(10, 2, 8)
+    packed_attention.attend_in_buckets(q, kv, kv, on_gpu.gather, on_gpu.bucket_shapes, on_gpu.rows, False)
+    assert copied[0] is on_gpu.gather and copied[1] is on_gpu.rows and len(copied) == 2
+    assert recorder.copies == [(True, True)] * 4
