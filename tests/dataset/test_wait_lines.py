@@ -33,7 +33,8 @@ def test_a_builder_waiting_for_a_live_builder_says_so_at_once(tokenizer, tmp_pat
 
 
 def wait_for_local_outcome(after: float, capsys) -> list[str]:
-    """The lines rank 1 prints to stderr while local rank 0 sets its outcome in the store ``after`` seconds from now."""
+    """The lines rank 1 prints to stderr while local rank 0 sets its outcome in the store ``after`` seconds
+    after the wait begins."""
     store, key = torch.distributed.HashStore(), "minisft/cache-build-nonce/rank0"
 
     def set_later():

@@ -161,7 +161,7 @@ def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
         names = ", ".join(os.path.basename(path) for path in reversed(later))
         folder = set_aside(save_dir, later, f"after-step-{step}")
         log(f"resuming at step {step} while later checkpoints exist: moved {names} to {folder} "
-            "(the new line of training replaces them; delete that folder when you no longer need it)")
+            "(the new line of training replaces them; delete that folder once you do not need it)")
     return bool(later)
 
 

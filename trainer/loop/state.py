@@ -226,7 +226,7 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
     the fork keeps its own best/ in its --save_dir (a fork without --keep_best keeps no best to compare
     a later resume's evaluations with)."""
     metric, state = run.args.keep_best, run.state
-    if not metric:  # no selection now: the checkpoint's best is kept for a later resume with its metric
+    if not metric:  # no selection in this run: the checkpoint's best is kept for a later resume with its metric
         if fork:
             start_selection_afresh(state)
         return

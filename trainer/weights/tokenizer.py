@@ -188,7 +188,8 @@ def _load_as_recorded(own: OwnTokenizer):
         now = own.fingerprint_of(tokenizer)[:16]
         if own.record:
             return None, Trouble(f"the tokenizer files in {own.directory} hold another tokenizer than the weights "
-                                 f"were saved with (fingerprint {own.fingerprint[:16]} in {RECORD_FILE}, {now} now)",
+                                 f"were saved with (fingerprint {own.fingerprint[:16]} in {RECORD_FILE}, {now} in "
+                                 "its files)",
                                  "give --tokenizer_path DIR with the tokenizer the weights were trained with, or, if "
                                  f"these files are meant for the weights, delete {own.record}")
         return None, Trouble(f"the tokenizer its run recorded ({own.name()}) has changed since (fingerprint "

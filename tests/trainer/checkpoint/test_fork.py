@@ -159,6 +159,6 @@ def test_the_same_fork_once_more_is_that_fork_again_in_the_directory_of_its_earl
     third = run_trainer_in_process(fork, check=True)
     [folder] = os.listdir(c_dir / "set_aside")
     assert (f"resuming at step 1 while later checkpoints exist: moved step_00000002.pt to {c_dir / 'set_aside' / folder} "
-            "(the new line of training replaces them; delete that folder when you no longer need it)"
+            "(the new line of training replaces them; delete that folder once you do not need it)"
             ) in third.stdout.splitlines()
     assert load_resume_checkpoint(checkpoint_at(c_dir, 2))["forked_from"] == origin

@@ -72,8 +72,8 @@ def test_a_model_folder_whose_tokenizer_files_were_replaced_is_refused_in_one_li
     replace_tokenizer(folder, source)
     now = definition_fingerprint(load_tokenizer(source))
     line = (f"{folder}: the tokenizer files in {folder} hold another tokenizer than the weights were saved with "
-            f"(fingerprint {shipped_fingerprint()[:16]} in {RECORD_FILE}, {now[:16]} now); give --tokenizer_path DIR "
-            "with the tokenizer the weights were trained with, or, if these files are meant for the weights, delete "
+            f"(fingerprint {shipped_fingerprint()[:16]} in {RECORD_FILE}, {now[:16]} in its files); give "
+            "--tokenizer_path DIR with the tokenizer the weights were trained with, or, if these files are meant for the weights, delete "
             f"{folder / RECORD_FILE}")
     with pytest.raises(ModelLoadError) as refused:
         load_tokenizer_for_model(folder)
@@ -118,7 +118,7 @@ def test_the_weights_own_tokenizer_stands_in_for_files_gone_or_replaced_at_every
         replace_tokenizer(folder, source)
         now = definition_fingerprint(load_tokenizer(source))
         fact = (f"the tokenizer files in {folder} hold another tokenizer than the weights were saved with (fingerprint "
-                f"{shipped[:16]} in {RECORD_FILE}, {now[:16]} now)")
+                f"{shipped[:16]} in {RECORD_FILE}, {now[:16]} in its files)")
     note = f"note: {folder}: {fact}; --tokenizer_path {explicit} has the fingerprint the weights recorded"
     messages = []
     assert definition_fingerprint(load_tokenizer_for_model(folder, explicit, log=messages.append)) == shipped
