@@ -44,22 +44,31 @@ class ComputeWeights:
         self.joins_groups = casts or dtype in (torch.bfloat16, torch.float16)
         if not casts:
             return
-        grouped = {id(p) for group in groups for p in group}
-        pieces = [list(group) for group in groups] + [[p] for p in params if id(p) not in grouped]
+        # Parameters are matched by identity (`is`), never by `id()`: under torch.compile `id()` of a
+        # parameter is a guard on that object, so each layer would compile a graph of its own.
+        grouped = [p for group in groups for p in group]
+        pieces = [list(group) for group in groups] + [[p] for p in params if not any(p is g for g in grouped)]
         self.flat = torch.cat([p.reshape(-1) for piece in pieces for p in piece]).to(dtype)
         split = self.flat.split([sum(p.numel() for p in piece) for piece in pieces])
-        self.views = {}  # id of a piece's first parameter -> that piece, shaped
+        self.views = []  # (a piece's first parameter, that piece shaped)
         for piece, values in zip(pieces, split):
             first = piece[0]
-            self.views[id(first)] = values.view(first.shape) if len(piece) == 1 else values.view(-1, first.shape[-1])
+            shaped = values.view(first.shape) if len(piece) == 1 else values.view(-1, first.shape[-1])
+            self.views.append((first, shaped))
+
+    def _view(self, param: torch.Tensor) -> torch.Tensor:
+        for first, view in self.views:
+            if first is param:
+                return view
+        raise KeyError(f"a parameter of shape {tuple(param.shape)} that is not one of this block's")
 
     def __call__(self, param: torch.Tensor) -> torch.Tensor:
-        return param if self.flat is None else self.views[id(param)]
+        return param if self.flat is None else self._view(param)
 
     def stacked(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The matrices `params` one below the other: their group's piece of the cast buffer, or a
         concatenation of the parameters themselves when nothing is cast."""
-        return torch.cat(params) if self.flat is None else self.views[id(params[0])]
+        return torch.cat(params) if self.flat is None else self._view(params[0])
 
     def linear(self, x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
         """x @ W.T for the weight of each of `layers` (no biases): one GEMM for a group when cast

@@ -203,11 +203,14 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
 
 
 @pytest.mark.slow
-def test_compiled_blocks_run_an_epoch_of_lengths_without_graph_breaks_and_two_recompiles():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_blocks_run_an_epoch_of_lengths_without_graph_breaks_and_two_recompiles(dtype):
     """--use_compile 1 compiles each block on its own; over an epoch of length-grouped batches
     (lengths 5-127 padded to a multiple of 64, the last batch smaller) the compiled code has no
     graph break and is compiled again at most twice after the first step (the length, then the
-    batch size, become symbols). dynamo's "eager" backend counts what inductor would compile."""
+    batch size, become symbols). One graph serves every layer, also under bf16 autocast, where
+    each block casts its fp32 weights (a guard on a parameter's identity would compile a graph per
+    layer). dynamo's "eager" backend counts what inductor would compile."""
     import random
 
     import torch
@@ -221,7 +224,7 @@ def test_compiled_blocks_run_an_epoch_of_lengths_without_graph_breaks_and_two_re
 
     torch._dynamo.reset()
     counters.clear()
-    run = tiny_run(torch.device("cpu"))
+    run = tiny_run(torch.device("cpu"), dtype=getattr(torch, dtype), layers=3)
     compiled = CompileCounter()
     assert compile_model(run.model, torch.device("cpu"), backend=compiled) is run.model
     collate = SFTCollator(pad_token_id=0, pad_to_multiple_of=COMPILE_PAD_MULTIPLE)

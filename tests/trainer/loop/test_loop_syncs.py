@@ -39,16 +39,18 @@ class Logger:
         self.rows.append((step, figures))
 
 
-def tiny_run(device: torch.device, log_interval: int = 100, max_bad_steps: int = 100, parallel=None, ctx=None) -> Run:
-    """A Run of a tiny fp32 model with the pieces a step and a log line use."""
-    model = tiny_model().to(device).train()
+def tiny_run(device: torch.device, log_interval: int = 100, max_bad_steps: int = 100, parallel=None, ctx=None,
+             dtype: torch.dtype = torch.float32, layers: int = 2) -> Run:
+    """A Run of a tiny fp32 model, trained under autocast to `dtype` (float32: none), with the pieces a
+    step and a log line use."""
+    model = tiny_model(num_hidden_layers=layers).to(device).train()
     ctx = ctx or DistContext(rank=0, local_rank=0, world_size=1, device=device, backend=None)
     args = SimpleNamespace(grad_clip=1.0, learning_rate=1e-3, weight_decay=0.1, save_dir="out", epochs=1,
                            log_interval=log_interval, max_bad_steps=max_bad_steps)
     parallel = parallel or Replicated(ctx)
     wrapped = parallel.wrap(model)
-    return Run(args, ctx, wrapped, build_optimizer(model, args, device), build_grad_scaler(device, torch.float32),
-               torch.float32, data=SimpleNamespace(dataset=range(10**6)), eval_sets=[], tokenizer=None,
+    return Run(args, ctx, wrapped, build_optimizer(model, args, device), build_grad_scaler(device, dtype),
+               dtype, data=SimpleNamespace(dataset=range(10**6)), eval_sets=[], tokenizer=None,
                logger=Logger(), preemption=SimpleNamespace(requested=False), parallel=parallel)
 
 
