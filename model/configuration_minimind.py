@@ -28,6 +28,16 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# The switches of the config: each a JSON true or false.
+BOOL_FIELDS = ("flash_attn", "tie_word_embeddings", "use_moe", "norm_topk_prob")
+
+
+def is_bool(value) -> bool:
+    """True or False: not a string (any non-empty one, "false" too, is truthy), not 0 or 1 (transformers'
+    Qwen3 config refuses them for its switches), not None."""
+    return isinstance(value, bool)
+
+
 def yarn_beta(yarn: dict, key: str) -> float:
     """`beta_fast` or `beta_slow` of YaRN settings, YARN_BETAS's where absent or null."""
     value = yarn.get(key)
@@ -136,7 +146,7 @@ class MiniMindConfig(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         self.router_aux_loss_coef = router_aux_loss_coef
         self._fill_derived_sizes()
-        self._validate(head_dim_derived=head_dim is None, yarn_key=yarn_key)
+        self._validate(head_dim_derived=head_dim is None, yarn_key=yarn_key, tie_word_embeddings=tie_word_embeddings)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -154,7 +164,11 @@ class MiniMindConfig(PretrainedConfig):
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
 
-    def _validate(self, head_dim_derived: bool, yarn_key: str) -> None:
+    def _validate(self, head_dim_derived: bool, yarn_key: str, tie_word_embeddings) -> None:
+        for name in BOOL_FIELDS:  # tie_word_embeddings is set by PretrainedConfig, after this check
+            value = tie_word_embeddings if name == "tie_word_embeddings" else getattr(self, name)
+            if not is_bool(value):
+                raise ValueError(f"MiniMindConfig: {name} must be true or false (a JSON bool), got {value!r}")
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings",

@@ -130,3 +130,26 @@ def test_a_qwen3_config_transformers_refuses_is_one_line_with_its_reason(qwen3_d
         folder = changed_copy(qwen3_dir, tmp_path / next(iter(changes)), **changes)
         done = run_trainer_in_process(flags(data, tmp_path / "run", "--from_weight", str(folder)))
         assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: {folder}: invalid qwen3 config ({reason})"])
+
+
+def test_a_switch_given_as_text_is_one_line_from_every_config_read_with_the_weights(qwen3_dir, data, tmp_path):
+    """"false" is truthy: in a minisft model folder or a resume checkpoint it would mean True. transformers'
+    Qwen3 config refuses it (and 0 and 1) in a line of its own."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=6400, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2))
+    model.save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": "false"}))
+    checkpoint = tmp_path / "step_00000001.pt"
+    torch.save(stamped({"model": model.state_dict(), "model_config": {**model.config.to_dict(), "use_moe": 0}}),
+               checkpoint)
+    qwen3 = changed_copy(qwen3_dir, tmp_path / "qwen3", tie_word_embeddings="false")
+    invalid = "invalid model config (MiniMindConfig: {} must be true or false (a JSON bool), got {})"
+    for source, line in (
+            (f"minisft model {tmp_path / 'model'}", invalid.format("tie_word_embeddings", "'false'")),
+            (f"resume checkpoint {checkpoint}", invalid.format("use_moe", 0)),
+            (str(qwen3), "invalid qwen3 config (Validation error for field 'tie_word_embeddings': TypeError: Field "
+                         "'tie_word_embeddings' expected bool, got str (value: 'false'))")):
+        done = run_trainer_in_process(flags(data, tmp_path / "run", "--from_weight", source.split()[-1]))
+        assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: {source}: {line}"])
