@@ -44,19 +44,33 @@ def yarn_beta(yarn: dict, key: str) -> float:
     return float(YARN_BETAS[key] if value is None else value)
 
 
-def rope_problem(rope_theta, yarn, key: str = "rope_scaling") -> str | None:
+def yarn_factor(yarn: dict, positions=None):
+    """YaRN's stretch of the context: the settings' `factor`; where that is given as null in the settings of a
+    config transformers reads, whose max_position_embeddings is `positions`, transformers' own
+    (`_compute_yarn_parameters`): positions / original_max_position_embeddings (None where either is no
+    positive number). Without `positions` (MiniMind's and minisft's own settings) null stays None."""
+    factor, original = yarn.get("factor"), yarn.get("original_max_position_embeddings")
+    computable = is_number(positions) and positions > 0 and is_number(original) and original > 0
+    if factor is None and "factor" in yarn and computable:
+        return positions / original
+    return factor
+
+
+def rope_problem(rope_theta, yarn, key: str = "rope_scaling", positions=None) -> str | None:
     """Why the RoPE base `rope_theta` and the YaRN settings `yarn` (None: plain RoPE) cannot make the
     tables (model/rope.py), as part of a line; None when they can. `key` names the settings as their
     config does (rope_scaling, MiniMind's; rope_yarn, a saved minisft config's; rope_parameters, a Qwen3
-    config.json's).
+    config.json's); `positions` is the max_position_embeddings of a config transformers reads, from which
+    it computes a null factor (`yarn_factor`).
 
     Accepted are the values transformers' YaRN (`_compute_yarn_parameters`) computes with, and with
     transformers' ramp (`yarn_ramp`) the tables are its tables. Refused are those its
-    `_validate_yarn_rope_parameters` calls wrong (factor below 1, attention_factor below 0) and those
-    that make no usable table: a missing or non-positive original context, a non-positive rotation
-    count (transformers reads a beta of 0 as its default), attention_factor 0 (every table 0), and
-    base 1 (the correction range divides by log(rope_theta)). beta_fast below beta_slow is accepted,
-    as transformers accepts it (`yarn_ramp` says what each ramp makes of it)."""
+    `_validate_yarn_rope_parameters` calls wrong (factor below 1, attention_factor below 0), a factor
+    transformers requires and does not find (no key) and those that make no usable table: a missing or
+    non-positive original context, a non-positive rotation count (transformers reads a beta of 0 as its
+    default), attention_factor 0 (every table 0), and base 1 (the correction range divides by
+    log(rope_theta)). beta_fast below beta_slow is accepted, as transformers accepts it (`yarn_ramp` says
+    what each ramp makes of it)."""
     if not (is_number(rope_theta) and rope_theta > 0):
         return f"rope_theta must be a positive number, got {rope_theta!r}"
     if yarn is None:
@@ -66,14 +80,20 @@ def rope_problem(rope_theta, yarn, key: str = "rope_scaling") -> str | None:
     kind = yarn.get("type", yarn.get("rope_type"))
     if kind != "yarn":
         return f"only YaRN {key} is supported, got type {kind!r}"
-    factor = yarn.get("factor")
-    if not (is_number(factor) and factor >= 1):
-        return f"{key}['factor'] must be a number >= 1 (the context's stretch), got {factor!r}"
     if "original_max_position_embeddings" not in yarn:
         return f"{key} has no original_max_position_embeddings (the context the model was trained for)"
     original = yarn["original_max_position_embeddings"]
     if not (is_number(original) and original > 0):
         return f"{key}['original_max_position_embeddings'] must be a positive number, got {original!r}"
+    factor = yarn_factor(yarn, positions)
+    if not (is_number(factor) and factor >= 1):
+        if yarn.get("factor") is None and factor is not None:  # transformers' factor of a null one
+            return (f"{key}['factor'] is null, for which transformers computes max_position_embeddings / "
+                    f"original_max_position_embeddings = {positions!r} / {original!r} = {factor:g}: it must be >= 1 "
+                    "(the context's stretch)")
+        if "factor" not in yarn:
+            return f"{key} has no factor (the context's stretch)"
+        return f"{key}['factor'] must be a number >= 1 (the context's stretch), got {factor!r}"
     for name, default in YARN_BETAS.items():
         value = yarn.get(name)
         if value is not None and not (is_number(value) and value > 0):
