@@ -28,25 +28,49 @@ def is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# The switches of the config: each a JSON true or false.
+BOOL_FIELDS = ("flash_attn", "tie_word_embeddings", "use_moe", "norm_topk_prob")
+
+
+def is_bool(value) -> bool:
+    """True or False: not a string (any non-empty one, "false" too, is truthy), not 0 or 1 (transformers'
+    Qwen3 config refuses them for its switches), not None."""
+    return isinstance(value, bool)
+
+
 def yarn_beta(yarn: dict, key: str) -> float:
     """`beta_fast` or `beta_slow` of YaRN settings, YARN_BETAS's where absent or null."""
     value = yarn.get(key)
     return float(YARN_BETAS[key] if value is None else value)
 
 
-def rope_problem(rope_theta, yarn, key: str = "rope_scaling") -> str | None:
+def yarn_factor(yarn: dict, positions=None):
+    """YaRN's stretch of the context: the settings' `factor`; where that is given as null in the settings of a
+    config transformers reads, whose max_position_embeddings is `positions`, transformers' own
+    (`_compute_yarn_parameters`): positions / original_max_position_embeddings (None where either is no
+    positive number). Without `positions` (MiniMind's and minisft's own settings) null stays None."""
+    factor, original = yarn.get("factor"), yarn.get("original_max_position_embeddings")
+    computable = is_number(positions) and positions > 0 and is_number(original) and original > 0
+    if factor is None and "factor" in yarn and computable:
+        return positions / original
+    return factor
+
+
+def rope_problem(rope_theta, yarn, key: str = "rope_scaling", positions=None) -> str | None:
     """Why the RoPE base `rope_theta` and the YaRN settings `yarn` (None: plain RoPE) cannot make the
     tables (model/rope.py), as part of a line; None when they can. `key` names the settings as their
     config does (rope_scaling, MiniMind's; rope_yarn, a saved minisft config's; rope_parameters, a Qwen3
-    config.json's).
+    config.json's); `positions` is the max_position_embeddings of a config transformers reads, from which
+    it computes a null factor (`yarn_factor`).
 
     Accepted are the values transformers' YaRN (`_compute_yarn_parameters`) computes with, and with
     transformers' ramp (`yarn_ramp`) the tables are its tables. Refused are those its
-    `_validate_yarn_rope_parameters` calls wrong (factor below 1, attention_factor below 0) and those
-    that make no usable table: a missing or non-positive original context, a non-positive rotation
-    count (transformers reads a beta of 0 as its default), attention_factor 0 (every table 0), and
-    base 1 (the correction range divides by log(rope_theta)). beta_fast below beta_slow is accepted,
-    as transformers accepts it (`yarn_ramp` says what each ramp makes of it)."""
+    `_validate_yarn_rope_parameters` calls wrong (factor below 1, attention_factor below 0), a factor
+    transformers requires and does not find (no key) and those that make no usable table: a missing or
+    non-positive original context, a non-positive rotation count (transformers reads a beta of 0 as its
+    default), attention_factor 0 (every table 0), and base 1 (the correction range divides by
+    log(rope_theta)). beta_fast below beta_slow is accepted, as transformers accepts it (`yarn_ramp` says
+    what each ramp makes of it)."""
     if not (is_number(rope_theta) and rope_theta > 0):
         return f"rope_theta must be a positive number, got {rope_theta!r}"
     if yarn is None:
@@ -56,14 +80,20 @@ def rope_problem(rope_theta, yarn, key: str = "rope_scaling") -> str | None:
     kind = yarn.get("type", yarn.get("rope_type"))
     if kind != "yarn":
         return f"only YaRN {key} is supported, got type {kind!r}"
-    factor = yarn.get("factor")
-    if not (is_number(factor) and factor >= 1):
-        return f"{key}['factor'] must be a number >= 1 (the context's stretch), got {factor!r}"
     if "original_max_position_embeddings" not in yarn:
         return f"{key} has no original_max_position_embeddings (the context the model was trained for)"
     original = yarn["original_max_position_embeddings"]
     if not (is_number(original) and original > 0):
         return f"{key}['original_max_position_embeddings'] must be a positive number, got {original!r}"
+    factor = yarn_factor(yarn, positions)
+    if not (is_number(factor) and factor >= 1):
+        if yarn.get("factor") is None and factor is not None:  # transformers' factor of a null one
+            return (f"{key}['factor'] is null, for which transformers computes max_position_embeddings / "
+                    f"original_max_position_embeddings = {positions!r} / {original!r} = {factor:g}: it must be >= 1 "
+                    "(the context's stretch)")
+        if "factor" not in yarn:
+            return f"{key} has no factor (the context's stretch)"
+        return f"{key}['factor'] must be a number >= 1 (the context's stretch), got {factor!r}"
     for name, default in YARN_BETAS.items():
         value = yarn.get(name)
         if value is not None and not (is_number(value) and value > 0):
@@ -136,7 +166,7 @@ class MiniMindConfig(PretrainedConfig):
         self.norm_topk_prob = norm_topk_prob
         self.router_aux_loss_coef = router_aux_loss_coef
         self._fill_derived_sizes()
-        self._validate(head_dim_derived=head_dim is None, yarn_key=yarn_key)
+        self._validate(head_dim_derived=head_dim is None, yarn_key=yarn_key, tie_word_embeddings=tie_word_embeddings)
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -154,7 +184,11 @@ class MiniMindConfig(PretrainedConfig):
         if self.moe_intermediate_size is None:
             self.moe_intermediate_size = self.intermediate_size
 
-    def _validate(self, head_dim_derived: bool, yarn_key: str) -> None:
+    def _validate(self, head_dim_derived: bool, yarn_key: str, tie_word_embeddings) -> None:
+        for name in BOOL_FIELDS:  # tie_word_embeddings is set by PretrainedConfig, after this check
+            value = tie_word_embeddings if name == "tie_word_embeddings" else getattr(self, name)
+            if not is_bool(value):
+                raise ValueError(f"MiniMindConfig: {name} must be true or false (a JSON bool), got {value!r}")
         positive = (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "intermediate_size", "moe_intermediate_size", "max_position_embeddings",

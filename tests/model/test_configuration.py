@@ -62,6 +62,17 @@ def test_a_number_no_model_can_have_is_refused_by_name(bad, message):
     assert str(refused.value) == f"MiniMindConfig: {message}"
 
 
+@pytest.mark.parametrize("field, value", [
+    ("tie_word_embeddings", "false"), ("use_moe", "true"), ("flash_attn", "no"), ("norm_topk_prob", 0),
+    ("use_moe", 1), ("tie_word_embeddings", None),
+])
+def test_a_switch_that_is_not_true_or_false_is_refused_by_name(field, value):
+    """A non-empty string is truthy ("false" would mean True) and transformers' Qwen3 config refuses 0 and 1."""
+    with pytest.raises(ValueError) as refused:
+        tiny_config(**{field: value})
+    assert str(refused.value) == f"MiniMindConfig: {field} must be true or false (a JSON bool), got {value!r}"
+
+
 def test_a_configs_parameters_counted_from_two_layers_are_the_built_models():
     for overrides in ({}, {"use_moe": True}, {"num_hidden_layers": 3, "tie_word_embeddings": False}):
         config = MiniMindConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **overrides)

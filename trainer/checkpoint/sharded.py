@@ -179,18 +179,23 @@ def load_quietly(state: dict, no_dist: bool, **where) -> None:
         dcp.load(state, no_dist=no_dist, **where)
 
 
-def read_full(path: str, entry: str) -> dict:
-    """One entry ("model") of a sharded checkpoint as full tensors, in this process alone."""
+def read_full(path: str, entry: str, only=None) -> dict:
+    """One entry ("model") of a sharded checkpoint as full tensors, in this process alone. With `only`, just
+    the tensors it names are read; the others are meta tensors of their shape and dtype (DCP's index), which
+    is what a check of names and shapes (trainer/weights/read.py, `misfit`) needs."""
     reader = FileSystemReader(path)
     prefix = f"{entry}."
     try:
         metadata = reader.read_metadata()
         state = {
-            key: torch.empty(item.size, dtype=item.properties.dtype)
+            key: torch.empty(item.size, dtype=item.properties.dtype,
+                             device="meta" if only is not None and key[len(prefix):] not in only else None)
             for key, item in metadata.state_dict_metadata.items()
             if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
         }
-        load_quietly(state, True, storage_reader=reader)
+        wanted = {key: value for key, value in state.items() if not value.is_meta}
+        if wanted:
+            load_quietly(wanted, True, storage_reader=reader)
     except (CheckpointException, OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"sharded checkpoint {path} is unreadable ({first_line(error, 200)})") from None
     return {key[len(prefix):]: value for key, value in state.items()}

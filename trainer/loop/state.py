@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
-from trainer.checkpoint.sharded import is_sharded
+from trainer.checkpoint.sharded import is_sharded, read_full
 from trainer.checkpoint.save_dir import (
     BEST_DIR, Claim, best_record_on_disk, new_run_id, run_label, set_aside, set_aside_later_checkpoints,
 )
@@ -31,7 +31,7 @@ from trainer.runtime.distributed import DistContext, all_gather_objects
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
-from trainer.weights.read import misfit, with_tied_head
+from trainer.weights.read import EMBED, LM_HEAD, misfit, with_tied_head
 from trainer.weights.tokenizer import checkpoint_record
 
 
@@ -136,11 +136,14 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
                                          run.logger.print)
     if problem:
         raise CheckpointError(problem)
+    tied = run.raw_model.config.tie_word_embeddings
+    # a sharded checkpoint's names and shapes from its index; the tie's two tensors are read to compare them
+    tensors = (read_full(saved["sharded_path"], "model", only=(LM_HEAD, EMBED) if tied else ())
+               if is_sharded(saved) else saved["model"])
+    problems = misfit(run.raw_model.state_dict(), tensors, tied)
+    if problems:
+        raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
     if not is_sharded(saved):
-        tied = run.raw_model.config.tie_word_embeddings
-        problems = misfit(run.raw_model.state_dict(), saved["model"], tied)
-        if problems:
-            raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
         saved["model"] = with_tied_head(saved["model"], tied)
     try:
         run.parallel.load_training_state(run.optimizer, saved)

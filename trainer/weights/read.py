@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from model import MiniMindConfig
-from model.configuration_minimind import rope_problem
+from model.configuration_minimind import rope_problem, yarn_factor
 from model.rope import yarn_ramps_agree
 from trainer.checkpoint import single_file
 from trainer.checkpoint.files import safe_torch_load
@@ -306,15 +306,16 @@ def rope_key(saved: dict) -> str:
     return "rope_scaling" if saved.get("rope_scaling") else "rope_parameters"
 
 
-def declared_yarn_problem(saved: dict) -> str | None:
+def declared_yarn_problem(saved: dict, positions) -> str | None:
     """Why YaRN settings of a Qwen3 config.json that transformers could not read cannot work (`rope_problem`:
-    its own check divides by original_max_position_embeddings), or None."""
+    its own check divides by original_max_position_embeddings), or None. `positions`: the config's
+    max_position_embeddings, as transformers reads it (a null factor is computed from it)."""
     key = rope_key(saved)
     declared = saved.get(key)
     if (not isinstance(declared, dict) or declared.get("rope_type", declared.get("type")) != "yarn"
             or "original_max_position_embeddings" not in declared):  # transformers fills it in: not the cause
         return None
-    return rope_problem(declared.get("rope_theta", saved.get("rope_theta", 10000.0)), declared, key)
+    return rope_problem(declared.get("rope_theta", saved.get("rope_theta", 10000.0)), declared, key, positions)
 
 
 def config_from_qwen3(saved: dict, source: str) -> dict:
@@ -322,10 +323,12 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     moe = saved["model_type"] == "qwen3_moe"
+    kind = Qwen3MoeConfig if moe else Qwen3Config
     try:
-        hf = (Qwen3MoeConfig if moe else Qwen3Config).from_dict(saved)
+        hf = kind.from_dict(saved)
     except Exception as error:  # noqa: BLE001 - transformers validates in many ways
-        why = declared_yarn_problem(saved) or f"invalid {saved['model_type']} config ({first_line(error)})"
+        positions = saved.get("max_position_embeddings", kind.max_position_embeddings)
+        why = declared_yarn_problem(saved, positions) or f"invalid {saved['model_type']} config ({first_line(error)})"
         raise CheckpointError(f"{source}: {why}") from error
 
     def refuse(reason: str):
@@ -337,6 +340,7 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
         refuse("attention_bias is true (q/k/v/o have biases)")
     if getattr(hf, "use_sliding_window", False):
         refuse("use_sliding_window is true")
+    hf.standardize_rope_params()  # as its RoPE does before it computes: a top-level original context wins
     rope = dict(hf.rope_parameters or {})
     rope_type, theta = rope.get("rope_type", "default"), rope.get("rope_theta", 10000.0)
     yarn = None
@@ -344,13 +348,16 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
         if rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("truncate") is False:
             refuse("YaRN with mscale / mscale_all_dim / truncate=false")
         yarn = {key: rope[key] for key in ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-                                           "attention_factor") if key in rope and rope[key] is not None}
+                                           "attention_factor") if key in rope}
         yarn["type"] = "yarn"
     elif rope_type != "default":
         refuse(f"rope_type {rope_type!r} (only default and yarn)")
-    problem = rope_problem(theta, yarn, rope_key(saved))
+    problem = rope_problem(theta, yarn, rope_key(saved), hf.max_position_embeddings)
     if problem:
         raise CheckpointError(f"{source}: {problem}")
+    if yarn is not None:  # transformers' factor where it is null; other nulls are YaRN's defaults
+        yarn = {key: value for key, value in {**yarn, "factor": yarn_factor(yarn, hf.max_position_embeddings)}.items()
+                if value is not None}
     config = dict(
         vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
         num_attention_heads=hf.num_attention_heads, num_key_value_heads=hf.num_key_value_heads,

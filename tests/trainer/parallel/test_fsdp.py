@@ -3,6 +3,7 @@ and as DDP, sharded checkpoints that survive kill -9, resume on other process co
 DDP <-> FSDP, and the gathered inference weights."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -267,7 +268,7 @@ def test_fsdp_refuses_what_it_cannot_do_with_one_line_errors():
 def test_a_truncated_shard_is_skipped_and_a_checkpoint_that_does_not_fit_is_one_line(data, fsdp_run, tmp_path):
     """A shard cut short: --from_resume 1 warns and resumes from the checkpoint before, in one process without
     torch's warning. Shards whose tensors are not the model's (layer 1 left out of DCP's index): one line
-    naming the first missing tensor."""
+    counting the missing tensors and naming the first, as for a single-file checkpoint."""
     import pickle
 
     from torch.distributed.checkpoint import FileSystemReader
@@ -291,7 +292,48 @@ def test_a_truncated_shard_is_skipped_and_a_checkpoint_that_does_not_fit_is_one_
         pickle.dump(metadata, handle)
     refused = run_trainer_in_process(flags(data, tmp_path / "other", "--batch_size", "6", *STEPS,
                                            "--resume_from", dcp_at(run, 2)))
-    assert refused.returncode == 2
-    assert refused.stderr.splitlines()[-1] == (
-        f"error: sharded checkpoint {dcp_at(run, 2)} does not fit this run: rank 0: Missing key in checkpoint "
-        "state_dict: model.model.layers.1.input_layernorm.weight.")
+    assert (refused.returncode, refused.stderr.splitlines()[-1]) == (2, (
+        "error: resume checkpoint does not fit this run: missing 11 tensors (model.layers.1.input_layernorm.weight, "
+        "model.layers.1.self_attn.q_proj.weight, model.layers.1.self_attn.k_proj.weight, ...)"))
+
+
+def rewritten(checkpoint, target, change) -> str:
+    """A copy of the sharded `checkpoint` whose model tensors `change(model)` alters (one shard, as one process
+    writes it: any process count loads it)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    os.makedirs(target.parent / "flat", exist_ok=True)
+    flat = target.parent / "flat" / f"{target.name}.pt"
+    dcp_to_torch_save(checkpoint, flat)
+    state = torch.load(flat, weights_only=True)
+    change(state["model"])
+    torch.save(state, flat)
+    torch_save_to_dcp(flat, target)
+    shutil.copy(os.path.join(checkpoint, "meta.pt"), target / "meta.pt")
+    return str(target)
+
+
+def test_a_sharded_checkpoint_that_does_not_fit_is_refused_as_a_single_file_one_is(data, fsdp_run, tmp_path):
+    """The check of every weights loader (trainer/weights/read.py, `misfit`) before the shards load: a tied
+    model's lm_head.weight apart from its embedding (one of the two would be lost), an extra tensor (dropped
+    without a word) and a wrong shape are one line, from every rank of an --fsdp 1 run and from one process."""
+    def apart(model):
+        model["lm_head.weight"] += 1
+
+    def extra_and_wrong_shape(model):
+        model["model.extra.weight"] = torch.zeros(2)
+        model["model.norm.weight"] = torch.ones(3)
+
+    line = ("error: resume checkpoint does not fit this run: lm_head.weight differs from model.embed_tokens.weight, "
+            "which is the same tensor in a model with tie_word_embeddings")
+    resume = ["--batch_size", "3", *STEPS, "--fsdp", "1", "--resume_from"]
+    result = run_trainer(flags(data, tmp_path / "apart", *resume, rewritten(
+        dcp_at(fsdp_run, 2), tmp_path / "apart.dcp", apart)), nproc=2, check=False)
+    output = result.stdout + result.stderr
+    assert output.count(line) == 1, output[-3000:]  # both ranks refuse: printed once
+    assert re.findall(r"exitcode\s*: (\S+) \(pid", output) == ["2", "2"], output[-3000:]
+    refused = run_trainer_in_process(flags(data, tmp_path / "shapes", *resume, rewritten(
+        dcp_at(fsdp_run, 2), tmp_path / "shapes.dcp", extra_and_wrong_shape)))
+    assert (refused.returncode, refused.stderr.splitlines()) == (2, [
+        "error: resume checkpoint does not fit this run: unexpected 1 tensor (model.extra.weight); wrong shape 1 "
+        "tensor (model.norm.weight)"])

@@ -28,6 +28,8 @@ YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_p
     {"attention_factor": 0.25},
     {"attention_factor": 2},
     {"original_max_position_embeddings": 4096},  # a correction range past the last frequency
+    {"factor": None},  # transformers' factor: max_position_embeddings / original_max_position_embeddings, 4
+    {"factor": None, "original_max_position_embeddings": 32},  # 2
 ])
 def test_yarn_settings_transformers_computes_with_make_its_tables(edge):
     reference = Qwen3Config(vocab_size=64, max_position_embeddings=64, rope_parameters={**YARN, **edge}, **SHAPES)
@@ -36,6 +38,31 @@ def test_yarn_settings_transformers_computes_with_make_its_tables(edge):
     cos, sin = precompute_rope_tables(MiniMindConfig(**config_from_qwen3(reference.to_dict(), "qwen3")))
     assert torch.allclose(cos, angles.cos() * attention_factor, rtol=0, atol=1e-6)
     assert torch.allclose(sin, angles.sin() * attention_factor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("config, factor, original", [
+    ({"rope_parameters": {**YARN, "factor": None}}, 4.0, 16),
+    ({"rope_scaling": {"type": "yarn", "factor": None, "original_max_position_embeddings": 16}, "rope_theta": 100.0},
+     4.0, 16),
+    # transformers' RoPE takes a top-level original context over the one in the settings (Phi3's layout)
+    ({"rope_parameters": {**YARN, "factor": None}, "original_max_position_embeddings": 8}, 8.0, 8),
+    ({"rope_parameters": YARN, "original_max_position_embeddings": 8}, 4.0, 8),
+    # no original context: transformers takes max_position_embeddings, so the factor is 1
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": None}}, 1.0, 64),
+])
+def test_a_null_yarn_factor_and_the_original_context_are_read_as_transformers_reads_them(qwen3_dir, tmp_path, config,
+                                                                                         factor, original):
+    """A null factor is max_position_embeddings / original_max_position_embeddings, as transformers computes it."""
+    folder = changed_copy(qwen3_dir, tmp_path / "qwen3", **config)
+    reference = Qwen3ForCausalLM.from_pretrained(folder).eval()
+    weights = read_weights(str(folder))
+    model = MiniMindForCausalLM(build_config(weights))
+    load_into(model, weights)
+    assert (model.config.rope_yarn["factor"], model.config.rope_yarn["original_max_position_embeddings"]) == (
+        factor, original)
+    ids = torch.randint(0, 64, (2, 48))  # past the original context: YaRN is active
+    with torch.no_grad():
+        assert torch.allclose(model.eval()(ids).logits, reference(ids).logits, atol=1e-5, rtol=0)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +91,11 @@ ZERO_BETA = "must be a positive number, got 0 (transformers reads 0 as its defau
     ({"attention_factor": 0.0}, "rope_parameters['attention_factor'] must be a positive number, got 0.0 (it scales "
                                 "the cos/sin tables: 0 makes them 0)"),
     ({"factor": 0.5}, "rope_parameters['factor'] must be a number >= 1 (the context's stretch), got 0.5"),
+    ({"factor": None, "original_max_position_embeddings": 128}, "rope_parameters['factor'] is null, for which "
+     "transformers computes max_position_embeddings / original_max_position_embeddings = 64 / 128 = 0.5: it must be "
+     ">= 1 (the context's stretch)"),
+    ({"factor": None, "original_max_position_embeddings": 0},  # transformers divides by zero
+     "rope_parameters['original_max_position_embeddings'] must be a positive number, got 0"),
     ({"original_max_position_embeddings": 0},
      "rope_parameters['original_max_position_embeddings'] must be a positive number, got 0"),
     ({"rope_theta": 1.0}, "rope_parameters (YaRN) needs rope_theta other than 1: its correction range divides by "
@@ -73,6 +105,14 @@ def test_yarn_settings_that_cannot_work_are_one_line_naming_the_qwen3_folder(qwe
     folder = changed_copy(qwen3_dir, tmp_path / "qwen3", rope_parameters={**YARN, **rope})
     done = run_trainer_in_process(flags(data, tmp_path / "run", "--from_weight", str(folder)))
     assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: {folder}: {line}"])
+
+
+def test_yarn_settings_without_a_factor_are_one_line_as_transformers_refuses_them(qwen3_dir, data, tmp_path):
+    rope = {key: value for key, value in YARN.items() if key != "factor"}
+    folder = changed_copy(qwen3_dir, tmp_path / "qwen3", rope_parameters=rope)
+    done = run_trainer_in_process(flags(data, tmp_path / "run", "--from_weight", str(folder)))
+    assert (done.returncode, done.stderr.splitlines()) == (
+        2, [f"error: {folder}: rope_parameters has no factor (the context's stretch)"])
 
 
 def test_yarn_settings_saved_with_minisft_weights_are_checked_alike(data, tmp_path):
@@ -130,3 +170,26 @@ def test_a_qwen3_config_transformers_refuses_is_one_line_with_its_reason(qwen3_d
         folder = changed_copy(qwen3_dir, tmp_path / next(iter(changes)), **changes)
         done = run_trainer_in_process(flags(data, tmp_path / "run", "--from_weight", str(folder)))
         assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: {folder}: invalid qwen3 config ({reason})"])
+
+
+def test_a_switch_given_as_text_is_one_line_from_every_config_read_with_the_weights(qwen3_dir, data, tmp_path):
+    """"false" is truthy: in a minisft model folder or a resume checkpoint it would mean True. transformers'
+    Qwen3 config refuses it (and 0 and 1) in a line of its own."""
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=6400, hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2))
+    model.save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": "false"}))
+    checkpoint = tmp_path / "step_00000001.pt"
+    torch.save(stamped({"model": model.state_dict(), "model_config": {**model.config.to_dict(), "use_moe": 0}}),
+               checkpoint)
+    qwen3 = changed_copy(qwen3_dir, tmp_path / "qwen3", tie_word_embeddings="false")
+    invalid = "invalid model config (MiniMindConfig: {} must be true or false (a JSON bool), got {})"
+    for source, line in (
+            (f"minisft model {tmp_path / 'model'}", invalid.format("tie_word_embeddings", "'false'")),
+            (f"resume checkpoint {checkpoint}", invalid.format("use_moe", 0)),
+            (str(qwen3), "invalid qwen3 config (Validation error for field 'tie_word_embeddings': TypeError: Field "
+                         "'tie_word_embeddings' expected bool, got str (value: 'false'))")):
+        done = run_trainer_in_process(flags(data, tmp_path / "run", "--from_weight", source.split()[-1]))
+        assert (done.returncode, done.stderr.splitlines()) == (2, [f"error: {source}: {line}"])
