@@ -12,6 +12,10 @@ that these define, so a resume that changes one is refused with one line naming 
   file at another path resumes;
 - the tokenizer and chat template (their fingerprint), and the version of the code that turns rows
   into tokens (dataset.cache.key.TOKENS_VERSION).
+The version of the rules that decide which rows are bad (dataset.cache.key.ROWS_VERSION) is not
+part of it: code of other rules builds the token caches again, and a resume is refused only where a
+file's number of samples differs, so one whose rows are the same resumes. (A file that loses and
+gains as many rows under the other rules keeps its count: the record holds no digest of the samples.)
 `save()` never reads the data files again: a file that is moved, deleted or grown while the run
 trains changes nothing in its checkpoints, and a resume over the changed data is refused.
 
@@ -187,11 +191,7 @@ def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | No
         return ("--data_path weights", ",".join(exact(source.weight) for source in before.sources),
                 ",".join(exact(source.weight) for source in now.sources),
                 f"resume with the same sources and weights (--data_path {flags.get('data_path')})")
-    content = data_difference(before.sources, now.sources)
-    if content:
-        return ("--data_path content", *content,
-                f"resume with the data it was trained on ({flags.get('data_path')}, unchanged)")
-    return None
+    return data_difference(before.sources, now.sources, flags)
 
 
 def prompt_room_difference(before: bool, now: bool) -> tuple:
@@ -213,25 +213,34 @@ def exact(weight: float) -> str:
     return short if float(short) == weight else repr(weight)
 
 
-def data_difference(before: tuple[SourceRecord, ...], now: tuple[SourceRecord, ...]) -> tuple[str, str] | None:
-    """(checkpoint's, this run's) description of the first file that differs, or None.
+def data_difference(before: tuple[SourceRecord, ...], now: tuple[SourceRecord, ...], flags: dict) -> tuple | None:
+    """(what, checkpoint's, this run's description, what to do) of the first file that differs, or None.
 
     Files are compared by content (sha256 and samples), in order, not by path: a byte-identical
-    file moved or renamed (a data directory mounted elsewhere) is the same data and resumes."""
+    file moved or renamed (a data directory mounted elsewhere) is the same data and resumes. The
+    same bytes give other samples where the runs leave out other rows as bad: another --bad_data, or
+    code of other rules (dataset.cache.key.ROWS_VERSION, which is not compared itself: code of other
+    rules that keeps the same rows of this data resumes)."""
+    same_data = f"resume with the data it was trained on ({flags.get('data_path')}, unchanged)"
     for old, new in zip(before, now):
         if len(old.files) != len(new.files):
             old_paths, new_paths = [file.path for file in old.files], [file.path for file in new.files]
             changes = ([f"new {path}" for path in new_paths if path not in old_paths]
                        + [f"missing {path}" for path in old_paths if path not in new_paths])
-            return (f"{len(old_paths)} file(s) in {old.spec}",
-                    f"{len(new_paths)} file(s): {'; '.join(changes) or 'the same names'}")
+            return ("--data_path content", f"{len(old_paths)} file(s) in {old.spec}",
+                    f"{len(new_paths)} file(s): {'; '.join(changes) or 'the same names'}", same_data)
         for old_file, new_file in zip(old.files, new.files):
             where = "" if new_file.path == old_file.path else f"{new_file.path} "
             if old_file.digest != new_file.digest:
-                return f"{old_file.path} sha256 {old_file.digest[:16]}", f"{where}sha256 {new_file.digest[:16]}"
+                return ("--data_path content", f"{old_file.path} sha256 {old_file.digest[:16]}",
+                        f"{where}sha256 {new_file.digest[:16]}", same_data)
             if old_file.samples != new_file.samples:
-                return (f"{old_file.path} with {old_file.samples} samples",
-                        f"{where}{new_file.samples} (another --bad_data?)")
+                bad_data = f"--bad_data {flags['bad_data']}" if flags.get("bad_data") else "its --bad_data"
+                return ("the number of samples of --data_path", f"{old_file.path} with {old_file.samples} samples",
+                        f"{where}{new_file.samples}",
+                        "the same bytes give other samples where other rows are left out as bad (another "
+                        "--bad_data, or other rules of bad rows: dataset.cache.key.ROWS_VERSION): resume with "
+                        f"{bad_data} and the minisft version that wrote the checkpoint")
     return None
 
 

@@ -9,9 +9,10 @@ Layout of ``<cache_root>/<key>/``:
 * ``meta.json``     counts (samples, tokens, skipped bad lines, dropped samples) and the dtype
 
 ``key`` (``key.cache_key``) hashes the data file's bytes, the tokenizer fingerprint (vocab,
-merges, special tokens, chat template), ``max_seq_len``, ``CACHE_VERSION`` (the layout) and
-``TOKENS_VERSION`` (the code that turns a row into tokens and labels); ``meta.json`` records
-``tokens_version`` and a cache that records another one is built again. The file is read in chunks
+merges, special tokens, chat template), ``max_seq_len``, ``CACHE_VERSION`` (the layout),
+``TOKENS_VERSION`` (the code that turns a row into tokens and labels) and ``ROWS_VERSION`` (the rules
+that decide which rows are bad); ``meta.json`` records ``tokens_version`` and ``rows_version``, and a
+cache that records others is built again. The file is read in chunks
 of ``CHUNK_LINES`` lines; each chunk is parsed (``formats``) and encoded through the one seam from
 a conversation to its tokens (``dataset.tokens``) by ``encode_chunk``, in the worker processes of
 ``workers.WorkerPool`` (or in this process when the build has one core), and appended to a
@@ -46,7 +47,10 @@ from ..rendering import token_dtype
 from ..sources import check_data_file, open_lines
 from ..tokens import encode_conversations, uses_chatml_encoder
 from .finished import TokenCache, read_checked, read_meta
-from .key import CACHE_VERSION, TOKENS_CHANGES, TOKENS_VERSION, cache_key, data_digest
+from .key import (
+    CACHE_VERSION, ROWS_CHANGES, ROWS_VERSION, TOKENS_CHANGES, TOKENS_VERSION, UNRECORDED_ROWS_VERSION, cache_key,
+    data_digest, older_keys,
+)
 from .resumable import PartialBuild, Progress, remove_stale_partials
 from .workers import STOP_SIGNALS, WorkerPool, default_num_proc
 
@@ -198,6 +202,7 @@ def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, b
     partial.finish({
         "version": CACHE_VERSION,
         "tokens_version": TOKENS_VERSION,
+        "rows_version": ROWS_VERSION,
         "data_file": str(path),
         "data_digest": partial.progress.data_digest,
         "max_seq_len": max_seq_len,
@@ -319,7 +324,19 @@ def stop_encoding(pool: WorkerPool | None) -> None:
 def cache_target(path: Path, tokenizer, max_seq_len: int, cache_root: Path) -> tuple[str, Path]:
     """The data file's digest and the directory its cache of this key has (finished or not)."""
     digest = data_digest(path, cache_root)
-    return digest, Path(cache_root) / cache_key(digest, tokenizer, max_seq_len, TOKENS_VERSION)
+    return digest, Path(cache_root) / cache_key(digest, tokenizer, max_seq_len, TOKENS_VERSION, ROWS_VERSION)
+
+
+def other_versions(meta: dict) -> str | None:
+    """How a finished cache's record (``meta.json``) differs from this code's versions, in words
+    ("records tokens version 3, not this code's 4"), or None when it is of them. A cache that records
+    no rows version has the rules of ``UNRECORDED_ROWS_VERSION``."""
+    if meta.get("tokens_version") != TOKENS_VERSION:
+        return f"records tokens version {meta.get('tokens_version')}, not this code's {TOKENS_VERSION}"
+    rows = meta.get("rows_version", UNRECORDED_ROWS_VERSION)
+    if rows != ROWS_VERSION:
+        return f"records rows version {rows}, not this code's {ROWS_VERSION}"
+    return None
 
 
 def check_bad_data_mode(bad_data: str) -> None:
@@ -340,8 +357,8 @@ class CacheNotBuilt(RuntimeError):
 
 def open_finished(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error") -> TokenCache:
     """The finished cache of this (data, tokenizer, ``max_seq_len``), opened; it builds nothing and
-    runs no collective. ``CacheNotBuilt`` when that cache is missing or records another tokens
-    version (``build_or_reuse`` would build it); a damaged one is ``TokenCache``'s ``DataError``; in
+    runs no collective. ``CacheNotBuilt`` when that cache is missing or records another tokens or
+    rows version (``build_or_reuse`` would build it); a damaged one is ``TokenCache``'s ``DataError``; in
     ``bad_data="error"`` mode a cache that skipped bad lines raises their ``DataError``, as its
     build does."""
     check_bad_data_mode(bad_data)
@@ -353,9 +370,9 @@ def open_finished(path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad
         raise CacheNotBuilt(f"{path}: its token cache {target} (this tokenizer, max_seq_len={max_seq_len}) is not "
                             f"built; {build_step}")
     cache = TokenCache(target)
-    if cache.meta.get("tokens_version") != TOKENS_VERSION:
-        raise CacheNotBuilt(f"{path}: its token cache {target} records tokens version "
-                            f"{cache.meta.get('tokens_version')}, not this code's {TOKENS_VERSION}; {build_step}")
+    other = other_versions(cache.meta)
+    if other:
+        raise CacheNotBuilt(f"{path}: its token cache {target} {other}; {build_step}")
     check_bad_data(cache.meta, bad_data)
     return cache
 
@@ -371,14 +388,9 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     digest, target = cache_target(path, tokenizer, max_seq_len, cache_root)
     if (target / "meta.json").is_file():
         meta, problem = read_checked(target)
-        recorded = None if problem else meta.get("tokens_version")
-        if problem:
-            print_escaped(f"{path.name}: the token cache {target} is damaged ({problem}): building it again",
-                          file=sys.stderr)
-            _remove_cache(target)
-        elif recorded != TOKENS_VERSION:
-            print_escaped(f"{path.name}: the token cache {target} records tokens version {recorded}, not this code's "
-                          f"{TOKENS_VERSION}: building it again", file=sys.stderr)
+        why = f"is damaged ({problem})" if problem else other_versions(meta)
+        if why:
+            print_escaped(f"{path.name}: the token cache {target} {why}: building it again", file=sys.stderr)
             _remove_cache(target)
     if not (target / "meta.json").is_file():
         _report_older_caches(path, digest, tokenizer, max_seq_len, cache_root)
@@ -388,14 +400,19 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
 
 
 def _report_older_caches(path: Path, digest: str, tokenizer, max_seq_len: int, cache_root: Path) -> None:
-    """Say why a cache of these same bytes, tokenizer and max_seq_len built by older code is not used."""
-    for version in range(1, TOKENS_VERSION):
-        older = cache_root / cache_key(digest, tokenizer, max_seq_len, version)
-        if (older / "meta.json").is_file():
-            print_escaped(f"{path.name}: not reusing the token cache {older}: it was built by older code (tokens "
-                          f"version {version}; this code tokenizes as version {TOKENS_VERSION}: "
-                          f"{TOKENS_CHANGES[TOKENS_VERSION]}); building a new one (delete the old one once no older "
-                          "minisft uses it)", file=sys.stderr)
+    """Say why a cache of these same bytes, tokenizer and max_seq_len built by older code is not used:
+    its tokens version, else its rows version, and what this code's changed."""
+    for tokens, rows, key in older_keys(digest, tokenizer, max_seq_len, TOKENS_VERSION, ROWS_VERSION):
+        older = cache_root / key
+        if not (older / "meta.json").is_file():
+            continue
+        if tokens != TOKENS_VERSION:
+            why = (f"tokens version {tokens}; this code tokenizes as version {TOKENS_VERSION}: "
+                   f"{TOKENS_CHANGES[TOKENS_VERSION]}")
+        else:
+            why = f"rows version {rows}; this code accepts rows as version {ROWS_VERSION}: {ROWS_CHANGES[ROWS_VERSION]}"
+        print_escaped(f"{path.name}: not reusing the token cache {older}: it was built by older code ({why}); building "
+                      "a new one (delete the old one once no older minisft uses it)", file=sys.stderr)
 
 
 def _remove_cache(cache: Path) -> None:

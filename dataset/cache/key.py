@@ -1,6 +1,7 @@
 """What names a token cache: the data file's bytes (their sha256, memoized per file version under a
 cheap key, so an unchanged multi-GB file is hashed once, not at every start), the tokenizer and its
-chat template, ``max_seq_len`` and the versions of the layout and of the code that makes tokens."""
+chat template, ``max_seq_len`` and the versions of the layout, of the code that makes tokens and of
+the rules that decide which rows are accepted."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from ..rendering import tokenizer_fingerprint
 CACHE_VERSION = 1  # the layout of the files
 # The version of everything besides the tokenizer (whose fingerprint is in the key already) that
 # decides a row's tokens and loss mask: reading lines (sources), parsing (formats), rendering and
-# loss spans (rendering, tokens), truncation to max_seq_len, which rows are skipped or dropped
-# (cache.build). Every change to the tokens or labels of any row needs a new version, or caches
+# loss spans (rendering, tokens), truncation to max_seq_len, which samples are dropped for having no
+# loss token (cache.build); which rows are bad has a version of its own (ROWS_VERSION, below). Every
+# change to the tokens or labels of any accepted row needs a new version, or caches
 # built by another version's code are reused: tests/dataset/test_tokens_version.py holds a digest of the
 # tokens and labels of fixed conversations per version and fails when they change without one.
 TOKENS_VERSION = 4
@@ -27,6 +29,22 @@ TOKENS_CHANGES = {  # what each version changed, for the line that says why a ca
     4: "special-token text in JSON keys is text, and a tokenizer whose pieces are not proven to tokenize as the "
        "whole text (sentencepiece's Metaspace 'first') is tokenized whole",
 }
+# The version of the rules that decide which rows are accepted (bad lines, `file:line: ...`) where the
+# tokens of the accepted rows stay those of TOKENS_VERSION. A cache built under other rules may hold
+# rows this code refuses or lack rows it keeps, so it is built again; a resume is not refused for it
+# (trainer/run_identity.py compares each file's number of samples, which shows whether rows changed).
+# Every change of which rows are accepted needs a new version: tests/dataset/test_rows_version.py
+# holds the bad lines of fixed rows per version and fails when they change without one.
+ROWS_VERSION = 2
+ROWS_CHANGES = {  # what each version changed, for the line that says why a cache is built again
+    1: "the rules of the caches that record no rows version",
+    2: "a row is bad where it holds a key twice in one JSON object, both 'conversations' and 'messages', a tool "
+       "call of a type other than 'function', in two forms or with call keys inside 'function', a non-empty "
+       "'functions', or tools, tool calls or reasoning the chat template does not render; a null or empty "
+       "'conversations', 'messages' or call key counts as absent; a reply that repeats an earlier turn under "
+       "Qwen3's template is kept",
+}
+UNRECORDED_ROWS_VERSION = 1  # the rules of a cache whose meta.json records no rows version
 
 
 SYSTEM_DIRS = (Path("/dev"), Path("/proc"), Path("/sys"))  # no cache is written beside a file in these
@@ -44,14 +62,32 @@ def default_cache_root(data_path: Path, cache_dir) -> Path:
     return folder / ".cache"
 
 
-def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int) -> str:
+def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int, rows_version: int) -> str:
     """Directory name of the cache for this (data, tokenizer, template, max_seq_len, versions);
-    ``tokens_version=1`` gives the key of caches whose tokens version is not part of their key."""
-    parts = [f"v{CACHE_VERSION}", data_digest, tokenizer_fingerprint(tokenizer), str(max_seq_len)]
-    if tokens_version > 1:
-        parts.append(f"tokens{tokens_version}")
-    return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
+    ``tokens_version=1`` gives the key of caches whose tokens version is not part of their key,
+    ``rows_version=1`` that of caches whose rows version is not."""
+    return _versioned_key(_unversioned_parts(data_digest, tokenizer, max_seq_len), tokens_version, rows_version)
 
+
+def older_keys(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int,
+               rows_version: int) -> list[tuple[int, int, str]]:
+    """``(tokens version, rows version, key)`` of every cache of this (data, tokenizer, template,
+    max_seq_len) that code of versions up to ``tokens_version`` and ``rows_version`` (this code's) may
+    have built, theirs left out."""
+    parts = _unversioned_parts(data_digest, tokenizer, max_seq_len)
+    return [(tokens, rows, _versioned_key(parts, tokens, rows))
+            for tokens in range(1, tokens_version + 1) for rows in range(1, rows_version + 1)
+            if (tokens, rows) != (tokens_version, rows_version)]
+
+
+def _unversioned_parts(data_digest: str, tokenizer, max_seq_len: int) -> list[str]:
+    return [f"v{CACHE_VERSION}", data_digest, tokenizer_fingerprint(tokenizer), str(max_seq_len)]
+
+
+def _versioned_key(parts: list[str], tokens_version: int, rows_version: int) -> str:
+    parts = [*parts, *([f"tokens{tokens_version}"] if tokens_version > 1 else []),
+             *([f"rows{rows_version}"] if rows_version > 1 else [])]
+    return hashlib.sha256("|".join(parts).encode("utf-8")).hexdigest()[:24]
 
 
 def file_digest(path: Path) -> str:

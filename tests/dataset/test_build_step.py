@@ -58,13 +58,15 @@ def test_a_dataset_without_a_finished_cache_raises_and_builds_nothing(tmp_path, 
     assert not target.exists()
 
 
-def test_a_cache_of_another_tokens_version_is_not_opened(tmp_path):
+@pytest.mark.parametrize("version, recorded", [("tokens_version", 3), ("rows_version", 1)])
+def test_a_cache_of_another_tokens_or_rows_version_is_not_opened(tmp_path, version, recorded):
     data = write_rows(tmp_path / "d.jsonl")
     path = build_cache_and_open(data, None, 64, num_proc=1).cache_path
     meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-    (path / "meta.json").write_text(json.dumps({**meta, "tokens_version": 3}), encoding="utf-8")
-    with pytest.raises(CacheNotBuilt, match=f"^{data}: its token cache {path} records tokens version 3, not this "
-                                            f"code's {build.TOKENS_VERSION}; a dataset only opens a finished cache"):
+    (path / "meta.json").write_text(json.dumps({**meta, version: recorded}), encoding="utf-8")
+    current = {"tokens_version": build.TOKENS_VERSION, "rows_version": build.ROWS_VERSION}[version]
+    with pytest.raises(CacheNotBuilt, match=f"^{data}: its token cache {path} records {version.split('_')[0]} version "
+                                            f"{recorded}, not this code's {current}; a dataset only opens a finished cache"):
         SFTDataset(data, None, 64)
 
 

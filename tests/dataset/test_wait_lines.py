@@ -11,7 +11,7 @@ import torch.distributed
 import dataset.cache.node as node_build
 from dataset.cache import waiting
 from dataset.cache import build_or_reuse
-from dataset.cache.key import TOKENS_VERSION, cache_key, data_digest
+from dataset.cache.key import ROWS_VERSION, TOKENS_VERSION, cache_key, data_digest
 from dataset.cache.resumable import partial_dir
 from tests.helpers.cache_checks import hold_lock
 from tests.helpers.chat_rows import chat_line, write_rows
@@ -20,7 +20,7 @@ from tests.helpers.chat_rows import chat_line, write_rows
 def test_a_builder_waiting_for_a_live_builder_says_so_at_once(tokenizer, tmp_path, capsys):
     path = write_rows(tmp_path / "w.jsonl", [chat_line(i) for i in range(4)])
     cache_root = tmp_path / "cache"
-    target = cache_root / cache_key(data_digest(path, cache_root), tokenizer, 64, TOKENS_VERSION)
+    target = cache_root / cache_key(data_digest(path, cache_root), tokenizer, 64, TOKENS_VERSION, ROWS_VERSION)
     holder = hold_lock(partial_dir(target) / "lock", 1.5)  # another builder of the same cache, for 1.5 s
     try:
         assert build_or_reuse(path, tokenizer, 64, cache_root, num_proc=1) == target

@@ -1,13 +1,16 @@
 """What a token cache's folder holds (its partial builds, a finished cache's files), the key a data
-file's cache has, and a live process that holds a partial build's lock as a builder does."""
+file's cache has, a cache as code of rows version 1 left it, and a live process that holds a partial
+build's lock as a builder does."""
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from dataset import load_tokenizer
-from dataset.cache import TOKENS_VERSION
-from dataset.cache.key import cache_key, file_digest
+from dataset import build_cache_and_open, load_tokenizer
+from dataset.cache.key import ROWS_VERSION, TOKENS_VERSION, cache_key, file_digest
+from tests.helpers.chat_rows import write_lines
 
 
 def partials(cache_root: Path) -> list[str]:
@@ -21,7 +24,25 @@ def cache_files(cache: Path) -> dict[str, bytes]:
 def data_key(path, max_seq_len: int = 512) -> str:
     """The key of a data file's token cache with the shipped tokenizer (the TINY flags' --max_seq_len),
     computed here from the file's bytes."""
-    return cache_key(file_digest(Path(path)), load_tokenizer(None), max_seq_len, TOKENS_VERSION)
+    return cache_key(file_digest(Path(path)), load_tokenizer(None), max_seq_len, TOKENS_VERSION, ROWS_VERSION)
+
+
+def plant_rows_1_cache(data: Path, rows_1_reading: list, cache_root: Path, max_seq_len: int = 512) -> Path:
+    """The token cache of ``data`` (shipped tokenizer) as code of rows version 1 left it: at ``data``'s
+    key of rows version 1 (the key without a rows version, as every cache of tokens version 4 had
+    it), its ``meta.json`` recording no rows version, holding what those rules read in ``data``: the
+    rows ``rows_1_reading`` (dicts or lines, as ``write_lines`` takes them; bad ones skipped)."""
+    made_of = write_lines(data.with_name(f"{data.stem}.rows-1.jsonl"), rows_1_reading)
+    tokenizer = load_tokenizer(None)
+    built = build_cache_and_open(made_of, tokenizer, max_seq_len, bad_data="skip", num_proc=1, log=lambda line: None)
+    target = Path(cache_root) / cache_key(file_digest(data), tokenizer, max_seq_len, TOKENS_VERSION, 1)
+    shutil.copytree(built.cache_path, target)
+    meta = json.loads((target / "meta.json").read_text(encoding="utf-8"))
+    del meta["rows_version"]
+    meta.update(data_file=str(data), data_digest=file_digest(data),
+                first_bad_line=meta["first_bad_line"] and meta["first_bad_line"].replace(str(made_of), str(data)))
+    (target / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    return target
 
 
 def hold_lock(lock: Path, seconds: float) -> subprocess.Popen:

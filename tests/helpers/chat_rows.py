@@ -1,6 +1,6 @@
 """Conversations and data files the dataset tests build token caches from: a chat with a system
-prompt, a tool conversation with reasoning (MiniMind's format), numbered one-question chats, and
-writers of jsonl (and .jsonl.gz) files."""
+prompt, a tool conversation with reasoning (MiniMind's format), numbered one-question chats, a row
+that holds a key twice, and writers of jsonl (and .jsonl.gz) files."""
 
 import gzip
 import json
@@ -28,6 +28,13 @@ TOOL_CHAT_MINIMIND = {"conversations": [
     {"role": "tool", "content": RESULT},
     {"role": "assistant", "content": "Velm"},
 ]}
+
+# A row holding a key twice in one JSON object (a bad line), and the row the rules of rows version 1
+# read in it: the key's last value (dataset.cache.key.ROWS_CHANGES).
+KEY_TWICE = ('{"messages": [{"role": "user", "content": "Capital of Zorlia?", "content": "Capital of Quendor?"}, '
+             '{"role": "assistant", "content": "Velm"}]}')
+KEY_TWICE_READ_AS_LAST_VALUE = {"messages": [{"role": "user", "content": "Capital of Quendor?"},
+                                             {"role": "assistant", "content": "Velm"}]}
 
 
 def write_lines(path: Path, rows) -> Path:
