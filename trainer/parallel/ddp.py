@@ -53,6 +53,9 @@ class Replicated:
         return self.model if self.ctx.is_main else None
 
 
+RUNTIME_STATS_NEVER = 2**31 - 1  # DDP's iterations between two timed ones (an int in C++)
+
+
 def wrap_for_distributed(model: MiniMindForCausalLM, ctx):
     """DDP that neither broadcasts nor syncs the RoPE tables (they are derived, identical everywhere).
 
@@ -62,7 +65,7 @@ def wrap_for_distributed(model: MiniMindForCausalLM, ctx):
         return model
     ignore = [name for name, _ in model.named_buffers() if name.rsplit(".", 1)[-1] in ROPE_BUFFERS]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
-    return DistributedDataParallel(
+    ddp = DistributedDataParallel(
         model,
         device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
         # Every parameter gets a gradient in every backward, MoE experts included: the grouped
@@ -74,6 +77,11 @@ def wrap_for_distributed(model: MiniMindForCausalLM, ctx):
         # of every gradient beside the buckets (the model's size in fp32 less memory per rank).
         gradient_as_bucket_view=True,
     )
+    # DDP times its first 10 iterations and then one in every 100 by default; on a GPU each timed
+    # iteration waits on the host for the previous one's CUDA events, a host sync inside a step.
+    # The largest sample rate leaves only the first 10.
+    ddp._set_ddp_runtime_logging_sample_rate(RUNTIME_STATS_NEVER)
+    return ddp
 
 
 def unwrap(model):

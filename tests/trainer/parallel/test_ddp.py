@@ -30,6 +30,18 @@ def test_ddp_does_not_look_for_unused_parameters(one_process_group, use_moe):
     del wrapped
 
 
+def test_ddp_times_no_iteration_after_its_first_ten(one_process_group):
+    """DDP's runtime statistics wait on the host for CUDA events of the iteration they time: the
+    first 10 iterations are timed whatever the rate, no later one (by default the 100th, 200th...)."""
+    ctx = DistContext(0, 0, 2, torch.device("cpu"), "gloo")
+    wrapped = wrap_for_distributed(tiny_model(), ctx)
+    ids = torch.randint(3, 97, (2, 8))
+    for _ in range(101):
+        wrapped(ids, labels=ids).loss.backward()
+    assert wrapped._get_ddp_logging_data()["iteration"] == 10  # the last timed one; by default the 100th
+    del wrapped
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_expert_no_token_reached_still_gets_a_zero_gradient(dtype):
     """What DDP without find_unused_parameters needs: every parameter has a gradient after each
