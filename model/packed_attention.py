@@ -8,10 +8,9 @@ to B x T tokens and each document is treated as a sequence of its own:
 - CUDA, bf16/fp16, no dropout, where SDPA's FlashAttention runs (`flash_attention_dtype`: Ampere
   or newer): `torch.nn.attention.varlen.varlen_attn` (FlashAttention's variable-length kernel) on
   the flat tokens with cumulative document lengths;
-- everywhere else: documents of similar length (same power-of-two bucket) are gathered into a
-  small [n, L, heads, head_dim] batch, right-padded, and run through SDPA with `is_causal=True`.
-  The padding sits after every real token, so causal attention never lets a real token see it;
-  a bucket pads a document to at most twice its length.
+- everywhere else: documents of similar length are gathered into small right-padded batches
+  and run through SDPA with `is_causal=True`, one bucket at a time (model/packed_buckets.py; under
+  torch.compile as one custom op, so that the compiled graph has no break there).
 
 Both paths give the same result as the dense document mask: tests/model/test_packed_attention.py
 checks the bucketed path against the eager reference, tests/test_cuda.py the varlen kernel against
@@ -29,7 +28,9 @@ import functools
 import inspect
 
 import torch
-import torch.nn.functional as F
+
+from .compute_weights import compute_dtype
+from .packed_buckets import attend_in_buckets_eagerly, bucketed_attention, plan_buckets, to_device
 
 try:  # torch >= 2.10 (CUDA only at run time)
     from torch.nn.attention.varlen import varlen_attn
@@ -89,10 +90,9 @@ class PackedDocuments:
 
     def attend(self, q, k, v, dropout: float) -> torch.Tensor:
         """q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], causal within each document.
-        The varlen path traces under torch.compile (the kernel is a custom op); the buckets, a
-        loop over host values, run outside the compiled graph."""
-        batch, length = self.shape
-        heads, head_dim = q.shape[1], q.shape[-1]
+        Both paths trace under torch.compile without a graph break (the varlen kernel and the
+        buckets are custom ops), the buckets with dropout excepted: they then run outside the graph."""
+        batch, heads, length, head_dim = q.shape
         flat = [t.transpose(1, 2).reshape(batch * length, t.shape[1], head_dim) for t in (q, k, v)]
         half = flash_attention_dtype(q)
         if half is not None and dropout == 0.0 and _flash_varlen_available(q):
@@ -101,11 +101,17 @@ class PackedDocuments:
             out = self._attend_in_buckets(*flat, dropout)
         return out.view(batch, length, heads, head_dim).transpose(1, 2)
 
-    @torch.compiler.disable
     def _attend_in_buckets(self, q, k, v, dropout: float) -> torch.Tensor:
-        """`attend_in_buckets` by this layout's plan."""
+        """`attend_in_buckets` in the compute dtype (autocast's, cast here as autocast would cast
+        SDPA's inputs) with autocast off; under torch.compile without dropout as one op."""
+        plan = (self.gather, self.bucket_shapes, self.rows)
         expand = gqa_needs_expanded_heads(q, k, masked=False)
-        return attend_in_buckets(q, k, v, self.gather, self.bucket_shapes, self.rows, expand, dropout)
+        dtype = compute_dtype(q)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        with torch.autocast(q.device.type, enabled=False):
+            if dropout == 0.0 and torch.compiler.is_compiling():
+                return bucketed_attention(q, k, v, *plan, expand)[0]
+            return attend_in_buckets_eagerly(q, k, v, *plan, expand, dropout)
 
     def dense(self) -> torch.Tensor:
         """The equivalent boolean [B, 1, T, T] mask (True = attend), for eager attention."""
@@ -116,71 +122,6 @@ class PackedDocuments:
         same = ids.view(batch, 1, length, 1) == ids.view(batch, 1, 1, length)
         causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
         return same & causal
-
-
-# Power-of-two buckets (0, 1], (1, 2], (2, 4], ...: one row of `bucket_shapes` each, as many as
-# an int64 length can need.
-BUCKETS = 64
-
-
-def plan_buckets(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The SDPA buckets of documents (CPU `document_starts`): (`gather`: the flat token index of
-    every bucket's [n, L] batch, bucket after bucket, a pad repeating its document's first token;
-    `bucket_shapes` [BUCKETS, 2]: each bucket's (n, L), (0, 0) where no document falls; `rows`:
-    the rows of the buckets' padded outputs, flattened one after the other, that hold each token's
-    output, in token order). Padding at most doubles a document."""
-    bucket_of = torch.ceil(torch.log2(lengths.double())).long()
-    bucket_shapes = [(0, 0)] * BUCKETS
-    gather, tokens, rows, offset = [], [], [], 0
-    for bucket in torch.unique(bucket_of).tolist():
-        chosen = (bucket_of == bucket).nonzero().squeeze(1)
-        doc_starts, doc_lengths = starts[chosen].view(-1, 1), lengths[chosen].view(-1, 1)
-        offsets = torch.arange(int(doc_lengths.max()))
-        real = offsets < doc_lengths
-        index = torch.where(real, doc_starts + offsets, doc_starts)  # pads repeat a real token
-        bucket_shapes[bucket] = tuple(index.shape)
-        gather.append(index.reshape(-1))
-        tokens.append(index[real])
-        rows.append(offset + real.reshape(-1).nonzero().squeeze(1))
-        offset += index.numel()
-    rows_in_bucket_order = torch.cat(rows)
-    rows_in_token_order = torch.empty_like(rows_in_bucket_order)
-    rows_in_token_order[torch.cat(tokens)] = rows_in_bucket_order
-    return torch.cat(gather), torch.tensor(bucket_shapes), rows_in_token_order
-
-
-def attend_in_buckets(q, k, v, gather: torch.Tensor, bucket_shapes: torch.Tensor, rows: torch.Tensor,
-                      expand_heads: bool, dropout: float = 0.0) -> torch.Tensor:
-    """Flat q [N, H, D], k/v [N, H_kv, D] -> [N, H, D] through SDPA, one bucket at a time, by the
-    CPU plan of `plan_buckets` (its indices copied to q's device here). `expand_heads`: the k/v
-    heads repeated for SDPA (`gqa_needs_expanded_heads`)."""
-    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    gather, rows = (to_device(t, q.device) for t in (gather, rows))
-    shapes = [(n, length) for n, length in bucket_shapes.tolist() if n]
-    # One gather for all the buckets and one scatter back, for q, k and v: its gradient is one
-    # scatter into one zero tensor (a gather per bucket would fill and add a full-size one each).
-    gathered = torch.cat([q, k, v], dim=1)[gather]
-    # (one bucket: the whole tensor; a split of one piece would concatenate it again in the backward)
-    chunks = gathered.split([n * length for n, length in shapes]) if len(shapes) > 1 else [gathered]
-    padded = []
-    for chunk, (n, length) in zip(chunks, shapes):
-        # heads split before the transposes: their gradients then concatenate into chunk's layout
-        by_heads = chunk.view(n, length, -1, head_dim).split([heads, kv_heads, kv_heads], dim=2)
-        qb, kb, vb = (t.transpose(1, 2) for t in by_heads)  # [n, H, L, D]
-        if expand_heads:
-            kb, vb = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (kb, vb))
-        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout,
-                                            enable_gqa=kb.shape[1] != heads)
-        padded.append(ob.transpose(1, 2).reshape(-1, heads, head_dim))
-    return torch.cat(padded)[rows]  # every token's output, pads left out, in token order
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor's copy on `device` that the host does not wait for: to a GPU from page-locked
-    memory (from pageable memory the driver may wait for the stream before it copies)."""
-    if device.type == "cuda" and not tensor.is_pinned():
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
 
 
 def causal_varlen_attn(q, k, v, cu_seqlens: torch.Tensor, max_length: int) -> torch.Tensor:

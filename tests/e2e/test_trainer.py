@@ -118,7 +118,7 @@ def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):
 @pytest.mark.parametrize("packing", ["0", "1"])
 def test_torch_compile_trains_like_eager(data, tmp_path, packing):
     # Length-grouped batches of varying length (dynamic shapes) and packed rows (per-document
-    # attention outside the compiled graph): compiled and eager runs follow the same losses.
+    # attention as a custom op in the compiled graph): compiled and eager runs follow the same losses.
     common = ["--batch_size", "4", "--max_steps", "4", "--packing", packing, "--save_interval", "0"]
     _, result = together(lambda: run_trainer_in_process(flags(data, tmp_path / "eager", *common), check=True),
                          lambda: run_trainer(flags(data, tmp_path / "compiled", *common, "--use_compile", "1"),

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import packed_attention
+from model import packed_attention, packed_buckets
 from model.packed_attention import PackedDocuments, causal_varlen_attn, document_starts
 from tests.helpers.tiny_model import packed_rows, tiny_model
 
@@ -72,7 +72,7 @@ def test_buckets_repeat_the_kv_heads_where_sdpa_would_run_gqa_in_its_math_kernel
         return sdpa(query, key, value, **options)
 
     monkeypatch.setattr(packed_attention, "gqa_needs_expanded_heads", lambda q, k, masked: True)
-    monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(packed_buckets.F, "scaled_dot_product_attention", spy)
     assert torch.allclose(documents.attend(q, k, v, 0.0), expected, atol=1e-6)
     assert calls and set(calls) == {(4, False)}
 
@@ -98,7 +98,7 @@ def varlen_as_an_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, retu
 def test_the_varlen_path_compiles_without_a_graph_break(monkeypatch):
     """torch.compile of packed rows on a GPU in bf16 (the varlen kernel) is one graph: the path is
     stood in for on the CPU (a custom op for the kernel, a GPU's capability and half precision),
-    the rest of the forward is the model's own. The bucketed path runs outside the graph."""
+    the rest of the forward is the model's own."""
     from model.loss import loss_positions_of
 
     monkeypatch.setattr(packed_attention, "varlen_attn", varlen_as_an_op)
@@ -145,6 +145,96 @@ def test_the_varlen_path_compiles_again_at_most_twice_over_changing_documents(mo
     assert frames[0] == 1 and frames[-1] - frames[0] <= 2, frames
 
 
+def attend_and_differentiate(attend, lengths, row_len):
+    """attend(q, k, v, layout) on packed rows of these document lengths: (output, q/k/v gradients)."""
+    _, positions = packed_rows(lengths, row_len=row_len)
+    layout = PackedDocuments(*document_starts(positions), positions.shape)
+    generator = torch.Generator().manual_seed(row_len)
+    batch, length = positions.shape
+    q, k, v = (torch.randn(batch, heads, length, 16, generator=generator).requires_grad_() for heads in (4, 2, 2))
+    out = attend(q, k, v, layout)
+    out.backward(torch.randn(out.shape, generator=generator, dtype=out.dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("backend, autocast, expand_heads", [("eager", False, False), ("aot_eager", False, True),
+                                                             ("aot_eager", True, False)])
+def test_the_bucketed_path_compiles_without_a_graph_break_and_equals_eager(monkeypatch, backend, autocast,
+                                                                            expand_heads):
+    """Under torch.compile the buckets are one op: layouts of 7, 4, 5 and 3 buckets and two row
+    lengths run without a graph break, compiled again only as sizes turn symbolic, and give eager's
+    output and q/k/v gradients bit for bit (the op's backward runs eager's ops again): float32,
+    bf16 by autocast (cast before the op), GQA kept or its k/v heads repeated."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(packed_attention, "gqa_needs_expanded_heads", lambda q, k, masked: expand_heads)
+
+    def attend(q, k, v, layout):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return layout.attend(q, k, v, 0.0)
+
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(attend, backend=counter)
+    layouts = [([[1, 2, 3, 9, 17, 5], [40], [33, 2, 1, 1], [7, 7, 7, 7, 7]], 40),
+               ([[40], [40], [3] * 13, [20, 20]], 40),
+               ([[5, 9, 3], [12, 4], [20]], 24), ([[1] * 24, [2] * 12, [24]], 24)]
+    for lengths, row_len in layouts:
+        expected = attend_and_differentiate(attend, lengths, row_len)
+        results = attend_and_differentiate(compiled, lengths, row_len)
+        assert all(torch.equal(result, value) for result, value in zip(results, expected)), lengths
+    assert expected[0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert dict(counters["graph_break"]) == {}
+    assert counter.frame_count <= 3  # the first layout; the buckets' sizes, then the row length, as symbols
+
+
+def test_the_bucketed_op_gives_its_shapes_on_a_fake_gpu():
+    """The op's shapes without running it (torch.compile's tracing), also for CUDA tensors: the
+    plan stays on the CPU, the outputs are q's, k's and v's shapes on their device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, positions = packed_rows([[5, 9, 3], [12, 4], [20]], row_len=24)
+    layout = PackedDocuments(*document_starts(positions), positions.shape)
+    plan = (layout.gather, layout.bucket_shapes, layout.rows)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(72, 4, 16, device="cuda", dtype=torch.bfloat16)
+        kv = torch.empty(72, 2, 16, device="cuda", dtype=torch.bfloat16)
+        out, logsumexp = packed_buckets.bucketed_attention(q, kv, kv, *plan, True)
+        grads = packed_buckets.bucketed_attention_backward(out, q, kv, kv, out, logsumexp, *plan, True)
+    assert (out.shape, out.device, out.dtype) == ((72, 4, 16), torch.device("cuda", 0), torch.bfloat16)
+    assert [(g.shape, g.device, g.dtype) for g in grads] == [
+        ((72, heads, 16), torch.device("cuda", 0), torch.bfloat16) for heads in (4, 2, 2)]
+
+
+def test_the_bucketed_op_passes_torchs_custom_op_checks():
+    """torch.library.opcheck: the schema, the autograd registration, the fake implementation against
+    the real one (shapes, strides, dtypes) and AOT autograd with dynamic shapes."""
+    _, positions = packed_rows([[5, 9, 3], [12, 4], [20]], row_len=24)
+    layout = PackedDocuments(*document_starts(positions), positions.shape)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(72, heads, 16, generator=generator, requires_grad=True) for heads in (4, 2, 2))
+    results = torch.library.opcheck(packed_buckets.bucketed_attention,
+                                    (q, k, v, layout.gather, layout.bucket_shapes, layout.rows, False))
+    assert set(results.values()) == {"SUCCESS"} and len(results) == 4
+
+
+def test_a_compiled_model_runs_packed_rows_through_the_bucketed_op_in_one_graph():
+    """The model's forward on packed rows on the CPU (the bucketed path) is one graph, one op per layer."""
+    from model.loss import loss_positions_of
+
+    model = tiny_model().train()
+    ids, positions = packed_rows([[5, 9, 3], [12, 4], [20]], row_len=24)
+    layout = PackedDocuments(*document_starts(positions), positions.shape)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(model)(ids, position_ids=positions, labels=ids, skip_logits=True,
+                                               loss_positions=loss_positions_of(ids), packed_layout=layout)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    ops = [node for node in explanation.graphs[0].graph.nodes if "bucketed_attention" in str(node.target)]
+    assert len(ops) == model.config.num_hidden_layers
+
+
 @pytest.mark.parametrize("flash_attn", [True, False])
 def test_packed_row_gives_each_document_its_own_logits(flash_attn):
     model = tiny_model(flash_attn=flash_attn)
@@ -175,7 +265,8 @@ def test_packed_attention_matches_the_dense_document_mask_in_values_and_gradient
 
 
 def test_packed_attention_builds_no_dense_mask_and_pads_a_bucket_at_most_twofold():
-    from model.packed_attention import BUCKETS, PackedDocuments
+    from model.packed_attention import PackedDocuments
+    from model.packed_buckets import BUCKETS
 
     _, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40]], row_len=40)
     layout = PackedDocuments.from_position_ids(positions)
@@ -247,14 +338,14 @@ def test_every_copy_of_the_layout_to_a_gpu_starts_from_page_locked_memory(monkey
     assert len(recorder.copies) == 1  # cu_seqlens
     on_gpu.dense()
     assert len(recorder.copies) == 2  # the document ids
-    copied, real_to_device = [], packed_attention.to_device
+    copied, real_to_device = [], packed_buckets.to_device
 
     def to_a_gpu(tensor, device):  # the bucketed path with q on a GPU (the attention itself runs on the CPU)
         copied.append(tensor)
         return real_to_device(tensor, torch.device("cuda"))
 
-    monkeypatch.setattr(packed_attention, "to_device", to_a_gpu)
+    monkeypatch.setattr(packed_buckets, "to_device", to_a_gpu)
     q, kv = torch.randn(10, 4, 8), torch.randn(10, 2, 8)
-    packed_attention.attend_in_buckets(q, kv, kv, on_gpu.gather, on_gpu.bucket_shapes, on_gpu.rows, False)
+    packed_buckets.attend_in_buckets(q, kv, kv, on_gpu.gather, on_gpu.bucket_shapes, on_gpu.rows, False)
     assert copied[0] is on_gpu.gather and copied[1] is on_gpu.rows and len(copied) == 2
     assert recorder.copies == [(True, True)] * 4

@@ -202,17 +202,11 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
         assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "x_32.pth")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_blocks_run_an_epoch_of_lengths_without_graph_breaks_and_two_recompiles(dtype):
-    """--use_compile 1 compiles each block on its own; over an epoch of length-grouped batches
-    (lengths 5-127 padded to a multiple of 64, the last batch smaller) the compiled code has no
-    graph break and is compiled again at most twice after the first step (the length, then the
-    batch size, become symbols). One graph serves every layer, also under bf16 autocast, where
-    each block casts its fp32 weights (a guard on a parameter's identity would compile a graph per
-    layer). dynamo's "eager" backend counts what inductor would compile."""
-    import random
-
+def compiled_epoch(batches_of_items: list[list[dict]], dtype: str = "float32") -> tuple[list[int], set, dict]:
+    """--use_compile 1's blocks (dynamo's "eager" backend: it counts what inductor would compile)
+    over an epoch of these batches of dataset items, collated as the trainer does, a 3-layer model
+    trained under autocast to `dtype`: the frames compiled after each optimizer step, the batches'
+    shapes and the graph breaks."""
     import torch
     from torch._dynamo.testing import CompileCounter
     from torch._dynamo.utils import counters
@@ -228,24 +222,74 @@ def test_compiled_blocks_run_an_epoch_of_lengths_without_graph_breaks_and_two_re
     compiled = CompileCounter()
     assert compile_model(run.model, torch.device("cpu"), backend=compiled) is run.model
     collate = SFTCollator(pad_token_id=0, pad_to_multiple_of=COMPILE_PAD_MULTIPLE)
-    generator = torch.Generator().manual_seed(0)
-    lengths = sorted(torch.randint(5, 128, (30,), generator=generator).tolist())
-    batches = [lengths[start:start + 4] for start in range(0, len(lengths), 4)]
-    random.Random(0).shuffle(batches)
     frames, shapes = [], set()
-    for rows in batches:
-        items = []
-        for length in rows:
-            ids = torch.randint(1, 97, (length,), generator=generator)
-            labels = ids.clone()
-            labels[: length // 3] = -100
-            items.append({"input_ids": ids.numpy(), "labels": labels.numpy()})
+    for items in batches_of_items:
         micro_batches = [collate(items)]
         shapes.add(tuple(micro_batches[0]["input_ids"].shape))
         optimizer_step(run, micro_batches, agree_on_step(run, micro_batches), 1e-3)
         frames.append(compiled.frame_count)
+    return frames, shapes, dict(counters["graph_break"])
+
+
+def random_samples(count: int, low: int, high: int) -> list[dict]:
+    """`count` samples of lengths in [low, high), the first third of each without labels (tiny_model: 97 tokens)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    samples = []
+    for length in torch.randint(low, high, (count,), generator=generator).tolist():
+        ids = torch.randint(1, 97, (length,), generator=generator)
+        labels = ids.clone()
+        labels[: length // 3] = -100
+        samples.append({"input_ids": ids.numpy(), "labels": labels.numpy()})
+    return samples
+
+
+def shuffled_batches(items: list, size: int) -> list[list]:
+    import random
+
+    batches = [items[start:start + size] for start in range(0, len(items), size)]
+    random.Random(0).shuffle(batches)
+    return batches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_blocks_run_an_epoch_of_lengths_without_graph_breaks_and_two_recompiles(dtype):
+    """--use_compile 1 compiles each block on its own; over an epoch of length-grouped batches
+    (lengths 5-127 padded to a multiple of 64, the last batch smaller) the compiled code has no
+    graph break and is compiled again at most twice after the first step (the length, then the
+    batch size, become symbols). One graph serves every layer, also under bf16 autocast, where
+    each block casts its fp32 weights (a guard on a parameter's identity would compile a graph per
+    layer)."""
+    samples = sorted(random_samples(30, 5, 128), key=lambda sample: len(sample["input_ids"]))
+    frames, shapes, graph_breaks = compiled_epoch(shuffled_batches(samples, 4), dtype)
     assert shapes == {(4, 64), (4, 128), (2, 128)}
-    assert dict(counters["graph_break"]) == {}
+    assert graph_breaks == {}
+    assert frames[0] == 1 and frames[-1] - frames[0] <= 2, frames
+
+
+@pytest.mark.slow
+def test_compiled_blocks_run_an_epoch_of_packed_rows_without_graph_breaks_and_two_recompiles():
+    """--use_compile 1 --packing 1 on the CPU (the bucketed attention, one op per layer): over an
+    epoch of 6 batches of packed rows whose documents fall into 1 to 4 buckets (the plan's sizes
+    change every batch; one batch of 2 rows) no graph break and at most two compilations again
+    after the first step (the buckets' sizes, then the batch size, become symbols)."""
+    from dataset.packing import PackedSFTDataset
+
+    class Samples:  # the SFTDataset that PackedSFTDataset reads
+        prompt_room = None
+
+        def __init__(self, samples):
+            self.samples, self.lengths = samples, [len(sample["input_ids"]) for sample in samples]
+
+        def item(self, index, capacity):
+            return {key: value.copy() for key, value in self.samples[index].items()}
+
+    rows = PackedSFTDataset(Samples(random_samples(100, 3, 50)), max_seq_len=128)
+    frames, shapes, graph_breaks = compiled_epoch(shuffled_batches([rows[i] for i in range(len(rows))], 4))
+    assert len(frames) == 6 and shapes == {(4, 128), (2, 128)}
+    assert graph_breaks == {}
     assert frames[0] == 1 and frames[-1] - frames[0] <= 2, frames
 
 
