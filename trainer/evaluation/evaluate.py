@@ -202,10 +202,14 @@ def greedy_generate(model, prompts: list[list[int]], pad_token_id: int, eos_toke
             ids = prompts[index]
             input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids):] = 1
-        output = model.generate(
-            input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=stop_ids, pad_token_id=pad_token_id,
-        )
+        # Eagerly, also where training compiled the blocks (--use_compile 1): a block's compiled
+        # code guards on the state of its own layer's KV cache, so generation would compile it
+        # again for every layer, up to dynamo's recompile limit, which training's blocks share.
+        with torch.compiler.set_stance("force_eager"):
+            output = model.generate(
+                input_ids.to(device), attention_mask=attention_mask.to(device), max_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=stop_ids, pad_token_id=pad_token_id,
+            )
         for row, index in enumerate(chunk):
             generated = output[row, width:].tolist()
             ends = [generated.index(token_id) for token_id in stop_ids if token_id in generated]
