@@ -30,12 +30,24 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-class ComputeWeights:
-    """The parameters of `module` in `dtype` (see the module docstring). `groups`: lists of
-    matrices with the same number of columns that run as one GEMM (`linear`) or are used one
-    below the other (`stacked`); in the cast buffer each group is one piece."""
+def piece_layout(module: nn.Module, groups: list[list[torch.Tensor]] = ()) -> tuple[tuple[int, ...], ...]:
+    """The pieces of `module`'s cast buffer as positions in `module.parameters()`: each of `groups`
+    (lists of matrices with the same number of columns that run as one GEMM or are used one below
+    the other), then every other parameter on its own. Computed once per module, where it is built:
+    it tells parameters apart by `id()`, which inside compiled code would be a guard on each
+    parameter object (so that each layer compiled a graph of its own)."""
+    position = {id(p): i for i, p in enumerate(module.parameters())}
+    grouped = tuple(tuple(position[id(p)] for p in group) for group in groups)
+    taken = {i for group in grouped for i in group}
+    return grouped + tuple((i,) for i in range(len(position)) if i not in taken)
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, groups: list[list[torch.Tensor]] = ()):
+
+class ComputeWeights:
+    """The parameters of `module` in `dtype` (see the module docstring), laid out in the cast buffer
+    as `layout` says (`piece_layout`: each group of matrices one piece, which runs as one GEMM in
+    `linear` or is used whole in `stacked`)."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, layout: tuple[tuple[int, ...], ...]):
         params = list(module.parameters())
         self.flat = None
         casts = any(p.dtype != dtype for p in params)
@@ -44,10 +56,7 @@ class ComputeWeights:
         self.joins_groups = casts or dtype in (torch.bfloat16, torch.float16)
         if not casts:
             return
-        # Parameters are matched by identity (`is`), never by `id()`: under torch.compile `id()` of a
-        # parameter is a guard on that object, so each layer would compile a graph of its own.
-        grouped = [p for group in groups for p in group]
-        pieces = [list(group) for group in groups] + [[p] for p in params if not any(p is g for g in grouped)]
+        pieces = [[params[i] for i in piece] for piece in layout]
         self.flat = torch.cat([p.reshape(-1) for piece in pieces for p in piece]).to(dtype)
         split = self.flat.split([sum(p.numel() for p in piece) for piece in pieces])
         self.views = []  # (a piece's first parameter, that piece shaped)
@@ -57,6 +66,7 @@ class ComputeWeights:
             self.views.append((first, shaped))
 
     def _view(self, param: torch.Tensor) -> torch.Tensor:
+        # matched by identity (`is`): dynamo resolves it without a guard on the parameter object
         for first, view in self.views:
             if first is param:
                 return view

@@ -44,7 +44,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .configuration_minimind import MiniMindConfig
-from .compute_weights import ComputeWeights, compute_dtype
+from .compute_weights import ComputeWeights, compute_dtype, piece_layout
 from .feed_forward import MiniMindMLP, MiniMindMoE
 from .loss import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, loss_positions_of
 from .packed_attention import PackedDocuments, gqa_needs_expanded_heads
@@ -131,10 +131,11 @@ class MiniMindBlock(GradientCheckpointingLayer):
             self.mlp = MiniMindMoE(config)
         else:
             self.mlp = MiniMindMLP(config.hidden_size, config.intermediate_size, config.dropout)
+        self.weight_layout = piece_layout(self, self.self_attn.weight_groups() + self.mlp.weight_groups())
 
     def forward(self, hidden, cos, sin, mask, past_key_values=None, token_mask=None):
         """hidden (the residual stream), cos and sin in the compute dtype (`compute_dtype`)."""
-        weights = ComputeWeights(self, hidden.dtype, self.self_attn.weight_groups() + self.mlp.weight_groups())
+        weights = ComputeWeights(self, hidden.dtype, self.weight_layout)
         normed = self.input_layernorm(hidden, weights(self.input_layernorm.weight))
         hidden = hidden + self.self_attn(normed, cos, sin, mask, past_key_values, weights)
         normed = self.post_attention_layernorm(hidden, weights(self.post_attention_layernorm.weight))

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from model import feed_forward
-from model.compute_weights import ComputeWeights
+from model.compute_weights import ComputeWeights, piece_layout
 from tests.helpers.tiny_model import tiny_model
 
 
@@ -20,7 +20,7 @@ def test_moe_casts_its_tokens_where_grouped_mm_has_no_autocast_rule(monkeypatch)
 
     def run():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return moe(x, ComputeWeights(moe, torch.bfloat16, moe.weight_groups()))[0]
+            return moe(x, ComputeWeights(moe, torch.bfloat16, piece_layout(moe, moe.weight_groups())))[0]
 
     expected = run()
 

@@ -121,11 +121,11 @@ def test_moe_layer_flops_are_the_routed_slots_only(top_k):
     model = tiny(True, top_k)
     moe, config = model.model.layers[0].mlp, model.config
     x = torch.randn(2, 16, config.hidden_size)
-    from model.compute_weights import ComputeWeights
+    from model.compute_weights import ComputeWeights, piece_layout
 
     counter = flop_counter()
     with counter:
-        moe(x, ComputeWeights(moe, torch.float32))
+        moe(x, ComputeWeights(moe, torch.float32, piece_layout(moe)))
     tokens, hidden, inner = 32, config.hidden_size, config.moe_intermediate_size
     router = 2 * tokens * hidden * config.num_experts
     experts = 2 * tokens * top_k * 3 * hidden * inner  # gate, up, down for each routed slot
