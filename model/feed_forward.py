@@ -82,7 +82,7 @@ class MiniMindMoE(nn.Module):
     reads nothing on the host, serves CUDA GPUs of compute capability 9.x or 10.x (H100, H200, B200)
     with bf16 operands and output. Everywhere else (the CPU, other GPUs such as A100 or RTX 50xx,
     float16 or float32 operands) its fallback copies the group ends to the host, a sync on a GPU,
-    and loops over the groups.
+    and loops over the groups. Under torch.compile see `grouped_mm`.
     """
 
     def __init__(self, config: MiniMindConfig):
@@ -129,8 +129,8 @@ class MiniMindMoE(nn.Module):
         gate_up = gate_up.view(self.num_experts, -1, hidden).transpose(1, 2)  # [E, H, 2I]
         down = down.view(self.num_experts, hidden, -1).transpose(1, 2)  # [E, I, H]
         # grouped_mm has no autocast rule on every torch (2.11 CUDA): the tokens take the weights' dtype here
-        gated = swiglu(F.grouped_mm(tokens[slot_tokens].to(gate_up.dtype), gate_up, offs=ends))
-        expert_out = F.grouped_mm(gated, down, offs=ends)
+        gated = swiglu(grouped_mm(tokens[slot_tokens].to(gate_up.dtype), gate_up, ends))
+        expert_out = grouped_mm(gated, down, ends)
         routing = top_probs.reshape(-1)[order].unsqueeze(1).to(expert_out.dtype)
         expert_out = self.dropout(expert_out) * routing
         return torch.zeros_like(tokens, dtype=expert_out.dtype).index_add_(0, slot_tokens, expert_out)
@@ -147,3 +147,48 @@ class MiniMindMoE(nn.Module):
         n = slots.sum(dim=-1) / self.top_k  # real tokens per row
         balance = (slots * prob_sums).sum(dim=-1) * self.num_experts / (self.top_k * n.clamp(min=1) ** 2)
         return self.aux_coef * balance
+
+
+def grouped_mm(tokens: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`F.grouped_mm(tokens, weights, offs=ends)`: tokens [N, K] sorted by group, weights [G, K, M],
+    ends the int32 cumulative group sizes [G] -> [N, M]. torch.compile traces `aten._grouped_mm`
+    with a shape function that takes bf16 operands only, while the kernel runs every float dtype
+    (float32 on the CPU, float16 on a V100 or T4): under torch.compile those other dtypes go
+    through the custom op `minisft::grouped_mm` (eager's kernel, forward and backward, opaque to
+    inductor), and bf16 stays aten's op, which inductor lowers itself."""
+    if torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16:
+        return grouped_mm_op(tokens, weights, ends)
+    return F.grouped_mm(tokens, weights, offs=ends)
+
+
+@torch.library.custom_op("minisft::grouped_mm", mutates_args=())
+def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`F.grouped_mm(a, b, offs=ends)` as one op, for a [N, K] with b [G, K, M] (-> [N, M]) or
+    b [N, M] (-> [G, K, M], the weights' gradient), contiguous (a CUDA build pads the rows of
+    its output to 16 bytes; the shapes below promise a contiguous one)."""
+    return F.grouped_mm(a, b, offs=ends).contiguous()
+
+
+@grouped_mm_op.register_fake
+def _grouped_mm_shapes(a, b, ends):
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[2])
+    return a.new_empty(ends.shape[0], a.shape[0], b.shape[1])
+
+
+def _save_for_backward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    """aten's own gradients of `_grouped_mm` (its autograd formula), each one grouped GEMM; the
+    output's gradient made contiguous (a no-op for the MoE's), as the kernel takes only strides
+    aligned to 16 bytes and an expanded gradient (that of a sum) has none."""
+    a, b, ends = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_a = grouped_mm_op(grad, b.mT, ends) if ctx.needs_input_grad[0] else None
+    grad_b = grouped_mm_op(grad.mT, a, ends).mT if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_save_for_backward)

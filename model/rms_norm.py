@@ -10,8 +10,12 @@ the closed form below runs eight. With n = x / rms(x) and g the gradient of y:
     dL/dw = sum over rows of g * n
     dL/dx = (g * w - n * mean(g * w * n)) / rms(x)
 
-Both run in x's dtype with autocast off: CUDA autocast runs pow and rsqrt in float32, which
-would make the output, and the residual stream after it, float32.
+Both run in x's dtype with autocast off (CUDA autocast runs pow and rsqrt in float32, which
+would make the output, and the residual stream after it, float32), float16 excepted: its squares
+overflow from 256 on (its largest value is 65504), which would make the RMS infinite and the row
+zeros, so in float16 the statistics, n and both gradients are computed in float32 (as ATen's
+kernel does on a GPU) and the output and gradients rounded to float16 once. bfloat16 has
+float32's range: its statistics stay in bfloat16, the written-out expression's own results.
 """
 
 from __future__ import annotations
@@ -27,22 +31,29 @@ class _RMSNormFunction(torch.autograd.Function):
     # default arguments of a setup_context-style forward through inspect.signature on every call.
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        inverse = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        normed = x * inverse
+        wide = x.to(statistics_dtype(x.dtype))
+        inverse = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        normed = wide * inverse
         ctx.save_for_backward(weight, normed, inverse)
-        return weight * normed
+        return (weight * normed).to(x.dtype)
 
     @staticmethod
     @once_differentiable  # normed and inverse are saved as constants: no second derivative
     def backward(ctx, grad):
         weight, normed, inverse = ctx.saved_tensors
+        wide = grad.to(normed.dtype)
         grad_x = grad_weight = None
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * normed).reshape(-1, normed.shape[-1]).sum(0)
+            grad_weight = (wide * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
         if ctx.needs_input_grad[0]:
-            grad_normed = grad * weight
-            grad_x = (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)) * inverse
+            grad_normed = wide * weight.to(normed.dtype)
+            grad_x = ((grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)) * inverse).to(grad.dtype)
         return grad_x, grad_weight, None
+
+
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the closed form's statistics, n and gradients for inputs of `dtype`."""
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

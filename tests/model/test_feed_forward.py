@@ -128,3 +128,72 @@ def test_swiglu_gradient_with_create_graph_equals_autograd_s_and_refuses_a_secon
     assert torch.equal(got, expected)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         got.sum().backward()
+
+
+def moe_outputs_and_gradients(moe, x, dtype):
+    """The MoE's output and balance loss on x and their gradients for x and every parameter, in
+    `dtype` (bf16: under autocast, as the trainer runs it; float16: the module and x in it)."""
+    moe.zero_grad()
+    x = x.detach().to(torch.float16 if dtype == torch.float16 else torch.float32).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        out, balance = moe(x, ComputeWeights(moe, dtype, moe.weight_groups()))
+    (out.float().square().sum() + balance.sum()).backward()
+    return [out.detach(), balance.detach(), x.grad, *(p.grad for p in moe.parameters())]
+
+
+@pytest.mark.parametrize("backend, dtype, op", [("eager", torch.float32, "minisft.grouped_mm"),
+                                                ("aot_eager", torch.float32, "minisft.grouped_mm"),
+                                                ("aot_eager", torch.float16, "minisft.grouped_mm"),
+                                                ("aot_eager", torch.bfloat16, "_grouped_mm")])
+def test_a_compiled_moe_equals_eager_in_one_graph(backend, dtype, op):
+    """torch.compile traces aten._grouped_mm with a shape function that refuses all but bf16: in
+    float32 and float16 the experts' GEMMs are the op `minisft::grouped_mm`, in bf16 (autocast)
+    aten's own. Either way one graph without a break, and eager's output, balance loss and
+    gradients bit for bit."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2).train()
+    moe = model.model.layers[0].mlp.to(torch.float16 if dtype == torch.float16 else torch.float32)
+    x = torch.randn(2, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = moe_outputs_and_gradients(moe, x, dtype)
+    graphs = []
+
+    def recording(graph, example_inputs):
+        graphs.append(graph)
+        return torch._dynamo.lookup_backend(backend)(graph, example_inputs)
+
+    torch._dynamo.reset()
+    counters.clear()
+    results = moe_outputs_and_gradients(torch.compile(moe, backend=recording), x, dtype)
+    assert all(torch.equal(result, value) for result, value in zip(results, expected))
+    assert results[0].dtype == dtype and len(graphs) == 1 and dict(counters["graph_break"]) == {}
+    calls = [str(node.target) for node in graphs[0].graph.nodes if "grouped_mm" in str(node.target)]
+    assert len(calls) == 2 and all(op in call for call in calls), calls
+
+def test_the_grouped_mm_op_gives_its_shapes_on_a_fake_gpu_in_float16():
+    """A float16 CUDA run (V100, T4) under torch.compile: aten's shape function refuses it, the
+    op's gives the experts' output and the weights' gradient (its two forms) on the device, in
+    float16. (Autograd on a fake CUDA tensor needs a CUDA build: the backward is checked on the CPU.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        tokens = torch.empty(10, 64, device="cuda", dtype=torch.float16)
+        weights = torch.empty(4, 96, 64, device="cuda", dtype=torch.float16)
+        ends = torch.empty(4, device="cuda", dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="Expected inputs of BF16 type"):
+            torch._grouped_mm(tokens, weights.mT, offs=ends)
+        out = feed_forward.grouped_mm_op(tokens, weights.mT, ends)
+        grad_weights = feed_forward.grouped_mm_op(out.mT, tokens, ends)
+    assert [(t.shape, t.stride(), t.device, t.dtype) for t in (out, grad_weights)] == [
+        ((10, 96), (96, 1), torch.device("cuda", 0), torch.float16),
+        ((4, 96, 64), (96 * 64, 64, 1), torch.device("cuda", 0), torch.float16)]
+
+def test_the_grouped_mm_op_passes_torchs_custom_op_checks():
+    """torch.library.opcheck: the schema, the autograd registration, the fake implementation against
+    the real one (shapes, strides, dtypes) and AOT autograd with dynamic shapes."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(10, 8, generator=generator, requires_grad=True)
+    weights = torch.randn(3, 12, 8, generator=generator, requires_grad=True)
+    ends = torch.tensor([3, 3, 10], dtype=torch.int32)
+    results = torch.library.opcheck(feed_forward.grouped_mm_op, (tokens, weights.mT, ends))
+    assert set(results.values()) == {"SUCCESS"} and len(results) == 4

@@ -111,3 +111,34 @@ def test_a_second_order_gradient_is_refused_not_computed_wrong():
     assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(got, expected))
     with pytest.raises(RuntimeError, match="differentiate twice"):
         got[0].sum().backward()
+
+
+def test_float16_rows_with_an_rms_of_256_or_more_normalize_where_their_squares_overflow():
+    """A float16 square overflows from 256 on: a constant row of 300 normalizes to ones (as ATen's
+    F.rms_norm gives), its gradients those of the closed form."""
+    import torch.nn.functional as F
+
+    x = torch.full((1, 3), 300.0, dtype=torch.float16, requires_grad=True)
+    weight = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    out = MiniMindRMSNorm(3, 1e-6)(x, weight)
+    out.backward(torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float16))
+    assert torch.equal(out, torch.ones(1, 3, dtype=torch.float16))
+    assert torch.equal(F.rms_norm(x, (3,), weight, 1e-6), out)
+    assert torch.equal(weight.grad, torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16))
+    assert torch.equal(x.grad, torch.tensor([[-1 / 300, 0.0, 1 / 300]], dtype=torch.float16))
+
+
+def test_float16_output_and_gradients_are_the_float32_computation_rounded_to_float16():
+    """Rows scaled from 0.01 to 1,000 (the largest ones' squares far over float16's largest value,
+    65504): the statistics, n and the gradients in float32, each result rounded to float16 once;
+    the forward is the written-out expression's in float32, the gradients the closed form's."""
+    norm = MiniMindRMSNorm(16, 1e-6)
+    x, weight, grad = leaves(torch.float16)
+    with torch.no_grad():
+        x.mul_(torch.logspace(-2, 3, 15).view(3, 5, 1, 1).half())
+    wide_x, wide_weight = (t.detach().float().requires_grad_() for t in (x, weight))
+    out = norm(x, weight)
+    out.backward(grad)
+    norm(wide_x, wide_weight).backward(grad.float())
+    assert torch.equal(out, autograd_rms_norm(wide_x, wide_weight, 1e-6).half())
+    assert torch.equal(x.grad, wide_x.grad.half()) and torch.equal(weight.grad, wide_weight.grad.half())
