@@ -136,7 +136,7 @@ def moe_outputs_and_gradients(moe, x, dtype):
     moe.zero_grad()
     x = x.detach().to(torch.float16 if dtype == torch.float16 else torch.float32).requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        out, balance = moe(x, ComputeWeights(moe, dtype, moe.weight_groups()))
+        out, balance = moe(x, ComputeWeights(moe, dtype, piece_layout(moe, moe.weight_groups())))
     (out.float().square().sum() + balance.sum()).backward()
     return [out.detach(), balance.detach(), x.grad, *(p.grad for p in moe.parameters())]
 
