@@ -44,6 +44,7 @@ from trainer.checkpoint.save_dir import (
     BEST_DIR, MODEL_DIR, Claim, SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir,
     inside_a_run_model_dir,
 )
+from trainer.checkpoint.shared_dir import check_every_rank_sees, why_every_rank_uses
 from trainer.data_setup import build_eval_sets, build_train_data, check_data_files
 from trainer.errors import (
     USER_ERRORS, BuildInterrupted, CheckpointError, NodeLaunchError, TrainingError, names_a_user_path,
@@ -72,18 +73,22 @@ from trainer.weights.write import minimind_pth_name
 def claim_save_dir(args, ctx):
     """Rank 0 checks that --save_dir (and --cache_dir) can be written, before a fresh run with
     --overwrite 1 sets a previous run aside, and locks --save_dir for this run (another process
-    writing there would mix or prune its checkpoints). Returns the lock (None on other ranks)."""
-    if not ctx.is_main:
-        return None
-    run_model = inside_a_run_model_dir(args.save_dir)
-    if run_model:
-        raise CheckpointError(f"--save_dir {args.save_dir} is inside {run_model}, a run's weights folder that its "
-                              "next save replaces: choose a directory outside it")
-    ensure_writable_dir(args.save_dir)
-    if args.cache_dir:
-        check_folder_can_be_made(args.cache_dir, "--cache_dir")
-    check_wandb_login(args)
-    return SaveDirLock(args.save_dir).acquire()
+    writing there would mix or prune its checkpoints). Where the other ranks use --save_dir too,
+    every rank then checks that it sees that directory (trainer/checkpoint/shared_dir.py). Returns
+    the lock (None on other ranks)."""
+    lock = None
+    if ctx.is_main:
+        run_model = inside_a_run_model_dir(args.save_dir)
+        if run_model:
+            raise CheckpointError(f"--save_dir {args.save_dir} is inside {run_model}, a run's weights folder that "
+                                  "its next save replaces: choose a directory outside it")
+        ensure_writable_dir(args.save_dir)
+        if args.cache_dir:
+            check_folder_can_be_made(args.cache_dir, "--cache_dir")
+        check_wandb_login(args)
+        lock = SaveDirLock(args.save_dir).acquire()
+    check_every_rank_sees(args.save_dir, why_every_rank_uses(args), ctx)
+    return lock
 
 
 def locate_resume(args, config, ctx, log) -> tuple[dict | None, Claim]:

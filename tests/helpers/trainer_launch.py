@@ -98,12 +98,13 @@ def together(first, *others):
 
 
 def run_ranks_apart(script: str, args: list[str], local_ranks: tuple[int, int], timeout: float = 240,
-                    **env) -> list[subprocess.CompletedProcess]:
+                    cwds: tuple = (REPO, REPO), **env) -> list[subprocess.CompletedProcess]:
     """Two ranks of one run as two plain processes (RANK, WORLD_SIZE, LOCAL_RANK in their environment,
-    no launcher), each with its own stdout and stderr; `local_ranks` (0, 0): two nodes of one process."""
+    no launcher), each with its own stdout and stderr; `local_ranks` (0, 0): two nodes of one process.
+    `cwds`: each rank's working directory (a relative path names a folder of each "node" of its own)."""
     port = str(free_port())
     processes = [subprocess.Popen(
-        [sys.executable, script, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, script, *args], cwd=cwds[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(local_ranks[rank]), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port, **env)) for rank in (0, 1)]
     finished = []

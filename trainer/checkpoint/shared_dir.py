@@ -1,0 +1,108 @@
+"""--save_dir as one directory that every rank sees, where ranks other than 0 use it.
+
+Rank 0 alone creates --save_dir, locks it, publishes and rotates checkpoints there. Two things make
+the other ranks use it too: with `--fsdp 1` every rank writes its shards of each checkpoint into
+`step_N.dcp.tmp/` there (trainer/checkpoint/sharded.py), and a resume (`--from_resume 1`) has every
+rank read the checkpoint that rank 0 chose there. A --save_dir local to each node would give
+checkpoints without the other nodes' shards (found only at the resume, and each save leaving a
+`.tmp` directory on every other node), or a resume that fails on the other nodes. With DDP and no
+--from_resume, rank 0 alone writes checkpoints there and reads them, and a directory of its node is
+enough (a MiniMind `--from_weight NAME` found there is read by every rank, like any --from_weight
+file: a copy on each node serves). The token
+cache (--cache_dir) need not be shared either: local rank 0 of each node builds the cache its node
+reads (dataset/cache/node.py).
+
+The check (`check_every_rank_sees`), before anything is written or resumed: rank 0 writes a file
+of a random name into --save_dir and gives the name to the others through the store
+(`rank0_value`); each rank reads it back, and one sum over the ranks (gloo, never the GPU) tells
+every rank which of them did not see it. Rank 0 then removes the file, and if any rank did not
+see it, every rank stops with the line that rank 0 makes of their ranks and hosts.
+"""
+
+import contextlib
+import os
+import secrets
+import socket
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import CheckpointError
+from trainer.runtime.distributed import all_reduce_sum_on_host, rank0_value
+
+PROBE_PREFIX = ".same_dir_check."
+HOSTS_NAMED = 3  # the most hosts a refusal names; the others are counted
+
+
+def why_every_rank_uses(args) -> str | None:
+    """What makes ranks other than 0 use --save_dir in this run (the end of the refusal's line), else None."""
+    if args.fsdp:
+        return "with --fsdp 1 every rank writes its shards of each checkpoint there"
+    if args.from_resume:
+        return "with --from_resume 1 every rank reads the resume checkpoint there"
+    return None
+
+
+def check_every_rank_sees(save_dir: str, why: str | None, ctx) -> None:
+    """Fail every rank with one CheckpointError when some rank does not see the file that rank 0 wrote into
+    `save_dir` (module docstring). Collective over the ranks of a multi-process run; nothing when `why`
+    (`why_every_rank_uses`) is None."""
+    if not ctx.distributed or why is None:
+        return
+    written = None
+    if ctx.is_main:
+        name = PROBE_PREFIX + secrets.token_hex(8)
+        with open(os.path.join(save_dir, name), "w", encoding="utf-8") as handle:
+            handle.write(name)
+        written = {"name": name, "host": socket.gethostname()}
+    written = rank0_value(written, "checking --save_dir")
+    blind = torch.zeros(ctx.world_size, dtype=torch.int32)
+    blind[ctx.rank] = 0 if sees(os.path.join(save_dir, written["name"]), written["name"]) else 1
+    store = dist.distributed_c10d._get_default_store()
+    host_key = f"minisft/{written['name']}/host-of-rank"
+    if blind[ctx.rank]:
+        store.set(f"{host_key}{ctx.rank}", socket.gethostname())
+    all_reduce_sum_on_host(blind)
+    if ctx.is_main:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(save_dir, written["name"]))
+    ranks = blind.nonzero().flatten().tolist()
+    if not ranks:
+        return
+    line = None
+    if ctx.is_main:  # one reader of the hosts: the line reaches the others through the store
+        hosts = [host.decode() for host in store.multi_get([f"{host_key}{rank}" for rank in ranks])]
+        line = (f"--save_dir {save_dir} is not the same directory on every node ({ranks_on_hosts(ranks, hosts)} "
+                f"{'does' if len(ranks) == 1 else 'do'} not see the file that rank 0 on host {written['host']} wrote "
+                f"there), and {why}: give a directory on a filesystem that all nodes share")
+    raise CheckpointError(rank0_value(line, "checking --save_dir"))
+
+
+def sees(path: str, content: str) -> bool:
+    """Whether `path` can be read here and holds `content`."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read() == content
+    except OSError:
+        return False
+
+
+def ranks_on_hosts(ranks: list[int], hosts: list[str]) -> str:
+    """"ranks 2-3 and 5 on host b, rank 9 on host c": `ranks` (ascending) grouped by their `hosts`, in
+    the order of their first rank, each group's runs of ranks as ranges; past `HOSTS_NAMED` hosts, counted."""
+    groups: dict[str, list[int]] = {}
+    for rank, host in zip(ranks, hosts):
+        groups.setdefault(host, []).append(rank)
+    named = []
+    for host, its_ranks in list(groups.items())[:HOSTS_NAMED]:
+        runs: list[list[int]] = []
+        for rank in its_ranks:
+            if runs and rank == runs[-1][-1] + 1:
+                runs[-1].append(rank)
+            else:
+                runs.append([rank])
+        spans = [f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs]
+        listed = ", ".join(spans[:-1]) + " and " + spans[-1] if len(spans) > 1 else spans[0]
+        named.append(f"{'ranks' if len(its_ranks) > 1 else 'rank'} {listed} on host {host}")
+    others = len(groups) - len(named)
+    return ", ".join(named) + (f" and ranks on {others} other host{'s' if others > 1 else ''}" if others else "")
