@@ -8,9 +8,8 @@ checkpoints without the other nodes' shards (found only at the resume, and each 
 `.tmp` directory on every other node), or a resume that fails on the other nodes. With DDP and no
 --from_resume, rank 0 alone writes checkpoints there and reads them, and a directory of its node is
 enough (a MiniMind `--from_weight NAME` found there is read by every rank, like any --from_weight
-file: a copy on each node serves). The token
-cache (--cache_dir) need not be shared either: local rank 0 of each node builds the cache its node
-reads (dataset/cache/node.py).
+file: a copy on each node serves). The token cache (--cache_dir) need not be shared either: local
+rank 0 of each node builds the cache its node reads (dataset/cache/node.py).
 
 The check (`check_every_rank_sees`), before anything is written or resumed: rank 0 writes a file
 of a random name into --save_dir and gives the name to the others through the store
