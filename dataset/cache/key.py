@@ -72,12 +72,13 @@ def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int
 def older_keys(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int,
                rows_version: int) -> list[tuple[int, int, str]]:
     """``(tokens version, rows version, key)`` of every cache of this (data, tokenizer, template,
-    max_seq_len) that code of versions up to ``tokens_version`` and ``rows_version`` (this code's) may
-    have built, theirs left out."""
+    max_seq_len) that other code may have built, and only those: every tokens version below
+    ``tokens_version`` with rows version 1 (rows versions above 1 are those of ``tokens_version``), and
+    ``tokens_version`` with every rows version below ``rows_version``."""
     parts = _unversioned_parts(data_digest, tokenizer, max_seq_len)
-    return [(tokens, rows, _versioned_key(parts, tokens, rows))
-            for tokens in range(1, tokens_version + 1) for rows in range(1, rows_version + 1)
-            if (tokens, rows) != (tokens_version, rows_version)]
+    pairs = [(tokens, 1) for tokens in range(1, tokens_version)] + [(tokens_version, rows)
+                                                                   for rows in range(1, rows_version)]
+    return [(tokens, rows, _versioned_key(parts, tokens, rows)) for tokens, rows in pairs]
 
 
 def _unversioned_parts(data_digest: str, tokenizer, max_seq_len: int) -> list[str]:
