@@ -69,6 +69,15 @@ def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int
     return _versioned_key(_unversioned_parts(data_digest, tokenizer, max_seq_len), tokens_version, rows_version)
 
 
+def measurement_key(data_digest: str, tokenizer, max_seq_len: int) -> str:
+    """What names the samples a file's figures (a held-out file's evaluation) are measured on, apart
+    from which of its rows are accepted: the key of its cache with the rows version left out, that of
+    ``UNRECORDED_ROWS_VERSION`` (so a record of a run of those rules names the same key). Rules that
+    accept the same rows give the same samples and so comparable figures: a change of ROWS_VERSION
+    alone leaves this key; which rows are accepted is recorded beside it (trainer.evaluation.selection)."""
+    return cache_key(data_digest, tokenizer, max_seq_len, TOKENS_VERSION, UNRECORDED_ROWS_VERSION)
+
+
 def older_keys(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int,
                rows_version: int) -> list[tuple[int, int, str]]:
     """``(tokens version, rows version, key)`` of every cache of this (data, tokenizer, template,

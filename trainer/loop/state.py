@@ -20,7 +20,7 @@ from trainer.checkpoint.save_dir import (
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
-from trainer.evaluation.selection import measured_on, measured_with
+from trainer.evaluation.selection import measured_on, measured_with, same_measurement
 from trainer.loop.health import StepHealth
 from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import keep_fused_kernels
@@ -212,7 +212,7 @@ def best_on_disk_differs(run: Run) -> tuple[str, str] | None:
     metric, data = record.get("metric"), record.get("measured_on")
     if isinstance(metric, str) and metric != run.args.keep_best:
         return f"of {metric}", "best-of-" + metric.replace("/", "-")
-    if isinstance(data, list) and data != run.measured_on:
+    if isinstance(data, list) and not same_measurement(data, run.measured_on):
         what = measured_with(run.args.keep_best)[0]
         return f"of other {what}", "best-of-other-" + what.replace(" ", "-")
     return None
@@ -237,7 +237,8 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
     if state.best_metric not in (None, metric):
         notes.append(f"the checkpoint's best is of {state.best_metric} ({state.best_value:.4f} at step "
                      f"{state.best_step}), which {metric} cannot be compared with: the selection starts afresh")
-    elif state.best_value is not None and state.best_measured_on not in (None, run.measured_on):
+    elif state.best_value is not None and state.best_measured_on is not None and not same_measurement(
+            state.best_measured_on, run.measured_on):
         what, flags = measured_with(metric)
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) was measured on "
                      f"other {what} than this run's {flags}: the selection starts afresh")
