@@ -27,11 +27,11 @@ from trainer.model_setup import keep_fused_kernels
 from trainer.parallel import Parallelism
 from trainer.parallel.ddp import unwrap
 from trainer.run_logger import RunLogger
-from trainer.runtime.distributed import DistContext, all_gather_objects
+from trainer.runtime.distributed import DistContext, all_gather_objects, rank0_value
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
-from trainer.weights.read import EMBED, LM_HEAD, misfit, with_tied_head
+from trainer.weights.read import EMBED, LM_HEAD, misfit, tie_difference, with_tied_head
 from trainer.weights.tokenizer import checkpoint_record
 
 
@@ -137,10 +137,12 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
     if problem:
         raise CheckpointError(problem)
     tied = run.raw_model.config.tie_word_embeddings
-    # a sharded checkpoint's names and shapes from its index; the tie's two tensors are read to compare them
-    tensors = (read_full(saved["sharded_path"], "model", only=(LM_HEAD, EMBED) if tied else ())
-               if is_sharded(saved) else saved["model"])
-    problems = misfit(run.raw_model.state_dict(), tensors, tied)
+    if is_sharded(saved):  # names and shapes from the index; the tie's two tensors read by rank 0 alone
+        path = saved["sharded_path"]
+        problems = misfit(run.raw_model.state_dict(), read_full(path, "model", only=()), tied,
+                          read_tie=lambda: sharded_tie_difference(path, run.ctx.is_main))
+    else:
+        problems = misfit(run.raw_model.state_dict(), saved["model"], tied)
     if problems:
         raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
     if not is_sharded(saved):
@@ -174,6 +176,23 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         best_measured_on=saved.get("best_measured_on"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
+
+
+def sharded_tie_difference(path: str, is_main: bool) -> str | None:
+    """`tie_difference` of the sharded checkpoint `path`'s lm_head and embedding, read and compared by
+    rank 0 alone (each a vocabulary x hidden tensor: every rank reading both would take that much host
+    memory on each) and shared with every rank through the store (`rank0_value`), so every rank refuses
+    with the same one line; a read that fails is that line (a CheckpointError) on every rank."""
+    verdict = None
+    if is_main:
+        try:
+            verdict = {"differs": tie_difference(read_full(path, "model", only=(LM_HEAD, EMBED)))}
+        except CheckpointError as error:
+            verdict = {"unreadable": str(error)}
+    verdict = rank0_value(verdict, f"comparing the lm_head and embedding of {path}")
+    if "unreadable" in verdict:
+        raise CheckpointError(verdict["unreadable"])
+    return verdict["differs"]
 
 
 def take_save_dir(run: Run, claim: Claim, resumed: bool) -> None:
