@@ -32,7 +32,8 @@ TOKENS_CHANGES = {  # what each version changed, for the line that says why a ca
 # The version of the rules that decide which rows are accepted (bad lines, `file:line: ...`) where the
 # tokens of the accepted rows stay those of TOKENS_VERSION. A cache built under other rules may hold
 # rows this code refuses or lack rows it keeps, so it is built again; a resume is not refused for it
-# (trainer/run_identity.py compares each file's number of samples, which shows whether rows changed).
+# (trainer/run_identity.py compares each file's samples: their number, and their digest where both
+# caches record one, `samples_digest` in meta.json, so it refuses a file that lost and gained rows).
 # Every change of which rows are accepted needs a new version: tests/dataset/test_rows_version.py
 # holds the bad lines of fixed rows per version and fails when they change without one.
 ROWS_VERSION = 2

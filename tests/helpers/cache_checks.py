@@ -1,6 +1,6 @@
-"""What a token cache's folder holds (its partial builds, a finished cache's files), what a best
-model's record names a held-out file by, a cache as code of rows version 1 left it, and a live process
-that holds a partial build's lock as a builder does."""
+"""What a token cache's folder holds (its partial builds, a finished cache's files), the key a data
+file's cache has, what a best model's record names a held-out file by, a cache as code of rows
+version 1 left it, and a live process that holds a partial build's lock as a builder does."""
 
 import json
 import shutil
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dataset import build_cache_and_open, load_tokenizer
-from dataset.cache.key import TOKENS_VERSION, cache_key, file_digest
+from dataset.cache.key import ROWS_VERSION, TOKENS_VERSION, cache_key, file_digest
 from tests.helpers.chat_rows import write_lines
 
 
@@ -19,6 +19,12 @@ def partials(cache_root: Path) -> list[str]:
 
 def cache_files(cache: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(cache.iterdir())}
+
+
+def data_key(path, max_seq_len: int = 512) -> str:
+    """The key of a data file's token cache with the shipped tokenizer (the TINY flags' --max_seq_len),
+    computed here from the file's bytes."""
+    return cache_key(file_digest(Path(path)), load_tokenizer(None), max_seq_len, TOKENS_VERSION, ROWS_VERSION)
 
 
 def held_out_entry(path, samples: int, max_seq_len: int = 512) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import dataset.cache.build as build
-from tests.helpers.cache_checks import held_out_entry, plant_rows_1_cache
+from tests.helpers.cache_checks import data_key, held_out_entry, plant_rows_1_cache
 from tests.helpers.chat_rows import KEY_TWICE, KEY_TWICE_READ_AS_LAST_VALUE, write_lines
 from tests.helpers.trainer_launch import (
     TINY, assert_weights_equal, checkpoint_at, eval_rows, final_weights, run_trainer_in_process,
@@ -61,6 +61,30 @@ def test_a_resume_whose_rebuilt_cache_lost_or_gained_rows_is_refused_naming_the_
         "rows: dataset.cache.key.ROWS_VERSION): resume with --bad_data skip and the minisft version that wrote the "
         f"checkpoint, or start a new run from its weights with --from_weight {tmp_path / 'run' / 'model'} --save_dir "
         "NEW_DIR")
+    assert not (tmp_path / "run2" / "checkpoints").exists()
+
+
+def test_a_resume_whose_rebuilt_cache_lost_and_gained_as_many_rows_is_refused_naming_the_file(tmp_path, monkeypatch):
+    """The rules of rows version 1 kept a key twice (as its last value) and refused a null 'conversations';
+    this code's the other way round: 31 samples each, other ones, told apart by the caches' samples_digest."""
+    data = write_lines(tmp_path / "d.jsonl", [*demo_rows(15), KEY_TWICE, *demo_rows(15), NULL_CONVERSATIONS])
+    old = plant_rows_1_cache(data, [*demo_rows(15), KEY_TWICE_READ_AS_LAST_VALUE, *demo_rows(15), REFUSED],
+                             tmp_path / "cache")
+    train_under_rows_1(monkeypatch, tmp_path, data, "run", "--max_steps", "2").check_returncode()
+
+    resumed = train(tmp_path, data, "run2", "--max_steps", "4", "--resume_from", checkpoint_at(tmp_path / "run", 2))
+    assert resumed.returncode == 2, resumed.stderr
+    metas = [json.loads((cache / "meta.json").read_text(encoding="utf-8"))
+             for cache in (old, tmp_path / "cache" / data_key(data))]
+    assert [meta["num_samples"] for meta in metas] == [31, 31]
+    digests = [meta["samples_digest"] for meta in metas]
+    assert resumed.stderr.strip().splitlines()[-1] == (
+        f"error: cannot resume: the samples of --data_path differs from the checkpoint's run (checkpoint {data} with "
+        f"samples sha256 {digests[0][:16]}, now {digests[1][:16]}), so its position in the epoch would mean other "
+        "samples; the same bytes give other samples where other rows are left out as bad (another --bad_data, or "
+        "other rules of bad rows: dataset.cache.key.ROWS_VERSION): resume with --bad_data skip and the minisft "
+        f"version that wrote the checkpoint, or start a new run from its weights with --from_weight "
+        f"{tmp_path / 'run' / 'model'} --save_dir NEW_DIR")
     assert not (tmp_path / "run2" / "checkpoints").exists()
 
 
