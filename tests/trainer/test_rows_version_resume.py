@@ -102,18 +102,24 @@ def test_a_resume_whose_rebuilt_cache_keeps_its_rows_is_bit_exact(tmp_path, monk
 SELECTION = ["--eval_interval", "1", "--keep_best", "eval_loss"]
 
 
+def resume_selection(tmp_path, monkeypatch, held_out: Path, samples: int):
+    """A --keep_best run of 2 steps on `held_out` (of `samples` samples then) under rows version 1,
+    then its resume to step 3 under this code's rules: (the best.json of the first run, the resumed run)."""
+    data = write_lines(tmp_path / "d.jsonl", demo_rows(30))
+    selection = [*SELECTION, "--eval_data_path", str(held_out)]
+    train_under_rows_1(monkeypatch, tmp_path, data, "run", "--max_steps", "2", *selection).check_returncode()
+    old = json.loads((tmp_path / "run" / "best" / "best.json").read_text(encoding="utf-8"))
+    assert old["measured_on"] == [held_out_entry(held_out, samples)]
+    resumed = train(tmp_path, data, "run", "--max_steps", "3", "--from_resume", "1", *selection)
+    assert resumed.returncode == 0, resumed.stderr
+    return old, resumed
+
+
 def test_a_keep_best_resume_whose_held_out_cache_is_rebuilt_with_the_same_rows_keeps_its_best(tmp_path, monkeypatch):
     """The best's value was measured on the same samples: another rows version alone leaves what it was
     measured on (the key of rows version 1, as such a run recorded it, and the number of samples)."""
-    data, held_out = write_lines(tmp_path / "d.jsonl", demo_rows(30)), write_lines(tmp_path / "e.jsonl", demo_rows(8))
-    selection = [*SELECTION, "--eval_data_path", str(held_out)]
-    train_under_rows_1(monkeypatch, tmp_path, data, "run", "--max_steps", "2", *selection).check_returncode()
+    old, resumed = resume_selection(tmp_path, monkeypatch, write_lines(tmp_path / "e.jsonl", demo_rows(8)), 8)
     run = tmp_path / "run"
-    old = json.loads((run / "best" / "best.json").read_text(encoding="utf-8"))
-    assert old["measured_on"] == [held_out_entry(held_out, 8)]
-
-    resumed = train(tmp_path, data, "run", "--max_steps", "3", "--from_resume", "1", *selection)
-    assert resumed.returncode == 0, resumed.stderr
     assert "e.jsonl: not reusing the token cache " in resumed.stderr  # built again under this code's rules
     assert "--keep_best" not in resumed.stdout and not (run / "set_aside").exists()
     [row] = [row for row in eval_rows(run)[0] if row["step"] == 3]
@@ -125,17 +131,10 @@ def test_a_keep_best_resume_whose_held_out_cache_is_rebuilt_with_the_same_rows_k
 def test_a_keep_best_resume_whose_held_out_cache_gained_rows_starts_the_selection_afresh(tmp_path, monkeypatch):
     """Rules that accept other held-out rows measure on other samples: the best of the rows the
     checkpoint's run accepted cannot be compared with, though the held-out file's key stays."""
-    data = write_lines(tmp_path / "d.jsonl", demo_rows(30))
     held_out = write_lines(tmp_path / "e.jsonl", [*demo_rows(4), NULL_CONVERSATIONS, *demo_rows(4)])
     plant_rows_1_cache(held_out, [*demo_rows(4), REFUSED, *demo_rows(4)], tmp_path / "cache")
-    selection = [*SELECTION, "--eval_data_path", str(held_out)]
-    train_under_rows_1(monkeypatch, tmp_path, data, "run", "--max_steps", "2", *selection).check_returncode()
+    old, resumed = resume_selection(tmp_path, monkeypatch, held_out, 8)
     run = tmp_path / "run"
-    old = json.loads((run / "best" / "best.json").read_text(encoding="utf-8"))
-    assert old["measured_on"] == [held_out_entry(held_out, 8)]
-
-    resumed = train(tmp_path, data, "run", "--max_steps", "3", "--from_resume", "1", *selection)
-    assert resumed.returncode == 0, resumed.stderr
     [folder] = os.listdir(run / "set_aside")
     assert [line for line in resumed.stdout.splitlines() if line.startswith("--keep_best")] == [
         f"--keep_best eval_loss: the checkpoint's best ({old['value']:.4f} at step {old['step']}) was measured on "
