@@ -64,6 +64,8 @@ class SFTDataset(Dataset):
         # The content this dataset holds (sha256 of the file when its cache was built): the run's
         # identity (trainer/run_identity.py) takes it from here, never from the file again.
         self.data_digest: str = meta["data_digest"]  # every cache of this key records it
+        # Which samples it holds (resumable.chain_samples); None: a cache built without the record.
+        self.samples_digest: str | None = meta.get("samples_digest")
         self.num_skipped: int = meta["num_skipped"]
         self.num_dropped: int = meta["num_dropped"]
         self.num_tokens: int = meta["num_tokens"]

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dataset import ChatAugmenter, MarkFillers, PackedSFTDataset, ResumableDistributedSampler, SFTCollator, SFTDataset
-from dataset.cache import build_or_reuse_on_node, default_cache_root
+from dataset.cache import build_or_reuse_on_node, default_cache_root, measurement_key
 from dataset.formats import DataError
 from dataset.inspection.report import training_summary
 from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, lone_weight_note, parse_data_path
@@ -220,5 +220,6 @@ def build_eval_sets(args, tokenizer, ctx, context: int) -> list[EvalSet]:
         tool_turns = sum(bool(example.reference_calls) for example in examples)
         forwards = math.ceil(math.ceil(len(dataset) / ctx.world_size) / args.batch_size)  # rank 0 has the most
         eval_sets.append(EvalSet(name, loader, forwards, examples[ctx.rank::ctx.world_size],
-                                 len(examples) - tool_turns, tool_turns, samples.cache_path.name))
+                                 len(examples) - tool_turns, tool_turns,
+                                 measurement_key(samples.data_digest, tokenizer, args.max_seq_len), len(samples)))
     return eval_sets

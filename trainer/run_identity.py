@@ -6,7 +6,8 @@ that these define, so a resume that changes one is refused with one line naming 
 - the seed, `--max_seq_len` and `--packing`; with `--packing 1`, whether rows hold room for a system
   prompt (`--system_prompt_ratio` above 0: dataset/packing.py plans rows with it);
 - every training source: its files in order, each with the sha256 of its content (the token cache's
-  digest, taken when the cache was opened) and its number of samples, and the source's weight as an
+  digest, taken when the cache was opened), its number of samples and the digest of its samples
+  (`samples_digest` of its cache's meta.json: which rows became samples), and the source's weight as an
   exact fraction of the total (`1,1` and `0.5,0.5` are the same mixture, `1,1.000004` is not). Files
   are compared by content, not by path: the record keeps each path to name it, and a byte-identical
   file at another path resumes;
@@ -14,8 +15,10 @@ that these define, so a resume that changes one is refused with one line naming 
   into tokens (dataset.cache.key.TOKENS_VERSION).
 The version of the rules that decide which rows are bad (dataset.cache.key.ROWS_VERSION) is not
 part of it: code of other rules builds the token caches again, and a resume is refused only where a
-file's number of samples differs, so one whose rows are the same resumes. (A file that loses and
-gains as many rows under the other rules keeps its count: the record holds no digest of the samples.)
+file's samples differ (their number, or their digest where both records hold one), so one whose rows
+are the same resumes. A cache that records no digest of its samples is compared by their number: it
+is not built again for the record (its rows change only with a rules version, whose new cache key
+builds a cache that records one).
 `save()` never reads the data files again: a file that is moved, deleted or grown while the run
 trains changes nothing in its checkpoints, and a resume over the changed data is refused.
 
@@ -32,7 +35,8 @@ Every change of the record's shape has its own `RECORD_VERSION`, and every shape
 - 2: `identity` without `tokens_version` (the tokenizing code of version 1) or without the sources'
   `left_out`;
 - 3: `identity` without `prompt_room` (rows without room for a system prompt);
-- 4: every field of `RunIdentity`.
+- 4: files without `samples_digest` (compared by their number of samples);
+- 5: every field of `RunIdentity`.
 A record that cannot be read (a newer version, a missing or mistyped field) is a one-line refusal.
 """
 
@@ -46,7 +50,7 @@ from pathlib import Path
 from dataset.rendering import tokenizer_fingerprint
 from dataset.cache import TOKENS_VERSION
 
-RECORD_VERSION = 4
+RECORD_VERSION = 5
 UNRECORDED_TOKENS_VERSION = 1  # the tokenizing code of the checkpoints that recorded none
 
 
@@ -55,6 +59,7 @@ class SourceFile:
     path: str
     digest: str  # sha256 of the file's content
     samples: int  # after bad lines skipped and samples without loss tokens dropped
+    samples_digest: str | None  # which samples (the cache's `samples_digest`); None: its cache records none
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ class RunIdentity:
             return record.get(key, default) if version < since else record[key]
 
         sources = tuple(SourceRecord(source["spec"], float(source["weight"]), str(source["share"]),
-                                     tuple(SourceFile(**file) for file in source["files"]),
+                                     tuple(SourceFile(**{**({} if version >= 5 else {"samples_digest": None}),
+                                                         **file}) for file in source["files"]),
                                      tuple(later(source, "left_out", ())))
                         for source in saved["sources"])
         return cls(int(saved["seed"]), int(saved["max_seq_len"]), int(saved["packing"]), str(saved["tokenizer"]),
@@ -119,7 +125,8 @@ def identify_run(args, tokenizer, sources) -> RunIdentity:
         SourceRecord(
             spec=source.spec, weight=source.weight,
             share=str(Fraction(source.weight) / total) if len(sources) > 1 else "1",
-            files=tuple(SourceFile(str(samples.data_path), samples.data_digest, len(samples)) for samples in files),
+            files=tuple(SourceFile(str(samples.data_path), samples.data_digest, len(samples), samples.samples_digest)
+                        for samples in files),
             left_out=tuple(str(path) for path in source.ignored),
         )
         for source, files in sources
@@ -216,12 +223,17 @@ def exact(weight: float) -> str:
 def data_difference(before: tuple[SourceRecord, ...], now: tuple[SourceRecord, ...], flags: dict) -> tuple | None:
     """(what, checkpoint's, this run's description, what to do) of the first file that differs, or None.
 
-    Files are compared by content (sha256 and samples), in order, not by path: a byte-identical
-    file moved or renamed (a data directory mounted elsewhere) is the same data and resumes. The
-    same bytes give other samples where the runs leave out other rows as bad: another --bad_data, or
-    code of other rules (dataset.cache.key.ROWS_VERSION, which is not compared itself: code of other
-    rules that keeps the same rows of this data resumes)."""
+    Files are compared by content (sha256 and samples: their number, and their digest where both
+    records hold one), in order, not by path: a byte-identical file moved or renamed (a data directory
+    mounted elsewhere) is the same data and resumes. The same bytes give other samples where the runs
+    leave out other rows as bad: another --bad_data, or code of other rules
+    (dataset.cache.key.ROWS_VERSION, which is not compared itself: code of other rules that keeps the
+    same rows of this data resumes)."""
     same_data = f"resume with the data it was trained on ({flags.get('data_path')}, unchanged)"
+    bad_data = f"--bad_data {flags['bad_data']}" if flags.get("bad_data") else "its --bad_data"
+    other_rows = ("the same bytes give other samples where other rows are left out as bad (another --bad_data, or "
+                  "other rules of bad rows: dataset.cache.key.ROWS_VERSION): resume with "
+                  f"{bad_data} and the minisft version that wrote the checkpoint")
     for old, new in zip(before, now):
         if len(old.files) != len(new.files):
             old_paths, new_paths = [file.path for file in old.files], [file.path for file in new.files]
@@ -235,12 +247,12 @@ def data_difference(before: tuple[SourceRecord, ...], now: tuple[SourceRecord, .
                 return ("--data_path content", f"{old_file.path} sha256 {old_file.digest[:16]}",
                         f"{where}sha256 {new_file.digest[:16]}", same_data)
             if old_file.samples != new_file.samples:
-                bad_data = f"--bad_data {flags['bad_data']}" if flags.get("bad_data") else "its --bad_data"
                 return ("the number of samples of --data_path", f"{old_file.path} with {old_file.samples} samples",
-                        f"{where}{new_file.samples}",
-                        "the same bytes give other samples where other rows are left out as bad (another "
-                        "--bad_data, or other rules of bad rows: dataset.cache.key.ROWS_VERSION): resume with "
-                        f"{bad_data} and the minisft version that wrote the checkpoint")
+                        f"{where}{new_file.samples}", other_rows)
+            if None not in (old_file.samples_digest, new_file.samples_digest) and (
+                    old_file.samples_digest != new_file.samples_digest):
+                return ("the samples of --data_path", f"{old_file.path} with samples sha256 "
+                        f"{old_file.samples_digest[:16]}", f"{where}{new_file.samples_digest[:16]}", other_rows)
     return None
 
 

@@ -25,11 +25,11 @@ processes.
 
 from .build import BuildInterrupted, CacheNotBuilt, build_or_reuse, open_finished
 from .finished import TokenCache
-from .key import TOKENS_VERSION, default_cache_root
+from .key import TOKENS_VERSION, default_cache_root, measurement_key
 from .node import build_or_reuse_on_node
 from .resumable import CacheWriteError
 from .workers import WorkerDied, default_num_proc
 
 __all__ = ["BuildInterrupted", "CacheNotBuilt", "CacheWriteError", "TOKENS_VERSION", "TokenCache",
            "WorkerDied", "build_or_reuse", "build_or_reuse_on_node", "default_cache_root", "default_num_proc",
-           "open_finished"]
+           "measurement_key", "open_finished"]

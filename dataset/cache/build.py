@@ -6,7 +6,8 @@ Layout of ``<cache_root>/<key>/``:
 * ``tokens.bin``    flat token ids, smallest unsigned dtype that fits the vocab (uint16 for 6400)
 * ``loss_mask.bin`` flat uint8, 1 where the token carries loss
 * ``offsets.npy``   int64 (n + 1,), sample ``i`` is ``tokens[offsets[i]:offsets[i + 1]]``
-* ``meta.json``     counts (samples, tokens, skipped bad lines, dropped samples) and the dtype
+* ``meta.json``     counts (samples, tokens, skipped bad lines, dropped samples), the dtype and
+                    ``samples_digest`` (which samples it holds: ``resumable.chain_samples``)
 
 ``key`` (``key.cache_key``) hashes the data file's bytes, the tokenizer fingerprint (vocab,
 merges, special tokens, chat template), ``max_seq_len``, ``CACHE_VERSION`` (the layout),
@@ -209,6 +210,7 @@ def _write_cache(results, path, tokenizer, max_seq_len, partial: PartialBuild, b
         "vocab_size": len(tokenizer),
         "dtype": partial.dtype.name,
         "num_samples": done.samples,
+        "samples_digest": done.samples_digest,
         "num_tokens": done.tokens,
         "num_skipped": done.num_skipped,
         "first_bad_line": done.first_bad_line,

@@ -32,7 +32,8 @@ TOKENS_CHANGES = {  # what each version changed, for the line that says why a ca
 # The version of the rules that decide which rows are accepted (bad lines, `file:line: ...`) where the
 # tokens of the accepted rows stay those of TOKENS_VERSION. A cache built under other rules may hold
 # rows this code refuses or lack rows it keeps, so it is built again; a resume is not refused for it
-# (trainer/run_identity.py compares each file's number of samples, which shows whether rows changed).
+# (trainer/run_identity.py compares each file's samples: their number, and their digest where both
+# caches record one, `samples_digest` in meta.json, so it refuses a file that lost and gained rows).
 # Every change of which rows are accepted needs a new version: tests/dataset/test_rows_version.py
 # holds the bad lines of fixed rows per version and fails when they change without one.
 ROWS_VERSION = 2
@@ -69,15 +70,25 @@ def cache_key(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int
     return _versioned_key(_unversioned_parts(data_digest, tokenizer, max_seq_len), tokens_version, rows_version)
 
 
+def measurement_key(data_digest: str, tokenizer, max_seq_len: int) -> str:
+    """What names the samples a file's figures (a held-out file's evaluation) are measured on, apart
+    from which of its rows are accepted: the key of its cache with the rows version left out, that of
+    ``UNRECORDED_ROWS_VERSION`` (so a record of a run of those rules names the same key). Rules that
+    accept the same rows give the same samples and so comparable figures: a change of ROWS_VERSION
+    alone leaves this key; which rows are accepted is recorded beside it (trainer.evaluation.selection)."""
+    return cache_key(data_digest, tokenizer, max_seq_len, TOKENS_VERSION, UNRECORDED_ROWS_VERSION)
+
+
 def older_keys(data_digest: str, tokenizer, max_seq_len: int, tokens_version: int,
                rows_version: int) -> list[tuple[int, int, str]]:
     """``(tokens version, rows version, key)`` of every cache of this (data, tokenizer, template,
-    max_seq_len) that code of versions up to ``tokens_version`` and ``rows_version`` (this code's) may
-    have built, theirs left out."""
+    max_seq_len) that other code may have built, and only those: every tokens version below
+    ``tokens_version`` with rows version 1 (rows versions above 1 are those of ``tokens_version``), and
+    ``tokens_version`` with every rows version below ``rows_version``."""
     parts = _unversioned_parts(data_digest, tokenizer, max_seq_len)
-    return [(tokens, rows, _versioned_key(parts, tokens, rows))
-            for tokens in range(1, tokens_version + 1) for rows in range(1, rows_version + 1)
-            if (tokens, rows) != (tokens_version, rows_version)]
+    pairs = [(tokens, 1) for tokens in range(1, tokens_version)] + [(tokens_version, rows)
+                                                                   for rows in range(1, rows_version)]
+    return [(tokens, rows, _versioned_key(parts, tokens, rows)) for tokens, rows in pairs]
 
 
 def _unversioned_parts(data_digest: str, tokenizer, max_seq_len: int) -> list[str]:

@@ -7,8 +7,8 @@ The build of cache ``<cache_root>/<key>/`` happens in ``<cache_root>/.partial-<k
 * ``cache/``         ``tokens.bin`` and ``loss_mask.bin``, appended chunk by chunk; at the end
                      ``offsets.npy`` and ``meta.json`` are added and ``cache/`` is renamed to the cache
 * ``lengths.bin``    int64 token count of every sample so far (``offsets.npy`` is made from it)
-* ``progress.json``  the last commit: rows of the data file read, samples, tokens, bad and dropped
-                     rows. Written atomically (temporary file + rename) after the data files are
+* ``progress.json``  the last commit: rows of the data file read, samples (and their digest), tokens,
+                     bad and dropped rows. Written atomically (temporary file + rename) after the data files are
                      fsync-ed, at most every ``COMMIT_S`` seconds, and when the build stops.
 
 A restart with the same key (same file bytes, tokenizer, template, ``max_seq_len``) truncates
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import fcntl
 import json
 import os
@@ -44,7 +45,7 @@ from ..printable import print_escaped
 from . import waiting
 
 PARTIAL_PREFIX = ".partial-"
-PROGRESS_VERSION = 1
+PROGRESS_VERSION = 2  # a partial build of another version starts afresh (1 holds no samples_digest)
 COMMIT_S = 2.0  # most seconds of tokenizing a kill may lose
 OFFSETS_BLOCK = 1 << 20  # samples per block when writing offsets.npy
 
@@ -63,6 +64,7 @@ class Progress:
     num_skipped: int = 0
     first_bad_line: str | None = None
     num_dropped: int = 0
+    samples_digest: str = ""  # `chain_samples` over the committed samples
     version: int = PROGRESS_VERSION
     # How the run that made this commit ended: None while it runs (so a killed run leaves None), the
     # signal's name ("SIGTERM") when one interrupted it, else the error that stopped it.
@@ -227,11 +229,12 @@ class PartialBuild:
     def append(self, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray, rows: int, bad: list[str], dropped: int) -> None:
         """Add one chunk's results (``bad``: its skipped rows as ``file:line: problem``). The counters
         change only after every file got its bytes, so a commit never counts a half-written chunk."""
-        for name, array in (("tokens.bin", ids.astype(self.dtype)), ("loss_mask.bin", mask.astype(np.uint8)),
-                            ("lengths.bin", lengths.astype(np.int64))):
+        ids, mask = ids.astype(self.dtype), mask.astype(np.uint8)
+        for name, array in (("tokens.bin", ids), ("loss_mask.bin", mask), ("lengths.bin", lengths.astype(np.int64))):
             with writing(self._path(name)):
                 self._files[name].write(array.tobytes())
         progress = self.progress
+        progress.samples_digest = chain_samples(progress.samples_digest, ids, mask, lengths)
         progress.rows += rows
         progress.samples += len(lengths)
         progress.tokens += len(ids)
@@ -305,6 +308,19 @@ class PartialBuild:
                 with writing(self.target):
                     raise exc
         self.discard()
+
+
+def chain_samples(digest: str, ids: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> str:
+    """``digest`` (of the samples before) chained over these samples, one sha256 each over the digest
+    before it, the sample's tokens and its loss mask: which samples a cache holds, in order, the same
+    however the build cut its rows into chunks or was interrupted. Two caches of the same tokenizer and
+    max_seq_len have the same digest exactly when they hold the same samples in the same order."""
+    start = 0
+    for length in lengths.tolist():
+        digest = hashlib.sha256(digest.encode() + ids[start:start + length].tobytes()
+                                + mask[start:start + length].tobytes()).hexdigest()
+        start += length
+    return digest
 
 
 def write_offsets(lengths_path: Path, samples: int, out: Path) -> None:

@@ -86,3 +86,13 @@ def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noti
     assert digests.data_digest(path, path.parent / ".cache") == digests.file_digest(path) != old_digest
     second = build_cache_and_open(path, tokenizer, 64, num_proc=1)
     assert second.cache_path != first.cache_path
+
+
+def test_older_keys_are_those_of_the_versions_other_code_built(tokenizer):
+    """Rows versions above 1 exist under this tokens version only: no code built tokens versions 1-3 with
+    rows version 2, so no key of such a pair is looked for."""
+    digest = "0" * 64
+    older = digests.older_keys(digest, tokenizer, 64, digests.TOKENS_VERSION, digests.ROWS_VERSION)
+    assert [(tokens, rows) for tokens, rows, _ in older] == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    assert [key for _, _, key in older] == [digests.cache_key(digest, tokenizer, 64, tokens, rows)
+                                            for tokens, rows, _ in older]

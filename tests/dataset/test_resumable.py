@@ -3,6 +3,7 @@ after the rows the stopped build committed (after an error, a ``kill -9``, a ful
 the cache of an uninterrupted build; another file version's partial build is not reused, a live
 builder's is not touched; a cache file that cannot be written is one line."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import dataset.cache.build as token_cache
@@ -277,3 +279,16 @@ def test_a_full_disk_while_building_the_token_cache_is_one_line(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: could not write the token cache {cache_root}/.partial-") and last.endswith(
         ": No space left on device (the rows committed so far are kept for the next run)"), last
+
+
+def test_the_digest_of_the_samples_is_that_of_the_samples_however_they_are_chunked():
+    ids, mask = np.arange(9, dtype=np.uint16), np.array([0, 1, 1, 0, 1, 0, 0, 1, 1], np.uint8)
+    lengths = np.array([2, 3, 4])
+    whole = partial_build.chain_samples("", ids, mask, lengths)
+    cut = partial_build.chain_samples(partial_build.chain_samples("", ids[:2], mask[:2], lengths[:1]), ids[2:], mask[2:],
+                                      lengths[1:])
+    assert whole == cut == hashlib.sha256(
+        hashlib.sha256(hashlib.sha256(ids[:2].tobytes() + mask[:2].tobytes()).hexdigest().encode()
+                                           + ids[2:5].tobytes() + mask[2:5].tobytes()).hexdigest().encode()
+        + ids[5:].tobytes() + mask[5:].tobytes()).hexdigest()
+    assert partial_build.chain_samples("", ids, mask, np.array([3, 2, 4])) != whole  # other samples, same tokens

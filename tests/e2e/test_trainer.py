@@ -209,7 +209,7 @@ def test_only_rank_zero_writes_files(data, tmp_path):
     report.mkdir()
     save_dir = tmp_path / "run"
     run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "2", "--save_interval", "1"), nproc=2,
-                script=os.path.join(REPO, "tests", "helpers", "record_writes.py"), env=clean_env(MINISFT_WRITE_REPORT=str(report)))
+                script=os.path.join(REPO, "tests", "helpers", "record_opens.py"), env=clean_env(MINISFT_WRITE_REPORT=str(report)))
     rank0 = [p for p in json.load(open(report / "rank0.json")) if p.startswith(str(save_dir))]
     rank1 = [p for p in json.load(open(report / "rank1.json")) if p.startswith(str(save_dir))]
     assert any(p.endswith("step_00000002.pt") for p in rank0)

@@ -1,6 +1,6 @@
 """What a token cache's folder holds (its partial builds, a finished cache's files), the key a data
-file's cache has, a cache as code of rows version 1 left it, and a live process that holds a partial
-build's lock as a builder does."""
+file's cache has, what a best model's record names a held-out file by, a cache as code of rows
+version 1 left it, and a live process that holds a partial build's lock as a builder does."""
 
 import json
 import shutil
@@ -25,6 +25,14 @@ def data_key(path, max_seq_len: int = 512) -> str:
     """The key of a data file's token cache with the shipped tokenizer (the TINY flags' --max_seq_len),
     computed here from the file's bytes."""
     return cache_key(file_digest(Path(path)), load_tokenizer(None), max_seq_len, TOKENS_VERSION, ROWS_VERSION)
+
+
+def held_out_entry(path, samples: int, max_seq_len: int = 512) -> str:
+    """What a best model's record says a held-out file of ``samples`` samples (shipped tokenizer, the TINY
+    flags' --max_seq_len) is: its key without a rows version (that of rows version 1), computed here from
+    the file's bytes, and its number of samples."""
+    key = cache_key(file_digest(Path(path)), load_tokenizer(None), max_seq_len, TOKENS_VERSION, 1)
+    return f"{key} of {samples} samples"
 
 
 def plant_rows_1_cache(data: Path, rows_1_reading: list, cache_root: Path, max_seq_len: int = 512) -> Path:

@@ -77,7 +77,7 @@ def test_an_edited_file_and_another_sample_count_are_refused_naming_the_file(tmp
                               f"{path} sha256 {before.sources[0].files[0].digest[:16]}, now sha256 "), problem
     fewer = run_identity.RunIdentity(before.seed, before.max_seq_len, before.packing, before.tokenizer, (
         run_identity.SourceRecord(before.sources[0].spec, 1.0, "1", (
-            run_identity.SourceFile(str(path), before.sources[0].files[0].digest, 7),)),))
+            run_identity.SourceFile(str(path), before.sources[0].files[0].digest, 7, None),)),))
     assert f"(checkpoint {path} with 8 samples, now 7" in refusal(tmp_path, before, fewer)
 
 
@@ -178,7 +178,7 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
     path.write_text(demo_rows(0, 8), encoding="utf-8")
     now = identity(tmp_path, str(path))
     current = run_identity.recorded(now, None)
-    assert current["version"] == 4 and run_identity.refusal({"sample_stream": current, "args": {}}, now, "/r") is None
+    assert current["version"] == 5 and run_identity.refusal({"sample_stream": current, "args": {}}, now, "/r") is None
     # version 2 as written before tokens_version was recorded (and before left_out): tokenizing code 1
     old = {**current["identity"], "sources": [{k: v for k, v in source.items() if k != "left_out"}
                                               for source in current["identity"]["sources"]]}
@@ -193,10 +193,15 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
     # version 3, without prompt_room: rows without room for a system prompt
     stream = {**current, "version": 3, "identity": {k: v for k, v in current["identity"].items() if k != "prompt_room"}}
     assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") is None
-    # version 4 lacking a field, and a newer version: one line each, no KeyError
+    # version 4, files without samples_digest: compared by their number of samples (8, as now)
+    files = [{k: v for k, v in file.items() if k != "samples_digest"} for file in current["identity"]["sources"][0]["files"]]
+    stream = {**current, "version": 4, "identity": {**current["identity"], "sources": [
+        {**current["identity"]["sources"][0], "files": files}]}}
+    assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") is None
+    # version 5 lacking a field, and a newer version: one line each, no KeyError
     broken = {**current, "identity": {k: v for k, v in current["identity"].items() if k != "prompt_room"}}
-    for stream, reason in ((broken, "no 'prompt_room'"), ({**current, "version": 5},
-                                                          "version 5; this minisft reads up to 4")):
+    for stream, reason in ((broken, "no 'prompt_room'"), ({**current, "version": 6},
+                                                          "version 6; this minisft reads up to 5")):
         assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") == (
             f"cannot resume: the checkpoint's record of its sample stream (version {stream['version']}) cannot be "
             f"read ({reason}); resume with the minisft version that wrote the checkpoint, or start a new run from its "

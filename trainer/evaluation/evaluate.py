@@ -58,9 +58,10 @@ class EvalSet:
     examples: list[GenerationExample] = field(default_factory=list)  # this rank's share
     num_replies: int = 0  # in the whole generation subset (all ranks): answers judged by exact match
     num_tool_turns: int = 0  # ... and answers judged by tool-call accuracy
-    # What its figures are measured on: its token cache's key (dataset.cache.key.cache_key: the file's
-    # content, the tokenizer and chat template, --max_seq_len), the name of the cache's directory.
+    # What its figures are measured on: the file's content, the tokenizer and chat template, --max_seq_len
+    # (dataset.cache.key.measurement_key), and how many of its rows are samples.
     data_key: str = ""
+    num_samples: int = 0
 
 
 # A private-use character no template emits: marks where the reply's text ends in a rendering.

@@ -10,16 +10,17 @@ rank decides on the same all-reduced figures, so all stop at the same step, and 
 The state (the metric, its best value and step, evaluations since) lives in `TrainState` and so in
 every resume checkpoint: a resumed run keeps comparing against the best of the run before. A resume
 with another --keep_best, or whose held-out data differs from what the best was measured on
-(`measured_on`: the files' content, --max_seq_len, the tokenizer and chat template; for the scores of
-generated answers also their number and --eval_max_new_tokens), starts the
-selection afresh and moves the other best/ aside (trainer/loop/state.py), since values of two metrics,
-or of one metric on two held-out sets, cannot be compared. A resume to a step before
-the one in best.json (a rollback) moves that best/ aside with the later checkpoints.
+(`measured_on`: the files' content, --max_seq_len, the tokenizer and chat template, how many of their
+rows are samples; for the scores of generated answers also their number and --eval_max_new_tokens),
+starts the selection afresh and moves the other best/ aside (trainer/loop/state.py), since values of
+two metrics, or of one metric on two held-out sets, cannot be compared. A resume to a step before the
+one in best.json (a rollback) moves that best/ aside with the later checkpoints.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from dataset.mixture import short_names
 from trainer.args import held_out_files
@@ -85,19 +86,33 @@ def check_selection(args, metric_names: list[str]) -> None:
                              f"(it reports: {', '.join(metric_names)})")
 
 
+SAMPLES_OF = " of {} samples"  # after a held-out file's key in `measured_on`
+_SAMPLES_OF = re.compile(re.escape(SAMPLES_OF).replace(re.escape("{}"), r"\d+") + "$")
+
+
 def measured_on(eval_sets, metric: str, max_new_tokens: int) -> list[str]:
-    """What the values of `metric` are measured on: the token cache keys (`EvalSet.data_key`) of the
-    held-out files it covers, for `KEY/NAME` the file NAME alone, else all of them (sorted: their sums
-    do not depend on the order); for a metric of generated answers (GENERATED), also how many answers
-    (the first of each file, --eval_generate_samples) of at most how many tokens (--eval_max_new_tokens)
-    were judged. Values measured on other keys cannot be compared."""
+    """What the values of `metric` are measured on: for each held-out file it covers (for `KEY/NAME`
+    the file NAME alone, else all of them, sorted: their sums do not depend on the order) its key
+    (`EvalSet.data_key`) and how many of its rows are samples (another rule of bad rows may accept
+    others), as "KEY of N samples"; for a metric of generated answers (GENERATED), also how many
+    answers (the first of each file, --eval_generate_samples) of at most how many tokens
+    (--eval_max_new_tokens) were judged. Values measured on other data cannot be compared
+    (`same_measurement`)."""
     key, _, name = metric.partition("/")
     covered = [eval_set for eval_set in eval_sets if not name or eval_set.name == name]
-    data = sorted(eval_set.data_key for eval_set in covered)
+    data = sorted(f"{eval_set.data_key}{SAMPLES_OF.format(eval_set.num_samples)}" for eval_set in covered)
     if key not in GENERATED:
         return data
     answers = sum(eval_set.num_replies + eval_set.num_tool_turns for eval_set in covered)
     return [*data, f"{answers} generated answers of at most {max_new_tokens} tokens"]
+
+
+def same_measurement(recorded: list, current: list[str]) -> bool:
+    """Whether values measured on `recorded` (a `measured_on` of a checkpoint or best.json) compare with
+    this run's, measured on `current`. A record that names a held-out file by its key alone, without
+    its number of samples, is compared on what both hold: the key."""
+    return len(recorded) == len(current) and all(
+        old == new or old == _SAMPLES_OF.sub("", new) for old, new in zip(recorded, current))
 
 
 def measured_with(metric: str) -> tuple[str, str]:

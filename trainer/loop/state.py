@@ -20,18 +20,18 @@ from trainer.checkpoint.save_dir import (
 from trainer.data_setup import TrainData
 from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
-from trainer.evaluation.selection import measured_on, measured_with
+from trainer.evaluation.selection import measured_on, measured_with, same_measurement
 from trainer.loop.health import StepHealth
 from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import keep_fused_kernels
 from trainer.parallel import Parallelism
 from trainer.parallel.ddp import unwrap
 from trainer.run_logger import RunLogger
-from trainer.runtime.distributed import DistContext, all_gather_objects
+from trainer.runtime.distributed import DistContext, all_gather_objects, rank0_value
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
-from trainer.weights.read import EMBED, LM_HEAD, misfit, with_tied_head
+from trainer.weights.read import EMBED, LM_HEAD, misfit, tie_difference, with_tied_head
 from trainer.weights.tokenizer import checkpoint_record
 
 
@@ -137,10 +137,12 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
     if problem:
         raise CheckpointError(problem)
     tied = run.raw_model.config.tie_word_embeddings
-    # a sharded checkpoint's names and shapes from its index; the tie's two tensors are read to compare them
-    tensors = (read_full(saved["sharded_path"], "model", only=(LM_HEAD, EMBED) if tied else ())
-               if is_sharded(saved) else saved["model"])
-    problems = misfit(run.raw_model.state_dict(), tensors, tied)
+    if is_sharded(saved):  # names and shapes from the index; the tie's two tensors read by rank 0 alone
+        path = saved["sharded_path"]
+        problems = misfit(run.raw_model.state_dict(), read_full(path, "model", only=()), tied,
+                          read_tie=lambda: sharded_tie_difference(path, run.ctx.is_main))
+    else:
+        problems = misfit(run.raw_model.state_dict(), saved["model"], tied)
     if problems:
         raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
     if not is_sharded(saved):
@@ -174,6 +176,23 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         best_measured_on=saved.get("best_measured_on"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
     )
+
+
+def sharded_tie_difference(path: str, is_main: bool) -> str | None:
+    """`tie_difference` of the sharded checkpoint `path`'s lm_head and embedding, read and compared by
+    rank 0 alone (each a vocabulary x hidden tensor: every rank reading both would take that much host
+    memory on each) and shared with every rank through the store (`rank0_value`), so every rank refuses
+    with the same one line; a read that fails is that line (a CheckpointError) on every rank."""
+    verdict = None
+    if is_main:
+        try:
+            verdict = {"differs": tie_difference(read_full(path, "model", only=(LM_HEAD, EMBED)))}
+        except CheckpointError as error:
+            verdict = {"unreadable": str(error)}
+    verdict = rank0_value(verdict, f"comparing the lm_head and embedding of {path}")
+    if "unreadable" in verdict:
+        raise CheckpointError(verdict["unreadable"])
+    return verdict["differs"]
 
 
 def take_save_dir(run: Run, claim: Claim, resumed: bool) -> None:
@@ -212,7 +231,7 @@ def best_on_disk_differs(run: Run) -> tuple[str, str] | None:
     metric, data = record.get("metric"), record.get("measured_on")
     if isinstance(metric, str) and metric != run.args.keep_best:
         return f"of {metric}", "best-of-" + metric.replace("/", "-")
-    if isinstance(data, list) and data != run.measured_on:
+    if isinstance(data, list) and not same_measurement(data, run.measured_on):
         what = measured_with(run.args.keep_best)[0]
         return f"of other {what}", "best-of-other-" + what.replace(" ", "-")
     return None
@@ -237,7 +256,8 @@ def restart_incomparable_selection(run: Run, fork: dict | None) -> None:
     if state.best_metric not in (None, metric):
         notes.append(f"the checkpoint's best is of {state.best_metric} ({state.best_value:.4f} at step "
                      f"{state.best_step}), which {metric} cannot be compared with: the selection starts afresh")
-    elif state.best_value is not None and state.best_measured_on not in (None, run.measured_on):
+    elif state.best_value is not None and state.best_measured_on is not None and not same_measurement(
+            state.best_measured_on, run.measured_on):
         what, flags = measured_with(metric)
         notes.append(f"the checkpoint's best ({state.best_value:.4f} at step {state.best_step}) was measured on "
                      f"other {what} than this run's {flags}: the selection starts afresh")

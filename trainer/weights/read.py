@@ -380,11 +380,13 @@ def config_from_qwen3(saved: dict, source: str) -> dict:
     return config
 
 
-def misfit(expected: dict, state: dict, tied: bool) -> str | None:
+def misfit(expected: dict, state: dict, tied: bool, read_tie=None) -> str | None:
     """What keeps the tensors `state` from loading into a model whose state dict is `expected`, one part
     per kind, each counted and its first tensors named ("missing 9 tensors (a, b, c, ...); unexpected 1
     tensor (d)"), or None. A `tied` model needs no `lm_head.weight` (it is the embedding), and takes none
-    that differs from the embedding: one tensor cannot hold both, so one of them would be lost."""
+    that differs from the embedding: one tensor cannot hold both, so one of them would be lost. Where
+    `state` holds shapes alone (meta tensors: a sharded checkpoint's index), `read_tie()` gives that
+    verdict (`tie_difference` of the two read elsewhere), asked only when `state` holds both."""
     kinds = {
         "missing": [k for k in expected if k not in state and not (tied and k == LM_HEAD)],
         "unexpected": [k for k in state if k not in expected],
@@ -392,11 +394,16 @@ def misfit(expected: dict, state: dict, tied: bool) -> str | None:
         "not float": [k for k in state if k in expected and not state[k].is_floating_point()],
     }
     problems = [f"{kind} {_tensors(keys)}" for kind, keys in kinds.items() if keys]
-    if (tied and LM_HEAD in state and EMBED in state and state[LM_HEAD].shape == state[EMBED].shape
-            and not torch.equal(state[LM_HEAD], state[EMBED])):
-        problems.append(f"{LM_HEAD} differs from {EMBED}, which is the same tensor in a model with "
-                        "tie_word_embeddings")
-    return "; ".join(problems) or None
+    if tied and LM_HEAD in state and EMBED in state and state[LM_HEAD].shape == state[EMBED].shape:
+        problems.append(read_tie() if read_tie else tie_difference(state))
+    return "; ".join(problem for problem in problems if problem) or None
+
+
+def tie_difference(state: dict) -> str | None:
+    """That `state`'s `lm_head.weight` differs from its embedding, which a tied model holds as one tensor."""
+    if torch.equal(state[LM_HEAD], state[EMBED]):
+        return None
+    return f"{LM_HEAD} differs from {EMBED}, which is the same tensor in a model with tie_word_embeddings"
 
 
 def with_tied_head(state: dict, tied: bool) -> dict:

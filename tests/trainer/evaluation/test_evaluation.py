@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.cache_checks import data_key
+from tests.helpers.cache_checks import held_out_entry
 from tests.helpers.trainer_launch import (
     checkpoint_at, eval_rows, flags, run_trainer, run_trainer_in_process, together,
 )
@@ -104,7 +104,7 @@ def test_best_dir_holds_the_weights_of_the_best_step_and_metrics_record_it(data,
     assert [row["new_best"] for row in evals] == [v > max(values[:i], default=-1) for i, v in enumerate(values)]
     record = json.loads((tmp_path / "run" / "best" / "best.json").read_text())
     assert record == {"metric": "eval_token_accuracy/b", "mode": "max", "value": max(values), "step": best_step,
-                      "measured_on": [data_key(tmp_path / "b.jsonl")]}  # the file of eval_token_accuracy/b alone
+                      "measured_on": [held_out_entry(tmp_path / "b.jsonl", 6)]}  # of eval_token_accuracy/b alone
     best = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
     saved = torch.load(checkpoint_at(tmp_path / "run", best_step), weights_only=True)["model"]
     other = torch.load(checkpoint_at(tmp_path / "run", 6 if best_step != 6 else 5), weights_only=True)["model"]

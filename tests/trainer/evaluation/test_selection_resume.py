@@ -8,21 +8,34 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers.cache_checks import data_key
+from tests.helpers.cache_checks import held_out_entry
 from tests.helpers.trainer_launch import checkpoint_at, eval_rows, flags, run_trainer_in_process
 from trainer.evaluation.evaluate import EvalSet
-from trainer.evaluation.selection import measured_on
+from trainer.evaluation.selection import measured_on, same_measurement
 
 SELECTION = ["--batch_size", "8", "--eval_interval", "1", "--keep_best", "eval_loss"]
 
 
 def test_a_metric_is_measured_on_the_files_it_covers_and_a_generated_one_on_its_answers_too():
-    eval_sets = [EvalSet("b", None, num_replies=3, num_tool_turns=1, data_key="kb"),
-                 EvalSet("a", None, num_replies=2, data_key="ka")]
-    assert measured_on(eval_sets, "eval_loss", 64) == ["ka", "kb"]  # no answer is generated for a loss
-    assert measured_on(eval_sets, "eval_token_accuracy/b", 64) == ["kb"]
-    assert measured_on(eval_sets, "eval_exact_match", 64) == ["ka", "kb", "6 generated answers of at most 64 tokens"]
-    assert measured_on(eval_sets, "eval_tool_call_accuracy/b", 8) == ["kb", "4 generated answers of at most 8 tokens"]
+    eval_sets = [EvalSet("b", None, num_replies=3, num_tool_turns=1, data_key="kb", num_samples=9),
+                 EvalSet("a", None, num_replies=2, data_key="ka", num_samples=12)]
+    assert measured_on(eval_sets, "eval_loss", 64) == ["ka of 12 samples", "kb of 9 samples"]  # no answer generated
+    assert measured_on(eval_sets, "eval_token_accuracy/b", 64) == ["kb of 9 samples"]
+    assert measured_on(eval_sets, "eval_exact_match", 64) == [
+        "ka of 12 samples", "kb of 9 samples", "6 generated answers of at most 64 tokens"]
+    assert measured_on(eval_sets, "eval_tool_call_accuracy/b", 8) == [
+        "kb of 9 samples", "4 generated answers of at most 8 tokens"]
+
+
+def test_a_record_of_keys_alone_is_compared_on_its_keys():
+    """Runs of rows version 1 recorded each held-out file by its key alone: what both hold is compared."""
+    assert same_measurement(["ka", "kb"], ["ka of 12 samples", "kb of 9 samples"])
+    assert same_measurement(["ka of 12 samples"], ["ka of 12 samples"])
+    assert not same_measurement(["ka of 11 samples"], ["ka of 12 samples"])
+    assert not same_measurement(["kc"], ["ka of 12 samples"])
+    assert not same_measurement(["ka"], ["ka of 12 samples", "kb of 9 samples"])
+    assert not same_measurement(["ka", "2 generated answers of at most 64 tokens"],
+                                ["ka of 12 samples", "2 generated answers of at most 8 tokens"])
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +57,7 @@ def test_a_resume_on_other_held_out_data_starts_the_selection_afresh(data, selec
     run, other = tmp_path / "run", selected / "other.jsonl"
     shutil.copytree(selected / "run", run)
     old_best = (run / "best" / "best.json").read_text()
-    assert json.loads(old_best)["measured_on"] == [data_key(data / "eval.jsonl")]
+    assert json.loads(old_best)["measured_on"] == [held_out_entry(data / "eval.jsonl", 16)]
     resumed = resume(data, run, other)
     [folder] = os.listdir(run / "set_aside")
     notes = [line for line in resumed.stdout.splitlines() if line.startswith("--keep_best")]
@@ -55,9 +68,10 @@ def test_a_resume_on_other_held_out_data_starts_the_selection_afresh(data, selec
     [row] = [row for row in eval_rows(run)[0] if row["step"] == 3]
     assert (row["new_best"], row["best_step"], row["best_value"]) == (True, 3, row["eval_loss"])
     assert (run / "set_aside" / folder / "best" / "best.json").read_text() == old_best
-    assert json.loads((run / "best" / "best.json").read_text())["measured_on"] == [data_key(other)]
-    assert torch.load(checkpoint_at(run, 2), weights_only=True)["best_measured_on"] == [data_key(data / "eval.jsonl")]
-    assert torch.load(checkpoint_at(run, 3), weights_only=True)["best_measured_on"] == [data_key(other)]
+    assert json.loads((run / "best" / "best.json").read_text())["measured_on"] == [held_out_entry(other, 8)]
+    assert torch.load(checkpoint_at(run, 2), weights_only=True)["best_measured_on"] == [
+        held_out_entry(data / "eval.jsonl", 16)]
+    assert torch.load(checkpoint_at(run, 3), weights_only=True)["best_measured_on"] == [held_out_entry(other, 8)]
 
 
 @pytest.mark.parametrize("case", ["moved", "unrecorded"])
@@ -127,7 +141,7 @@ def test_a_resume_with_other_generation_settings_starts_the_selection_of_a_gener
                  "--eval_generate_samples", "2", "--eval_data_path", str(data / "eval.jsonl")]
     run_trainer_in_process(flags(data, run, *generated, "--max_steps", "2"), check=True)
     old = json.loads((run / "best" / "best.json").read_text())
-    assert old["measured_on"] == [data_key(data / "eval.jsonl"), "2 generated answers of at most 64 tokens"]
+    assert old["measured_on"] == [held_out_entry(data / "eval.jsonl", 16), "2 generated answers of at most 64 tokens"]
     resumed = run_trainer_in_process(flags(data, run, *generated, "--max_steps", "3", "--from_resume", "1",
                                            "--eval_max_new_tokens", "8"), check=True)
     [folder] = os.listdir(run / "set_aside")
@@ -140,4 +154,4 @@ def test_a_resume_with_other_generation_settings_starts_the_selection_of_a_gener
     [row] = [row for row in eval_rows(run)[0] if row["step"] == 3]
     assert (row["new_best"], row["best_step"], row["best_value"]) == (True, 3, row["eval_exact_match"])
     assert json.loads((run / "best" / "best.json").read_text())["measured_on"] == [
-        data_key(data / "eval.jsonl"), "2 generated answers of at most 8 tokens"]
+        held_out_entry(data / "eval.jsonl", 16), "2 generated answers of at most 8 tokens"]

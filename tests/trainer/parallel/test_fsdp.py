@@ -316,7 +316,9 @@ def rewritten(checkpoint, target, change) -> str:
 def test_a_sharded_checkpoint_that_does_not_fit_is_refused_as_a_single_file_one_is(data, fsdp_run, tmp_path):
     """The check of every weights loader (trainer/weights/read.py, `misfit`) before the shards load: a tied
     model's lm_head.weight apart from its embedding (one of the two would be lost), an extra tensor (dropped
-    without a word) and a wrong shape are one line, from every rank of an --fsdp 1 run and from one process."""
+    without a word) and a wrong shape are one line, from every rank of an --fsdp 1 run and from one process.
+    Rank 0 alone reads the two tied tensors (tests/helpers/record_opens.py records the shards each rank
+    opens): rank 1 reads the checkpoint's index, not its shards."""
     def apart(model):
         model["lm_head.weight"] += 1
 
@@ -327,11 +329,18 @@ def test_a_sharded_checkpoint_that_does_not_fit_is_refused_as_a_single_file_one_
     line = ("error: resume checkpoint does not fit this run: lm_head.weight differs from model.embed_tokens.weight, "
             "which is the same tensor in a model with tie_word_embeddings")
     resume = ["--batch_size", "3", *STEPS, "--fsdp", "1", "--resume_from"]
-    result = run_trainer(flags(data, tmp_path / "apart", *resume, rewritten(
-        dcp_at(fsdp_run, 2), tmp_path / "apart.dcp", apart)), nproc=2, check=False)
+    report = tmp_path / "report"
+    report.mkdir()
+    checkpoint = rewritten(dcp_at(fsdp_run, 2), tmp_path / "apart.dcp", apart)
+    result = run_trainer(flags(data, tmp_path / "apart", *resume, checkpoint), nproc=2, check=False,
+                         script=os.path.join(REPO, "tests", "helpers", "record_opens.py"),
+                         env=clean_env(MINISFT_WRITE_REPORT=str(report)))
     output = result.stdout + result.stderr
     assert output.count(line) == 1, output[-3000:]  # both ranks refuse: printed once
     assert re.findall(r"exitcode\s*: (\S+) \(pid", output) == ["2", "2"], output[-3000:]
+    opened = {rank: sorted({os.path.relpath(path, checkpoint) for path in (report / f"rank{rank}.reads.txt")
+                            .read_text().splitlines() if path.startswith(checkpoint + os.sep)}) for rank in (0, 1)}
+    assert opened == {0: [".metadata", "__0_0.distcp", "meta.pt"], 1: [".metadata", "meta.pt"]}
     refused = run_trainer_in_process(flags(data, tmp_path / "shapes", *resume, rewritten(
         dcp_at(fsdp_run, 2), tmp_path / "shapes.dcp", extra_and_wrong_shape)))
     assert (refused.returncode, refused.stderr.splitlines()) == (2, [

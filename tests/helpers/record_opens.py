@@ -1,8 +1,10 @@
-"""Run train_full_sft.py while recording every file this process opens for writing.
+"""Run train_full_sft.py while recording every file this process opens, for writing and for reading.
 
 Used by the tests as the torchrun entry point: an audit hook (no mock, the real trainer runs)
-collects written paths under the save dir, and each rank dumps its list into
-$MINISFT_WRITE_REPORT/rank<RANK>.json on exit.
+collects the paths written (opened for writing, renamed, made, removed), which each rank dumps into
+$MINISFT_WRITE_REPORT/rank<RANK>.json on exit, and writes each path opened for reading to
+rank<RANK>.reads.txt as it is opened, one a line (a refused distributed run leaves by os._exit:
+what was read is there).
 """
 
 import json
@@ -12,6 +14,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
+RANK = os.environ.get("RANK", "0")
 written: set[str] = set()
 
 
@@ -20,6 +23,9 @@ def _audit(event: str, args) -> None:
         mode, flags = args[1], args[2]
         if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags and flags & (os.O_WRONLY | os.O_RDWR)):
             written.add(os.path.abspath(args[0]))
+        else:
+            reads.write(os.path.abspath(args[0]) + "\n")
+            reads.flush()
     elif event in ("os.rename", "os.mkdir", "os.remove", "shutil.rmtree"):
         for path in args[:2]:
             if isinstance(path, (str, bytes)):
@@ -27,6 +33,8 @@ def _audit(event: str, args) -> None:
 
 
 if __name__ == "__main__":
+    report = os.environ["MINISFT_WRITE_REPORT"]
+    reads = open(os.path.join(report, f"rank{RANK}.reads.txt"), "w", encoding="utf-8")
     sys.addaudithook(_audit)
     import train_full_sft
 
@@ -34,7 +42,6 @@ if __name__ == "__main__":
     try:
         code = train_full_sft.main(sys.argv[1:])
     finally:
-        report = os.environ["MINISFT_WRITE_REPORT"]
-        with open(os.path.join(report, f"rank{os.environ.get('RANK', '0')}.json"), "w") as handle:
+        with open(os.path.join(report, f"rank{RANK}.json"), "w") as handle:
             json.dump(sorted(written), handle)
     sys.exit(code)
