@@ -251,7 +251,7 @@ def data_difference(before: tuple[SourceRecord, ...], now: tuple[SourceRecord, .
                         f"{where}{new_file.samples}", other_rows)
             if None not in (old_file.samples_digest, new_file.samples_digest) and (
                     old_file.samples_digest != new_file.samples_digest):
-                return ("the samples of --data_path", f"{old_file.path} with samples sha256 "
+                return ("the samples' digest of --data_path", f"{old_file.path} with samples sha256 "
                         f"{old_file.samples_digest[:16]}", f"{where}{new_file.samples_digest[:16]}", other_rows)
     return None
 

@@ -79,7 +79,7 @@ def test_a_resume_whose_rebuilt_cache_lost_and_gained_as_many_rows_is_refused_na
     assert [meta["num_samples"] for meta in metas] == [31, 31]
     digests = [meta["samples_digest"] for meta in metas]
     assert resumed.stderr.strip().splitlines()[-1] == (
-        f"error: cannot resume: the samples of --data_path differs from the checkpoint's run (checkpoint {data} with "
+        f"error: cannot resume: the samples' digest of --data_path differs from the checkpoint's run (checkpoint {data} with "
         f"samples sha256 {digests[0][:16]}, now {digests[1][:16]}), so its position in the epoch would mean other "
         "samples; the same bytes give other samples where other rows are left out as bad (another --bad_data, or "
         "other rules of bad rows: dataset.cache.key.ROWS_VERSION): resume with --bad_data skip and the minisft "

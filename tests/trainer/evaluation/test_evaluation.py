@@ -437,25 +437,3 @@ def tiny_model_for(tokenizer):
     return MiniMindForCausalLM(MiniMindConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
                                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
                                               max_position_embeddings=1024))
-
-
-def test_generation_runs_compiled_blocks_eagerly_and_compiles_nothing():
-    """--use_compile 1 with --eval_generate_samples: the KV-cache forward would compile a block
-    again for every layer (its guards read that layer's cache), filling the recompile limit that
-    the training graphs share. Generation runs the blocks eagerly: nothing is compiled, and the
-    answers are those of the uncompiled model."""
-    from torch._dynamo.testing import CompileCounter
-
-    from model import MiniMindConfig, MiniMindForCausalLM
-    from trainer.evaluation.evaluate import greedy_generate
-    from trainer.model_setup import compile_model
-
-    torch.manual_seed(0)
-    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3,
-                                               num_attention_heads=4, num_key_value_heads=2)).eval()
-    expected = greedy_generate(model, [[1, 5, 9], [1, 6]], 0, [2], 2, 5)
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    compile_model(model, torch.device("cpu"), backend=counter)
-    assert greedy_generate(model, [[1, 5, 9], [1, 6]], 0, [2], 2, 5) == expected
-    assert counter.frame_count == 0

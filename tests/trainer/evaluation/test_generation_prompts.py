@@ -1,7 +1,9 @@
 """The generation prompts of the held-out files against the model's context: those that do not fit
-with --eval_max_new_tokens are counted in one line at start (rank 0), and no room at all is refused."""
+with --eval_max_new_tokens are counted in one line at start (rank 0), and no room at all is refused;
+generation runs compiled blocks eagerly."""
 
 import pytest
+import torch
 
 from tests.helpers.trainer_launch import eval_rows, run_trainer, run_trainer_in_process
 
@@ -80,3 +82,25 @@ def test_under_ddp_rank_0_alone_says_how_many_prompts_are_cut(data, trained, tmp
                                          "--eval_max_new_tokens", "500"), nproc=2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [line for line in done.stdout.splitlines() if "[eval] warning" in line] == [WARNING]
+
+
+def test_generation_runs_compiled_blocks_eagerly_and_compiles_nothing():
+    """--use_compile 1 with --eval_generate_samples: the KV-cache forward would compile a block
+    again for every layer (its guards read that layer's cache), filling the recompile limit that
+    the training graphs share. Generation runs the blocks eagerly: nothing is compiled, and the
+    answers are those of the uncompiled model."""
+    from torch._dynamo.testing import CompileCounter
+
+    from model import MiniMindConfig, MiniMindForCausalLM
+    from trainer.evaluation.evaluate import greedy_generate
+    from trainer.model_setup import compile_model
+
+    torch.manual_seed(0)
+    model = MiniMindForCausalLM(MiniMindConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3,
+                                               num_attention_heads=4, num_key_value_heads=2)).eval()
+    expected = greedy_generate(model, [[1, 5, 9], [1, 6]], 0, [2], 2, 5)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compile_model(model, torch.device("cpu"), backend=counter)
+    assert greedy_generate(model, [[1, 5, 9], [1, 6]], 0, [2], 2, 5) == expected
+    assert counter.frame_count == 0
