@@ -193,7 +193,7 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
     # version 3, without prompt_room: rows without room for a system prompt
     stream = {**current, "version": 3, "identity": {k: v for k, v in current["identity"].items() if k != "prompt_room"}}
     assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") is None
-    # version 4, files without samples_digest: compared by their number of samples (8, as now)
+    # version 4, files without samples_digest: compared by their number of samples (8, as in this run)
     files = [{k: v for k, v in file.items() if k != "samples_digest"} for file in current["identity"]["sources"][0]["files"]]
     stream = {**current, "version": 4, "identity": {**current["identity"], "sources": [
         {**current["identity"]["sources"][0], "files": files}]}}
