@@ -81,6 +81,21 @@ def test_a_step_out_of_gpu_memory_is_one_line_naming_the_flags_and_the_checkpoin
                           "--max_seq_len")
 
 
+def test_a_step_out_of_host_memory_on_the_cpu_is_one_line_and_the_checkpoints_stay(data, tmp_path):
+    """torch's CPU allocator raises a plain RuntimeError ("[enforce fail at alloc_cpu.cpp:N] ...
+    DefaultCPUAllocator: can't allocate memory"): the same one line as a GPU's, from the allocator's words on."""
+    save_dir = tmp_path / "run"
+    line = out_of_memory_line(data, save_dir, {"MINISFT_FAULT_CPU_OOM_STEP": "3"}, "--max_steps", "10",
+                              "--save_interval", "2")
+    assert line == (
+        "error: step 3 ran out of memory on cpu (DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+        "1125899906842624 bytes. Error code 12 (Cannot allocate memory)): a batch's activations grow with "
+        "--batch_size 4 x --max_seq_len 512; lower --batch_size (raise --accumulation_steps to keep the batch per "
+        "step), lower --max_seq_len, or give --gradient_checkpointing 1"
+    )
+    assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.pt"]
+
+
 def test_a_save_out_of_gpu_memory_is_one_line_and_the_earlier_checkpoint_stays(data, tmp_path):
     save_dir = tmp_path / "run"
     line = out_of_memory_line(data, save_dir, {"MINISFT_FAULT_OOM_SAVE_STEP": "4"}, "--max_steps", "10",

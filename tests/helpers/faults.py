@@ -13,6 +13,8 @@ The faults come from the environment (torchrun's workers and the equivalence too
   MINISFT_FAULT_OOM_EVAL_STEP=2 the evaluation at that step does, with MINISFT_FAULT_OOM_SAVE_STEP=4
   the save at that step, with MINISFT_FAULT_OOM_BEST=1 the first write of best/
   (tests/e2e/test_non_finite_loss.py);
+- MINISFT_FAULT_CPU_OOM_STEP=3: that optimizer step asks torch's CPU allocator for more memory than
+  any machine has (a real allocation, which fails as a batch too large for the host's memory does);
 - MINISFT_FAULT_FILE_LIMIT="4:262144": from the save at that optimizer step on, once the saves
   before it are written, no file of the process may grow past that many bytes (RLIMIT_FSIZE: the
   write fails with EFBIG, "File too large", as on a full disk; tests/e2e/test_disk_faults.py);
@@ -39,6 +41,7 @@ OOM_STEP_ENV = "MINISFT_FAULT_OOM_STEP"
 OOM_EVAL_STEP_ENV = "MINISFT_FAULT_OOM_EVAL_STEP"
 OOM_SAVE_STEP_ENV = "MINISFT_FAULT_OOM_SAVE_STEP"
 OOM_BEST_ENV = "MINISFT_FAULT_OOM_BEST"
+CPU_OOM_STEP_ENV = "MINISFT_FAULT_CPU_OOM_STEP"
 GPU_MEMORY_ENV = "MINISFT_FAULT_GPU_MEMORY_MIB"
 FILE_LIMIT_ENV = "MINISFT_FAULT_FILE_LIMIT"
 # What the CUDA caching allocator raises: one line
@@ -79,6 +82,7 @@ def install() -> None:
     oom_step = int(os.environ.get(OOM_STEP_ENV, "0"))
     oom_eval_step = int(os.environ.get(OOM_EVAL_STEP_ENV, "0"))
     oom_save_step = int(os.environ.get(OOM_SAVE_STEP_ENV, "0"))
+    cpu_oom_step = int(os.environ.get(CPU_OOM_STEP_ENV, "0"))
     limit_step, _, limit = os.environ.get(FILE_LIMIT_ENV, "0:0").partition(":")
     limit_step, limit = int(limit_step), int(limit)
     real_step, real_agree, real_evaluate = loop.optimizer_step, loop.agree_on_step, loop.evaluate
@@ -88,6 +92,10 @@ def install() -> None:
     def optimizer_step(run, *args, **kwargs):
         if run.state.step + 1 == oom_step:
             out_of_memory()
+        if run.state.step + 1 == cpu_oom_step:
+            import torch
+
+            torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: more than any address space holds
         if run.state.step + 1 not in steps:
             return real_step(run, *args, **kwargs)
         handle = run.model.register_forward_hook(poison_loss)
@@ -120,7 +128,7 @@ def install() -> None:
         local = sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro_batches)
         return totals._replace(loss_tokens=local * run.ctx.world_size)
 
-    if steps or oom_step:
+    if steps or oom_step or cpu_oom_step:
         loop.optimizer_step = optimizer_step
     if os.environ.get(GPU_MEMORY_ENV):
         import torch

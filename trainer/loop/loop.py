@@ -221,7 +221,9 @@ def evaluate_and_select(run: Run) -> bool:
     # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
     try:
         figures = broadcast_object(evaluate(run))
-    except torch.OutOfMemoryError as error:
+    except RuntimeError as error:
+        if not ran_out_of_memory(error):
+            raise
         what = f"the evaluation at step {state.step}"
         raise TrainingError(out_of_memory(run, error, what, training=False)) from None
     new_best = stop = False
@@ -322,7 +324,9 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
         return None
     try:
         result = optimizer_step(run, micro_batches, totals, lr, source_losses=interval["sources"])
-    except torch.OutOfMemoryError as error:
+    except RuntimeError as error:
+        if not ran_out_of_memory(error):
+            raise
         raise TrainingError(out_of_memory(run, error, f"step {state.step + 1}")) from None
     if interval["sources"]:
         interval["sources"].end_step(totals.loss_tokens, result.finite)
@@ -338,7 +342,17 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     return result
 
 
-def out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str, training: bool = True) -> str:
+# What torch's CPU allocator says when the memory it asks for cannot be had (a plain RuntimeError,
+# where a GPU's caching allocator raises torch.OutOfMemoryError).
+CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
+
+
+def ran_out_of_memory(error: RuntimeError) -> bool:
+    """Whether `error` is a device running out of memory: a GPU's, or the CPU allocator's."""
+    return isinstance(error, torch.OutOfMemoryError) or CPU_ALLOCATOR_FAILURE in str(error)
+
+
+def out_of_memory(run: Run, error: RuntimeError, what: str, training: bool = True) -> str:
     """`what` (a training step, an evaluation) ran out of device memory: what the allocator asked for
     and had, and the flags that set the memory of a batch, in one line instead of the allocator's
     paragraph and a traceback. Gradient checkpointing helps a training step only."""
@@ -367,11 +381,14 @@ def save_out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str) -> st
             f"{args.save_dir} are kept")
 
 
-def allocator_summary(error: torch.OutOfMemoryError) -> str:
+def allocator_summary(error: RuntimeError) -> str:
     """The CUDA caching allocator's sentences up to the free memory ("CUDA out of memory. Tried to
     allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free."), not its
-    breakdown and advice; another message's first sentences within 300 characters."""
+    breakdown and advice; the CPU allocator's from "DefaultCPUAllocator" on; another message's first
+    sentences within 300 characters."""
     text = first_line(error, limit=1000)
+    if CPU_ALLOCATOR_FAILURE in text:  # after the allocator's "[enforce fail at alloc_cpu.cpp:N] err == 0."
+        text = text[text.index(CPU_ALLOCATOR_FAILURE):]
     for tail in (" Including non-PyTorch memory", " Of the allocated memory"):
         text = text.split(tail)[0]
     if len(text) > 300:
