@@ -91,8 +91,9 @@ class RunIdentity:
             return record.get(key, default) if version < since else record[key]
 
         sources = tuple(SourceRecord(source["spec"], float(source["weight"]), str(source["share"]),
-                                     tuple(SourceFile(**{**({} if version >= 5 else {"samples_digest": None}),
-                                                         **file}) for file in source["files"]),
+                                     tuple(SourceFile(**{**file, "samples_digest": later(file, "samples_digest", None,
+                                                                                          since=5)})
+                                           for file in source["files"]),
                                      tuple(later(source, "left_out", ())))
                         for source in saved["sources"])
         return cls(int(saved["seed"]), int(saved["max_seq_len"]), int(saved["packing"]), str(saved["tokenizer"]),
