@@ -13,9 +13,9 @@ rank 0 of each node builds the cache its node reads (dataset/cache/node.py).
 
 The check (`check_every_rank_sees`), before anything is written or resumed: rank 0 writes a file
 of a random name into --save_dir and gives the name to the others through the store
-(`rank0_value`); each rank reads it back, and one sum over the ranks (gloo, never the GPU) tells
-every rank which of them did not see it. Rank 0 then removes the file, and if any rank did not
-see it, every rank stops with the line that rank 0 makes of their ranks and hosts.
+(`rank0_value`); each rank reads it back, and one gather over the ranks (gloo, never the GPU) gives
+every rank each rank's answer and host. Rank 0 then removes the file, and if any rank did not see
+it, every rank stops with the same line, naming those ranks and their hosts.
 """
 
 import contextlib
@@ -23,11 +23,8 @@ import os
 import secrets
 import socket
 
-import torch
-import torch.distributed as dist
-
 from trainer.errors import CheckpointError
-from trainer.runtime.distributed import all_reduce_sum_on_host, rank0_value
+from trainer.runtime.distributed import all_gather_objects, rank0_value
 
 PROBE_PREFIX = ".same_dir_check."
 HOSTS_NAMED = 3  # the most hosts a refusal names; the others are counted
@@ -53,28 +50,20 @@ def check_every_rank_sees(save_dir: str, why: str | None, ctx) -> None:
         name = PROBE_PREFIX + secrets.token_hex(8)
         with open(os.path.join(save_dir, name), "w", encoding="utf-8") as handle:
             handle.write(name)
-        written = {"name": name, "host": socket.gethostname()}
+        written = {"name": name, "host": socket.gethostname(), "save_dir": save_dir}
     written = rank0_value(written, "checking --save_dir")
-    blind = torch.zeros(ctx.world_size, dtype=torch.int32)
-    blind[ctx.rank] = 0 if sees(os.path.join(save_dir, written["name"]), written["name"]) else 1
-    store = dist.distributed_c10d._get_default_store()
-    host_key = f"minisft/{written['name']}/host-of-rank"
-    if blind[ctx.rank]:
-        store.set(f"{host_key}{ctx.rank}", socket.gethostname())
-    all_reduce_sum_on_host(blind)
+    seen = sees(os.path.join(save_dir, written["name"]), written["name"])
+    answers = all_gather_objects((seen, socket.gethostname()), on_host=True)
     if ctx.is_main:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(save_dir, written["name"]))
-    ranks = blind.nonzero().flatten().tolist()
-    if not ranks:
-        return
-    line = None
-    if ctx.is_main:  # one reader of the hosts: the line reaches the others through the store
-        hosts = [host.decode() for host in store.multi_get([f"{host_key}{rank}" for rank in ranks])]
-        line = (f"--save_dir {save_dir} is not the same directory on every node ({ranks_on_hosts(ranks, hosts)} "
-                f"{'does' if len(ranks) == 1 else 'do'} not see the file that rank 0 on host {written['host']} wrote "
-                f"there), and {why}: give a directory on a filesystem that all nodes share")
-    raise CheckpointError(rank0_value(line, "checking --save_dir"))
+    ranks = [rank for rank, (saw, _) in enumerate(answers) if not saw]
+    if ranks:  # every rank holds every answer: each makes rank 0's line (its --save_dir, as it names it)
+        hosts = [answers[rank][1] for rank in ranks]
+        raise CheckpointError(f"--save_dir {written['save_dir']} is not the same directory on every node "
+                              f"({ranks_on_hosts(ranks, hosts)} {'does' if len(ranks) == 1 else 'do'} not see the "
+                              f"file that rank 0 on host {written['host']} wrote there), and {why}: give a directory "
+                              "on a filesystem that all nodes share")
 
 
 def sees(path: str, content: str) -> bool:

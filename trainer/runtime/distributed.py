@@ -285,10 +285,11 @@ def all_reduce_sum_on_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_gather_objects(obj) -> list:
+def all_gather_objects(obj, on_host: bool = False) -> list:
+    """Every rank's `obj`, in rank order; `on_host`: through HOST_GROUP, without touching a device."""
     if dist.is_available() and dist.is_initialized():
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
+        dist.all_gather_object(gathered, obj, group=HOST_GROUP if on_host else None)
         return gathered
     return [obj]
 
