@@ -44,7 +44,7 @@ from trainer.checkpoint.save_dir import (
     BEST_DIR, MODEL_DIR, Claim, SaveDirLock, check_folder_can_be_made, claim_for_fresh_run, ensure_writable_dir,
     inside_a_run_model_dir,
 )
-from trainer.checkpoint.shared_dir import check_every_rank_sees, why_every_rank_uses
+from trainer.checkpoint.shared_dir import check_every_rank_sees, read_on_every_rank, why_every_rank_uses
 from trainer.data_setup import build_eval_sets, build_train_data, check_data_files
 from trainer.errors import (
     USER_ERRORS, BuildInterrupted, CheckpointError, NodeLaunchError, TrainingError, names_a_user_path,
@@ -96,7 +96,8 @@ def locate_resume(args, config, ctx, log) -> tuple[dict | None, Claim]:
     run takes --save_dir (the same `Claim` on every rank).
 
     Rank 0 chooses it (and refuses a fresh run into another run's --save_dir unless --overwrite 1);
-    every process then reads the file once, memory-mapped."""
+    every process then reads the file once, memory-mapped, and the ranks check that they read the same
+    checkpoint (trainer/checkpoint/shared_dir.py)."""
     path, saved, claim, problem = None, None, None, None
     if ctx.is_main:
         try:
@@ -108,8 +109,7 @@ def locate_resume(args, config, ctx, log) -> tuple[dict | None, Claim]:
         raise CheckpointError(problem)
     if path is None:
         return None, claim
-    if saved is None:
-        saved = load_resume_checkpoint(path)
+    saved = read_on_every_rank(path, saved, ctx)
     check_model_config(saved["model_config"], config)
     log(f"resuming from {path} (step {saved['step']}, epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']})")
     return saved, claim

@@ -1,13 +1,15 @@
 """--save_dir must be one directory that every node sees where ranks other than 0 use it (--fsdp 1, a
-resume): a directory local to each node is refused at start-up, on every rank
-(trainer/checkpoint/shared_dir.py)."""
+resume): a directory local to each node is refused at start-up, on every rank; the resume checkpoint
+must be the same on every node (trainer/checkpoint/shared_dir.py)."""
 
 import os
+import shutil
 import socket
 
 import pytest
+import torch
 
-from tests.helpers.trainer_launch import SCRIPT, flags, run_ranks_apart
+from tests.helpers.trainer_launch import SCRIPT, flags, run_ranks_apart, run_trainer_in_process
 from trainer.checkpoint.shared_dir import ranks_on_hosts
 
 HOST = socket.gethostname()
@@ -45,3 +47,40 @@ def test_a_refusal_names_the_ranks_by_host_as_ranges():
         "ranks 1-2 on host b, rank 4 on host c, rank 6 on host d and ranks on 1 other host")
     assert ranks_on_hosts([1, 2, 3, 4, 5], ["b", "c", "d", "e", "f"]) == (
         "rank 1 on host b, rank 2 on host c, rank 3 on host d and ranks on 2 other hosts")
+
+
+@pytest.fixture(scope="module")
+def two_saves(tmp_path_factory, data):
+    """Two resume checkpoints of one tiny run: after steps 2 and 4."""
+    run = tmp_path_factory.mktemp("saves") / "run"
+    run_trainer_in_process(flags(data, run, "--batch_size", "2", "--max_steps", "4", "--save_interval", "2"),
+                           check=True)
+    return sorted((run / "checkpoints").glob("step_*.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_node1, told", [
+    (None, "not every rank can read the resume checkpoint (rank 1 on host {host}: resume checkpoint {path} does not "
+           "exist): every node needs the same checkpoint at {path}"),
+    (0, "the resume checkpoint {path} is another one on rank 1 on host {host} (step 2 of run {run}) than on rank 0 "
+        "on host {host} (step 4 of run {run}): every node needs the same checkpoint at that path"),
+])
+def test_a_resume_checkpoint_that_differs_between_nodes_stops_every_rank(two_saves, data, tmp_path, on_node1, told):
+    # --resume_from one path, which holds the save of step 4 on node 0, and on node 1 (rank 1, which
+    # sees its own folder at that path) no file, or the save of step 2.
+    nodes = (tmp_path / "node0", tmp_path / "node1")
+    for node in nodes:
+        node.mkdir()
+    shutil.copy(two_saves[1], nodes[0] / "ckpt.pt")
+    if on_node1 is not None:
+        shutil.copy(two_saves[on_node1], nodes[1] / "ckpt.pt")
+    path = nodes[0] / "ckpt.pt"
+    args = flags(data, tmp_path / "out", "--batch_size", "2", "--max_steps", "6", "--cache_dir",
+                 str(tmp_path / "cache"), "--resume_from", str(path))
+    ranks = run_ranks_apart(SCRIPT, args, local_ranks=(0, 0), binds=(None, (nodes[1], nodes[0])))
+    assert [rank.returncode for rank in ranks] == [2, 2], ranks
+    run = torch.load(two_saves[1], weights_only=True)["run_id"]
+    errors = [[text for text in rank.stderr.splitlines() if "error" in text.lower()] for rank in ranks]
+    assert errors == [["error: " + told.format(host=HOST, run=run, path=path)], []], ranks  # rank 1: print_once
+    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert not (tmp_path / "cache").exists()  # refused before the data is tokenized

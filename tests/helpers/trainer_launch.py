@@ -98,13 +98,24 @@ def together(first, *others):
 
 
 def run_ranks_apart(script: str, args: list[str], local_ranks: tuple[int, int], timeout: float = 240,
-                    cwds: tuple = (REPO, REPO), **env) -> list[subprocess.CompletedProcess]:
+                    cwds: tuple = (REPO, REPO), binds: tuple = (None, None), **env) -> list[subprocess.CompletedProcess]:
     """Two ranks of one run as two plain processes (RANK, WORLD_SIZE, LOCAL_RANK in their environment,
     no launcher), each with its own stdout and stderr; `local_ranks` (0, 0): two nodes of one process.
-    `cwds`: each rank's working directory (a relative path names a folder of each "node" of its own)."""
+    `cwds`: each rank's working directory (a relative path names a folder of each "node" of its own).
+    `binds`: per rank, None or (folder, path): that rank sees `folder` at `path`, bind-mounted in a
+    private mount namespace (one path that holds other files on each "node"; the test is skipped
+    where the machine refuses one)."""
     port = str(free_port())
+    commands = [[sys.executable, script, *args], [sys.executable, script, *args]]
+    for rank, bind in enumerate(binds):
+        if bind is not None:
+            mount = f"mount --bind {shlex.quote(str(bind[0]))} {shlex.quote(str(bind[1]))}"
+            probe = subprocess.run(["unshare", "-Urm", "sh", "-c", mount], capture_output=True, text=True)
+            if probe.returncode != 0:
+                pytest.skip(f"this machine refuses a private bind mount: {probe.stderr.strip()}")
+            commands[rank] = ["unshare", "-Urm", "sh", "-c", f"{mount} && exec {shlex.join(commands[rank])}"]
     processes = [subprocess.Popen(
-        [sys.executable, script, *args], cwd=cwds[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        commands[rank], cwd=cwds[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(local_ranks[rank]), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port, **env)) for rank in (0, 1)]
     finished = []

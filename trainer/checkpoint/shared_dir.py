@@ -1,4 +1,5 @@
-"""--save_dir as one directory that every rank sees, where ranks other than 0 use it.
+"""What the nodes of a run must see alike: --save_dir, where ranks other than 0 use it, and the resume
+checkpoint.
 
 Rank 0 alone creates --save_dir, locks it, publishes and rotates checkpoints there. Two things make
 the other ranks use it too: with `--fsdp 1` every rank writes its shards of each checkpoint into
@@ -16,6 +17,13 @@ of a random name into --save_dir and gives the name to the others through the st
 (`rank0_value`); each rank reads it back, and one gather over the ranks (gloo, never the GPU) gives
 every rank each rank's answer and host. Rank 0 then removes the file, and if any rank did not see
 it, every rank stops with the same line, naming those ranks and their hosts.
+
+The resume checkpoint (`read_on_every_rank`): rank 0 chooses it and every rank reads it at the same
+path (with --resume_from, a path on each node's own filesystem is allowed: a copy on each node
+serves). One gather tells every rank which checkpoint (run and step) each rank read, or why it could
+not: a node without the file, or with another save at that path, stops every rank with the same
+line. Without it the rank that cannot read stops alone while the others wait for it, and a rank that
+reads another checkpoint trains from other weights, optimizer state and sample position than rank 0.
 """
 
 import contextlib
@@ -23,6 +31,8 @@ import os
 import secrets
 import socket
 
+from trainer.checkpoint.resume import load_resume_checkpoint
+from trainer.checkpoint.save_dir import run_label
 from trainer.errors import CheckpointError
 from trainer.runtime.distributed import all_gather_objects, rank0_value
 
@@ -59,11 +69,46 @@ def check_every_rank_sees(save_dir: str, why: str | None, ctx) -> None:
             os.remove(os.path.join(save_dir, written["name"]))
     ranks = [rank for rank, (saw, _) in enumerate(answers) if not saw]
     if ranks:  # every rank holds every answer: each makes rank 0's line (its --save_dir, as it names it)
-        hosts = [answers[rank][1] for rank in ranks]
+        where = ranks_on_hosts(ranks, hosts_of(answers, ranks))
         raise CheckpointError(f"--save_dir {written['save_dir']} is not the same directory on every node "
-                              f"({ranks_on_hosts(ranks, hosts)} {'does' if len(ranks) == 1 else 'do'} not see the "
+                              f"({where} {'does' if len(ranks) == 1 else 'do'} not see the "
                               f"file that rank 0 on host {written['host']} wrote there), and {why}: give a directory "
                               "on a filesystem that all nodes share")
+
+
+def read_on_every_rank(path: str, saved: dict | None, ctx) -> dict:
+    """The resume checkpoint at `path` as this rank reads it: `saved` where rank 0 has read it already,
+    else read here. In a multi-process run, a CheckpointError on every rank when some rank cannot read it
+    or reads another checkpoint than rank 0 (module docstring); collective over the ranks."""
+    problem = None
+    if saved is None:
+        try:
+            saved = load_resume_checkpoint(path)
+        except CheckpointError as error:
+            if not ctx.distributed:
+                raise
+            problem = str(error)
+    if not ctx.distributed:
+        return saved
+    which = None if problem else f"step {saved['step']} of run {run_label(saved.get('run_id'))}"
+    answers = all_gather_objects((problem, which, socket.gethostname()), on_host=True)
+    unread = [rank for rank, (problem_there, _, _) in enumerate(answers) if problem_there]
+    if unread:
+        where = ranks_on_hosts(unread, hosts_of(answers, unread))
+        raise CheckpointError(f"not every rank can read the resume checkpoint ({where}: {answers[unread[0]][0]}): "
+                              f"every node needs the same checkpoint at {path}")
+    other = [rank for rank, (_, which_there, _) in enumerate(answers) if which_there != answers[0][1]]
+    if other:
+        raise CheckpointError(f"the resume checkpoint {path} is another one on "
+                              f"{ranks_on_hosts(other, hosts_of(answers, other))} ({answers[other[0]][1]}) than on "
+                              f"rank 0 on host {answers[0][2]} ({answers[0][1]}): every node needs the same "
+                              "checkpoint at that path")
+    return saved
+
+
+def hosts_of(answers: list, ranks: list[int]) -> list[str]:
+    """The hosts (each answer's last item) of `ranks`."""
+    return [answers[rank][-1] for rank in ranks]
 
 
 def sees(path: str, content: str) -> bool:
