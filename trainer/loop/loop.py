@@ -172,6 +172,17 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
     return StepResult(local_loss, grad_norm.detach(), finite)
 
 
+def settle_gradient_layout(run: Run, batch: dict) -> None:
+    """Before the run's first step (fresh or resumed): the parallelism's `settle_layout` with a forward and
+    backward of zero on `batch` at hand (DDP runs it: trainer/parallel/ddp.py), so that every step of every
+    run sums its gradients alike."""
+    def backward_of_zero():
+        with autocast(run.ctx.device, run.dtype):
+            out = run.model(**model_inputs(batch, run.ctx.device), skip_logits=True)
+        ((out.loss + out.aux_loss) * 0).backward()
+    run.parallel.settle_layout(backward_of_zero)
+
+
 def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """optimizer.step(), a no-op on the device where `skip` is true: fused AdamW then leaves the
     weights, the moments and the step counter as they were (the GradScaler's protocol)."""
@@ -272,7 +283,7 @@ def train(run: Run) -> str:
                 "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
     last_saved = last_eval = state.step
     run.save_clock = SaveClock(args.save_every_minutes if run.ctx.is_main else 0.0)  # rank 0's clock decides
-    status = "finished"
+    status, layout_settled = "finished", False
     while state.step < total_steps and state.epoch < args.epochs:
         sampler = run.data.sampler
         sampler.set_epoch(state.epoch)
@@ -284,6 +295,9 @@ def train(run: Run) -> str:
             if not micro_batches:  # defensive: the sampler always covers the epoch
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
                 break
+            if not layout_settled:
+                settle_gradient_layout(run, micro_batches[0])
+                layout_settled = True
             lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
             result = take_step(run, micro_batches, interval, lr)
             if result is None:

@@ -31,6 +31,20 @@ class Replicated:
             return contextlib.nullcontext()
         return model.no_sync()
 
+    def settle_layout(self, backward_of_zero) -> None:
+        """DDP (several processes) lays its gradient buckets out in parameter order, then once more, at
+        the first forward after its first backward that all-reduces, in the order the gradients became
+        ready there. Where an element lies in its bucket decides how the ring all-reduce of three or more
+        ranks sums it (floating-point addition is not associative), so a resumed run, whose new DDP would
+        sum its first step in the first layout, would not repeat the step the unbroken run summed in the
+        settled one. `backward_of_zero` (one forward and backward of the run's model, before its first
+        step) settles the layout in every run; it draws no random numbers and leaves no gradient."""
+        if not self.ctx.distributed:
+            return
+        with torch.random.fork_rng(devices=[self.ctx.device] if self.ctx.device.type == "cuda" else []):
+            backward_of_zero()
+        self.model.zero_grad(set_to_none=True)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 

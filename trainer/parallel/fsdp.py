@@ -65,6 +65,9 @@ class FullyShardedParallel:
         self.model.set_requires_gradient_sync(last)
         return _Nothing()
 
+    def settle_layout(self, backward_of_zero) -> None:
+        """Nothing: FSDP2's reduce-scatter layout is fixed when the model is sharded."""
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global norm over all shards (one all-reduce), then every shard scaled by the same factor."""
         parameters = [p for p in self.model.parameters() if p.grad is not None]

@@ -1,5 +1,7 @@
 """trainer/parallel/ddp.py: DDP never walks the autograd graph for unused parameters, since every
-parameter, an MoE expert that no token reached included, gets a gradient in every backward."""
+parameter, an MoE expert that no token reached included, gets a gradient in every backward; every
+step of every run sums the gradients in DDP's settled bucket layout, so a resumed run on three or
+more ranks ends bit-identical to an unbroken one."""
 
 import datetime
 
@@ -7,7 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.trainer_launch import free_port
+from tests.helpers.trainer_launch import (
+    assert_weights_equal, checkpoint_at, final_weights, flags, free_port, run_trainer,
+)
 from tests.helpers.tiny_model import tiny_model
 from trainer.parallel.ddp import wrap_for_distributed
 from trainer.runtime.distributed import DistContext
@@ -64,3 +68,17 @@ def test_an_expert_no_token_reached_still_gets_a_zero_gradient(dtype):
         assert experts[0].down_proj.weight.grad.abs().sum() + experts[3].down_proj.weight.grad.abs().sum() > 0
         for expert in experts[1:3]:
             assert all(torch.count_nonzero(p.grad) == 0 for p in expert.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("--packing", "1", "--accumulation_steps", "2")])
+def test_three_ranks_resumed_mid_run_end_bit_identical_to_an_unbroken_run(data, tmp_path, extra):
+    # A new DDP lays its gradient buckets out in parameter order and, after its first backward, in the
+    # order the gradients became ready. On three ranks the ring's sums depend on where each element
+    # lies, so a resumed run whose first step summed in the first layout would differ from the run that
+    # summed that step in the settled one.
+    args = ("--batch_size", "2", "--max_steps", "4", "--save_interval", "2", *extra)
+    unbroken, resumed = tmp_path / "unbroken", tmp_path / "resumed"
+    run_trainer(flags(data, unbroken, *args), nproc=3)
+    run_trainer(flags(data, resumed, *args, "--resume_from", checkpoint_at(unbroken, 2)), nproc=3)
+    assert_weights_equal(final_weights(resumed), final_weights(unbroken))
