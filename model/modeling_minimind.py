@@ -13,8 +13,9 @@ Nothing here knows about training or distribution. Inputs the trainer relies on:
   loss tokens the caller will average over (the loss is then a sum divided by it, so
   micro-batches and ranks can be combined exactly);
 - `skip_logits=True` computes the LM head only where a label is set and returns no logits;
-  the LM head + cross-entropy then run in chunks of tokens (`chunked_lm_loss`), so a large
-  vocabulary never holds [loss tokens x vocab] fp32 logits at once. With it,
+  the LM head + cross-entropy then run in chunks of tokens (`chunked_lm_loss`; without
+  gradients `head_loss_in_chunks`), so a large vocabulary never holds [loss tokens x vocab]
+  fp32 logits at once. With it,
   `return_token_losses=True` also returns every loss position's cross-entropy (`token_losses`,
   detached fp32, in `loss_positions` order): the trainer's per-source losses.
 
@@ -46,7 +47,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from .configuration_minimind import MiniMindConfig
 from .compute_weights import ComputeWeights, compute_dtype, piece_layout
 from .feed_forward import MiniMindMLP, MiniMindMoE
-from .loss import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, loss_positions_of
+from .loss import (IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, cross_entropy_sum, head_loss_in_chunks,
+                   loss_positions_of)
 from .packed_attention import PackedDocuments, gqa_needs_expanded_heads
 from .rope import apply_rope, precompute_rope_tables, rope_rows
 from .rms_norm import MiniMindRMSNorm
@@ -377,19 +379,19 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
                 targets = labels.reshape(-1)[loss_positions + 1]  # the next token of the same row
                 chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, loss_positions)
                 count = num_items_in_batch if num_items_in_batch is not None else max(len(targets), 1)
-                # Without gradients (evaluation) nothing is kept for a backward: one call of the
-                # head, so that hooks on it see the loss positions' logits (trainer/evaluation/evaluate.py).
                 if self.chunk_lm_loss and torch.is_grad_enabled():
                     total = chunked_lm_loss(chosen, self.lm_head.weight, targets, self.loss_chunk_tokens(),
                                             token_losses=return_token_losses)
                     if return_token_losses:
                         total, token_losses = total
-                    loss = total / count
                 else:
-                    logits_at_loss = self.lm_head(chosen)
-                    loss = self._reduce_loss(logits_at_loss, targets, count)
-                    if return_token_losses:
-                        token_losses = F.cross_entropy(logits_at_loss.detach().float(), targets, reduction="none")
+                    # Without gradients (evaluation) nothing is kept for a backward: the head is called
+                    # once per chunk of loss positions, so that hooks on it see their logits
+                    # (trainer/evaluation/evaluate.py); unchunked, once on all of them.
+                    chunk = self.loss_chunk_tokens() if self.chunk_lm_loss else max(len(targets), 1)
+                    total, token_losses = head_loss_in_chunks(self.lm_head, chosen, targets, chunk,
+                                                              token_losses=return_token_losses)
+                loss = total / count
             else:
                 logits = self.lm_head(hidden)
                 loss = self._reduce_loss(
@@ -409,7 +411,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def _reduce_loss(logits, targets, num_items_in_batch):
-        total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        total = cross_entropy_sum(logits, targets)
         if num_items_in_batch is None:
             num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
         return total / num_items_in_batch
