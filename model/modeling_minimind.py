@@ -24,7 +24,8 @@ never waits for the GPU (no host sync); a caller that does not pass them gets th
 here (one host sync each on a GPU):
 - `loss_positions`: flat indices into the B x T tokens whose next token has a label
   (`loss_positions_of(labels)`);
-- `packed_layout`: the documents of packed rows (`PackedDocuments`, packed_attention.py);
+- `packed_layout`: the documents of packed rows (`PackedDocuments`, packed_attention.py), on
+  the CPU or on the model's device (copied there once per forward when on the CPU);
 - `token_mask` (1 = real token): which tokens the MoE load-balancing loss counts (pads are
   excluded); without it `attention_mask` is used, or every token counts.
 MoE load balancing is MiniMind's sequence-wise loss (one term per row, see `MiniMindMoE`),
@@ -174,11 +175,12 @@ class AttentionMask:
     @classmethod
     def build(cls, batch, q_len, past_len, attention_mask, position_ids, packed, device, packed_layout=None):
         """`packed`: position_ids came from the caller with no cache, so a 0 opens a document
-        (`packed_layout`: the documents, precomputed by the caller)."""
+        (`packed_layout`: the documents, precomputed by the caller, on the CPU or on `device`
+        already; the varlen kernel reads its `cu_seqlens` on `device`)."""
         if packed and attention_mask is None:
             if packed_layout is None:
                 packed_layout = PackedDocuments.from_position_ids(position_ids)
-            return cls(None, is_causal=False, documents=packed_layout)
+            return cls(None, is_causal=False, documents=packed_layout.to(device))
         document_ids = (position_ids == 0).long().cumsum(dim=-1) if packed else None
         if attention_mask is None and document_ids is None:
             if past_len == 0:
