@@ -2,6 +2,7 @@
 in chunks of tokens so that a large vocabulary never holds all the fp32 logits at once."""
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 # Tokens x vocabulary entries of fp32 logits that the chunked LM loss holds at a time (256 MiB).
@@ -15,6 +16,36 @@ def loss_positions_of(labels: torch.Tensor) -> torch.Tensor:
     predicts[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     return predicts.reshape(-1).nonzero().squeeze(1)
 
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """sum over the rows of logits [N, V] of their cross-entropy against targets [N], fp32; a target
+    of IGNORE_INDEX counts nothing."""
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def head_loss_in_chunks(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,
+                        token_losses: bool = False):
+    """(`cross_entropy_sum(head(hidden), targets)`, the per-row values it summed or None): one call
+    of `head` per `chunk_tokens` rows of hidden [N, H], so that no more than that many rows of
+    logits and of their fp32 copy are held at once; at least one call, also for N = 0, so the sum is
+    a tensor. N <= chunk_tokens is one call over all rows. The per-row values (`token_losses`) are
+    detached. The head runs as a module, so a forward hook on it sees each call's logits in row
+    order (trainer/evaluation/evaluate.py). The form for a forward without gradients: with them,
+    autograd keeps every call's logits for the backward (`chunked_lm_loss` recomputes them)."""
+    total, per_token = None, []
+    for start in range(0, max(len(targets), 1), chunk_tokens):
+        chunk_sum, chunk_losses = _head_loss(head, hidden[start:start + chunk_tokens],
+                                             targets[start:start + chunk_tokens], token_losses)
+        total = chunk_sum if total is None else total + chunk_sum
+        per_token.append(chunk_losses)
+    return total, (torch.cat(per_token) if token_losses else None)
+
+
+def _head_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, token_losses: bool):
+    """One call of `head_loss_in_chunks`' loop: its logits live only until this returns."""
+    logits = head(hidden)
+    per_token = F.cross_entropy(logits.detach().float(), targets, reduction="none") if token_losses else None
+    return cross_entropy_sum(logits, targets), per_token
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int,

@@ -13,8 +13,9 @@ Nothing here knows about training or distribution. Inputs the trainer relies on:
   loss tokens the caller will average over (the loss is then a sum divided by it, so
   micro-batches and ranks can be combined exactly);
 - `skip_logits=True` computes the LM head only where a label is set and returns no logits;
-  the LM head + cross-entropy then run in chunks of tokens (`chunked_lm_loss`), so a large
-  vocabulary never holds [loss tokens x vocab] fp32 logits at once. With it,
+  the LM head + cross-entropy then run in chunks of tokens (`chunked_lm_loss`; without
+  gradients `head_loss_in_chunks`), so a large vocabulary never holds [loss tokens x vocab]
+  fp32 logits at once. With it,
   `return_token_losses=True` also returns every loss position's cross-entropy (`token_losses`,
   detached fp32, in `loss_positions` order): the trainer's per-source losses.
 
@@ -23,7 +24,8 @@ never waits for the GPU (no host sync); a caller that does not pass them gets th
 here (one host sync each on a GPU):
 - `loss_positions`: flat indices into the B x T tokens whose next token has a label
   (`loss_positions_of(labels)`);
-- `packed_layout`: the documents of packed rows (`PackedDocuments`, packed_attention.py);
+- `packed_layout`: the documents of packed rows (`PackedDocuments`, packed_attention.py), on
+  the CPU or on the model's device (copied there once per forward when on the CPU);
 - `token_mask` (1 = real token): which tokens the MoE load-balancing loss counts (pads are
   excluded); without it `attention_mask` is used, or every token counts.
 MoE load balancing is MiniMind's sequence-wise loss (one term per row, see `MiniMindMoE`),
@@ -46,7 +48,8 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from .configuration_minimind import MiniMindConfig
 from .compute_weights import ComputeWeights, compute_dtype, piece_layout
 from .feed_forward import MiniMindMLP, MiniMindMoE
-from .loss import IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, loss_positions_of
+from .loss import (IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, cross_entropy_sum, head_loss_in_chunks,
+                   loss_positions_of)
 from .packed_attention import PackedDocuments, gqa_needs_expanded_heads
 from .rope import apply_rope, precompute_rope_tables, rope_rows
 from .rms_norm import MiniMindRMSNorm
@@ -172,11 +175,12 @@ class AttentionMask:
     @classmethod
     def build(cls, batch, q_len, past_len, attention_mask, position_ids, packed, device, packed_layout=None):
         """`packed`: position_ids came from the caller with no cache, so a 0 opens a document
-        (`packed_layout`: the documents, precomputed by the caller)."""
+        (`packed_layout`: the documents, precomputed by the caller, on the CPU or on `device`
+        already; the varlen kernel reads its `cu_seqlens` on `device`)."""
         if packed and attention_mask is None:
             if packed_layout is None:
                 packed_layout = PackedDocuments.from_position_ids(position_ids)
-            return cls(None, is_causal=False, documents=packed_layout)
+            return cls(None, is_causal=False, documents=packed_layout.to(device))
         document_ids = (position_ids == 0).long().cumsum(dim=-1) if packed else None
         if attention_mask is None and document_ids is None:
             if past_len == 0:
@@ -377,19 +381,19 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
                 targets = labels.reshape(-1)[loss_positions + 1]  # the next token of the same row
                 chosen = hidden.reshape(-1, hidden.shape[-1]).index_select(0, loss_positions)
                 count = num_items_in_batch if num_items_in_batch is not None else max(len(targets), 1)
-                # Without gradients (evaluation) nothing is kept for a backward: one call of the
-                # head, so that hooks on it see the loss positions' logits (trainer/evaluation/evaluate.py).
                 if self.chunk_lm_loss and torch.is_grad_enabled():
                     total = chunked_lm_loss(chosen, self.lm_head.weight, targets, self.loss_chunk_tokens(),
                                             token_losses=return_token_losses)
                     if return_token_losses:
                         total, token_losses = total
-                    loss = total / count
                 else:
-                    logits_at_loss = self.lm_head(chosen)
-                    loss = self._reduce_loss(logits_at_loss, targets, count)
-                    if return_token_losses:
-                        token_losses = F.cross_entropy(logits_at_loss.detach().float(), targets, reduction="none")
+                    # Without gradients (evaluation) nothing is kept for a backward: the head is called
+                    # once per chunk of loss positions, so that hooks on it see their logits
+                    # (trainer/evaluation/evaluate.py); unchunked, once on all of them.
+                    chunk = self.loss_chunk_tokens() if self.chunk_lm_loss else max(len(targets), 1)
+                    total, token_losses = head_loss_in_chunks(self.lm_head, chosen, targets, chunk,
+                                                              token_losses=return_token_losses)
+                loss = total / count
             else:
                 logits = self.lm_head(hidden)
                 loss = self._reduce_loss(
@@ -409,7 +413,7 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
 
     @staticmethod
     def _reduce_loss(logits, targets, num_items_in_batch):
-        total = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        total = cross_entropy_sum(logits, targets)
         if num_items_in_batch is None:
             num_items_in_batch = (targets != IGNORE_INDEX).sum().clamp(min=1)
         return total / num_items_in_batch

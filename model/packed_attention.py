@@ -79,9 +79,10 @@ class PackedDocuments:
 
     def to(self, device, non_blocking: bool = True) -> PackedDocuments:
         """A copy whose `cu_seqlens` is on `device` (an asynchronous host-to-device copy); the
-        buckets' indices are copied where the bucketed path runs (`attend_in_buckets`)."""
+        buckets' indices are copied where the bucketed path runs (`attend_in_buckets`); itself
+        where it is there already (a layout moved to `cuda` is on `cuda:0`)."""
         device = torch.device(device)
-        if device == self.device:
+        if device in (self.device, self.cu_seqlens.device):
             return self
         moved = copy.copy(self)
         moved.device = device

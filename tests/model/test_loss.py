@@ -187,3 +187,44 @@ def test_the_loss_moves_22_bytes_per_bf16_logit_forward_and_28_backward():
     logits = tokens * vocab
     assert round(forward.total.bytes / logits, 1) == 22.1
     assert round(backward.total.bytes / logits, 1) == 28.1
+
+
+def test_without_gradients_the_head_runs_once_per_chunk_of_loss_positions(monkeypatch):
+    """Evaluation's forward (no_grad) calls the head on `loss_chunk_tokens()` loss positions at a
+    time, as training's loss holds them: the loss equals one call's within float rounding, the
+    per-token losses equal it exactly, and a batch of one chunk is that one call, bit for bit."""
+    import torch.nn.functional as F
+
+    from model import modeling_minimind
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (3, 11), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    labels[2, 7:] = -100  # 22 loss positions
+    rows = []
+    model.lm_head.register_forward_hook(lambda _module, _inputs, logits: rows.append(tuple(logits.shape)))
+
+    def forward(batch_labels):
+        rows.clear()
+        with torch.no_grad():
+            out = model(ids, labels=batch_labels, num_items_in_batch=22, skip_logits=True, return_token_losses=True)
+        return out.loss, out.token_losses, list(rows)
+
+    loss, token_losses, calls = forward(labels)
+    assert calls == [(22, 97)]  # within one chunk
+    chosen = model.model(ids)[0].reshape(-1, 64)[modeling_minimind.loss_positions_of(labels)]
+    targets = labels[:, 1:][labels[:, 1:] != -100]
+    logits = model.lm_head(chosen).detach()
+    assert torch.equal(loss, F.cross_entropy(logits.float(), targets, reduction="sum") / 22)
+    assert torch.equal(token_losses, F.cross_entropy(logits.float(), targets, reduction="none"))
+
+    monkeypatch.setattr(modeling_minimind, "LOSS_CHUNK_ELEMENTS", 4 * 97)  # 4 loss positions per chunk
+    chunked_loss, chunked_token_losses, chunked_calls = forward(labels)
+    assert chunked_calls == [(4, 97)] * 5 + [(2, 97)]
+    assert torch.allclose(chunked_loss, loss, atol=1e-6, rtol=0)
+    assert torch.equal(chunked_token_losses, token_losses)
+    # no loss position: one call on none of them, and a loss tensor of 0
+    empty_loss, empty_token_losses, empty_calls = forward(torch.full_like(labels, -100))
+    assert empty_calls == [(0, 97)]
+    assert torch.equal(empty_loss, torch.tensor(0.0)) and empty_token_losses.shape == (0,)

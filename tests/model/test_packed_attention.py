@@ -349,3 +349,30 @@ def test_every_copy_of_the_layout_to_a_gpu_starts_from_page_locked_memory(monkey
     packed_buckets.attend_in_buckets(q, kv, kv, on_gpu.gather, on_gpu.bucket_shapes, on_gpu.rows, False)
     assert copied[0] is on_gpu.gather and copied[1] is on_gpu.rows and len(copied) == 2
     assert recorder.copies == [(True, True)] * 4
+
+
+def test_the_attention_mask_moves_a_layout_given_on_the_cpu_to_the_hidden_states_device(monkeypatch):
+    """A caller of the model may build the layout on the CPU (as the collator does) and not move it;
+    the varlen kernel reads `cu_seqlens` on the GPU, so the mask takes a copy there (one pinned
+    asynchronous copy); a layout already there, on `cuda` or on `cuda:0`, is used as it is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from model.modeling_minimind import AttentionMask
+
+    recorder = PinRecorder(monkeypatch)
+    starts, lengths = document_starts(torch.tensor([[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]))
+    on_cpu = PackedDocuments(starts, lengths, (2, 5))
+    gpu = torch.device("cuda", 0)
+
+    def documents(layout):
+        return AttentionMask.build(2, 5, 0, None, None, True, gpu, layout).documents
+
+    moved = documents(on_cpu)
+    assert (moved.device, on_cpu.device, recorder.copies) == (gpu, torch.device("cpu"), [(True, True)])
+    assert moved.cu_seqlens.tolist() == [0, 3, 5, 7, 10]
+    assert documents(moved) is moved and len(recorder.copies) == 1
+    on_cuda = on_cpu.to("cuda")  # as `model_inputs` moves it for a run on `cuda` (no index)
+    assert (on_cuda.device, len(recorder.copies)) == (torch.device("cuda"), 2)
+    with FakeTensorMode():
+        on_cuda.cu_seqlens = torch.empty(5, dtype=torch.int32, device="cuda")  # where the copy lands: cuda:0
+    assert documents(on_cuda) is on_cuda and len(recorder.copies) == 2

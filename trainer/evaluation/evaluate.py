@@ -243,16 +243,18 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
     without loss tokens. Under --fsdp 1 every forward is a collective, so all ranks run the same
     number although their slices may differ by one batch.
 
-    The model computes its LM head only at the loss positions (`skip_logits=True`); a hook on
-    the head reads those logits for the argmax, so the accuracy costs no second forward. (A
-    change of the model that calls the head elsewhere fails here on the size, loudly.)
+    The model computes its LM head only at the loss positions (`skip_logits=True`), one call per
+    chunk of them; a hook on the head keeps the argmax of each call's logits, not the logits, so
+    the accuracy costs no second forward and holds one chunk's logits at a time. (A change of the
+    model that calls the head elsewhere fails here on the size, loudly.)
 
     Nothing is read from the device: the loss positions of the CPU batch (the collator's, else
     computed from its labels; none in the padding batch) give the count on the host and the
     targets by index, in the order of the head's rows. The caller reads the sums, once."""
     totals = torch.zeros(3, dtype=torch.float64, device=device)
     captured = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda _module, _inputs, output: captured.append(output))
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _module, _inputs, logits: captured.append(logits.reshape(-1, logits.shape[-1]).argmax(dim=-1)))
     padding = {"input_ids": torch.zeros((1, 2), dtype=torch.long),
                "labels": torch.full((1, 2), IGNORE_INDEX, dtype=torch.long),
                "loss_positions": torch.zeros(0, dtype=torch.long)}  # no loss tokens: adds 0 to every sum
@@ -270,9 +272,8 @@ def loss_and_accuracy_sums(model, loader, device: torch.device, dtype: torch.dty
             targets = inputs["labels"].reshape(-1)[inputs["loss_positions"] + 1]  # the next token of the row
             totals[0] += out.loss.double()
             totals[1] += len(batch["loss_positions"])
-            # the head's outputs at the loss positions, in order (one call, or one per chunk)
-            predicted = torch.cat([logits.reshape(-1, logits.shape[-1]).argmax(dim=-1) for logits in captured]
-                                  or [targets])
+            # the head's predictions at the loss positions, in order (one call per chunk)
+            predicted = torch.cat(captured or [targets])
             totals[2] += (predicted == targets).sum()
     finally:
         hook.remove()
