@@ -117,10 +117,15 @@ class MiniMindMoE(nn.Module):
         return out.view(shape), self._balance(probs, top_experts, shape[0], token_mask)
 
     def _experts(self, tokens, top_probs, top_experts, weights: ComputeWeights) -> torch.Tensor:
-        """sum over each token's k slots of routing weight x its expert's MLP of the token."""
+        """sum over each token's k slots of routing weight x its expert's MLP of the token. The slots
+        go to expert order and back by writes to distinct rows, whose gradients are gathers, and a
+        token's k weighted slots are summed by a reduction (fp32 accumulation, one rounding): no
+        atomic adds (`index_add_` on a GPU adds in any order), the same bits on every run and device."""
+        count = tokens.shape[0]
         slot_experts = top_experts.reshape(-1)  # [N * k], slot s belongs to token s // k
-        order = slot_experts.argsort(stable=True)
-        slot_tokens = order // self.top_k
+        order = slot_experts.argsort(stable=True)  # row i of the expert order holds slot order[i]
+        # and slot s is its row slot_rows[s] (the inverse permutation, without a second sort)
+        slot_rows = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
         experts = torch.arange(self.num_experts, device=tokens.device)
         ends = (slot_experts.unsqueeze(1) == experts).sum(dim=0).cumsum(dim=0).to(torch.int32)
         gate_up = weights.stacked([w for e in self.experts for w in (e.gate_proj.weight, e.up_proj.weight)])
@@ -129,11 +134,12 @@ class MiniMindMoE(nn.Module):
         gate_up = gate_up.view(self.num_experts, -1, hidden).transpose(1, 2)  # [E, H, 2I]
         down = down.view(self.num_experts, hidden, -1).transpose(1, 2)  # [E, I, H]
         # grouped_mm has no autocast rule on every torch (2.11 CUDA): the tokens take the weights' dtype here
-        gated = swiglu(grouped_mm(tokens[slot_tokens].to(gate_up.dtype), gate_up, ends))
-        expert_out = grouped_mm(gated, down, ends)
-        routing = top_probs.reshape(-1)[order].unsqueeze(1).to(expert_out.dtype)
-        expert_out = self.dropout(expert_out) * routing
-        return torch.zeros_like(tokens, dtype=expert_out.dtype).index_add_(0, slot_tokens, expert_out)
+        sorted_tokens = tokens.new_empty(order.numel(), hidden, dtype=gate_up.dtype).index_put_(
+            (slot_rows.view(count, self.top_k),), tokens.unsqueeze(1).to(gate_up.dtype))
+        expert_out = self.dropout(grouped_mm(swiglu(grouped_mm(sorted_tokens, gate_up, ends)), down, ends))
+        slot_out = torch.empty_like(expert_out).index_put_((order,), expert_out).view(count, self.top_k, hidden)
+        # dtype given: CUDA autocast keeps it (it runs a sum without one in float32)
+        return (slot_out * top_probs.unsqueeze(-1).to(slot_out.dtype)).sum(dim=1, dtype=slot_out.dtype)
 
     def _balance(self, probs, top_experts, rows, token_mask):
         """coef * balance_s for every row s (0 for a row without real tokens)."""

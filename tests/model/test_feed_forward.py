@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import feed_forward
 from model.compute_weights import ComputeWeights, piece_layout
@@ -197,3 +198,81 @@ def test_the_grouped_mm_op_passes_torchs_custom_op_checks():
     ends = torch.tensor([3, 3, 10], dtype=torch.int32)
     results = torch.library.opcheck(feed_forward.grouped_mm_op, (tokens, weights.mT, ends))
     assert set(results.values()) == {"SUCCESS"} and len(results) == 4
+
+
+class AccumulatingIndexOps(TorchDispatchMode):
+    """The ops dispatched inside it that add several values into one row of their output: atomic
+    adds on a GPU, in whatever order its threads reach the row."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        given = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+        name = func.overloadpacket.__name__
+        if name in ("index_add", "index_add_") or (name in ("index_put", "index_put_", "_index_put_impl_")
+                                                   and given.get("accumulate")):
+            self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("top_k", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_forward_and_backward_add_no_rows_by_index_and_pass_torchs_deterministic_mode(top_k, dtype):
+    moe = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=top_k).train().model.layers[0].mlp
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with AccumulatingIndexOps() as ops:
+            moe_outputs_and_gradients(moe, x, dtype)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert ops.seen == []
+
+
+def rowwise(rows: torch.Tensor, row_weights: torch.Tensor) -> torch.Tensor:
+    """Each row times its own [K, M] weights in float32, rounded to the rows' dtype: a row's
+    result does not depend on which rows are computed with it."""
+    product = torch.bmm(rows.float().unsqueeze(1).contiguous(), row_weights.float().contiguous())
+    return product.squeeze(1).to(rows.dtype)
+
+
+def rowwise_grouped_mm(tokens, weights, ends):
+    """`grouped_mm`, row by row."""
+    groups = torch.searchsorted(ends, torch.arange(len(tokens), dtype=ends.dtype), right=True)
+    return rowwise(tokens, weights[groups])
+
+
+def test_bf16_moe_output_is_each_tokens_weighted_slots_summed_in_float32_whatever_the_expert_order(monkeypatch):
+    """k = 3 in bf16, the experts' GEMMs stood in by a row-by-row product so that what is left is
+    the combine: each token's output is its k weighted expert outputs (each rounded to bf16, as the
+    product is) summed in float32 and rounded once, bit for bit. Numbering the experts the other
+    way round sorts each token's slots the other way; output and input gradient stay bit for bit."""
+    monkeypatch.setattr(feed_forward, "grouped_mm", rowwise_grouped_mm)
+    moe = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=3).train().model.layers[0].mlp
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
+    routed = []
+    experts = moe._experts
+    monkeypatch.setattr(moe, "_experts", lambda *args: routed.append(args[1:3]) or experts(*args))
+    out, _, x_grad, *_ = moe_outputs_and_gradients(moe, x, torch.bfloat16)
+    top_probs, top_experts = routed[0]
+    tokens = x.reshape(-1, 64).bfloat16()
+    expected = torch.zeros(len(tokens), 64)
+    for slot in range(3):
+        for expert_number, expert in enumerate(moe.experts):
+            gate_up = torch.cat([expert.gate_proj.weight, expert.up_proj.weight]).bfloat16().t()
+            hidden = feed_forward.swiglu(rowwise(tokens, gate_up.expand(len(tokens), -1, -1)))
+            expert_out = rowwise(hidden, expert.down_proj.weight.bfloat16().t().expand(len(tokens), -1, -1))
+            weighted = (expert_out * top_probs[:, slot, None].bfloat16()).float()
+            expected += torch.where(top_experts[:, slot, None] == expert_number, weighted, 0.0)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.view(-1, 64), expected.bfloat16())
+    reverse = list(range(3, -1, -1))
+    with torch.no_grad():
+        moe.gate.weight.copy_(moe.gate.weight[reverse])
+    moe.experts = torch.nn.ModuleList(moe.experts[i] for i in reverse)
+    renumbered, _, renumbered_x_grad, *_ = moe_outputs_and_gradients(moe, x, torch.bfloat16)
+    assert torch.equal(routed[1][1], 3 - top_experts)
+    assert torch.equal(renumbered, out) and torch.equal(renumbered_x_grad, x_grad)

@@ -100,7 +100,7 @@ def reference_experts(moe, tokens, top_probs, top_experts):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_moe_experts_equal_a_token_by_token_reference_in_values_and_gradients(top_k, monkeypatch):
     model = tiny(True, top_k)
     ids = torch.randint(3, 120, (2, 16))
@@ -180,21 +180,22 @@ def test_varlen_kernel_is_not_chosen_for_a_head_dim_it_cannot_run():
         assert not _flash_varlen_available(torch.empty(1, 4, 8, 12, device="cuda"))  # 12 is no multiple of 8
 
 
-def cuda_autocast_float32_ops() -> set[str]:
-    """The ops CUDA autocast runs in float32 whatever their input (AT_FORALL_FP32 and
-    AT_FORALL_FP32_SET_OPT_DTYPE of the installed torch's ATen/autocast_mode.h). CPU autocast has
-    its own lists, so a CPU run does not show what these do on a GPU."""
+def cuda_autocast_float32_ops() -> tuple[set[str], set[str]]:
+    """The ops CUDA autocast runs in float32 whatever their input (AT_FORALL_FP32 of the installed
+    torch's ATen/autocast_mode.h), and those it runs in float32 unless given a dtype, which it
+    keeps (AT_FORALL_FP32_SET_OPT_DTYPE). CPU autocast has its own lists, so a CPU run does not
+    show what these do on a GPU."""
     header = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
     if not header.exists():
         pytest.skip(f"this torch ships no {header}")
     text = header.read_text()
-    names = set()
+    lists = []
     for macro in ("AT_FORALL_FP32(_)", "AT_FORALL_FP32_SET_OPT_DTYPE(_)"):
         body = text[text.index(f"#define {macro}"):]
         body = body[:body.index("\n\n")]
-        names |= set(re.findall(r"_\((\w+)", body))
-    assert {"rsqrt", "pow", "sum", "softmax"} <= names
-    return names
+        lists.append(set(re.findall(r"_\((\w+)", body)))
+    assert {"rsqrt", "pow"} <= lists[0] and {"sum", "softmax"} <= lists[1]
+    return lists[0], lists[1]
 
 
 @pytest.mark.parametrize("use_moe, packed", [(False, False), (False, True), (True, False)])
@@ -203,7 +204,7 @@ def test_no_half_precision_activation_meets_an_op_cuda_autocast_runs_in_float32(
     everything after it runs in float32 (the RMSNorm's pow and rsqrt did that to the whole residual
     stream, seen on an H100). The forward is traced on the CPU; no such op may see a bf16 input
     while autocast is on."""
-    float32_ops = cuda_autocast_float32_ops()
+    float32_ops, float32_unless_given_a_dtype = cuda_autocast_float32_ops()
     model = tiny(use_moe)
     ids = torch.randint(3, 120, (2, 16))
     seen = []
@@ -212,7 +213,9 @@ def test_no_half_precision_activation_meets_an_op_cuda_autocast_runs_in_float32(
         def __torch_function__(self, func, types, args=(), kwargs=None):
             name = getattr(func, "__name__", "")
             tensors = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
-            if torch.is_autocast_enabled("cpu") and name in float32_ops and any(
+            float32 = name in float32_ops or (
+                name in float32_unless_given_a_dtype and (kwargs or {}).get("dtype") is None)
+            if torch.is_autocast_enabled("cpu") and float32 and any(
                     t.dtype in (torch.bfloat16, torch.float16) for t in tensors):
                 seen.append(name)
             return func(*args, **(kwargs or {}))
