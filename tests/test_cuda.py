@@ -400,3 +400,39 @@ def test_the_roofline_join_places_nearly_all_gpu_time_against_an_estimate(data, 
     unjoined = sum(float(row[0]) for row in rows[:-1] if row[1] == "-")
     assert unjoined < 0.05 * total, table
     assert all(float(row[3]) >= 0.5 for row in rows[:-1] if row[1] != "-"), table
+
+
+def test_an_moe_layer_of_eight_experts_per_token_gives_the_same_bits_on_every_run():
+    """Each token's 8 expert outputs are summed in slot order (model/feed_forward.py), without the
+    atomic adds of `index_add_`: two bf16 forward and backward passes agree bit for bit."""
+    from model.compute_weights import ComputeWeights, piece_layout
+    from tests.helpers.tiny_model import tiny_model
+
+    model = tiny_model(use_moe=True, num_experts=16, num_experts_per_tok=8)
+    moe = model.cuda().train().model.layers[0].mlp
+    x = torch.randn(4, 64, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    runs = []
+    for _ in range(2):
+        moe.zero_grad()
+        x.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            weights = ComputeWeights(moe, torch.bfloat16, piece_layout(moe, moe.weight_groups()))
+            out, balance = moe(x.requires_grad_(), weights)
+        (out.float().square().sum() + balance.sum()).backward()
+        runs.append([out, x.grad, *(p.grad for p in moe.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0),
+                    reason="FlashAttention's varlen kernel needs sm80 or newer")
+def test_a_packed_layout_built_on_the_cpu_is_moved_for_the_varlen_kernel():
+    from model.packed_attention import PackedDocuments
+    from tests.helpers.tiny_model import packed_rows, tiny_model
+
+    ids, positions = packed_rows([[1, 2, 3, 9, 17, 5], [40], [33, 2, 1, 1]], row_len=40)
+    model = tiny_model().cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        layout = PackedDocuments.from_position_ids(positions)  # on the CPU
+        given = model(ids.cuda(), position_ids=positions.cuda(), packed_layout=layout)
+        derived = model(ids.cuda(), position_ids=positions.cuda())
+    assert torch.equal(given.logits, derived.logits)
