@@ -10,9 +10,18 @@ so every weight format (MiniMind .pth, Qwen3 directories, GGUF, resume checkpoin
 
 Without a cast to make the parameters are used as they are. In half precision (FSDP's bf16
 parameters, a bf16 model without autocast) each group is still one GEMM, over the concatenation of
-its weights (a few MB per block, where separate GEMMs would read the input once more per weight and
-sum the input's gradients); in fp32 every weight is its own GEMM, the same arithmetic as plain
-`nn.Linear` layers.
+its weights, where separate GEMMs would read the input once more per weight and sum the input's
+gradients; in fp32 every weight is its own GEMM, the same arithmetic as plain `nn.Linear` layers.
+That concatenation is not saved for the backward: the joined GEMMs (`JoinedGemm`: `JoinedLinear`
+here, the MoE's `ExpertsGemm` in feed_forward.py) save their input and the parameters themselves,
+eager or compiled, and their backward concatenates the weights again for its GEMMs (one more copy
+per group, transient). So between a block's forward and its backward no copy of its weights is
+kept beyond the parameters, which FSDP frees after the forward and gathers again for the backward:
+a kept concatenation would hold q/k/v and gate/up (about 2/3 of a block's weights; every expert's
+matrices in a MoE block) of every block, per rank, not divided by the number of ranks. The
+gradients are autograd's own for the GEMM over the concatenation: the same kernels on the same
+operands. With a cast the cast buffer is the one copy made anyway, and the GEMMs save it as
+autocast's GEMMs save their cast weights.
 """
 
 from __future__ import annotations
@@ -45,11 +54,11 @@ def piece_layout(module: nn.Module, groups: list[list[torch.Tensor]] = ()) -> tu
 class ComputeWeights:
     """The parameters of `module` in `dtype` (see the module docstring), laid out in the cast buffer
     as `layout` says (`piece_layout`: each group of matrices one piece, which runs as one GEMM in
-    `linear` or is used whole in `stacked`)."""
+    `joined`)."""
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, layout: tuple[tuple[int, ...], ...]):
         params = list(module.parameters())
-        self.flat = None
+        self.dtype, self.flat = dtype, None
         casts = any(p.dtype != dtype for p in params)
         # Whether a group runs as one GEMM: always when cast (a group is then one piece of the
         # buffer); without a cast only in half precision (fp32 keeps nn.Linear's arithmetic).
@@ -75,10 +84,12 @@ class ComputeWeights:
     def __call__(self, param: torch.Tensor) -> torch.Tensor:
         return param if self.flat is None else self._view(param)
 
-    def stacked(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """The matrices `params` one below the other: their group's piece of the cast buffer, or a
-        concatenation of the parameters themselves when nothing is cast."""
-        return torch.cat(params) if self.flat is None else self._view(params[0])
+    def joined(self, gemm: type[JoinedGemm], a: torch.Tensor, params: list[torch.Tensor], *extra) -> torch.Tensor:
+        """`gemm.of(a, W, *extra)` for W the matrices `params` (one group) one below the other: their
+        piece of the cast buffer, or without a cast `gemm` joining the parameters themselves."""
+        if self.flat is None:
+            return gemm.apply(a, *extra, *params)
+        return gemm.of(a, self._view(params[0]), *extra)
 
     def linear(self, x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
         """x @ W.T for the weight of each of `layers` (no biases): one GEMM for a group when cast
@@ -86,4 +97,80 @@ class ComputeWeights:
         weights = [layer.weight for layer in layers]
         if not self.joins_groups or len(weights) == 1:
             return [F.linear(x, self(w)) for w in weights]
-        return list(F.linear(x, self.stacked(weights)).split([w.shape[0] for w in weights], dim=-1))
+        return list(per_weight(self.joined(JoinedLinear, x, weights), weights, dim=-1))
+
+
+def per_weight(joined: torch.Tensor, weights: list[torch.Tensor], dim: int = 0) -> tuple[torch.Tensor, ...]:
+    """`joined`, a tensor over the rows of the matrices `weights` one below the other (their
+    concatenation, its gradient, or a GEMM's output along `dim`), split into each weight's part (views)."""
+    return joined.split([w.shape[0] for w in weights], dim=dim)
+
+
+def save_inputs(ctx, inputs, output) -> None:
+    """A `setup_context` that saves every tensor input for the backward."""
+    ctx.save_for_backward(*inputs)
+
+
+class JoinedGemm(torch.autograd.Function):
+    """A GEMM `of(a, W, *extra)` over the matrices `weights` one below the other (W), called as
+    `apply(a, *extra, *weights)`: it saves its inputs (a and the weights themselves, not W), and its
+    backward joins the weights again, so that no copy of them outlives the forward (module
+    docstring). A subclass defines `of`, a `forward` that runs it on `torch.cat(weights)`, and a
+    `backward` that hands its gradients to `returned`. Under torch.compile the backward's
+    gradients are one custom op: traced, its concatenation would be the forward's (AOTAutograd
+    merges equal expressions) and the forward would save it."""
+
+    setup_context = staticmethod(save_inputs)
+
+    @staticmethod
+    def needs(ctx, weights: list[torch.Tensor]) -> tuple[bool, bool]:
+        """Whether a needs its gradient, and whether any of the weights does."""
+        return ctx.needs_input_grad[0], any(ctx.needs_input_grad[-len(weights):])
+
+    @staticmethod
+    def returned(ctx, weights: list[torch.Tensor], extra: int, gradients: list[torch.Tensor]) -> tuple:
+        """The backward's result from `gradients` (a's where `needs` says, then W's where it says):
+        a's, None for each of the `extra` inputs, then each weight's (views of W's)."""
+        needs_a, needs_weights = JoinedGemm.needs(ctx, weights)
+        grad_a = gradients[0] if needs_a else None
+        per = per_weight(gradients[-1], weights) if needs_weights else (None,) * len(weights)
+        return grad_a, *(None,) * extra, *per
+
+
+def gradient_shapes(a: torch.Tensor, weights: list[torch.Tensor], needs_a: bool, needs_weights: bool) -> list:
+    """A joined GEMM's gradients as its custom op returns them (a's, then W's, where needed), empty:
+    the ops' fake implementation."""
+    shapes = [a.new_empty(a.shape)] if needs_a else []
+    if needs_weights:
+        shapes.append(weights[0].new_empty(sum(w.shape[0] for w in weights), weights[0].shape[-1]))
+    return shapes
+
+
+def linear_gradients(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], needs_x: bool,
+                     needs_weights: bool) -> list[torch.Tensor]:
+    """The gradients of F.linear(x, W), x's where `needs_x` and then W's where `needs_weights`: the
+    GEMMs that autograd runs for them, with W joined again."""
+    gradients = [grad.matmul(torch.cat(weights))] if needs_x else []
+    if needs_weights:
+        gradients.append(grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])))
+    return gradients
+
+
+linear_gradients_op = torch.library.custom_op("minisft::joined_linear_gradients", linear_gradients, mutates_args=())
+linear_gradients_op.register_fake(lambda grad, x, weights, *needs: gradient_shapes(x, weights, *needs))
+
+
+class JoinedLinear(JoinedGemm):
+    """F.linear(x, W)."""
+
+    of = staticmethod(F.linear)
+
+    @staticmethod
+    def forward(x, *weights):
+        return F.linear(x, torch.cat(weights))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *weights = ctx.saved_tensors
+        gradients = linear_gradients_op if torch.compiler.is_compiling() else linear_gradients
+        return JoinedGemm.returned(ctx, weights, 0, gradients(grad, x, weights, *JoinedGemm.needs(ctx, weights)))

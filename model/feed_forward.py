@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from .compute_weights import ComputeWeights
+from .compute_weights import ComputeWeights, JoinedGemm, JoinedLinear, gradient_shapes, save_inputs
 from .configuration_minimind import MiniMindConfig
 
 
@@ -26,7 +26,7 @@ class MiniMindMLP(nn.Module):
     def forward(self, x: torch.Tensor, weights: ComputeWeights) -> torch.Tensor:
         """`weights`: the enclosing block's parameters in the compute dtype (gate and up: one GEMM)."""
         if weights.joins_groups:
-            hidden = swiglu(F.linear(x, weights.stacked([self.gate_proj.weight, self.up_proj.weight])))
+            hidden = swiglu(weights.joined(JoinedLinear, x, [self.gate_proj.weight, self.up_proj.weight]))
         else:
             gate, up = weights.linear(x, self.gate_proj, self.up_proj)
             hidden = F.silu(gate) * up
@@ -121,22 +121,20 @@ class MiniMindMoE(nn.Module):
         go to expert order and back by writes to distinct rows, whose gradients are gathers, and a
         token's k weighted slots are summed by a reduction (fp32 accumulation, one rounding): no
         atomic adds (`index_add_` on a GPU adds in any order), the same bits on every run and device."""
-        count = tokens.shape[0]
+        count, hidden = tokens.shape
         slot_experts = top_experts.reshape(-1)  # [N * k], slot s belongs to token s // k
         order = slot_experts.argsort(stable=True)  # row i of the expert order holds slot order[i]
         # and slot s is its row slot_rows[s] (the inverse permutation, without a second sort)
         slot_rows = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
         experts = torch.arange(self.num_experts, device=tokens.device)
         ends = (slot_experts.unsqueeze(1) == experts).sum(dim=0).cumsum(dim=0).to(torch.int32)
-        gate_up = weights.stacked([w for e in self.experts for w in (e.gate_proj.weight, e.up_proj.weight)])
-        down = weights.stacked([e.down_proj.weight for e in self.experts])
-        hidden = gate_up.shape[1]
-        gate_up = gate_up.view(self.num_experts, -1, hidden).transpose(1, 2)  # [E, H, 2I]
-        down = down.view(self.num_experts, hidden, -1).transpose(1, 2)  # [E, I, H]
+        gate_up = [w for e in self.experts for w in (e.gate_proj.weight, e.up_proj.weight)]
+        down = [e.down_proj.weight for e in self.experts]
         # grouped_mm has no autocast rule on every torch (2.11 CUDA): the tokens take the weights' dtype here
-        sorted_tokens = tokens.new_empty(order.numel(), hidden, dtype=gate_up.dtype).index_put_(
-            (slot_rows.view(count, self.top_k),), tokens.unsqueeze(1).to(gate_up.dtype))
-        expert_out = self.dropout(grouped_mm(swiglu(grouped_mm(sorted_tokens, gate_up, ends)), down, ends))
+        sorted_tokens = tokens.new_empty(order.numel(), hidden, dtype=weights.dtype).index_put_(
+            (slot_rows.view(count, self.top_k),), tokens.unsqueeze(1).to(weights.dtype))
+        gated = swiglu(weights.joined(ExpertsGemm, sorted_tokens, gate_up, ends))
+        expert_out = self.dropout(weights.joined(ExpertsGemm, gated, down, ends))
         slot_out = torch.empty_like(expert_out).index_put_((order,), expert_out).view(count, self.top_k, hidden)
         # dtype given: CUDA autocast keeps it (it runs a sum without one in float32)
         return (slot_out * top_probs.unsqueeze(-1).to(slot_out.dtype)).sum(dim=1, dtype=slot_out.dtype)
@@ -182,19 +180,58 @@ def _grouped_mm_shapes(a, b, ends):
     return a.new_empty(ends.shape[0], a.shape[0], b.shape[1])
 
 
-def _save_for_backward(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
 def _grouped_mm_backward(ctx, grad):
-    """aten's own gradients of `_grouped_mm` (its autograd formula), each one grouped GEMM; the
-    output's gradient made contiguous (a no-op for the MoE's), as the kernel takes only strides
-    aligned to 16 bytes and an expanded gradient (that of a sum) has none."""
     a, b, ends = ctx.saved_tensors
+    return *grouped_mm_gradients(grad, a, b, ends, ctx.needs_input_grad, grouped_mm_op), None
+
+
+def grouped_mm_gradients(grad, a, b, ends, needs: tuple[bool, bool], gemm) -> tuple:
+    """aten's own gradients of `_grouped_mm(a, b, offs=ends)` (its autograd formula) where `needs`
+    says, each one grouped GEMM `gemm`; the output's gradient made contiguous (a no-op for the
+    MoE's), as the kernel takes only strides aligned to 16 bytes and an expanded gradient (that of
+    a sum) has none."""
     grad = grad.contiguous()
-    grad_a = grouped_mm_op(grad, b.mT, ends) if ctx.needs_input_grad[0] else None
-    grad_b = grouped_mm_op(grad.mT, a, ends).mT if ctx.needs_input_grad[1] else None
-    return grad_a, grad_b, None
+    grad_a = gemm(grad, b.mT, ends) if needs[0] else None
+    grad_b = gemm(grad.mT, a, ends).mT if needs[1] else None
+    return grad_a, grad_b
 
 
-grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_save_for_backward)
+grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=save_inputs)
+
+
+class ExpertsGemm(JoinedGemm):
+    """`grouped_mm(a, experts, ends)` for `experts` the [G, K, M] transposes of W's G equal blocks of
+    rows ([G * M, K]: each expert's matrices one below the other, experts in order)."""
+
+    @staticmethod
+    def experts(joined: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        return joined.view(ends.shape[0], -1, joined.shape[-1]).transpose(1, 2)
+
+    @staticmethod
+    def of(a, joined, ends):
+        return grouped_mm(a, ExpertsGemm.experts(joined, ends), ends)
+
+    @staticmethod
+    def forward(a, ends, *weights):
+        return ExpertsGemm.of(a, torch.cat(weights), ends)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, ends, *weights = ctx.saved_tensors
+        gradients = experts_gradients_op if torch.compiler.is_compiling() else experts_gradients
+        return JoinedGemm.returned(ctx, weights, 1, gradients(grad, a, weights, ends, *JoinedGemm.needs(ctx, weights)))
+
+
+def experts_gradients(grad: torch.Tensor, a: torch.Tensor, weights: list[torch.Tensor], ends: torch.Tensor,
+                      needs_a: bool, needs_weights: bool) -> list[torch.Tensor]:
+    """The gradients of `ExpertsGemm`, a's where `needs_a` and then W's where `needs_weights`: aten's
+    for its grouped GEMM (`grouped_mm_gradients`), with W joined again; contiguous, as the fake
+    implementation of the custom op says (a no-op for the MoE's)."""
+    experts = ExpertsGemm.experts(torch.cat(weights), ends)
+    grad_a, grad_experts = grouped_mm_gradients(grad, a, experts, ends, (needs_a, needs_weights), grouped_mm)
+    grad_joined = None if grad_experts is None else grad_experts.mT.flatten(0, 1)
+    return [gradient.contiguous() for gradient in (grad_a, grad_joined) if gradient is not None]
+
+
+experts_gradients_op = torch.library.custom_op("minisft::experts_gradients", experts_gradients, mutates_args=())
+experts_gradients_op.register_fake(lambda grad, a, weights, ends, *needs: gradient_shapes(a, weights, *needs))

@@ -150,7 +150,8 @@ def test_a_compiled_moe_equals_eager_in_one_graph(backend, dtype, op):
     """torch.compile traces aten._grouped_mm with a shape function that refuses all but bf16: in
     float32 and float16 the experts' GEMMs are the op `minisft::grouped_mm`, in bf16 (autocast)
     aten's own. Either way one graph without a break, and eager's output, balance loss and
-    gradients bit for bit."""
+    gradients bit for bit. Without a cast (float32, float16) the GEMMs run in `ExpertsGemm`, whose
+    backward is the op `minisft::experts_gradients`."""
     from torch._dynamo.utils import counters
 
     model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2).train()
@@ -168,8 +169,11 @@ def test_a_compiled_moe_equals_eager_in_one_graph(backend, dtype, op):
     results = moe_outputs_and_gradients(torch.compile(moe, backend=recording), x, dtype)
     assert all(torch.equal(result, value) for result, value in zip(results, expected))
     assert results[0].dtype == dtype and len(graphs) == 1 and dict(counters["graph_break"]) == {}
-    calls = [str(node.target) for node in graphs[0].graph.nodes if "grouped_mm" in str(node.target)]
+    traced = [str(node.target) for graph in graphs[0].modules() if isinstance(graph, torch.fx.GraphModule)
+              for node in graph.graph.nodes]
+    calls = [call for call in traced if "grouped_mm" in call]
     assert len(calls) == 2 and all(op in call for call in calls), calls
+    assert traced.count("minisft.experts_gradients.default") == (0 if dtype == torch.bfloat16 else 2)
 
 def test_the_grouped_mm_op_gives_its_shapes_on_a_fake_gpu_in_float16():
     """A float16 CUDA run (V100, T4) under torch.compile: aten's shape function refuses it, the
@@ -276,3 +280,13 @@ def test_bf16_moe_output_is_each_tokens_weighted_slots_summed_in_float32_whateve
     renumbered, _, renumbered_x_grad, *_ = moe_outputs_and_gradients(moe, x, torch.bfloat16)
     assert torch.equal(routed[1][1], 3 - top_experts)
     assert torch.equal(renumbered, out) and torch.equal(renumbered_x_grad, x_grad)
+
+
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_the_experts_gradients_op_passes_torchs_custom_op_checks(needs):
+    generator = torch.Generator().manual_seed(0)
+    tokens, grad = torch.randn(10, 8, generator=generator), torch.randn(10, 12, generator=generator)
+    weights = [torch.randn(6, 8, generator=generator) for _ in range(4)]
+    ends = torch.tensor([3, 10], dtype=torch.int32)
+    results = torch.library.opcheck(feed_forward.experts_gradients_op, (grad, tokens, weights, ends, *needs))
+    assert set(results.values()) == {"SUCCESS"} and len(results) == 4
