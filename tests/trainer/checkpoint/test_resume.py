@@ -426,7 +426,7 @@ def test_rank_zero_reads_the_resume_file_once_and_memory_maps_it(tmp_path, monke
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("mmap")) or real_load(*a, **k))
     args = SimpleNamespace(resume_from=None, from_resume=1, save_dir=str(tmp_path), overwrite=0, save_weight=None)
-    ctx = SimpleNamespace(is_main=True)
+    ctx = SimpleNamespace(is_main=True, distributed=False)
     saved, _ = train_full_sft.locate_resume(args, SimpleNamespace(to_dict=lambda: config), ctx, lambda _: None)
     assert saved["step"] == 3 and torch.equal(saved["model"]["w"], torch.ones(3))
     assert loads == [True]
