@@ -77,13 +77,18 @@ def run_trainer_with_a_read_only(folder, argv, nproc: int = 1) -> subprocess.Com
     """The trainer with `argv` (under torchrun with `nproc` > 1), `folder` bind-mounted read-only in a
     private mount namespace (the test is skipped where the machine refuses one)."""
     mount = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
+    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    command = after_private_mounts(mount, [*launcher, "train_full_sft.py", *argv], "a private read-only bind mount")
+    return subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+
+
+def after_private_mounts(mount: str, command: list[str], what: str) -> list[str]:
+    """`command` run after the shell commands `mount`, in a private user and mount namespace of its
+    own (the test is skipped, naming `what`, where the machine refuses one)."""
     probe = subprocess.run(["unshare", "-Urm", "sh", "-c", mount], capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip(f"this machine refuses a private read-only bind mount: {probe.stderr.strip()}")
-    launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
-    command = shlex.join([*launcher, "train_full_sft.py", *argv])
-    return subprocess.run(["unshare", "-Urm", "sh", "-c", f"{mount} && exec {command}"], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=300)
+        pytest.skip(f"this machine refuses {what}: {probe.stderr.strip()}")
+    return ["unshare", "-Urm", "sh", "-c", f"{mount} && exec {shlex.join(command)}"]
 
 
 def together(first, *others):
@@ -110,10 +115,7 @@ def run_ranks_apart(script: str, args: list[str], local_ranks: tuple[int, int], 
     for rank, bind in enumerate(binds):
         if bind is not None:
             mount = f"mount --bind {shlex.quote(str(bind[0]))} {shlex.quote(str(bind[1]))}"
-            probe = subprocess.run(["unshare", "-Urm", "sh", "-c", mount], capture_output=True, text=True)
-            if probe.returncode != 0:
-                pytest.skip(f"this machine refuses a private bind mount: {probe.stderr.strip()}")
-            commands[rank] = ["unshare", "-Urm", "sh", "-c", f"{mount} && exec {shlex.join(commands[rank])}"]
+            commands[rank] = after_private_mounts(mount, commands[rank], "a private bind mount")
     processes = [subprocess.Popen(
         commands[rank], cwd=cwds[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(local_ranks[rank]), MASTER_ADDR="127.0.0.1",
