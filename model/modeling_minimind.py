@@ -100,18 +100,27 @@ class MiniMindAttention(nn.Module):
         if self.use_sdpa and mask.documents is not None:
             out = mask.documents.attend(q, k, v, dropout)  # packed rows, no dense mask
         elif self.use_sdpa:
-            # `mask` is None for a plain causal block (the fast kernels) or a boolean [B,1,T,S].
-            if gqa_needs_expanded_heads(q, k, masked=mask.allowed is not None):
-                groups = self.num_heads // self.num_kv_heads
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask.allowed, is_causal=mask.is_causal, dropout_p=dropout,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
+            out = self._sdpa_attention(q, k, v, mask, dropout)
         else:
             out = self._eager_attention(q, k, v, mask, dropout)
         out = out.transpose(1, 2).reshape(batch, length, -1)
         return self.resid_dropout(weights.linear(out, self.o_proj)[0])
+
+    def _sdpa_attention(self, q, k, v, mask, dropout):
+        """SDPA; `mask.allowed` is None for a plain causal block (the fast kernels) or a boolean
+        [B,1,T,S]. Where SDPA would not take GQA (`gqa_needs_expanded_heads`), one new token (a decode
+        step) runs its query heads as the query rows of their k/v head, so the cache is read as it is;
+        longer queries repeat the k/v heads."""
+        batch, heads, length, dim = q.shape
+        if gqa_needs_expanded_heads(q, k, masked=mask.allowed is not None):
+            groups = heads // k.shape[1]
+            if length == 1 and not mask.is_causal:  # the [B,1,1,S] mask is the same for every row
+                rows = q.reshape(batch, k.shape[1], groups, dim)
+                out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask.allowed, dropout_p=dropout)
+                return out.reshape(batch, heads, 1, dim)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, is_causal=mask.is_causal,
+                                              dropout_p=dropout, enable_gqa=heads != k.shape[1])
 
     def _eager_attention(self, q, k, v, mask, dropout):
         groups = self.num_heads // self.num_kv_heads

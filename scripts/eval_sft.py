@@ -161,25 +161,24 @@ def assistant_loss(model, examples: list[Example], pad_token_id: int, batch_size
     import numpy as np
     import torch
 
-    from dataset import IGNORE_INDEX, DataError, SFTCollator
+    from dataset import IGNORE_INDEX, DataError, SFTCollator, model_inputs
 
     usable = scored_examples(examples)
     if not usable:
         raise DataError(f"no loss token to evaluate: none of the {len(examples)} conversations given has an "
                         "assistant token after its first token")
     collate = SFTCollator(pad_token_id=pad_token_id)
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=model.device), 0
     for start in range(0, len(usable), batch_size):
         items = []
         for example in usable[start:start + batch_size]:
             ids = np.asarray(example.input_ids, dtype=np.int64)
             items.append({"input_ids": ids, "labels": np.where(example.loss_mask, ids, IGNORE_INDEX)})
-        batch = {key: value.to(model.device) for key, value in collate(items).items()}
-        with torch.inference_mode():
-            summed = model(**batch, num_items_in_batch=1, skip_logits=True).loss
-        total += float(summed)
-        count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    return total / count, count
+        batch = collate(items)
+        count += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # on the host, before the batch moves
+        with torch.inference_mode():  # the trainer's inputs: right padding, causal, no attention mask
+            total += model(**model_inputs(batch, model.device), num_items_in_batch=1, skip_logits=True).loss
+    return float(total) / count, count
 
 
 def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> list[str]:

@@ -64,6 +64,37 @@ def test_left_padded_batch_generation_matches_single_prompts():
     assert torch.equal(together[1, 7:], model.generate(long.unsqueeze(0), **kwargs)[0, 7:])
 
 
+def test_a_decode_step_that_sdpa_would_not_take_with_gqa_reads_the_cache_unexpanded(monkeypatch):
+    """Where CUDA's SDPA takes no GQA (a padding mask, float32), a decode step's query heads run as
+    the rows of their k/v head: the cache is never repeated, the answers and logits are those of
+    SDPA's own GQA (here the CPU's), and a prompt's prefill still repeats the k/v heads."""
+    from model import modeling_minimind
+
+    model = tiny_model()
+    batch = torch.randint(3, 97, (2, 7))
+    batch[0, :3] = 0
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    kwargs = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  output_logits=True, return_dict_in_generate=True)
+    native = model.generate(batch, attention_mask=mask, **kwargs)
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **options):
+        calls.append((tuple(q.shape), tuple(k.shape)))
+        return sdpa(q, k, v, **options)
+
+    monkeypatch.setattr(modeling_minimind, "gqa_needs_expanded_heads", lambda q, k, masked: True)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    folded = model.generate(batch, attention_mask=mask, **kwargs)
+    assert torch.equal(folded.sequences, native.sequences)
+    for ours, theirs in zip(folded.logits, native.logits):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    assert calls[:layers] == [((2, 4, 7, 16), (2, 4, 7, 16))] * layers  # the prefill: heads repeated
+    assert calls[layers:] == [((2, 2, 2, 16), (2, 2, 7 + step, 16)) for step in range(1, 5) for _ in range(layers)]
+
+
 def test_save_pretrained_then_auto_load_in_fresh_process_gives_equal_logits(tmp_path):
     model = tiny_model()
     model.save_pretrained(tmp_path)

@@ -186,6 +186,29 @@ def test_the_loss_of_conversations_without_a_loss_token_is_an_error_from_python_
                                      "assistant token after its first token")
 
 
+def test_the_loss_runs_on_the_trainers_inputs_and_reads_the_device_once(trained, monkeypatch):
+    """The model gets what the trainer's evaluation gives it (`model_inputs`: no attention mask, so
+    no dense [B,1,T,T] mask keeps SDPA off its fused causal kernel), and the batches' sums stay on
+    the device until the last: one host read, not one per batch."""
+    from scripts.eval_sft import assistant_loss, read_examples
+    from tests.helpers.host_reads import HostReads
+
+    model, tokenizer = trained["model"], trained["tokenizer"]
+    examples = read_examples(trained["data"], tokenizer, 512)
+    given, forward = [], model.forward
+
+    def spy(*args, **kwargs):
+        given.append(sorted(kwargs))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", spy)
+    with HostReads(model) as reads:
+        loss, count = assistant_loss(model, examples, tokenizer.pad_token_id, 1)
+    assert given == [["input_ids", "labels", "loss_positions", "num_items_in_batch", "skip_logits", "token_mask"]] * 3
+    assert len(reads.reads) == 1, reads.reads
+    assert (loss, count) == pytest.approx(hand_loss(model, tokenizer), rel=1e-5)
+
+
 def test_a_task_that_is_not_a_string_is_refused_with_its_line(trained, tmp_path):
     # left out of by_task silently, the per-task counts would not add up to the rows that name a task
     data = tmp_path / "tasks.jsonl"
