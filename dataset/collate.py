@@ -14,7 +14,8 @@ from model.packed_attention import PackedDocuments, document_starts
 class SFTCollator:
     """Right-pad a list of dataset items into a batch of long tensors.
 
-    The batch length is the longest item, rounded up to ``pad_to_multiple_of`` if given, or
+    The batch length is the longest item, rounded up to ``pad_to_multiple_of`` if given but never
+    past ``max_length`` (the longest item a dataset gives, which the model's positions take), or
     exactly ``pad_to_length`` if given (MiniMind's pad-to-max baseline). Returns ``input_ids``
     (pads: ``pad_token_id``), ``labels`` (pads: -100), ``attention_mask`` (1 real, 0 pad) and,
     when the items have them (packed rows), ``position_ids`` (pads: 0), all ``[B, T]`` long.
@@ -31,14 +32,18 @@ class SFTCollator:
     with ``loss_positions``), for the per-source losses.
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, pad_to_length: int | None = None):
+    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None, pad_to_length: int | None = None,
+                 max_length: int | None = None):
         if pad_token_id is None:
             raise ValueError("pad_token_id is required")
         if pad_to_multiple_of is not None and pad_to_length is not None:
             raise ValueError("pass pad_to_multiple_of or pad_to_length, not both")
+        if pad_to_multiple_of and max_length is None:
+            raise ValueError("pad_to_multiple_of needs max_length, the length no batch is padded past")
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_length = pad_to_length
+        self.max_length = max_length
 
     def batch_length(self, longest: int) -> int:
         if self.pad_to_length is not None:
@@ -46,7 +51,8 @@ class SFTCollator:
                 raise ValueError(f"an item of {longest} tokens is longer than pad_to_length={self.pad_to_length}")
             return self.pad_to_length
         if self.pad_to_multiple_of:
-            return -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+            rounded = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+            return max(longest, min(rounded, self.max_length))
         return longest
 
     def __call__(self, items: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:

@@ -168,7 +168,8 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
         batch_size=args.batch_size,
         sampler=sampler,
         collate_fn=SFTCollator(pad_token_id=tokenizer.pad_token_id,
-                               pad_to_multiple_of=COMPILE_PAD_MULTIPLE if args.use_compile else None),
+                               pad_to_multiple_of=COMPILE_PAD_MULTIPLE if args.use_compile else None,
+                               max_length=args.max_seq_len),
         num_workers=workers,
         pin_memory=ctx.device.type == "cuda",
         # Worker seeds come from this generator, not the global RNG: resuming mid-epoch then

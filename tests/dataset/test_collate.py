@@ -18,6 +18,10 @@ def test_collator_right_pads_to_longest_or_fixed_length():
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert all(t.dtype == torch.long for t in batch.values())
-    assert SFTCollator(0, pad_to_multiple_of=8)(items)["input_ids"].shape == (2, 8)
+    assert SFTCollator(0, pad_to_multiple_of=8, max_length=16)(items)["input_ids"].shape == (2, 8)
+    assert SFTCollator(0, pad_to_multiple_of=8, max_length=5)(items)["input_ids"].shape == (2, 5)  # never past it
+    assert SFTCollator(0, pad_to_multiple_of=8, max_length=2)(items)["input_ids"].shape == (2, 3)  # nor cut
+    with pytest.raises(ValueError, match="pad_to_multiple_of needs max_length"):
+        SFTCollator(0, pad_to_multiple_of=8)
     assert SFTCollator(0, pad_to_length=16)(items)["labels"].shape == (2, 16)
     assert pad_fraction([batch]) == pytest.approx(2 / 6)

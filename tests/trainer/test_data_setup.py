@@ -93,3 +93,21 @@ def test_data_on_a_read_only_mount_under_torchrun_is_one_line_and_no_rank_waits(
         f"error: {folder / '.cache'}: Read-only file system; give --cache_dir DIR for the token cache of train.jsonl"]
     assert re.findall(r"exitcode\s*: (\S+) \(pid", output) == ["2", "2"], output[-3000:]  # torchrun's report
     assert sorted(path.name for path in folder.iterdir()) == ["train.jsonl"]
+
+
+@pytest.mark.parametrize(("flags", "lengths"), [(["--packing", "1"], {64, 100}), ([], {64, 100})])
+def test_compiled_batches_round_their_length_up_but_never_past_max_seq_len(data, tmp_path, flags, lengths):
+    """--use_compile 1 rounds a batch's length up to a multiple of 64 (fewer shapes, fewer recompiles)
+    but not past --max_seq_len: the model's positions may end there (a --from_weight model of fewer)."""
+    import torch
+
+    from dataset.rendering import load_tokenizer
+    from trainer.args import parse_args
+    from trainer.data_setup import build_train_data
+    from trainer.runtime.distributed import DistContext
+
+    args = parse_args(["--data_path", str(data / "train.jsonl"), "--cache_dir", str(tmp_path), "--use_compile", "1",
+                       "--max_seq_len", "100", "--batch_size", "4", *flags])
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    loader = build_train_data(args, load_tokenizer(None), ctx).loader
+    assert {batch["input_ids"].shape[1] for batch in loader} == lengths

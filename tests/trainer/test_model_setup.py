@@ -221,7 +221,8 @@ def compiled_epoch(batches_of_items: list[list[dict]], dtype: str = "float32") -
     run = tiny_run(torch.device("cpu"), dtype=getattr(torch, dtype), layers=3)
     compiled = CompileCounter()
     assert compile_model(run.model, torch.device("cpu"), backend=compiled) is run.model
-    collate = SFTCollator(pad_token_id=0, pad_to_multiple_of=COMPILE_PAD_MULTIPLE)
+    collate = SFTCollator(pad_token_id=0, pad_to_multiple_of=COMPILE_PAD_MULTIPLE,
+                          max_length=run.model.config.max_position_embeddings)
     frames, shapes = [], set()
     for items in batches_of_items:
         micro_batches = [collate(items)]
