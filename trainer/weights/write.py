@@ -259,9 +259,11 @@ def save_minimind_copy(model, save_dir: str, prefix: str) -> str:
 
 
 def write_minimind_pth(model, path: str) -> None:
-    """MiniMind's `torch.save({k: v.half() for k in model.state_dict()})`, lm_head.weight included."""
+    """MiniMind's `torch.save({k: v.half() for k in model.state_dict()})`, lm_head.weight included,
+    on the host (a file of GPU tensors loads only where that GPU is), each cast and copied before the next."""
     reason = minimind_unsupported(model.config)
     if reason:
         raise CheckpointError(f"this model has no MiniMind .pth form: {reason}")
     state = model.state_dict()
-    atomic_torch_save({k: v.detach().to(torch.float16).clone() for k, v in state.items()}, path)
+    atomic_torch_save({k: v.detach().to(device="cpu", dtype=torch.float16, copy=True) for k, v in state.items()},
+                      path)

@@ -75,3 +75,23 @@ def test_export_refuses_a_format_that_cannot_express_the_model(qwen3_dirs, tmp_p
     assert done.value.code == 2
     assert capsys.readouterr().err == ("error: --format minimind cannot express this model: the LM head is not tied "
                                        "to the embedding (MiniMind always ties them) (use --format remote-code)\n")
+
+
+def test_the_pth_of_a_model_on_a_gpu_holds_host_tensors(monkeypatch, tmp_path):
+    """`--save_weight` and `export_hf.py --format minimind` of a model on a GPU: the file's tensors are
+    on the host, fp16, every key (a GPU's tensors would load only where that GPU is)."""
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tests.helpers.tiny_model import tiny_model
+    from trainer.weights import write
+
+    model = tiny_model()
+    state, saved = model.state_dict(), {}
+    monkeypatch.setattr(write, "atomic_torch_save", lambda state, path: saved.update(state))
+    with FakeTensorMode():
+        on_gpu = {key: torch.empty(value.shape, dtype=value.dtype, device="cuda") for key, value in state.items()}
+        write.write_minimind_pth(types.SimpleNamespace(config=model.config, state_dict=lambda: on_gpu), str(tmp_path))
+    assert sorted(saved) == sorted(model.state_dict())
+    assert {(value.device.type, value.dtype) for value in saved.values()} == {("cpu", torch.float16)}
