@@ -288,6 +288,9 @@ class MiniMindModel(MiniMindPreTrainedModel):
         batch, q_len = hidden.shape[:2]
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache(config=self.config)
+        if getattr(past_key_values, "is_compileable", False):  # transformers' StaticCache and its kin
+            raise ValueError("MiniMindModel: a static KV cache (cache_implementation='static') is not supported: "
+                             "its keys span the whole cache, not the tokens seen; use the default dynamic cache")
         past_len = past_key_values.get_seq_length() if past_key_values is not None else 0
 
         packed = position_ids is not None and past_len == 0

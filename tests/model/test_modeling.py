@@ -95,6 +95,17 @@ def test_a_decode_step_that_sdpa_would_not_take_with_gqa_reads_the_cache_unexpan
     assert calls[layers:] == [((2, 2, 2, 16), (2, 2, 7 + step, 16)) for step in range(1, 5) for _ in range(layers)]
 
 
+def test_a_static_kv_cache_is_refused_in_one_line():
+    """A static cache's keys span its whole length (zeros past the tokens seen), which this attention
+    would read as tokens: refused, not a shape error from inside a layer."""
+    model = tiny_model()
+    with pytest.raises(ValueError) as raised:
+        model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")
+    assert str(raised.value) == ("MiniMindModel: a static KV cache (cache_implementation='static') is not supported: "
+                                 "its keys span the whole cache, not the tokens seen; use the default dynamic cache")
+
+
 def test_save_pretrained_then_auto_load_in_fresh_process_gives_equal_logits(tmp_path):
     model = tiny_model()
     model.save_pretrained(tmp_path)
