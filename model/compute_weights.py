@@ -26,6 +26,8 @@ autocast's GEMMs save their cast weights.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,6 +100,31 @@ class ComputeWeights:
         if not self.joins_groups or len(weights) == 1:
             return [F.linear(x, self(w)) for w in weights]
         return list(per_weight(self.joined(JoinedLinear, x, weights), weights, dim=-1))
+
+
+def block_weights(block: nn.Module, dtype: torch.dtype) -> ComputeWeights:
+    """`block`'s `ComputeWeights` in `dtype` (its `weight_layout`): made at each forward, or once per
+    dtype while `weights_kept` holds for it."""
+    kept = block.kept_weights
+    if kept is None:
+        return ComputeWeights(block, dtype, block.weight_layout)
+    if dtype not in kept:
+        kept[dtype] = ComputeWeights(block, dtype, block.weight_layout)
+    return kept[dtype]
+
+
+@contextlib.contextmanager
+def weights_kept(blocks):
+    """While the weights do not change (generation), each of `blocks` casts them once and keeps that
+    copy (as autocast keeps its casts within one autocast region), rather than at every forward: every
+    new token's. Without a cast to make nothing is kept."""
+    for block in blocks:
+        block.kept_weights = {}
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.kept_weights = None
 
 
 def per_weight(joined: torch.Tensor, weights: list[torch.Tensor], dim: int = 0) -> tuple[torch.Tensor, ...]:

@@ -46,7 +46,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
 from .configuration_minimind import MiniMindConfig
-from .compute_weights import ComputeWeights, compute_dtype, piece_layout
+from .compute_weights import ComputeWeights, block_weights, compute_dtype, piece_layout, weights_kept
 from .feed_forward import MiniMindMLP, MiniMindMoE
 from .loss import (IGNORE_INDEX, LOSS_CHUNK_ELEMENTS, chunked_lm_loss, cross_entropy_sum, head_loss_in_chunks,
                    loss_positions_of)
@@ -144,10 +144,11 @@ class MiniMindBlock(GradientCheckpointingLayer):
         else:
             self.mlp = MiniMindMLP(config.hidden_size, config.intermediate_size, config.dropout)
         self.weight_layout = piece_layout(self, self.self_attn.weight_groups() + self.mlp.weight_groups())
+        self.kept_weights = None  # `weights_kept`: the cast weights kept while generating
 
     def forward(self, hidden, cos, sin, mask, past_key_values=None, token_mask=None):
         """hidden (the residual stream), cos and sin in the compute dtype (`compute_dtype`)."""
-        weights = ComputeWeights(self, hidden.dtype, self.weight_layout)
+        weights = block_weights(self, hidden.dtype)
         normed = self.input_layernorm(hidden, weights(self.input_layernorm.weight))
         hidden = hidden + self.self_attn(normed, cos, sin, mask, past_key_values, weights)
         normed = self.post_attention_layernorm(hidden, weights(self.post_attention_layernorm.weight))
@@ -418,6 +419,11 @@ class MiniMindForCausalLM(MiniMindPreTrainedModel, GenerationMixin):
             loss=loss, aux_loss=aux_loss, logits=logits, past_key_values=past_key_values if use_cache else None,
             token_losses=token_losses if return_token_losses else None,
         )
+
+    def generate(self, *args, **kwargs):
+        """GenerationMixin's, with each block's cast weights made once for all the new tokens."""
+        with weights_kept(self.model.layers):
+            return super().generate(*args, **kwargs)
 
     def loss_chunk_tokens(self) -> int:
         """Tokens per chunk of the LM loss: LOSS_CHUNK_ELEMENTS fp32 logits at a time."""

@@ -1,6 +1,6 @@
 """model/compute_weights.py without a cast (FSDP's bf16 parameters, a bf16 or fp32 model): the joined
 GEMMs save the parameters themselves, not their concatenation, and give autograd's gradients over
-that concatenation bit for bit, eager and compiled."""
+that concatenation bit for bit, eager and compiled. With a cast: generation casts once."""
 
 import json
 import os
@@ -81,3 +81,38 @@ def test_the_joined_linear_gradients_op_passes_torchs_custom_op_checks(needs):
     arguments = (grad, x.detach(), [w.detach() for w in weights], *needs)
     results = torch.library.opcheck(linear_gradients_op, arguments)
     assert set(results.values()) == {"SUCCESS"} and len(results) == 4
+
+
+@pytest.mark.parametrize("use_moe", [False, True])
+def test_generation_casts_each_blocks_weights_once_for_all_its_tokens(monkeypatch, use_moe):
+    """fp32 weights under bf16 autocast (the trainer's evaluation): `generate` makes each block's cast
+    weights once, not once per new token, with the same tokens and logits, bit for bit; outside it,
+    every forward casts afresh (the weights may have changed)."""
+    from transformers import GenerationMixin
+
+    from model import compute_weights
+
+    model = tiny_model(use_moe=use_moe)
+    prompts = torch.randint(3, 97, (2, 6))
+    kwargs = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    made, original = [], compute_weights.ComputeWeights
+
+    def counted(*args):
+        made.append(args[1])
+        return original(*args)
+
+    monkeypatch.setattr(compute_weights, "ComputeWeights", counted)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = model.generate(prompts, **kwargs)
+        assert made == [torch.bfloat16] * model.config.num_hidden_layers
+        made.clear()
+        fresh = GenerationMixin.generate(model, prompts, **kwargs)  # a cast per forward: the prompt, 4 tokens
+        assert made == [torch.bfloat16] * model.config.num_hidden_layers * 5
+        made.clear()
+        model(prompts)
+        model(prompts)
+    assert made == [torch.bfloat16] * model.config.num_hidden_layers * 2
+    assert torch.equal(kept.sequences, fresh.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(kept.logits, fresh.logits))
+    assert all(block.kept_weights is None for block in model.model.layers)
