@@ -187,6 +187,9 @@ class AttentionMask:
         """`packed`: position_ids came from the caller with no cache, so a 0 opens a document
         (`packed_layout`: the documents, precomputed by the caller, on the CPU or on `device`
         already; the varlen kernel reads its `cu_seqlens` on `device`)."""
+        if packed and attention_mask is not None and packed_layout is None:  # generation's padded prompts
+            packed_layout = PackedDocuments.of_padded_rows(position_ids, attention_mask[:, -q_len:])
+            attention_mask = None if packed_layout is not None else attention_mask
         if packed and attention_mask is None:
             if packed_layout is None:
                 packed_layout = PackedDocuments.from_position_ids(position_ids)

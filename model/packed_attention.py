@@ -68,6 +68,20 @@ class PackedDocuments:
         starts, lengths = document_starts(position_ids.detach().cpu())
         return cls(starts, lengths, position_ids.shape).to(position_ids.device)
 
+    @classmethod
+    def of_padded_rows(cls, position_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedDocuments | None:
+        """The layout of rows whose pads (`attention_mask` 0) lie before and after one run of real
+        tokens (a left-padded batch of prompts, right-padded rows), as the dense mask of the padding
+        and the documents of `position_ids` has it: each pad a document of its own (it sees only
+        itself), the real tokens documents by their positions, the first of them opening one. None
+        for a row with pads between real tokens. On a GPU tensor one host sync."""
+        real = attention_mask.detach().cpu().bool()
+        opens = real & ~torch.cat([real.new_zeros(real.shape[0], 1), real[:, :-1]], dim=1)
+        if (opens.sum(dim=1) > 1).any():
+            return None
+        positions = torch.where(real & ~opens, position_ids.detach().cpu(), 0)
+        return cls(*document_starts(positions), positions.shape).to(position_ids.device)
+
     def pin_memory(self) -> PackedDocuments:
         """A copy whose `cu_seqlens` and bucket indices (`gather`, `rows`) are in page-locked memory;
         a DataLoader with `pin_memory=True` calls this in its pinning thread, as it pins the batch's

@@ -67,7 +67,7 @@ def test_left_padded_batch_generation_matches_single_prompts():
 def test_a_decode_step_that_sdpa_would_not_take_with_gqa_reads_the_cache_unexpanded(monkeypatch):
     """Where CUDA's SDPA takes no GQA (a padding mask, float32), a decode step's query heads run as
     the rows of their k/v head: the cache is never repeated, the answers and logits are those of
-    SDPA's own GQA (here the CPU's), and a prompt's prefill still repeats the k/v heads."""
+    SDPA's own GQA (here the CPU's)."""
     from model import modeling_minimind
 
     model = tiny_model()
@@ -91,8 +91,38 @@ def test_a_decode_step_that_sdpa_would_not_take_with_gqa_reads_the_cache_unexpan
     for ours, theirs in zip(folded.logits, native.logits):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
     layers = model.config.num_hidden_layers
-    assert calls[:layers] == [((2, 4, 7, 16), (2, 4, 7, 16))] * layers  # the prefill: heads repeated
-    assert calls[layers:] == [((2, 2, 2, 16), (2, 2, 7 + step, 16)) for step in range(1, 5) for _ in range(layers)]
+    decode = [((2, 2, 2, 16), (2, 2, 7 + step, 16)) for step in range(1, 5) for _ in range(layers)]
+    assert calls[-len(decode):] == decode
+
+
+def test_a_padded_prompt_batch_runs_as_documents_not_a_dense_mask(monkeypatch):
+    """A prefill of padded prompts (position_ids and an attention mask, no cache: generation's) runs
+    each pad as a document of its own and the real tokens as theirs, the packed path, with the dense
+    mask's logits for every real token; a row with pads between its real tokens keeps the dense mask."""
+    from model import modeling_minimind
+    from model.packed_attention import PackedDocuments
+
+    model = tiny_model()
+    ids = torch.randint(3, 97, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[1, 6:] = 0  # right padding
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions[0, :3] = 1  # pads' positions as transformers' generate gives them
+    built = []
+    monkeypatch.setattr(modeling_minimind.AttentionMask, "__init__", lambda self, allowed, is_causal, documents=None:
+                        built.append(allowed) or self.__dict__.update(allowed=allowed, is_causal=is_causal,
+                                                                       documents=documents))
+    logits = model(ids, attention_mask=mask, position_ids=positions).logits
+    assert built == [None]
+    with monkeypatch.context() as dense:
+        dense.setattr(PackedDocuments, "of_padded_rows", classmethod(lambda cls, positions, mask: None))
+        expected = model(ids, attention_mask=mask, position_ids=positions).logits
+    assert built[1].shape == (3, 1, 8, 8)
+    torch.testing.assert_close(logits[mask.bool()], expected[mask.bool()], rtol=0, atol=1e-5)
+    holes = mask.clone()
+    holes[2, 4] = 0
+    assert PackedDocuments.of_padded_rows(positions, holes) is None
 
 
 def test_a_static_kv_cache_is_refused_in_one_line():
