@@ -1,6 +1,7 @@
 """Sharded resume checkpoints in one process (trainer/checkpoint/sharded.py): a shard cut short or
-missing is found when the checkpoint is chosen, the load says nothing of torch.distributed, and a
-save on a GPU machine makes no CUDA call in DCP's writer thread."""
+missing is found when the checkpoint is chosen, the load says nothing of torch.distributed, a save on
+a GPU machine makes no CUDA call in DCP's writer thread, and the state a save takes
+(trainer/parallel/fsdp.py) leaves an optimizer that has not stepped as it is."""
 
 import os
 import threading
@@ -17,6 +18,7 @@ from trainer.checkpoint.files import atomic_torch_save
 from trainer.checkpoint.resume import find_resume_checkpoint, load_resume_checkpoint
 from trainer.checkpoint.sharded import META, load_training_state, read_full, sharded_path, start_save
 from trainer.checkpoint.single_file import stamped
+from trainer.parallel.fsdp import FullyShardedParallel
 
 SHARD = "__0_0.distcp"  # what one process writes
 
@@ -28,6 +30,11 @@ def trained(seed: int):
     model(input_ids=torch.randint(0, 97, (2, 8)), labels=torch.randint(0, 97, (2, 8))).loss.backward()
     optimizer.step()
     return model, optimizer
+
+
+def adamw(model):
+    """The trainer's optimizer (trainer/model_setup.py: build_optimizer) for `model`."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), fused=True)
 
 
 def write_sharded(save_dir, step: int, model, optimizer) -> str:
@@ -133,3 +140,23 @@ def test_a_sharded_save_on_a_gpu_machine_makes_no_cuda_call_in_any_thread(tmp_pa
     assert calls == []
     assert path == sharded_path(str(tmp_path / "run"), 3)
     assert all(torch.equal(value, model.state_dict()[key]) for key, value in read_full(path, "model").items())
+
+
+def test_the_state_of_a_save_before_the_first_step_leaves_the_optimizer_unstepped():
+    """torch's get_state_dict makes the state of an optimizer without one by a step at learning rate 0
+    (AdamW's counter at 1). The save takes that state off the optimizer again and gives its counters
+    as 0, so the next step, live or after a resume, is the first one, bit for bit."""
+    model = tiny_model(0).train()
+    optimizer = adamw(model)
+    parallel = FullyShardedParallel(SimpleNamespace(), torch.float32)
+    parallel.model = model
+    saved = parallel.training_state(optimizer)
+    assert not optimizer.state
+    steps = [state["step"] for state in saved["optimizer"]["state"].values()]
+    assert len(steps) == len(list(model.parameters())) and all(step.item() == 0 for step in steps)
+    fresh = tiny_model(0).train()
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    for each, its_optimizer in ((model, optimizer), (fresh, adamw(fresh))):
+        each(input_ids=ids, labels=ids).loss.backward()
+        its_optimizer.step()
+    assert all(torch.equal(value, fresh.state_dict()[key]) for key, value in model.state_dict().items())
