@@ -8,9 +8,10 @@ waits only for that copy), and a writer thread writes the files while training g
 - `host_model(config, state, source)`: a plain model around such a copy (and a `to_host` copy of
   the live model's RoPE tables), for the writers of inference weights, which read a model (its
   config, `state_dict()`, `save_pretrained`).
-- `BackgroundWriter`: runs one job at a time in a thread; `submit` first waits for the previous
-  job, so saves never overlap and the next one writes after the last; `wait` returns the one-line
-  reason a job's write failed (a `CheckpointError`), which the caller reports on every rank.
+- `BackgroundWriter`: runs one job at a time in a thread, on the CUDA device of the thread that
+  submits it; `submit` first waits for the previous job, so saves never overlap and the next one
+  writes after the last; `wait` returns the one-line reason a job's write failed (a
+  `CheckpointError`), which the caller reports on every rank.
 
 The files keep every promise of a synchronous save: each is written under a temporary name and
 renamed into place (a kill -9 mid-write leaves the previous checkpoint loadable), rotation runs after
@@ -98,12 +99,17 @@ class BackgroundWriter:
         failure = self.wait()
         if failure:
             return failure
-        self.thread = threading.Thread(target=self._run, args=(job, ready), name="minisft-checkpoint-writer")
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self.thread = threading.Thread(target=self._run, args=(job, ready, device), name="minisft-checkpoint-writer")
         self.thread.start()
         return None
 
-    def _run(self, job, ready) -> None:
+    def _run(self, job, ready, device: int | None) -> None:
+        """`job` on `device`, the submitting thread's CUDA device: a new thread's current device is GPU 0
+        whatever its process's, and a CUDA call there would make a context on GPU 0."""
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             if ready is not None:
                 ready.synchronize()
             job()

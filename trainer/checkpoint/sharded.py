@@ -30,7 +30,7 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -128,7 +128,13 @@ def start_save(content: dict, save_dir: str, keep_last: int, ctx) -> ShardedSave
         remove_stale_temporaries(folder)
     barrier(ctx.device)
     try:
-        future = dcp.async_save({key: content[key] for key in SHARDED_ENTRIES}, checkpoint_id=f"{final}.tmp",
+        # A writer of this module's own: DCP stages the shards to host memory with it, here (its `stage`,
+        # which turns its copy-ahead from the device off). The writer DCP makes from a checkpoint id,
+        # in its worker thread, keeps that copy-ahead: CUDA calls (the current stream, its synchronize)
+        # in that thread, on its current device, GPU 0 whatever the rank's: a CUDA context on GPU 0 for
+        # every other local rank, and on rank 0 a write that waits for the loop's queued work.
+        writer = FileSystemWriter(f"{final}.tmp")
+        future = dcp.async_save({key: content[key] for key in SHARDED_ENTRIES}, storage_writer=writer,
                                 process_group=checkpoint_group())
     except (CheckpointException, OSError) as error:
         raise CheckpointError(f"could not write the sharded checkpoint {final}: {failure_line(error)}") from None

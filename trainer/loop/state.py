@@ -153,6 +153,12 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         raise  # one line naming the checkpoint already
     except (RuntimeError, ValueError, KeyError) as error:
         raise CheckpointError(f"resume checkpoint does not fit this run: {first_line(error)}") from error
+    if saved["step"] == 0:
+        # No optimizer step has been taken: the optimizer goes on without state, as in the run that wrote
+        # the checkpoint. A load through torch's state-dict API (into a fully_shard-ed model, or from a
+        # sharded checkpoint) steps an optimizer without state at learning rate 0 to give it one (AdamW's
+        # counter at 1), which an empty saved state (a one-process or DDP file's) leaves in place.
+        run.optimizer.state.clear()
     keep_fused_kernels(run.optimizer)
     if saved.get("scaler") and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))

@@ -78,7 +78,19 @@ class FullyShardedParallel:
         return norm
 
     def training_state(self, optimizer) -> dict:
+        """The model's and the optimizer's shards, the optimizer left as it is. An optimizer that has not
+        stepped has no state, and torch's `get_state_dict` makes the state it returns by a step of zero
+        gradients at learning rate 0 (`_init_optim_state`): AdamW's counter would then say 1, and the
+        first real update would be bias-corrected as a second one (x0.73 at betas 0.9, 0.95). So that
+        state is taken off the optimizer again, and the checkpoint's counters say 0: the state AdamW
+        starts its first step from."""
+        unstepped = not optimizer.state
         model_state, optimizer_state = get_state_dict(self.model, optimizer)
+        if unstepped:
+            optimizer.state.clear()
+            for state in optimizer_state["state"].values():
+                if "step" in state:
+                    state["step"] = torch.zeros_like(state["step"])
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_training_state(self, optimizer, saved: dict) -> None:

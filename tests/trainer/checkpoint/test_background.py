@@ -68,6 +68,20 @@ def test_a_failed_write_is_reported_once_and_the_next_job_does_not_start():
         writer.wait()
 
 
+def test_the_writer_thread_works_on_the_device_of_the_thread_that_submits(monkeypatch):
+    """torch.cuda as on a GPU machine, the rank's device 3: the writer thread makes it its own before
+    its job (a new thread's current device is GPU 0), so what it asks of CUDA lands on the rank's GPU."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: calls.append(("set_device", device, threading.current_thread().name)))
+    writer = BackgroundWriter()
+    assert writer.submit(lambda: calls.append(("job", threading.current_thread().name))) is None
+    assert writer.wait() is None
+    assert calls == [("set_device", 3, "minisft-checkpoint-writer"), ("job", "minisft-checkpoint-writer")]
+
+
 class Gate:
     """Stands in for publish_inference_weights: records what it is given, and holds the writer
     thread until released."""

@@ -1,18 +1,24 @@
-"""Sharded resume checkpoints read in one process (trainer/checkpoint/sharded.py): a shard cut short or
-missing is found when the checkpoint is chosen, and the load says nothing of torch.distributed."""
+"""Sharded resume checkpoints in one process (trainer/checkpoint/sharded.py): a shard cut short or
+missing is found when the checkpoint is chosen, the load says nothing of torch.distributed, a save on
+a GPU machine makes no CUDA call in DCP's writer thread, and the state a save takes
+(trainer/parallel/fsdp.py) leaves an optimizer that has not stepped as it is."""
 
 import os
+import threading
 import warnings
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from tests.helpers.tiny_model import tiny_model
 from trainer.checkpoint.files import atomic_torch_save
 from trainer.checkpoint.resume import find_resume_checkpoint, load_resume_checkpoint
-from trainer.checkpoint.sharded import META, load_training_state, sharded_path
+from trainer.checkpoint.sharded import META, load_training_state, read_full, sharded_path, start_save
 from trainer.checkpoint.single_file import stamped
+from trainer.parallel.fsdp import FullyShardedParallel
 
 SHARD = "__0_0.distcp"  # what one process writes
 
@@ -24,6 +30,11 @@ def trained(seed: int):
     model(input_ids=torch.randint(0, 97, (2, 8)), labels=torch.randint(0, 97, (2, 8))).loss.backward()
     optimizer.step()
     return model, optimizer
+
+
+def adamw(model):
+    """The trainer's optimizer (trainer/model_setup.py: build_optimizer) for `model`."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), fused=True)
 
 
 def write_sharded(save_dir, step: int, model, optimizer) -> str:
@@ -65,3 +76,87 @@ def test_a_sharded_checkpoint_loads_in_one_process_without_a_warning(tmp_path):
     assert [str(warning.message) for warning in caught] == []
     assert all(torch.equal(value, other.state_dict()[key]) for key, value in model.state_dict().items())
     assert torch.equal(other_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+class CudaCalls:
+    """torch.cuda as on a GPU machine, for the length of a test: every call that would reach the
+    driver (a stream, a synchronize, the current device) recorded with the thread that made it."""
+
+    NAMES = ("current_stream", "default_stream", "stream", "synchronize", "current_device", "set_device", "Stream",
+             "Event")
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        for name in self.NAMES:
+            monkeypatch.setattr(torch.cuda, name, self.recorded(name))
+
+    def recorded(self, name):
+        def call(*args, **kwargs):
+            self.calls.append((name, threading.current_thread().name))
+            return FakeStream(self)
+        return call
+
+
+class FakeStream:
+    """What the recorded calls return: a CUDA stream (also its context manager) that records its own calls."""
+
+    device_type = "cuda"
+
+    def __init__(self, cuda: CudaCalls):
+        self.cuda = cuda
+
+    def __eq__(self, other):
+        return isinstance(other, FakeStream)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        self.cuda.calls.append(("stream.synchronize", threading.current_thread().name))
+
+    def wait_stream(self, other):
+        self.cuda.calls.append(("stream.wait_stream", threading.current_thread().name))
+
+
+def test_a_sharded_save_on_a_gpu_machine_makes_no_cuda_call_in_any_thread(tmp_path, monkeypatch):
+    """DCP's worker thread has GPU 0 as its current device whatever the rank's: a CUDA call there would
+    give every other local rank a context on GPU 0. The shards are staged to host memory before it
+    starts, so the write makes none (and the state is in host memory already here: none anywhere)."""
+    model = tiny_model(0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        cuda = CudaCalls(monkeypatch)
+        content = {"step": 3, "model": model.state_dict(), "optimizer": {"state": {}, "param_groups": []}}
+        save = start_save(content, str(tmp_path / "run"), 2, SimpleNamespace(is_main=True, device=torch.device("cpu")))
+        path = save.wait()
+        calls = cuda.calls
+        monkeypatch.undo()
+    finally:
+        dist.destroy_process_group()
+    assert calls == []
+    assert path == sharded_path(str(tmp_path / "run"), 3)
+    assert all(torch.equal(value, model.state_dict()[key]) for key, value in read_full(path, "model").items())
+
+
+def test_the_state_of_a_save_before_the_first_step_leaves_the_optimizer_unstepped():
+    """torch's get_state_dict makes the state of an optimizer without one by a step at learning rate 0
+    (AdamW's counter at 1). The save takes that state off the optimizer again and gives its counters
+    as 0, so the next step, live or after a resume, is the first one, bit for bit."""
+    model = tiny_model(0).train()
+    optimizer = adamw(model)
+    parallel = FullyShardedParallel(SimpleNamespace(), torch.float32)
+    parallel.model = model
+    saved = parallel.training_state(optimizer)
+    assert not optimizer.state
+    steps = [state["step"] for state in saved["optimizer"]["state"].values()]
+    assert len(steps) == len(list(model.parameters())) and all(step.item() == 0 for step in steps)
+    fresh = tiny_model(0).train()
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    for each, its_optimizer in ((model, optimizer), (fresh, adamw(fresh))):
+        each(input_ids=ids, labels=ids).loss.backward()
+        its_optimizer.step()
+    assert all(torch.equal(value, fresh.state_dict()[key]) for key, value in model.state_dict().items())

@@ -18,6 +18,7 @@ from tests.helpers.trainer_launch import (Launcher, REPO, assert_weights_equal, 
                                          run_trainer, run_trainer_in_process, together, train_losses, wait_until,
                                          worker_pids)
 from trainer.checkpoint.resume import load_resume_checkpoint
+from trainer.checkpoint.sharded import read_full
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +133,28 @@ def test_fsdp_killed_after_its_first_checkpoint_resumes_bit_identical(data, fsdp
     finished = run_trainer(args, nproc=2)
     assert "resuming from" in finished.stdout and "step_00000002.dcp" in finished.stdout
     assert_weights_equal(weights(dcp_at(save_dir, 4)), weights(dcp_at(fsdp_run, 4)))  # bit-identical
+
+
+@pytest.mark.parametrize("nproc,batch,fsdp", [(2, "3", "1"), (1, "6", "0")], ids=["sharded", "one-process"])
+def test_a_run_stopped_before_its_first_step_resumes_under_fsdp_bit_identical(data, fsdp_run, tmp_path, nproc, batch,
+                                                                              fsdp):
+    """A SIGTERM before the first step (tests/helpers/signal_self.py) leaves a checkpoint of step 0, sharded
+    or a one-process file. Resumed under FSDP, the optimizer has not stepped, as in the uninterrupted run,
+    which the resumed run ends equal to, bit for bit (an AdamW counter at 1 makes the first update x0.73)."""
+    stopped, resumed = tmp_path / "stopped", tmp_path / "resumed"
+    result = run_trainer(flags(data, stopped, "--batch_size", batch, *STEPS, "--save_interval", "2", "--fsdp", fsdp),
+                         nproc=nproc, script=os.path.join(REPO, "tests", "helpers", "signal_self.py"),
+                         env=clean_env(MINISFT_TEST_SIGTERM_AT="init"))
+    assert "SIGTERM received: stopping at step 0" in result.stdout
+    if fsdp == "1":  # AdamW's counters in the shards: no step taken
+        checkpoint = dcp_at(stopped, 0)
+        steps = [value for key, value in read_full(checkpoint, "optimizer").items() if key.endswith(".step")]
+        assert steps and all(step.item() == 0 for step in steps)
+    else:
+        checkpoint = checkpoint_at(stopped, 0)
+    run_trainer(flags(data, resumed, "--batch_size", "3", *STEPS, "--save_interval", "0", "--fsdp", "1",
+                      "--resume_from", checkpoint), nproc=2)
+    assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
 
 
 def test_the_loop_trains_on_while_the_shards_are_written_and_they_hold_their_step(data, fsdp_run, tmp_path):
