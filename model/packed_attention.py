@@ -75,11 +75,13 @@ class PackedDocuments:
         and the documents of `position_ids` has it: each pad a document of its own (it sees only
         itself), the real tokens documents by their positions, the first of them opening one. None
         for a row with pads between real tokens. On a GPU tensor one host sync."""
-        real = attention_mask.detach().cpu().bool()
+        both = torch.stack([attention_mask.detach().long(), position_ids.detach().expand_as(attention_mask)])
+        real, positions = both.cpu()  # one copy
+        real = real.bool()
         opens = real & ~torch.cat([real.new_zeros(real.shape[0], 1), real[:, :-1]], dim=1)
         if (opens.sum(dim=1) > 1).any():
             return None
-        positions = torch.where(real & ~opens, position_ids.detach().cpu(), 0)
+        positions = torch.where(real & ~opens, positions, 0)
         return cls(*document_starts(positions), positions.shape).to(position_ids.device)
 
     def pin_memory(self) -> PackedDocuments:
