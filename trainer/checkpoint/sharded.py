@@ -20,22 +20,23 @@ checkpoints rotated out are renamed away before they are deleted, so a half-dele
 taken for a checkpoint either.
 
 Loading reshards: a checkpoint written by N processes loads on M processes, sharded or not
-(`load_training_state` works for a fully_shard-ed model and for a plain one).
+(`load_training_state` works for a fully_shard-ed model and for a plain one). Every read goes through
+trainer/checkpoint/dcp_reading.py, which never unpickles arbitrary objects.
 """
 
 import os
 import shutil
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.checkpoint import single_file
+from trainer.checkpoint.dcp_reading import check_entries, load_quietly, read_index
 from trainer.checkpoint.files import atomic_torch_save, fsync_dir, remove_stale_temporaries
 from trainer.checkpoint.save_dir import checkpoints_dir, drop_old_checkpoints, remove_directory_checkpoint
 from trainer.errors import CheckpointError, first_line
@@ -144,8 +145,8 @@ def start_save(content: dict, save_dir: str, keep_last: int, ctx) -> ShardedSave
 
 def load_meta(path: str, required) -> dict:
     """The non-tensor part of a sharded checkpoint, validated like a single-file checkpoint, plus
-    `sharded_path`, once its shards are checked (`check_shards`). A caller that asks for the weights
-    only (inference) gets them as full tensors."""
+    `sharded_path`, once its index and shards are checked (`check_shards`). A caller that asks for the
+    weights only (inference) gets them as full tensors."""
     meta_file = os.path.join(path, META)
     if not os.path.isfile(meta_file) or not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"sharded checkpoint {path} is incomplete (no {META} or .metadata)")
@@ -158,15 +159,13 @@ def load_meta(path: str, required) -> dict:
 
 
 def check_shards(path: str) -> None:
-    """Every piece that DCP's index (`.metadata`: file, offset, length of each) lists lies within its
-    shard file: a shard cut short or missing makes the checkpoint unusable here, where the newest
-    usable one is chosen, not in the middle of the load."""
-    try:
-        pieces = FileSystemReader(path).read_metadata().storage_data.values()
-    except Exception as error:  # noqa: BLE001 - a damaged .metadata fails its unpickling in many ways
-        raise CheckpointError(f"sharded checkpoint {path} is unreadable (.metadata: {first_line(error, 160)})") from None
+    """DCP's index (`.metadata`) holds nothing but an index, every piece it lists (file, offset, length
+    of each) lies within its shard file, and the shards' non-tensor entries hold plain values: an index
+    or entry that would run code, or a shard cut short or missing, makes the checkpoint unusable here,
+    where the newest usable one is chosen, not in the middle of the load."""
+    metadata = read_index(path)
     ends = {}
-    for piece in pieces:
+    for piece in metadata.storage_data.values():
         ends[piece.relative_path] = max(ends.get(piece.relative_path, 0), piece.offset + piece.length)
     for name, end in sorted(ends.items()):
         shard = os.path.join(path, name)
@@ -175,24 +174,16 @@ def check_shards(path: str) -> None:
         if os.path.getsize(shard) < end:
             raise CheckpointError(f"sharded checkpoint {path} is truncated ({name} holds {os.path.getsize(shard)} "
                                   f"bytes, its index needs {end})")
-
-
-def load_quietly(state: dict, no_dist: bool, **where) -> None:
-    """`dcp.load`, without its warning that torch.distributed is off: a load in one process is what
-    `no_dist` means here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(state, no_dist=no_dist, **where)
+    check_entries(path, metadata)
 
 
 def read_full(path: str, entry: str, only=None) -> dict:
     """One entry ("model") of a sharded checkpoint as full tensors, in this process alone. With `only`, just
     the tensors it names are read; the others are meta tensors of their shape and dtype (DCP's index), which
     is what a check of names and shapes (trainer/weights/read.py, `misfit`) needs."""
-    reader = FileSystemReader(path)
     prefix = f"{entry}."
+    metadata = read_index(path)
     try:
-        metadata = reader.read_metadata()
         state = {
             key: torch.empty(item.size, dtype=item.properties.dtype,
                              device="meta" if only is not None and key[len(prefix):] not in only else None)
@@ -201,7 +192,9 @@ def read_full(path: str, entry: str, only=None) -> dict:
         }
         wanted = {key: value for key, value in state.items() if not value.is_meta}
         if wanted:
-            load_quietly(wanted, True, storage_reader=reader)
+            load_quietly(wanted, True, path)
+    except CheckpointError:
+        raise
     except (CheckpointException, OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"sharded checkpoint {path} is unreadable ({first_line(error, 200)})") from None
     return {key[len(prefix):]: value for key, value in state.items()}
@@ -212,7 +205,7 @@ def load_training_state(model, optimizer, saved: dict) -> None:
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
-        load_quietly(state, not dist.is_initialized(), checkpoint_id=saved["sharded_path"])
+        load_quietly(state, not dist.is_initialized(), saved["sharded_path"])
     except CheckpointException as error:
         raise CheckpointError(f"sharded checkpoint {saved['sharded_path']} does not fit this run: {failure_line(error)}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -320,6 +320,52 @@ def test_a_truncated_shard_is_skipped_and_a_checkpoint_that_does_not_fit_is_one_
         "model.layers.1.self_attn.q_proj.weight, model.layers.1.self_attn.k_proj.weight, ...)"))
 
 
+def test_a_sharded_checkpoint_that_would_run_code_is_refused_and_skipped(data, fsdp_run, tmp_path):
+    """The newest step_*.dcp of a 2-process run with a crafted index (.metadata), or with a non-tensor entry of
+    its shards (the optimizer's lr) that runs a shell command when unpickled: --from_resume 1 warns and resumes
+    from the checkpoint before, --resume_from refuses it in one line; the command never runs."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.helpers.malicious_pickle import RunsCode, malicious_dcp_index
+
+    marker = tmp_path / "code_ran"
+    runs = {"index": tmp_path / "index", "entry": tmp_path / "entry"}
+    for run in runs.values():
+        shutil.copytree(fsdp_run, run)
+    malicious_dcp_index(dcp_at(runs["index"], 4), marker)
+    entry = dcp_at(runs["entry"], 4)
+    dcp_to_torch_save(entry, tmp_path / "flat.pt")
+    state = torch.load(tmp_path / "flat.pt", weights_only=True)
+    state["optimizer"]["param_groups"][0]["lr"] = RunsCode(marker)
+    shutil.copy(os.path.join(entry, "meta.pt"), tmp_path / "meta.pt")
+    shutil.rmtree(entry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=entry, no_dist=True)
+    shutil.copy(tmp_path / "meta.pt", os.path.join(entry, "meta.pt"))
+    refusals = {
+        "index": (f"refused to load {dcp_at(runs['index'], 4)}/.metadata: it contains Python objects (posix.system) "
+                  "that a safe load of DCP's index does not allow; it is not a minisft checkpoint and may be malicious"),
+        "entry": (f"refused to load {entry}/__0_0.distcp: its entry optimizer.param_groups.0.lr holds Python objects "
+                  "that a safe (weights_only) load does not allow; it is not a minisft checkpoint and may be malicious"),
+    }
+    for name, run in runs.items():
+        refused = run_trainer_in_process(flags(data, tmp_path / f"other_{name}", "--batch_size", "6", *STEPS,
+                                               "--resume_from", dcp_at(run, 4)))
+        assert (refused.returncode, refused.stderr.splitlines()[-1]) == (2, f"error: {refusals[name]}"), refused.stderr
+        assert "Traceback" not in refused.stderr and "training" not in refused.stdout
+        resumed = run_trainer_in_process(flags(data, run, "--batch_size", "6", *STEPS, "--max_steps", "3",
+                                               "--from_resume", "1", "--save_interval", "0"), check=True)
+        assert (f"warning: skipping unusable checkpoint: {refusals[name]}; falling back to the previous one"
+                in resumed.stdout.splitlines()), resumed.stdout[-3000:]
+        assert f"resuming from {dcp_at(run, 2)} (step 2," in resumed.stdout
+        assert "Traceback" not in resumed.stderr, resumed.stderr
+    assert not marker.exists()
+
+
 def rewritten(checkpoint, target, change) -> str:
     """A copy of the sharded `checkpoint` whose model tensors `change(model)` alters (one shard, as one process
     writes it: any process count loads it)."""
@@ -340,8 +386,9 @@ def test_a_sharded_checkpoint_that_does_not_fit_is_refused_as_a_single_file_one_
     """The check of every weights loader (trainer/weights/read.py, `misfit`) before the shards load: a tied
     model's lm_head.weight apart from its embedding (one of the two would be lost), an extra tensor (dropped
     without a word) and a wrong shape are one line, from every rank of an --fsdp 1 run and from one process.
-    Rank 0 alone reads the two tied tensors (tests/helpers/record_opens.py records the shards each rank
-    opens): rank 1 reads the checkpoint's index, not its shards."""
+    Rank 0 alone reads the two tied tensors (tests/helpers/record_opens.py records the files each rank
+    opens): rank 1 reads the checkpoint's index, and its shard once, for the non-tensor entries that every
+    rank checks (trainer/checkpoint/dcp_reading.py); rank 0 reads the shard once more, for the tensors."""
     def apart(model):
         model["lm_head.weight"] += 1
 
@@ -361,9 +408,11 @@ def test_a_sharded_checkpoint_that_does_not_fit_is_refused_as_a_single_file_one_
     output = result.stdout + result.stderr
     assert output.count(line) == 1, output[-3000:]  # both ranks refuse: printed once
     assert re.findall(r"exitcode\s*: (\S+) \(pid", output) == ["2", "2"], output[-3000:]
-    opened = {rank: sorted({os.path.relpath(path, checkpoint) for path in (report / f"rank{rank}.reads.txt")
-                            .read_text().splitlines() if path.startswith(checkpoint + os.sep)}) for rank in (0, 1)}
-    assert opened == {0: [".metadata", "__0_0.distcp", "meta.pt"], 1: [".metadata", "meta.pt"]}
+    opened = {rank: [os.path.relpath(path, checkpoint) for path in (report / f"rank{rank}.reads.txt")
+                     .read_text().splitlines() if path.startswith(checkpoint + os.sep)] for rank in (0, 1)}
+    assert {rank: sorted(set(names)) for rank, names in opened.items()} == {
+        0: [".metadata", "__0_0.distcp", "meta.pt"], 1: [".metadata", "__0_0.distcp", "meta.pt"]}
+    assert {rank: names.count("__0_0.distcp") for rank, names in opened.items()} == {0: 2, 1: 1}, opened
     refused = run_trainer_in_process(flags(data, tmp_path / "shapes", *resume, rewritten(
         dcp_at(fsdp_run, 2), tmp_path / "shapes.dcp", extra_and_wrong_shape)))
     assert (refused.returncode, refused.stderr.splitlines()) == (2, [
