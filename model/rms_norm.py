@@ -35,7 +35,9 @@ class _RMSNormFunction(torch.autograd.Function):
         inverse = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
         normed = wide * inverse
         ctx.save_for_backward(weight, normed, inverse)
-        return (weight * normed).to(x.dtype)
+        out = weight * normed
+        # no `.to` that would return `out` itself: torch 2.11's compiler gives wrong gradients for it
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     @once_differentiable  # normed and inverse are saved as constants: no second derivative
