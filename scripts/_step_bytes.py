@@ -10,9 +10,10 @@ torch.utils.flop_counter's formulas (GEMMs), grouped GEMMs as in _dispatch_count
 FlashAttention (varlen and SDPA's) 4 FLOPs per computed (query, key) pair, head and head dimension
 forward and 10 backward (its backward recomputes the scores: five GEMMs); a causal kernel
 computes the pairs of the lower triangle, per document of a packed row. The
-roofline of one op is max(bytes / HBM bandwidth, FLOPs / tensor-core peak), summed over the
+roofline of one op is max(bytes / memory bandwidth, FLOPs / tensor-core peak), summed over the
 ops: a lower bound on the GPU time of the step, which a kernel reaches only at full bandwidth or
-full tensor-core use.
+full tensor-core use. The bandwidth and peak are a card's datasheet figures (scripts/_bench_flops.py):
+the H100 SXM's (`ESTIMATE_CARD`), or on a GPU the profiled card's (scripts/profile_step.py).
 
 The step is traced with fake tensors (no memory, no arithmetic), so a GPU-sized batch costs
 seconds. The fake device is the CPU with the CUDA kernel choices of the model made as a GPU
@@ -44,11 +45,10 @@ from torch.utils.flop_counter import flop_registry
 import model.packed_attention as packed_attention
 import model.rms_norm as rms_norm_module
 from model.loss import lm_loss_chunks, lm_loss_gradient_chunks
+from scripts._bench_flops import Datasheet, datasheet_for
 from scripts._dispatch_counts import VIEW_LIKE, grouped_mm_flops, written_arguments
 
-HBM_BYTES_PER_S = 3.35e12  # H100 SXM datasheet: HBM3
-TENSOR_FLOPS_PER_S = 989.4e12  # H100 SXM datasheet: dense bf16 (and fp16) tensor cores
-FLOAT32_FLOPS_PER_S = 66.9e12  # H100 SXM datasheet: IEEE fp32 (the trainer runs --dtype float32 without TF32)
+ESTIMATE_CARD = datasheet_for("H100")  # the H100 SXM: HBM3, dense bf16, IEEE fp32 (--dtype float32: no TF32)
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
                torch.ops.aten.new_empty_strided.default}  # write nothing
@@ -250,7 +250,8 @@ class ByteCounter(TorchDispatchMode):
     (`groups`), or with `by_shapes` by op name and the shapes and dtypes of its tensor inputs. The
     chunked LM loss's custom ops are counted as the ops their bodies run."""
 
-    def __init__(self, bandwidth: float = HBM_BYTES_PER_S, peak: float = TENSOR_FLOPS_PER_S, by_shapes: bool = False):
+    def __init__(self, bandwidth: float = ESTIMATE_CARD.bandwidth, peak: float = ESTIMATE_CARD.peak("bfloat16"),
+                 by_shapes: bool = False):
         super().__init__()
         self.bandwidth, self.peak, self.by_shapes = bandwidth, peak, by_shapes
         self.groups: dict[str, OpTraffic] = collections.defaultdict(OpTraffic)
@@ -352,9 +353,10 @@ def fake_parameters(model: torch.nn.Module, mode: FakeTensorMode, device: str = 
 
 
 def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: bool = False,
-                  steps: int = 1) -> ByteCounter:
+                  steps: int = 1, card: Datasheet = ESTIMATE_CARD) -> ByteCounter:
     """`steps` optimizer steps of the trainer for these flags (summed), traced as described in the
-    module docstring, after `warmup_steps` uncounted ones (the first creates AdamW's moments)."""
+    module docstring, after `warmup_steps` uncounted ones (the first creates AdamW's moments); the
+    roofline of `card`."""
     from scripts._bench_flops import causal_pairs
     from scripts._dispatch_counts import build_step_run, micro_batch_stream
     from trainer.loop.loop import agree_on_step, optimizer_step
@@ -365,8 +367,8 @@ def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: boo
     fake_parameters(run.parallel.model, mode)
     run.optimizer = build_optimizer(run.parallel.model, run.args, torch.device("cuda"))  # fused, as on a GPU
     batches = micro_batch_stream(run)
-    peak = FLOAT32_FLOPS_PER_S if run.dtype == torch.float32 else TENSOR_FLOPS_PER_S
-    counter = ByteCounter(peak=peak, by_shapes=by_shapes)
+    peak = card.peak("float32" if run.dtype == torch.float32 else "bfloat16")
+    counter = ByteCounter(bandwidth=card.bandwidth, peak=peak, by_shapes=by_shapes)
     for step in range(warmup_steps + steps):
         micro_batches = [next(batches) for _ in range(run.args.accumulation_steps)]
         totals = agree_on_step(run, micro_batches)  # host values of the real batches

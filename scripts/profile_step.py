@@ -32,7 +32,8 @@ from scripts._bench_common import (  # noqa: E402
     add_model_flags, add_run_flags, optimizer_step_once, single_process_context, synchronize, trainer_argv,
 )
 from scripts._common import ArgumentParser, fail, resolve_device  # noqa: E402
-from scripts._step_bytes import measure_bytes, profile_key  # noqa: E402
+from scripts._bench_flops import datasheet_for  # noqa: E402
+from scripts._step_bytes import ESTIMATE_CARD, measure_bytes, profile_key  # noqa: E402
 from scripts.bench import MODES, prepare_mode  # noqa: E402
 from trainer.args import add_flag  # noqa: E402
 
@@ -198,8 +199,12 @@ def main(argv=None) -> int:
     print("\n".join(gpu_op_report(by_shapes, options.steps, options.top)))
     print("\n".join(host_report(averages, options.steps, wall, options.top)))
     if options.roofline:  # the batches profiled: the second to the (steps + 1)th (the first checked the syncs)
-        counter = measure_bytes(trainer_argv(options, options.dtypes[0], packing=options.mode == "packed",
-                                             group_by_length=options.mode == "grouped"), steps=options.steps)
+        card = datasheet_for(torch.cuda.get_device_name(device)) or ESTIMATE_CARD
+        argv = trainer_argv(options, options.dtypes[0], packing=options.mode == "packed",
+                            group_by_length=options.mode == "grouped")
+        counter = measure_bytes(argv, steps=options.steps, card=card)
+        print(f"roofline of the {card.name}'s datasheet: {card.memory} TB/s, "
+              f"{counter.peak / 1e12:.1f} TFLOP/s ({options.dtypes[0]})")
         print("\n".join(roofline_report(prof.events(), counter, options.steps, options.top)))
     if options.use_compile:
         print(f"torch.compile: graph breaks {sum(counters['graph_break'].values())}, frames compiled "
