@@ -43,8 +43,8 @@ def head_loss_in_chunks(head: torch.nn.Module, hidden: torch.Tensor, targets: to
 
 def _head_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, token_losses: bool):
     """One call of `head_loss_in_chunks`' loop: its logits live only until this returns."""
-    logits = head(hidden)
-    per_token = F.cross_entropy(logits.detach().float(), targets, reduction="none") if token_losses else None
+    logits = head(hidden).float()  # one fp32 copy for the sum and the per-token values
+    per_token = F.cross_entropy(logits.detach(), targets, reduction="none") if token_losses else None
     return cross_entropy_sum(logits, targets), per_token
 
 
@@ -133,7 +133,7 @@ def lm_loss_gradient_chunks(grad_total: torch.Tensor, hidden: torch.Tensor, weig
         # x grad_total in fp32, written straight in the compute dtype: the rounding of a product then a cast
         grad_logits = torch.mul(grad_logits, grad_total, out=torch.empty_like(grad_logits, dtype=hidden.dtype))
         grad_hidden[start:end] = grad_logits @ weight
-        grad_weight += (grad_logits.t() @ chunk).float()
+        grad_weight.add_(grad_logits.t() @ chunk)  # reads the compute dtype, sums in fp32: no fp32 copy
     return grad_hidden, grad_weight.to(weight.dtype)
 
 
