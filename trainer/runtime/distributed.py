@@ -136,13 +136,18 @@ def processes_on_this_node(env) -> int | None:
 
 
 def gpus_given_per_task(env, visible: int) -> bool:
-    """Whether srun gave this task GPUs of its own: `--gpus-per-task` (SLURM_GPUS_PER_TASK), or a
-    binding that shows the task fewer GPUs than its step holds on this node (SLURM_STEP_GPUS).
-    Never under torchrun (LOCAL_WORLD_SIZE): its processes share what the agent sees."""
+    """Whether srun gave this task GPUs of its own, so that it sees only those: `--gpus-per-task N`
+    (SLURM_GPUS_PER_TASK, "N" or "TYPE:N") with at most N GPUs visible, or a binding that shows the
+    task fewer GPUs than its step holds on this node (SLURM_STEP_GPUS). A task that sees more than
+    its N (`--gpu-bind=none`, or a SLURM that does not bind --gpus-per-task) shares the node's GPUs
+    with the node's other tasks: cuda:0 for each would put them all on one GPU. Never under torchrun
+    (LOCAL_WORLD_SIZE): its processes share what the agent sees."""
     if "LOCAL_WORLD_SIZE" in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
         return False
-    if env.get("SLURM_GPUS_PER_TASK"):
-        return True
+    per_task = env.get("SLURM_GPUS_PER_TASK")
+    if per_task:
+        count = re.fullmatch(r"(?:[^:,]+:)?(\d+)", per_task.strip())
+        return count is None or visible <= int(count.group(1))
     step_gpus = [gpu for gpu in env.get("SLURM_STEP_GPUS", "").split(",") if gpu]
     return bool(step_gpus) and visible < len(step_gpus)
 
