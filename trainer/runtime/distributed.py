@@ -174,14 +174,37 @@ def init_distributed(args) -> DistContext:
                                     **elastic_store(rank, world_size, timeout))
             # Rendezvous only proves the store is up; a collective proves every peer is here.
             barrier(device)
-            open_host_group(backend, timeout)
     except Exception as error:  # noqa: BLE001 - turned into one clear line
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise DistributedError(
             f"rank {rank}: the {world_size} processes did not all join the process group at {where} "
             f"within --dist_timeout {args.dist_timeout:g}s ({type(error).__name__}: {first_line(error)})"
         ) from error
+    try:
+        with native_frames_dropped():
+            open_host_group(backend, timeout)
+    except Exception as error:  # noqa: BLE001 - turned into one clear line
+        raise DistributedError(host_group_failure(rank, world_size, backend, args.dist_timeout, error)) from error
     return DistContext(rank, local_rank, world_size, device, backend)
+
+
+def host_group_failure(rank: int, world_size: int, backend: str, timeout_s: float, error: BaseException) -> str:
+    """The line for a gloo group beside the `backend` (NCCL) group that could not connect, once the
+    `backend` group is up. NCCL chooses a network interface of its own; gloo listens on, and tells the
+    other ranks, the address that this host's name resolves to, which /etc/hosts often maps to a
+    loopback address (127.0.1.1): then the ranks of one node reach each other and no other node does.
+    GLOO_SOCKET_IFNAME names the interface to use instead."""
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+        resolved = f"{host} resolves to {address}{', a loopback address' if address.startswith('127.') else ''}"
+    except OSError:
+        resolved = f"{host} does not resolve to an address"
+    return (f"rank {rank}: the {world_size} processes joined the {backend} process group, but not the gloo group "
+            f"beside it (the loop's host values) within --dist_timeout {timeout_s:g}s "
+            f"({type(error).__name__}: {first_line(error)}): gloo connects through the address this host's name "
+            f"resolves to ({resolved}); set GLOO_SOCKET_IFNAME to the network interface the nodes reach each "
+            "other on (e.g. GLOO_SOCKET_IFNAME=eth0) for every process")
 
 
 # What the transports put in the plain RuntimeError they raise when a peer dies, closes its
