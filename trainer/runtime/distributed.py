@@ -136,13 +136,18 @@ def processes_on_this_node(env) -> int | None:
 
 
 def gpus_given_per_task(env, visible: int) -> bool:
-    """Whether srun gave this task GPUs of its own: `--gpus-per-task` (SLURM_GPUS_PER_TASK), or a
-    binding that shows the task fewer GPUs than its step holds on this node (SLURM_STEP_GPUS).
-    Never under torchrun (LOCAL_WORLD_SIZE): its processes share what the agent sees."""
+    """Whether srun gave this task GPUs of its own, so that it sees only those: `--gpus-per-task N`
+    (SLURM_GPUS_PER_TASK, "N" or "TYPE:N") with at most N GPUs visible, or a binding that shows the
+    task fewer GPUs than its step holds on this node (SLURM_STEP_GPUS). A task that sees more than
+    its N (`--gpu-bind=none`, or a SLURM that does not bind --gpus-per-task) shares the node's GPUs
+    with the node's other tasks: cuda:0 for each would put them all on one GPU. Never under torchrun
+    (LOCAL_WORLD_SIZE): its processes share what the agent sees."""
     if "LOCAL_WORLD_SIZE" in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
         return False
-    if env.get("SLURM_GPUS_PER_TASK"):
-        return True
+    per_task = env.get("SLURM_GPUS_PER_TASK")
+    if per_task:
+        count = re.fullmatch(r"(?:[^:,]+:)?(\d+)", per_task.strip())
+        return count is None or visible <= int(count.group(1))
     step_gpus = [gpu for gpu in env.get("SLURM_STEP_GPUS", "").split(",") if gpu]
     return bool(step_gpus) and visible < len(step_gpus)
 
@@ -169,14 +174,37 @@ def init_distributed(args) -> DistContext:
                                     **elastic_store(rank, world_size, timeout))
             # Rendezvous only proves the store is up; a collective proves every peer is here.
             barrier(device)
-            open_host_group(backend, timeout)
     except Exception as error:  # noqa: BLE001 - turned into one clear line
         where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise DistributedError(
             f"rank {rank}: the {world_size} processes did not all join the process group at {where} "
             f"within --dist_timeout {args.dist_timeout:g}s ({type(error).__name__}: {first_line(error)})"
         ) from error
+    try:
+        with native_frames_dropped():
+            open_host_group(backend, timeout)
+    except Exception as error:  # noqa: BLE001 - turned into one clear line
+        raise DistributedError(host_group_failure(rank, world_size, backend, args.dist_timeout, error)) from error
     return DistContext(rank, local_rank, world_size, device, backend)
+
+
+def host_group_failure(rank: int, world_size: int, backend: str, timeout_s: float, error: BaseException) -> str:
+    """The line for a gloo group beside the `backend` (NCCL) group that could not connect, once the
+    `backend` group is up. NCCL chooses a network interface of its own; gloo listens on, and tells the
+    other ranks, the address that this host's name resolves to, which /etc/hosts often maps to a
+    loopback address (127.0.1.1): then the ranks of one node reach each other and no other node does.
+    GLOO_SOCKET_IFNAME names the interface to use instead."""
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+        resolved = f"{host} resolves to {address}{', a loopback address' if address.startswith('127.') else ''}"
+    except OSError:
+        resolved = f"{host} does not resolve to an address"
+    return (f"rank {rank}: the {world_size} processes joined the {backend} process group, but not the gloo group "
+            f"beside it (the loop's host values) within --dist_timeout {timeout_s:g}s "
+            f"({type(error).__name__}: {first_line(error)}): gloo connects through the address this host's name "
+            f"resolves to ({resolved}); set GLOO_SOCKET_IFNAME to the network interface the nodes reach each "
+            "other on (e.g. GLOO_SOCKET_IFNAME=eth0) for every process")
 
 
 # What the transports put in the plain RuntimeError they raise when a peer dies, closes its

@@ -51,6 +51,20 @@ def test_slurm_gpus_per_task_give_every_local_rank_device_0():
         gpu_for_local_rank(1, processes_on_this_node(shared), 1, gpus_given_per_task(shared, 1))
 
 
+@pytest.mark.parametrize("given", ["1", "a100:1"])
+def test_gpus_per_task_that_srun_did_not_bind_leave_each_local_rank_its_own_gpu(given):
+    # srun --ntasks-per-node 8 --gpus-per-task 1 --gpu-bind=none (or a SLURM that does not bind
+    # --gpus-per-task): every task sees the node's 8 GPUs, so each takes cuda:LOCAL_RANK; cuda:0 for
+    # all would put the node's 8 ranks on one GPU, which NCCL refuses at init
+    env = {"SLURM_PROCID": "11", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3", "SLURM_NODEID": "1",
+           "SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_GPUS_PER_TASK": given}
+    assert not gpus_given_per_task(env, 8)
+    assert [gpu_for_local_rank(rank, 8, 8, gpus_given_per_task(env, 8)) for rank in range(8)] == list(range(8))
+    assert gpus_given_per_task(env, 1)  # bound: the task sees its own GPU only
+    assert gpus_given_per_task({**env, "SLURM_GPUS_PER_TASK": "2"}, 2)
+    assert not gpus_given_per_task({**env, "SLURM_GPUS_PER_TASK": "2"}, 8)
+
+
 def test_an_explicit_gpu_for_every_process_of_a_node_is_refused_under_nccl(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -65,9 +79,14 @@ def test_an_explicit_gpu_for_every_process_of_a_node_is_refused_under_nccl(monke
     alone = {"LOCAL_WORLD_SIZE": "1"}
     assert pick_device(SimpleNamespace(device="cuda:1", backend="auto"), 0, alone) == torch.device("cuda", 1)
     assert pick_device(SimpleNamespace(device="auto", backend="auto"), 1, torchrun) == torch.device("cuda", 1)
-    # srun --gpus-per-task 1: each task sees its own GPU as cuda:0
+    # srun --gpus-per-task 1 without a binding: both tasks see both GPUs, cuda:0 is one GPU for the two
     per_task = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_GPUS_PER_TASK": "1"}
+    with pytest.raises(NodeLaunchError, match="^--device cuda:0 puts the 2 processes of this node on one GPU"):
+        pick_device(SimpleNamespace(device="cuda:0", backend="auto"), 1, per_task)
+    # srun --gpus-per-task 1, bound: each task sees its own GPU as cuda:0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert pick_device(SimpleNamespace(device="cuda:0", backend="auto"), 1, per_task) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(DistributedError, match="^--device cuda:0 puts the 2 processes of this node on one GPU") as one:
         pick_device(SimpleNamespace(device="cuda:0", backend="nccl"), 1, {})  # no launcher says: local rank 1
     assert type(one.value) is DistributedError  # not known to be alike on the node: every rank prints it
