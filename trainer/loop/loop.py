@@ -37,7 +37,7 @@ from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
 from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, broadcast_object
-from trainer.runtime.precision import autocast
+from trainer.runtime.precision import autocast, restart_collapsed_scale
 from trainer.loop.saves import finish_saves, raise_on_every_rank, save_in_background
 from trainer.weights.write import publish_inference_weights
 
@@ -166,6 +166,7 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
     if scaler.is_enabled():
         scaler.step(run.optimizer)  # hands its found_inf to fused AdamW, which skips on the device
         scaler.update()
+        restart_collapsed_scale(scaler, finite)
     else:
         step_unless(run.optimizer, ~finite)
     run.optimizer.zero_grad(set_to_none=True)

@@ -91,10 +91,24 @@ def build_grad_scaler(device: torch.device, dtype: torch.dtype) -> torch.amp.Gra
     return torch.amp.GradScaler(device.type, init_scale=INITIAL_LOSS_SCALE, enabled=dtype == torch.float16)
 
 
+def restart_collapsed_scale(scaler: torch.amp.GradScaler, finite: torch.Tensor) -> None:
+    """After `scaler.update()`, on the device: a scale below 1 restarts at the initial one once a step
+    is `finite` again, as on resume (`scaler_state_for_resume`). Each overflowing step halves the scale
+    and GradScaler doubles it only after 2000 finite steps in a row, so overflows that never come
+    --max_bad_steps in a row (a batch now and then whose float16 activations overflow, whatever the
+    scale) collapse it for good: at 2**-16 nearly every float16 gradient underflows to zero, and the
+    finite steps go on updating with those zeros. A non-finite step keeps the collapsed scale, so a
+    streak of them is counted by --max_bad_steps (trainer/loop/health.py: step_flags)."""
+    scale, tracker = scaler._get_scale_async(), scaler._growth_tracker
+    restart = finite & (scale < 1.0)
+    scale.copy_(torch.where(restart, INITIAL_LOSS_SCALE, scale))
+    tracker.copy_(torch.where(restart, 0, tracker))
+
+
 def scaler_state_for_resume(state: dict, log=print) -> dict:
-    """The GradScaler state to resume with. A run stopped by --max_bad_steps (or by a burst of
-    overflows) saved a collapsed scale (below 1: halved ~20 times); resuming with it would train
-    for thousands of steps on underflowing gradients. Such a scale restarts at the initial one
+    """The GradScaler state to resume with. A run stopped by --max_bad_steps (or saved within a
+    burst of overflows) saved a collapsed scale (below 1: halved ~20 times); resuming with it would
+    train for thousands of steps on underflowing gradients. Such a scale restarts at the initial one
     (the scaler calibrates down again within a few steps if it is still too large)."""
     if state and state.get("scale", INITIAL_LOSS_SCALE) < 1.0:
         log(f"resume: the checkpoint's fp16 loss scale {state['scale']:.3g} had collapsed; "
