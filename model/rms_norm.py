@@ -5,7 +5,8 @@ kernel forward and its fused backward, statistics in float32, where the same exp
 out costs a dozen kernels each way (a step runs four norms per block). Elsewhere (CPU) it is the
 expression with a hand-written backward: autograd's backward of the written-out expression runs
 fourteen ops per norm (one per node of the graph: the pow, the mean, the rsqrt, each product);
-the closed form below runs eight. With n = x / rms(x) and g the gradient of y:
+the closed form below runs nine, n among them: it saves x and 1 / rms(x), as the fused kernel
+does, and computes n again. With n = x / rms(x) and g the gradient of y:
 
     dL/dw = sum over rows of g * n
     dL/dx = (g * w - n * mean(g * w * n)) / rms(x)
@@ -33,16 +34,19 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         wide = x.to(statistics_dtype(x.dtype))
         inverse = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-        normed = wide * inverse
-        ctx.save_for_backward(weight, normed, inverse)
-        out = weight * normed
+        # x and the statistics are saved, as ATen's fused kernel saves them, not n: x is often a
+        # view whose memory is kept anyway (q and k of the joined q/k/v GEMM's output, which the
+        # attention keeps for v), where n would be a second tensor of x's size
+        ctx.save_for_backward(weight, x, inverse)
+        out = weight * (wide * inverse)
         # no `.to` that would return `out` itself: torch 2.11's compiler gives wrong gradients for it
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
-    @once_differentiable  # normed and inverse are saved as constants: no second derivative
+    @once_differentiable  # x and inverse are saved as constants: no second derivative
     def backward(ctx, grad):
-        weight, normed, inverse = ctx.saved_tensors
+        weight, x, inverse = ctx.saved_tensors
+        normed = x.to(inverse.dtype) * inverse  # the forward's n, the same product bit for bit
         wide = grad.to(normed.dtype)
         grad_x = grad_weight = None
         if ctx.needs_input_grad[1]:

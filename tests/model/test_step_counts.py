@@ -32,7 +32,7 @@ def training_pass(model, ids, dtype, packed=False):
 
 
 @pytest.mark.parametrize("use_moe, packed, ops, casts", [
-    (False, False, 240, 12), (False, True, 310, 15), (True, False, 369, 24), (True, True, 439, 27),
+    (False, False, 251, 12), (False, True, 321, 15), (True, False, 380, 24), (True, True, 450, 27),
 ])
 def test_bf16_autocast_casts_each_block_once_and_runs_qkv_and_gate_up_as_one_gemm(use_moe, packed, ops, casts):
     # Per block one cast of its weights and one of their gradients; the embedding output, the RoPE
