@@ -160,7 +160,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     check_selection(args, metric_names(eval_sets))
 
     # 5. Model, its DDP (or --fsdp 1: FSDP2) wrapper, optimizer and mixed precision, resume state.
-    model = build_model(args, config, ctx.device, weights if saved is None else None)  # a resume loads its own
+    model = build_model(args, config, ctx.device, weights if saved is None else None, resumed=saved is not None)
     del weights
     apply_tf32_policy(dtype, args.tf32)
     prefer_flash_attention()

@@ -11,7 +11,8 @@ from model.modeling_minimind import MiniMindBlock
 from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.runtime.distributed import processes_on_this_node
-from trainer.weights.read import Weights, build_config, load_into, read_weights, resolve_minimind_name
+from trainer.weights.inference import empty_model, model_from_weights
+from trainer.weights.read import Weights, build_config, read_weights, resolve_minimind_name
 from trainer.weights.tokenizer import check_vocab_fits, resolve_tokenizer
 from trainer.weights.write import minimind_pth_name, minimind_unsupported, pth_prefix_problem
 
@@ -109,7 +110,8 @@ def host_memory_bytes() -> int:
 
 
 def check_host_memory(config: MiniMindConfig, device: torch.device | None, sharded: bool) -> None:
-    """Each process builds the fp32 model in host memory before it moves to its device; training on
+    """Each process builds a fresh fp32 model in host memory before it moves to its device (one from
+    --from_weight or a resume checkpoint is allocated on the device: there the bound is conservative); training on
     the CPU unsharded adds the gradients and AdamW's two moments there (16 bytes a parameter). A model
     that cannot fit even that lower bound would be killed by the OOM killer without a word: refused in
     one line, before the data is tokenized."""
@@ -217,15 +219,21 @@ def check_flags_against_weights(args, config: MiniMindConfig, source: str) -> No
                           + "; leave those flags out (the weights define the architecture)")
 
 
-def build_model(args, config: MiniMindConfig, device: torch.device, weights: Weights | None = None) -> MiniMindForCausalLM:
-    """A fresh model (seeded by the caller), initialised from `weights` (see read_initial_weights) if given."""
-    model = MiniMindForCausalLM(config)
+def build_model(args, config: MiniMindConfig, device: torch.device, weights: Weights | None = None,
+                resumed: bool = False) -> MiniMindForCausalLM:
+    """The fp32 model on `device`: from `weights` (see read_initial_weights) where given, or left for the
+    resume checkpoint to fill (`resumed`), each allocated on `device` and never initialised at random
+    (trainer/weights/inference.py `empty_model`: no float32 copy on the host); else a fresh model
+    initialised on the host (seeded by the caller) and moved."""
     if weights is not None:
-        load_into(model, weights)
-        weights.state.clear()  # the model holds its own fp32 copy now
+        model = model_from_weights(config, weights, device)
+    elif resumed:
+        model = empty_model(config, device)
+    else:
+        model = MiniMindForCausalLM(config).to(device)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    return model.to(device)
+    return model
 
 
 # --use_compile 1 pads every batch to a multiple of this many tokens (trainer/data_setup.py): few

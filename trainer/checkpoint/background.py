@@ -27,32 +27,54 @@ import torch
 from trainer.errors import CheckpointError
 
 
-def to_host(tree, into=None, dtype: torch.dtype | None = None):
+def to_host(tree, into=None, dtype: torch.dtype | None = None, _copies: dict | None = None):
     """`tree` with every tensor copied to CPU memory (pinned for CUDA tensors); other values kept.
 
     `into`: an earlier copy of a tree of the same layout (the previous save's, written already):
     its tensors of the same shape and dtype are filled again instead of allocating new ones, so
     a save does not touch fresh memory (page faults, pinned allocations) for every byte.
     `dtype`: the floating-point tensors' dtype in the copy (--save_dtype). Each tensor is cast as
-    it is copied, so the device holds one cast tensor at a time, never a cast copy of the whole tree."""
+    it is copied, so the device holds one cast tensor at a time, never a cast copy of the whole tree.
+    Entries that are the same memory (a tied `lm_head.weight` and the embedding: two `detach()`ed
+    views in a state dict) get one copy, so the copy and the file written from it hold it once."""
+    copies = {} if _copies is None else _copies
     if isinstance(tree, torch.Tensor):
-        source = tree.detach()
-        wanted = dtype if dtype is not None and source.is_floating_point() else source.dtype
-        reuse = isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == wanted
-        if source.device.type == "cpu":
-            return into.copy_(source) if reuse else source.to(wanted, copy=True)
-        host = into if reuse else torch.empty(source.shape, dtype=wanted, device="cpu", pin_memory=True)
-        # Cast on the device, then copy: the cast tensor is freed once the copy is queued (the
-        # allocator reuses its memory only for work queued after the copy on this stream).
-        host.copy_(source.to(wanted), non_blocking=True)
-        return host
+        key = same_memory_key(tree)
+        if key is None:
+            return _tensor_to_host(tree, into, dtype)
+        if key not in copies:
+            copies[key] = _tensor_to_host(tree, into, dtype)
+        return copies[key]
     if isinstance(tree, dict):
         earlier = into if isinstance(into, dict) else {}
-        return type(tree)((key, to_host(value, earlier.get(key), dtype)) for key, value in tree.items())
+        return type(tree)((key, to_host(value, earlier.get(key), dtype, copies)) for key, value in tree.items())
     if isinstance(tree, (list, tuple)):
         earlier = into if isinstance(into, (list, tuple)) and len(into) == len(tree) else [None] * len(tree)
-        return type(tree)(to_host(value, old, dtype) for value, old in zip(tree, earlier))
+        return type(tree)(to_host(value, old, dtype, copies) for value, old in zip(tree, earlier))
     return tree
+
+
+def same_memory_key(tensor: torch.Tensor):
+    """What two views of the same elements share: their storage (the C++ object, as torch.save tells
+    shared storages apart; also for fake and meta tensors, which have no addresses), where in it
+    they start, their shape, strides and dtype. None for an empty tensor."""
+    if tensor.numel() == 0:
+        return None
+    return (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.dtype, tuple(tensor.shape),
+            tuple(tensor.stride()))
+
+
+def _tensor_to_host(tensor: torch.Tensor, into, dtype: torch.dtype | None) -> torch.Tensor:
+    source = tensor.detach()
+    wanted = dtype if dtype is not None and source.is_floating_point() else source.dtype
+    reuse = isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == wanted
+    if source.device.type == "cpu":
+        return into.copy_(source) if reuse else source.to(wanted, copy=True)
+    host = into if reuse else torch.empty(source.shape, dtype=wanted, device="cpu", pin_memory=True)
+    # Cast on the device, then copy: the cast tensor is freed once the copy is queued (the
+    # allocator reuses its memory only for work queued after the copy on this stream).
+    host.copy_(source.to(wanted), non_blocking=True)
+    return host
 
 
 def copies_done() -> "torch.cuda.Event | None":

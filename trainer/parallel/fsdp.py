@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from model import MiniMindForCausalLM
 from trainer.checkpoint import sharded
 from trainer.checkpoint.background import host_model
+from trainer.weights.read import LM_HEAD
 
 
 def mixed_precision(dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -142,9 +143,13 @@ def gather_to_rank0(model, is_main: bool, dtype: torch.dtype):
 
     Rank 0 never holds more than the weights of the final file plus the one float32 tensor being
     gathered: each sharded tensor is all-gathered, cast, moved to the CPU and assigned into a model
-    built on the meta device (which has no memory of its own)."""
+    built on the meta device (which has no memory of its own). A tied `lm_head.weight` is the
+    embedding: not gathered and copied a second time (`host_model` ties it)."""
     gathered = {}
+    tied = model.config.tie_word_embeddings
     for name, value in model.state_dict().items():
+        if tied and name == LM_HEAD:
+            continue
         if isinstance(value, DTensor):
             value = value.full_tensor()
         if is_main:

@@ -200,7 +200,7 @@ def check_torch_file(path: str) -> None:
 
 def _read_torch_file(path: str) -> Weights:
     check_torch_file(path)
-    loaded = safe_torch_load(path, mmap=False)
+    loaded = safe_torch_load(path)  # memory-mapped: only the tensors used are read, into the shared page cache
     if single_file.is_resume_state(loaded):
         single_file.check_format(loaded, path)
         if not isinstance(loaded.get("model"), dict) or not isinstance(loaded.get("model_config"), dict):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -208,6 +209,40 @@ def test_the_next_save_refills_the_host_buffers_of_the_last_one(tmp_path, monkey
     assert to_host({"a": torch.ones(2)}, {"a": torch.zeros(3)})["a"].shape == (2,)  # a changed shape: new memory
 
 
+def test_a_tied_embedding_is_copied_and_saved_once(tmp_path, monkeypatch):
+    """A tied model's state dict names the embedding twice (`lm_head.weight`): one host copy and one
+    tensor in the resume checkpoint, not two (Qwen3-0.6B: 622 MB more in every file and in the
+    save's pinned host memory)."""
+    gate = Gate()
+    gate.released.set()
+    run = saving_run(tmp_path, monkeypatch, gate)
+    assert run.raw_model.config.tie_word_embeddings
+    step(run, micro_batches(), 1e-3)
+    saves.save_in_background(run)
+    saves.finish_saves(run)
+    for copy in (run.writer.buffers["weights"], run.writer.buffers["content"]["model"]):
+        assert copy["lm_head.weight"] is copy["model.embed_tokens.weight"]
+    saved = torch.load(checkpoint_path(str(tmp_path), 1), weights_only=True)["model"]
+    head, embedding = saved["lm_head.weight"], saved["model.embed_tokens.weight"]
+    assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
+    assert torch.equal(embedding, run.raw_model.model.embed_tokens.weight)
+    model = gate.models[-1]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_only_views_of_the_same_elements_share_a_host_copy():
+    base = torch.arange(12.0)
+    tree = {"a": base.view(3, 4), "b": base.view(3, 4), "c": base.view(4, 3), "d": base[:6], "e": base.clone(),
+            "f": torch.empty(0), "g": torch.empty(0)}
+    copy = to_host(tree)
+    assert copy["a"] is copy["b"]
+    assert len({id(copy[key]) for key in "acdefg"}) == 6
+    assert all(torch.equal(copy[key], tree[key]) for key in tree)
+    with FakeTensorMode():  # no addresses: tensors of one shape are still told apart by their storage
+        fake = {name: torch.empty(4, device="cuda") for name in "ab"}
+        assert len({id(value) for value in to_host(fake).values()}) == 2
+
+
 class MadeTensors(TorchDispatchMode):
     """The storages of the tensors every op makes in `dtype` (views left out)."""
 
@@ -237,7 +272,7 @@ def test_the_inference_weights_are_cast_one_at_a_time_as_they_are_copied(tmp_pat
         saves.save_in_background(run)
     saves.finish_saves(run)
     weights = run.writer.buffers["weights"]
-    assert sorted(made.storages) == sorted(value.untyped_storage().data_ptr() for value in weights.values())
+    assert sorted(made.storages) == sorted({value.untyped_storage().data_ptr() for value in weights.values()})
     for key, value in run.raw_model.state_dict().items():
         assert weights[key].dtype == torch.bfloat16 and torch.equal(weights[key], value.to(torch.bfloat16)), key
         assert torch.equal(gate.calls[-1][key], weights[key]), key
@@ -254,3 +289,21 @@ def test_every_rank_stops_with_the_one_line_error_of_a_failed_background_write(d
     assert result.stderr.count(line) == 1, result.stderr[-3000:]
     assert "exitcode  : 2" in result.stderr and "saved" in result.stdout
     assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.pt", "step_00000004.pt"]
+
+
+def test_the_gathered_inference_copy_holds_a_tied_embedding_once():
+    """--fsdp 1's save of the inference weights (trainer/parallel/fsdp.py `gather_to_rank0`, here on a plain
+    model, which needs no collective): a tied `lm_head.weight` is the embedding, not all-gathered and copied
+    to rank 0's host a second time (Qwen3-0.6B: 622 MB more gathered, 311 MB more host memory in bfloat16)."""
+    from tests.helpers.tiny_model import tiny_model
+    from trainer.parallel.fsdp import gather_to_rank0
+
+    live = tiny_model()
+    made = MadeTensors(torch.bfloat16)
+    with made:
+        copy = gather_to_rank0(live, True, torch.bfloat16)
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight
+    weights = {p.untyped_storage().data_ptr() for p in copy.parameters()}
+    assert sorted(made.storages) == sorted(weights)
+    for key, value in live.state_dict().items():
+        assert torch.equal(copy.state_dict()[key], value.to(torch.bfloat16)), key
