@@ -8,20 +8,36 @@ that sit next to each other in the block (q/k/v, gate/up) are then rows of one m
 buffer, and `linear` runs them as one GEMM. The parameters themselves stay separate tensors,
 so every weight format (MiniMind .pth, Qwen3 directories, GGUF, resume checkpoints) is unchanged.
 
-Without a cast to make the parameters are used as they are. In half precision (FSDP's bf16
-parameters, a bf16 model without autocast) each group is still one GEMM, over the concatenation of
-its weights, where separate GEMMs would read the input once more per weight and sum the input's
-gradients; in fp32 every weight is its own GEMM, the same arithmetic as plain `nn.Linear` layers.
-That concatenation is not saved for the backward: the joined GEMMs (`JoinedGemm`: `JoinedLinear`
-here, the MoE's `ExpertsGemm` in feed_forward.py) save their input and the parameters themselves,
-eager or compiled, and their backward concatenates the weights again for its GEMMs (one more copy
-per group, transient). So between a block's forward and its backward no copy of its weights is
-kept beyond the parameters, which FSDP frees after the forward and gathers again for the backward:
-a kept concatenation would hold q/k/v and gate/up (about 2/3 of a block's weights; every expert's
-matrices in a MoE block) of every block, per rank, not divided by the number of ranks. The
-gradients are autograd's own for the GEMM over the concatenation: the same kernels on the same
-operands. With a cast the cast buffer is the one copy made anyway, and the GEMMs save it as
-autocast's GEMMs save their cast weights.
+Without a cast to make the parameters are used as they are, and a group of k weights runs as one
+GEMM over their concatenation (`JoinedGemm`: `JoinedLinear` here, the MoE's `ExpertsGemm` in
+feed_forward.py) or as k GEMMs on the same input, whichever `JoinedGemm.joins` picks. The
+concatenation reads and writes the group's weights once more (2 x their elements); separate GEMMs
+read the input k - 1 more times and, in a backward, sum k input gradients. A group is joined:
+- where autograd records the GEMM (training): the backward's input gradient is then one GEMM
+  instead of k GEMMs and a sum of k gradients. Forward and backward, separate GEMMs would move
+  about 6 (k - 1) x (the input's elements) more, the concatenations 4 x (the weights'): more from
+  about 500 tokens (q/k/v) and 3,200 (gate/up) on in the 768 x 8 layout, and a training batch
+  has thousands;
+- under torch.compile (the trainer's training and evaluation batches): a rule on the token count
+  would be a guard, and batches on both sides of it would compile the block again;
+- otherwise (generation, evaluation without torch.compile) where it moves fewer bytes:
+  (k - 1) x (the input's elements) >= 2 x (the group's weight elements).
+A decode step (one token per sequence) so runs separate GEMMs: joined, it would read and write
+q/k/v and gate/up, about 2/3 of a block's weights, once more per new token, on top of the GEMMs'
+own read of them (the `weights_kept` of a cast has no counterpart here: it would keep a second
+copy of the weights). The separate GEMMs are `F.linear` on each weight, nn.Linear's arithmetic;
+in fp32 every weight is its own GEMM always. The experts' grouped GEMM has its own rule (a
+separate run costs their FLOPs times the number of experts: `ExpertsGemm.joins`).
+
+The joined GEMMs' concatenation is not saved for the backward: they save their input and the
+parameters themselves, eager or compiled, and their backward concatenates the weights again for
+its GEMMs (one more copy per group, transient). So between a block's forward and its backward no
+copy of its weights is kept beyond the parameters, which FSDP frees after the forward and gathers
+again for the backward: a kept concatenation would hold q/k/v and gate/up (about 2/3 of a block's
+weights; every expert's matrices in a MoE block) of every block, per rank, not divided by the
+number of ranks. The gradients are autograd's own for the GEMM over the concatenation: the same
+kernels on the same operands. With a cast the cast buffer is the one copy made anyway, and the
+GEMMs save it as autocast's GEMMs save their cast weights.
 """
 
 from __future__ import annotations
@@ -61,11 +77,7 @@ class ComputeWeights:
     def __init__(self, module: nn.Module, dtype: torch.dtype, layout: tuple[tuple[int, ...], ...]):
         params = list(module.parameters())
         self.dtype, self.flat = dtype, None
-        casts = any(p.dtype != dtype for p in params)
-        # Whether a group runs as one GEMM: always when cast (a group is then one piece of the
-        # buffer); without a cast only in half precision (fp32 keeps nn.Linear's arithmetic).
-        self.joins_groups = casts or dtype in (torch.bfloat16, torch.float16)
-        if not casts:
+        if all(p.dtype == dtype for p in params):
             return
         pieces = [[params[i] for i in piece] for piece in layout]
         self.flat = torch.cat([p.reshape(-1) for piece in pieces for p in piece]).to(dtype)
@@ -86,6 +98,11 @@ class ComputeWeights:
     def __call__(self, param: torch.Tensor) -> torch.Tensor:
         return param if self.flat is None else self._view(param)
 
+    def joins(self, gemm: type[JoinedGemm], a: torch.Tensor, params: list[torch.Tensor], *extra) -> bool:
+        """Whether the group `params` runs as one GEMM of `gemm` (`joined`) on `a`: always with a cast
+        (the group is one piece of the buffer), else where `gemm.joins` says (module docstring)."""
+        return self.flat is not None or gemm.joins(a, params, *extra)
+
     def joined(self, gemm: type[JoinedGemm], a: torch.Tensor, params: list[torch.Tensor], *extra) -> torch.Tensor:
         """`gemm.of(a, W, *extra)` for W the matrices `params` (one group) one below the other: their
         piece of the cast buffer, or without a cast `gemm` joining the parameters themselves."""
@@ -94,12 +111,12 @@ class ComputeWeights:
         return gemm.of(a, self._view(params[0]), *extra)
 
     def linear(self, x: torch.Tensor, *layers: nn.Linear) -> list[torch.Tensor]:
-        """x @ W.T for the weight of each of `layers` (no biases): one GEMM for a group when cast
-        or in half precision (`joins_groups`), else one each."""
+        """x @ W.T for the weight of each of `layers` (no biases): one GEMM for a group where `joins`
+        says, else one each."""
         weights = [layer.weight for layer in layers]
-        if not self.joins_groups or len(weights) == 1:
-            return [F.linear(x, self(w)) for w in weights]
-        return list(per_weight(self.joined(JoinedLinear, x, weights), weights, dim=-1))
+        if len(weights) > 1 and self.joins(JoinedLinear, x, weights):
+            return list(per_weight(self.joined(JoinedLinear, x, weights), weights, dim=-1))
+        return [F.linear(x, self(w)) for w in weights]
 
 
 def block_weights(block: nn.Module, dtype: torch.dtype) -> ComputeWeights:
@@ -142,12 +159,21 @@ class JoinedGemm(torch.autograd.Function):
     """A GEMM `of(a, W, *extra)` over the matrices `weights` one below the other (W), called as
     `apply(a, *extra, *weights)`: it saves its inputs (a and the weights themselves, not W), and its
     backward joins the weights again, so that no copy of them outlives the forward (module
-    docstring). A subclass defines `of`, a `forward` that runs it on `torch.cat(weights)`, and a
-    `backward` that hands its gradients to `returned`. Under torch.compile the backward's
-    gradients are one custom op: traced, its concatenation would be the forward's (AOTAutograd
-    merges equal expressions) and the forward would save it."""
+    docstring). A subclass defines `of`, a `forward` that runs it on `torch.cat(weights)`, a
+    `backward` that hands its gradients to `returned`, and `joins`: whether parameters that need no
+    cast run joined at all. Under torch.compile the backward's gradients are one custom op: traced,
+    its concatenation would be the forward's (AOTAutograd merges equal expressions) and the
+    forward would save it."""
 
     setup_context = staticmethod(save_inputs)
+
+    @staticmethod
+    def joins_anyway(a: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+        """Whether a group of parameters (no cast) is joined whatever its size: under torch.compile,
+        and where autograd records the GEMM (module docstring). Neither adds a guard: dynamo guards
+        the grad mode and every input's requires_grad already."""
+        return torch.compiler.is_compiling() or (
+            torch.is_grad_enabled() and (a.requires_grad or any(w.requires_grad for w in weights)))
 
     @staticmethod
     def needs(ctx, weights: list[torch.Tensor]) -> tuple[bool, bool]:
@@ -191,6 +217,17 @@ class JoinedLinear(JoinedGemm):
     """F.linear(x, W)."""
 
     of = staticmethod(F.linear)
+
+    @staticmethod
+    def joins(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+        """Without a cast: in half precision where `joins_anyway` says or where the concatenation moves
+        fewer bytes than separate GEMMs, (k - 1) x.numel() >= 2 x the weights' elements (module
+        docstring); never in fp32 (nn.Linear's arithmetic)."""
+        if weights[0].dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if JoinedGemm.joins_anyway(x, weights):
+            return True
+        return (len(weights) - 1) * x.numel() >= 2 * sum(w.numel() for w in weights)
 
     @staticmethod
     def forward(x, *weights):

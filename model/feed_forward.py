@@ -25,8 +25,9 @@ class MiniMindMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: ComputeWeights) -> torch.Tensor:
         """`weights`: the enclosing block's parameters in the compute dtype (gate and up: one GEMM)."""
-        if weights.joins_groups:
-            hidden = swiglu(weights.joined(JoinedLinear, x, [self.gate_proj.weight, self.up_proj.weight]))
+        gate_up = [self.gate_proj.weight, self.up_proj.weight]
+        if weights.joins(JoinedLinear, x, gate_up):
+            hidden = swiglu(weights.joined(JoinedLinear, x, gate_up))
         else:
             gate, up = weights.linear(x, self.gate_proj, self.up_proj)
             hidden = F.silu(gate) * up
@@ -85,7 +86,9 @@ class MiniMindMoE(nn.Module):
     reads nothing on the host, serves CUDA GPUs of compute capability 9.x or 10.x (H100, H200, B200)
     with bf16 operands and output. Everywhere else (the CPU, other GPUs such as A100 or RTX 50xx,
     float16 or float32 operands) its fallback copies the group ends to the host, a sync on a GPU,
-    and loops over the groups. Under torch.compile see `grouped_mm`.
+    and loops over the groups. Under torch.compile see `grouped_mm`. Without a cast and without a
+    backward, a few slots (a decode step) run one GEMM per expert matrix on every slot instead,
+    where the grouped GEMM would concatenate every expert's weights first (`ExpertsGemm.joins`).
     """
 
     def __init__(self, config: MiniMindConfig):
@@ -136,8 +139,8 @@ class MiniMindMoE(nn.Module):
         # grouped_mm has no autocast rule on every torch (2.11 CUDA): the tokens take the weights' dtype here
         sorted_tokens = tokens.new_empty(order.numel(), hidden, dtype=weights.dtype).index_put_(
             (slot_rows.view(count, self.top_k),), tokens.unsqueeze(1).to(weights.dtype))
-        gated = swiglu(weights.joined(ExpertsGemm, sorted_tokens, gate_up, ends))
-        expert_out = self.dropout(weights.joined(ExpertsGemm, gated, down, ends))
+        gated = swiglu(experts_gemm(weights, sorted_tokens, gate_up, ends))
+        expert_out = self.dropout(experts_gemm(weights, gated, down, ends))
         slot_out = torch.empty_like(expert_out).index_put_((order,), expert_out).view(count, self.top_k, hidden)
         # dtype given: CUDA autocast keeps it (it runs a sum without one in float32)
         return (slot_out * top_probs.unsqueeze(-1).to(slot_out.dtype)).sum(dim=1, dtype=slot_out.dtype)
@@ -202,9 +205,46 @@ def grouped_mm_gradients(grad, a, b, ends, needs: tuple[bool, bool], gemm) -> tu
 grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=save_inputs)
 
 
+def experts_gemm(weights: ComputeWeights, a: torch.Tensor, params: list[torch.Tensor],
+                 ends: torch.Tensor) -> torch.Tensor:
+    """`ExpertsGemm.of(a, W, ends)` for W the experts' matrices `params` one below the other: one
+    grouped GEMM where `weights.joins` says, else `ExpertsGemm.separate`."""
+    if weights.joins(ExpertsGemm, a, params, ends):
+        return weights.joined(ExpertsGemm, a, params, ends)
+    return ExpertsGemm.separate(a, params, ends)
+
+
+# Most rows (routed token slots) whose experts run as separate GEMMs without a cast: see ExpertsGemm.joins.
+SEPARATE_EXPERTS_MAX_ROWS = 64
+
+
 class ExpertsGemm(JoinedGemm):
     """`grouped_mm(a, experts, ends)` for `experts` the [G, K, M] transposes of W's G equal blocks of
     rows ([G * M, K]: each expert's matrices one below the other, experts in order)."""
+
+    @staticmethod
+    def joins(a: torch.Tensor, weights: list[torch.Tensor], ends: torch.Tensor) -> bool:
+        """Without a cast (any dtype: the grouped GEMM takes one [G, K, M] tensor): where `joins_anyway`
+        says, or over more than SEPARATE_EXPERTS_MAX_ROWS rows. Up to that (a decode step of up to
+        64 / k sequences) `separate` runs every expert on every row: G times the grouped GEMM's FLOPs,
+        but a GEMM of r rows does r FLOPs per byte of its bf16 weights, fewer than a GPU computes in
+        the time it reads a byte (about 150 on an A100, 300 on an H100), so each is bound by reading
+        its weights: every expert's once, where the concatenation reads and writes every expert's
+        once more and the grouped GEMM then reads the routed ones. With more rows the G times FLOPs
+        would cost more than the concatenation. (In fp32, r / 2 FLOPs per byte: about even at 64
+        rows on an A100 without TF32, which computes some 10 per byte.)"""
+        return JoinedGemm.joins_anyway(a, weights) or a.shape[0] > SEPARATE_EXPERTS_MAX_ROWS
+
+    @staticmethod
+    def separate(a: torch.Tensor, weights: list[torch.Tensor], ends: torch.Tensor) -> torch.Tensor:
+        """`of(a, W, ends)` without W: `F.linear` of every row with each of the weights, then each row's
+        own expert's (its group in `ends`, found on the device: no host sync). The same products as
+        the grouped GEMM's, row by row."""
+        rows = torch.arange(a.shape[0], device=a.device, dtype=ends.dtype)
+        expert = torch.searchsorted(ends, rows, right=True)
+        products = torch.stack([F.linear(a, w) for w in weights])  # [G * m, rows, M]: expert e's at e*m..
+        per_expert = products.view(ends.shape[0], -1, *products.shape[1:])  # [G, m, rows, M]
+        return per_expert[expert, :, rows].flatten(1)  # [rows, m * M], each expert's matrices in order
 
     @staticmethod
     def experts(joined: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
