@@ -111,10 +111,10 @@ def host_memory_bytes() -> int:
 
 def check_host_memory(config: MiniMindConfig, device: torch.device | None, sharded: bool) -> None:
     """Each process builds a fresh fp32 model in host memory before it moves to its device (one from
-    --from_weight or a resume checkpoint is allocated on the device: there the bound is conservative); training on
-    the CPU unsharded adds the gradients and AdamW's two moments there (16 bytes a parameter). A model
-    that cannot fit even that lower bound would be killed by the OOM killer without a word: refused in
-    one line, before the data is tokenized."""
+    --from_weight or a resume checkpoint is allocated on the device: there the bound is conservative);
+    training on the CPU unsharded adds the gradients and AdamW's two moments there (16 bytes a
+    parameter). A model that cannot fit even that lower bound would be killed by the OOM killer
+    without a word: refused in one line, before the data is tokenized."""
     parameters = count_config_parameters(config)
     processes = processes_on_this_node(os.environ) or 1
     on_cpu = device is not None and device.type == "cpu" and not sharded
