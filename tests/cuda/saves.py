@@ -1,0 +1,96 @@
+"""What is written from a GPU and read back: checkpoints, inference weights, the generator state
+(collected by tests/test_cuda.py)."""
+
+import torch
+
+from tests.cuda.host_syncs import without_host_sync
+
+
+def test_a_background_save_queues_its_copies_and_writes_the_state_of_its_step(tmp_path, monkeypatch):
+    """trainer/loop/saves.py on the GPU: the save's copies to pinned memory and its hand-off to the
+    writer read nothing on the host (the checkpoint's content comes from `saving_run`'s stand-in for
+    resume_state: weights and optimizer state), the loop changes the weights in place while the
+    writer waits, and the files hold the weights of the saved step
+    (tests/trainer/checkpoint/test_background.py is the CPU version)."""
+    from tests.trainer.checkpoint.test_background import Gate, saving_run, step
+    from tests.trainer.loop.test_loop_syncs import micro_batches
+    from trainer.checkpoint.save_dir import checkpoint_path
+    from trainer.loop import saves
+
+    gate = Gate()
+    run = saving_run(tmp_path, monkeypatch, gate, torch.device("cuda:0"))
+    step(run, micro_batches(0), 1e-3)
+    at_save = {key: value.detach().cpu() for key, value in run.raw_model.state_dict().items()}
+
+    def save_then_step():
+        saves.save_in_background(run)
+        step(run, micro_batches(1), 1e-3)  # queued behind the save's copies; changes the weights in place
+
+    without_host_sync(save_then_step)
+    assert not torch.equal(run.raw_model.model.embed_tokens.weight.cpu(), at_save["model.embed_tokens.weight"])
+    gate.released.set()
+    saves.finish_saves(run)
+    saved = torch.load(checkpoint_path(str(tmp_path), 1), weights_only=True)
+    for key, value in at_save.items():
+        assert torch.equal(saved["model"][key], value), key
+        assert torch.equal(gate.calls[0][key], value), key
+
+
+def test_a_save_casts_one_weight_at_a_time_on_the_gpu(tmp_path, monkeypatch):
+    """--save_dtype bfloat16: the save's device memory above what training holds is one weight in
+    bf16 (the largest), not a bf16 copy of every weight (trainer/checkpoint/background.py: to_host)."""
+    from tests.trainer.checkpoint.test_background import Gate, saving_run, step
+    from tests.trainer.loop.test_loop_syncs import micro_batches
+    from trainer.loop import saves
+
+    gate = Gate()
+    gate.released.set()
+    run = saving_run(tmp_path, monkeypatch, gate, torch.device("cuda:0"))
+    run.args.save_dtype = "bfloat16"
+    step(run, micro_batches(0), 1e-3)
+    saves.save_in_background(run)  # the first save allocates the host buffers and builds the copy's model
+    saves.finish_saves(run)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    saves.save_in_background(run)
+    saves.finish_saves(run)
+    largest = max(value.numel() for value in run.raw_model.state_dict().values()) * 2
+    every = sum(value.numel() for value in run.raw_model.state_dict().values()) * 2
+    assert torch.cuda.max_memory_allocated() - before <= largest + 4096 < every
+
+
+def test_inference_weights_written_from_the_gpu_cast_one_weight_at_a_time(tmp_path):
+    """`<save_dir>/best/` and the exports write the live model: its device memory above the
+    weights is one weight in bf16 at a time (trainer/weights/write.py: _inference_state), and the
+    file holds the weights cast."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.tiny_model import tiny_model
+    from trainer.weights.write import write_inference_dir
+
+    model = tiny_model().to("cuda:0")
+    state = model.state_dict()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    write_inference_dir(model, str(tmp_path), torch.bfloat16)
+    largest = max(value.numel() for value in state.values()) * 2
+    assert torch.cuda.max_memory_allocated() - before <= largest + 4096 < sum(v.numel() for v in state.values()) * 2
+    written = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(value, state[key].to(torch.bfloat16).cpu()) for key, value in written.items())
+
+
+def test_the_gpu_generator_state_goes_through_a_checkpoint_file_and_back(tmp_path):
+    """trainer/runtime/seeding.py on the GPU: this device's generator state, saved as a resume
+    checkpoint holds it (read back with weights_only) and restored, draws the same numbers again."""
+    from trainer.runtime.seeding import capture_rng_state, restore_rng_state, setup_seed
+
+    device = torch.device("cuda:0")
+    setup_seed(7)
+    torch.rand(5, device=device)  # the state moves away from the seed's
+    torch.save({"rng": capture_rng_state(device)}, tmp_path / "state.pt")
+    first = (torch.rand(64, device=device), torch.nn.functional.dropout(torch.ones(64, device=device), 0.5))
+    restore_rng_state(torch.load(tmp_path / "state.pt", weights_only=True)["rng"], device)
+    again = (torch.rand(64, device=device), torch.nn.functional.dropout(torch.ones(64, device=device), 0.5))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
