@@ -1,5 +1,6 @@
-"""The CUDA paths (cuda autocast, the fp16 GradScaler, NCCL). The suite hides the GPUs from every
-other test (tests/conftest.py); these run on their own, in one process, with the GPUs shown:
+"""The CUDA paths (cuda autocast, the fp16 GradScaler, NCCL, saves, generation). The suite hides
+the GPUs from every other test (tests/conftest.py); these run on their own, in one process, with
+the GPUs shown:
 
     python -m pytest tests/test_cuda.py --gpus -n 0
 
@@ -10,7 +11,7 @@ module's namespace, where each module's are put, so each is tests/test_cuda.py::
 import pytest
 import torch
 
-from tests.cuda import host_syncs, kernels, runs, saves
+from tests.cuda import generation, host_syncs, kernels, runs, saves
 
 pytestmark = [
     pytest.mark.slow,
@@ -18,7 +19,7 @@ pytestmark = [
                        reason="needs a CUDA GPU, shown to the tests: python -m pytest tests/test_cuda.py --gpus -n 0"),
 ]
 
-MODULES = (host_syncs, kernels, runs, saves)
+MODULES = (generation, host_syncs, kernels, runs, saves)
 TESTS = {name: test for module in MODULES for name, test in vars(module).items() if name.startswith("test_")}
 assert len(TESTS) == sum(name.startswith("test_") for module in MODULES for name in vars(module)), "a name twice"
 globals().update(TESTS)
