@@ -114,3 +114,30 @@ def test_the_loss_batches_of_an_evaluation_make_no_host_sync():
     assert torch.equal(again, first)
     loss_tokens = [sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in s.loader) for s in run.eval_sets]
     assert again[:, 1].tolist() == loss_tokens and torch.isfinite(again).all().item()
+
+
+def test_a_collapsed_fp16_loss_scale_restarts_at_the_next_finite_step_without_a_host_sync():
+    """trainer/runtime/precision.py `restart_collapsed_scale` on the GPU (fp16 autocast, the GradScaler
+    and fused AdamW): overflowing steps halve a scale below 1 and keep it there, and the next finite
+    step restarts it at 65536 with its growth tracker at 0, on the device, between log lines
+    (tests/trainer/loop/test_loss_scale.py is the CPU version)."""
+    from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, poisoned, snapshot, tiny_run
+    from trainer.loop.loop import take_step
+    from trainer.runtime.precision import INITIAL_LOSS_SCALE
+
+    run = tiny_run(torch.device("cuda:0"), dtype=torch.float16, max_bad_steps=10)  # flags read at step 10
+    interval = new_interval(run)
+    take_step(run, micro_batches(0), interval, 1e-3)  # CUDA/cuBLAS initialisation, AdamW's state
+    run.scaler.update(1.0)  # as after 16 overflowing steps
+
+    def overflowing_steps():
+        with poisoned(run):
+            for seed in (1, 2, 3):
+                take_step(run, micro_batches(seed), interval, 1e-3)
+
+    without_host_sync(overflowing_steps)
+    assert run.scaler.get_scale() == 0.125
+    before = snapshot(run)["w.model.embed_tokens.weight"]
+    without_host_sync(lambda: take_step(run, micro_batches(4), interval, 1e-3))
+    assert run.scaler.get_scale() == INITIAL_LOSS_SCALE and run.scaler.state_dict()["_growth_tracker"] == 0
+    assert not torch.equal(snapshot(run)["w.model.embed_tokens.weight"], before)
