@@ -94,3 +94,44 @@ def test_the_gpu_generator_state_goes_through_a_checkpoint_file_and_back(tmp_pat
     restore_rng_state(torch.load(tmp_path / "state.pt", weights_only=True)["rng"], device)
     again = (torch.rand(64, device=device), torch.nn.functional.dropout(torch.ones(64, device=device), 0.5))
     assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+def test_a_model_for_loaded_weights_is_allocated_on_the_gpu_with_the_bits_of_one_moved_there(tmp_path):
+    """trainer/weights/inference.py `empty_model` on cuda:0 (--from_weight and a resume: `build_model`;
+    chat.py / eval_sft.py --device cuda: `load_model_for_inference`): built on the meta device and
+    allocated on the GPU in the dtype asked for, never initialised at random nor a float32 model on
+    the host; RoPE tables computed on the host in float32; the head tied. Its weights and logits are,
+    bit for bit, those of the same model built on the host and moved (and cast) with `.to`
+    (tests/trainer/weights/test_build_from_weights.py is the CPU version)."""
+    from types import SimpleNamespace
+
+    from tests.helpers.tiny_model import tiny_model
+    from tests.trainer.weights.test_build_from_weights import Made, parameter_bytes, weights_of
+    from trainer.model_setup import build_model
+    from trainer.weights.inference import load_model_for_inference
+
+    device, args, source = torch.device("cuda:0"), SimpleNamespace(gradient_checkpointing=0), tiny_model()
+    path = tmp_path / "step_00000001.pt"
+    torch.save({"format": "minisft-resume", "format_version": 1, "model_config": source.config.to_dict(),
+                "model": source.state_dict()}, path)
+    weights, made = weights_of(source), Made()
+    with made:
+        trained = build_model(args, source.config, device, weights)
+        resumed = build_model(args, source.config, device, resumed=True)
+    assert made.random_fills == [] and made.bytes.get(("cpu", torch.float32), 0) < parameter_bytes(source) / 4
+    chat = load_model_for_inference(path, device="cuda", dtype=torch.bfloat16)
+    moved = tiny_model().to(device)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    for model, dtype in ((trained, torch.float32), (resumed, torch.float32), (chat, torch.bfloat16)):
+        assert {(p.device, p.dtype) for p in model.parameters()} == {(device, dtype)}
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        for name in ("freqs_cos", "freqs_sin"):
+            table = getattr(model.model, name)
+            assert table.dtype == torch.float32 and torch.equal(table, getattr(moved.model, name)), name
+    with torch.no_grad():
+        for model, dtype in ((trained, torch.float32), (chat, torch.bfloat16)):
+            expected = moved.to(dtype)  # in place: float32 first, then bfloat16
+            state = model.state_dict()
+            assert all(torch.equal(state[key], value) for key, value in expected.state_dict().items())
+            assert torch.equal(model(ids).logits, expected(ids).logits), dtype
+
