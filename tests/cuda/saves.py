@@ -10,7 +10,8 @@ def test_a_background_save_queues_its_copies_and_writes_the_state_of_its_step(tm
     """trainer/loop/saves.py on the GPU: the save's copies to pinned memory and its hand-off to the
     writer read nothing on the host (the checkpoint's content comes from `saving_run`'s stand-in for
     resume_state: weights and optimizer state), the loop changes the weights in place while the
-    writer waits, and the files hold the weights of the saved step
+    writer waits, and the files hold the weights of the saved step, the tied embedding once: one
+    host copy for both its names (`same_memory_key` of the GPU's storage)
     (tests/trainer/checkpoint/test_background.py is the CPU version)."""
     from tests.trainer.checkpoint.test_background import Gate, saving_run, step
     from tests.trainer.loop.test_loop_syncs import micro_batches
@@ -34,6 +35,9 @@ def test_a_background_save_queues_its_copies_and_writes_the_state_of_its_step(tm
     for key, value in at_save.items():
         assert torch.equal(saved["model"][key], value), key
         assert torch.equal(gate.calls[0][key], value), key
+    assert run.raw_model.config.tie_word_embeddings
+    head, embedding = saved["model"]["lm_head.weight"], saved["model"]["model.embed_tokens.weight"]
+    assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
 
 
 def test_a_save_casts_one_weight_at_a_time_on_the_gpu(tmp_path, monkeypatch):
@@ -135,3 +139,18 @@ def test_a_model_for_loaded_weights_is_allocated_on_the_gpu_with_the_bits_of_one
             assert all(torch.equal(state[key], value) for key, value in expected.state_dict().items())
             assert torch.equal(model(ids).logits, expected(ids).logits), dtype
 
+
+def test_the_minimind_pth_of_a_model_on_the_gpu_loads_onto_the_host(tmp_path):
+    """trainer/weights/write.py `write_minimind_pth` (--save_weight, export_hf.py --format minimind) of a
+    model on the GPU: every tensor of the file loads onto the host, not onto the GPU it came from (which
+    a machine without that GPU could not load), each the weight in float16 bit for bit, the tied head
+    among them (tests/trainer/weights/test_minimind_pth.py is the CPU version)."""
+    from tests.helpers.tiny_model import tiny_model
+    from trainer.weights.write import write_minimind_pth
+
+    model = tiny_model().to("cuda:0")
+    write_minimind_pth(model, str(tmp_path / "full_sft_64.pth"))
+    saved, state = torch.load(tmp_path / "full_sft_64.pth", weights_only=True), model.state_dict()
+    assert sorted(saved) == sorted(state)
+    for key, value in saved.items():
+        assert value.device.type == "cpu" and torch.equal(value, state[key].to(torch.float16).cpu()), key
