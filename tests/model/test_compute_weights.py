@@ -141,9 +141,19 @@ class WeightConcatenations(TorchDispatchMode):
         return out
 
 
-def greedy(model, prompts, new_tokens):
+def greedy(model, prompts, new_tokens, **inputs):
+    """`new_tokens` greedy tokens after `prompts` (`inputs`: an attention mask), with their logits."""
     return model.generate(prompts, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                          output_logits=True, return_dict_in_generate=True)
+                          output_logits=True, return_dict_in_generate=True, **inputs)
+
+
+def every_group_joined(monkeypatch) -> None:
+    """Every group of weights without a cast runs as one GEMM, as in training (`joins`), fp32 q/k/v and
+    gate/up excepted (those never join)."""
+    from model import compute_weights, feed_forward
+
+    monkeypatch.setattr(compute_weights.JoinedLinear, "joins", staticmethod(lambda x, w: w[0].dtype != torch.float32))
+    monkeypatch.setattr(feed_forward.ExpertsGemm, "joins", staticmethod(lambda *args: True))
 
 
 @pytest.mark.parametrize("use_moe, dtype, separate_gemms, joined_gemms, groups", [
@@ -159,8 +169,6 @@ def test_generation_without_a_cast_concatenates_no_weights_and_training_keeps_it
     token. The same tokens as the joined GEMMs and the same logits within rounding (bit for bit in
     bf16 on a CPU, 1.2e-7 apart in fp32: a GEMM's order of sums may depend on its shape). A training
     forward/backward still joins every group: one concatenation per group each way."""
-    from model import compute_weights, feed_forward
-
     model = tiny_model(use_moe=use_moe, num_experts=4, num_experts_per_tok=2).to(dtype)
     layers = model.config.num_hidden_layers
     prompts = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(0))
@@ -168,9 +176,7 @@ def test_generation_without_a_cast_concatenates_no_weights_and_training_keeps_it
         got = greedy(model, prompts, 5)
     assert (separate.count, separate.elements) == (0, 0)
     with monkeypatch.context() as joined_anyway:
-        joined_anyway.setattr(compute_weights.JoinedLinear, "joins",
-                              staticmethod(lambda x, w: w[0].dtype != torch.float32))
-        joined_anyway.setattr(feed_forward.ExpertsGemm, "joins", staticmethod(lambda *args: True))
+        every_group_joined(joined_anyway)
         with WeightConcatenations(model.parameters()) as joined:
             expected = greedy(model, prompts, 5)
     # 5 forwards (the prompt, 4 new tokens), each with the LM head's GEMM
