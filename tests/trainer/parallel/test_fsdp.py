@@ -105,8 +105,10 @@ def test_compiled_fsdp_trains_like_eager_fsdp(data, fsdp_run, tmp_path):
 def test_a_sharded_checkpoint_resumes_on_other_process_counts_and_under_ddp(data, fsdp_run, tmp_path, nproc, batch, fsdp):
     # the 3-process FSDP run also recomputes activations (--gradient_checkpointing 1): same weights
     recompute = ["--gradient_checkpointing", "1"] if nproc == 3 else []
-    resumed = run_trainer(flags(data, tmp_path, "--batch_size", str(batch), *STEPS, "--save_interval", "0", *recompute,
-                                "--fsdp", fsdp, "--resume_from", dcp_at(fsdp_run, 2)), nproc=nproc)
+    args = flags(data, tmp_path, "--batch_size", str(batch), *STEPS, "--save_interval", "0", *recompute,
+                 "--fsdp", fsdp, "--resume_from", dcp_at(fsdp_run, 2))
+    # one process: the trainer's main in this process (what is checked is the checkpoint's reading, not a process)
+    resumed = run_trainer_in_process(args, check=True) if nproc == 1 else run_trainer(args, nproc=nproc)
     assert "training 4 optimizer steps from step 2" in resumed.stdout
     final = checkpoint_at(tmp_path, 4) if nproc == 1 or fsdp == "0" else dcp_at(tmp_path, 4)
     assert_weights_equal(weights(final), weights(dcp_at(fsdp_run, 4)), atol=1e-5)
