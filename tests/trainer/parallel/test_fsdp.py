@@ -105,8 +105,10 @@ def test_compiled_fsdp_trains_like_eager_fsdp(data, fsdp_run, tmp_path):
 def test_a_sharded_checkpoint_resumes_on_other_process_counts_and_under_ddp(data, fsdp_run, tmp_path, nproc, batch, fsdp):
     # the 3-process FSDP run also recomputes activations (--gradient_checkpointing 1): same weights
     recompute = ["--gradient_checkpointing", "1"] if nproc == 3 else []
-    resumed = run_trainer(flags(data, tmp_path, "--batch_size", str(batch), *STEPS, "--save_interval", "0", *recompute,
-                                "--fsdp", fsdp, "--resume_from", dcp_at(fsdp_run, 2)), nproc=nproc)
+    args = flags(data, tmp_path, "--batch_size", str(batch), *STEPS, "--save_interval", "0", *recompute,
+                 "--fsdp", fsdp, "--resume_from", dcp_at(fsdp_run, 2))
+    # one process: the trainer's main in this process (what is checked is the checkpoint's reading, not a process)
+    resumed = run_trainer_in_process(args, check=True) if nproc == 1 else run_trainer(args, nproc=nproc)
     assert "training 4 optimizer steps from step 2" in resumed.stdout
     final = checkpoint_at(tmp_path, 4) if nproc == 1 or fsdp == "0" else dcp_at(tmp_path, 4)
     assert_weights_equal(weights(final), weights(dcp_at(fsdp_run, 4)), atol=1e-5)
@@ -157,20 +159,45 @@ def test_a_run_stopped_before_its_first_step_resumes_under_fsdp_bit_identical(da
     assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
 
 
+# What a checkpoint records of its run, not of its training state: its flags (--save_dir), id, place on disk.
+RUN_RECORDS = ("args", "run_id", "forked_from", "wandb_run_id", "sharded_path")
+
+
+def assert_same(a, b, where="") -> None:
+    """`a` and `b` (nested dicts and lists of tensors and plain values) equal, tensors bit for bit."""
+    if isinstance(a, (dict, list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b) and (type(a) is not dict or a.keys() == b.keys()), where
+        for key in a if isinstance(a, dict) else range(len(a)):
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def training_state(path) -> dict:
+    """Everything of a sharded checkpoint that a resume goes on from: its non-tensor entries and its model and
+    optimizer shards, read whole."""
+    saved = load_resume_checkpoint(str(path))
+    return {**{key: value for key, value in saved.items() if key not in RUN_RECORDS},
+            "model": read_full(str(path), "model"), "optimizer": read_full(str(path), "optimizer")}
+
+
 def test_the_loop_trains_on_while_the_shards_are_written_and_they_hold_their_step(data, fsdp_run, tmp_path):
     """DCP's async_save: the shards of step 2 are held back (tests/helpers/held_shards.py) until the
-    loop of their rank has taken step 4; they still hold step 2's state, bit for bit, and a resume
-    from them ends where the uninterrupted run does."""
-    save_dir, resumed = tmp_path / "held", tmp_path / "resumed"
+    loop of their rank has taken step 4; they still hold step 2's state, bit for bit: everything a
+    resume reads (model and optimizer shards, step, sampler position, RNG states) equals the uninterrupted
+    run's checkpoint of that step, from which a resume ends where that run does, bit for bit
+    (test_fsdp_killed_after_its_first_checkpoint_resumes_bit_identical)."""
+    save_dir = tmp_path / "held"
     held = run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "2", "--fsdp", "1",
                              "--save_dtype", "float32"), nproc=2, script=os.path.join(REPO, "tests", "helpers", "held_shards.py"))
     for rank in (0, 1):
         assert f"rank {rank}: shards of step 2 written after step 4" in held.stdout, held.stdout[-2000:]
     for step in (2, 4):
-        assert_weights_equal(weights(dcp_at(save_dir, step)), weights(dcp_at(fsdp_run, step)))
-    run_trainer(flags(data, resumed, "--batch_size", "3", *STEPS, "--save_interval", "0", "--fsdp", "1",
-                      "--resume_from", dcp_at(save_dir, 2)), nproc=2)
-    assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
+        state = training_state(dcp_at(save_dir, step))
+        assert state["step"] == step and state["optimizer"]
+        assert_same(state, training_state(dcp_at(fsdp_run, step)), f"step {step}")
 
 
 def test_a_sigterm_while_shards_are_written_waits_for_them_and_saves_its_step(data, fsdp_run, tmp_path):
