@@ -19,14 +19,14 @@ def test_a_peer_that_never_arrives_fails_within_dist_timeout(data, launcher, tmp
     port = free_port()
     env = clean_env(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     start = time.monotonic()
-    process = launcher.start([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "4"], "alone",
+    process = launcher.start([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "1"], "alone",
                              env=env)
     assert launcher.wait(process, timeout=120) == 2
     assert time.monotonic() - start < 60
     _, err = launcher.output(process)
     assert last_line(err).startswith(
         f"error: rank 0: the 2 processes did not all join the process group at 127.0.0.1:{port} within "
-        "--dist_timeout 4s (DistStoreError: Timed out after"
+        "--dist_timeout 1s (DistStoreError: Timed out after"
     )
     assert "1/2 clients joined" in last_line(err) and "Traceback" not in err
 
@@ -40,11 +40,11 @@ def test_a_rank_that_cannot_reach_the_rendezvous_fails_within_dist_timeout(data,
                             MASTER_PORT=str(port)).items():
         monkeypatch.setenv(name, value)
     start = time.monotonic()
-    done = run_trainer_in_process([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "3"])
-    assert time.monotonic() - start >= 3
+    done = run_trainer_in_process([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "1"])
+    assert time.monotonic() - start >= 1
     assert (done.returncode, done.stderr.splitlines()) == (2, [
         f"error: rank 1: the 2 processes did not all join the process group at 127.0.0.1:{port} within "
-        f"--dist_timeout 3s (TimeoutError: nothing answered at 127.0.0.1:{port} ([Errno 111] Connection refused))"])
+        f"--dist_timeout 1s (TimeoutError: nothing answered at 127.0.0.1:{port} ([Errno 111] Connection refused))"])
 
 
 def test_a_master_port_that_accepts_and_never_answers_fails_within_dist_timeout(data, tmp_path):
@@ -58,12 +58,12 @@ def test_a_master_port_that_accepts_and_never_answers_fails_within_dist_timeout(
         port = silent.getsockname()[1]
         env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         start = time.monotonic()
-        done = run_trainer([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "3"], env=env,
+        done = run_trainer([*flags(data, tmp_path / "run", "--max_steps", "2"), "--dist_timeout", "1"], env=env,
                            check=False, timeout=120)
-    assert time.monotonic() - start >= 3
+    assert time.monotonic() - start >= 1
     assert (done.returncode, done.stderr.splitlines()) == (2, [
         f"error: rank 1: the 2 processes did not all join the process group at 127.0.0.1:{port} within "
-        f"--dist_timeout 3s (TimeoutError: 127.0.0.1:{port} accepts connections but does not answer as torch's "
+        f"--dist_timeout 1s (TimeoutError: 127.0.0.1:{port} accepts connections but does not answer as torch's "
         "store (another program on MASTER_PORT?))"])
 
 
