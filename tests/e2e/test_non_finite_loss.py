@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.fault_checks import all_finite, last_line
+from tests.helpers.faults import run_in_this_process
 from tests.helpers.trainer_launch import (
     FAULTY_TRAINER, assert_weights_equal, checkpoint_at, clean_env, flags, run_trainer,
 )
@@ -19,10 +20,9 @@ pytestmark = pytest.mark.slow
 
 def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, tmp_path):
     save_dir = tmp_path / "run"
-    env = clean_env(MINISFT_FAULT_NAN_STEPS="2,4,5,6")
-    result = run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "10", "--save_interval", "1",
-                               "--keep_last", "20", "--max_bad_steps", "3"), script=FAULTY_TRAINER, env=env,
-                         check=False)
+    result = run_in_this_process(flags(data, save_dir, "--batch_size", "4", "--max_steps", "10", "--save_interval",
+                                       "1", "--keep_last", "20", "--max_bad_steps", "3"),
+                                 MINISFT_FAULT_NAN_STEPS="2,4,5,6")
     assert result.returncode == 1, result.stderr[-3000:]
     assert last_line(result.stderr) == (
         f"error: 3 optimizer steps in a row had a non-finite loss or gradient norm (last at step 6); stopped. "
@@ -42,9 +42,9 @@ def test_non_finite_steps_are_skipped_and_too_many_in_a_row_stop_the_run(data, t
     assert saved[6]["step"] == 6 and saved[6]["skipped_steps"] == 4
     assert [saved[step]["bad_steps_in_a_row"] for step in range(1, 7)] == [0, 1, 0, 1, 2, 3]
     # the count survives a resume: two bad steps saved at step 5, one more after it stops the run
-    resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "4", "--max_steps", "10",
-                                "--max_bad_steps", "3", "--resume_from", checkpoint_at(save_dir, 5)),
-                          script=FAULTY_TRAINER, env=clean_env(MINISFT_FAULT_NAN_STEPS="6"), check=False)
+    resumed = run_in_this_process(flags(data, tmp_path / "resumed", "--batch_size", "4", "--max_steps", "10",
+                                        "--max_bad_steps", "3", "--resume_from", checkpoint_at(save_dir, 5)),
+                                  MINISFT_FAULT_NAN_STEPS="6")
     assert resumed.returncode == 1 and "(last at step 6)" in last_line(resumed.stderr), resumed.stderr[-2000:]
     assert not os.path.exists(checkpoint_at(save_dir, 7))
     rows = {row["step"]: row for row in map(json.loads, open(save_dir / "metrics.jsonl", encoding="utf-8"))}
@@ -60,9 +60,9 @@ ALLOCATOR = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total 
 
 
 def out_of_memory_line(data, save_dir, fault: dict, *extra) -> str:
-    """The last line of a run of the faulty trainer (batch 4) that must stop with exit 1, no traceback."""
-    result = run_trainer(flags(data, save_dir, "--batch_size", "4", *extra), script=FAULTY_TRAINER,
-                         env=clean_env(**fault), check=False)
+    """The last line of a run of the faulty trainer (batch 4, in this process: a traceback would fail the
+    test) that must stop with exit 1, no traceback."""
+    result = run_in_this_process(flags(data, save_dir, "--batch_size", "4", *extra), **fault)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     return last_line(result.stderr)
 

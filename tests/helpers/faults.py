@@ -145,6 +145,31 @@ def install() -> None:
         loop.publish_inference_weights = publish_inference_weights
 
 
+IN_PROCESS = (NAN_STEPS_ENV, OOM_STEP_ENV, OOM_EVAL_STEP_ENV, OOM_SAVE_STEP_ENV, OOM_BEST_ENV, CPU_OOM_STEP_ENV)
+WRAPPED = ("optimizer_step", "agree_on_step", "evaluate", "save_in_background", "publish_inference_weights")
+
+
+def run_in_this_process(args: list[str], **faults: str):
+    """`python tests/helpers/faults.py ARGS` with `faults` in its environment, run in the test's process
+    (`run_trainer_in_process`): for one-process runs whose process is not what a test checks. Only
+    the faults that end with the run (IN_PROCESS: not a file size limit, not a GPU's memory cap);
+    the wrapped functions of trainer/loop/loop.py are put back after the run."""
+    from tests.helpers.trainer_launch import run_trainer_in_process
+    from trainer.loop import loop
+
+    assert set(faults) <= set(IN_PROCESS), faults
+    real, environ = {name: getattr(loop, name) for name in WRAPPED}, dict(os.environ)
+    try:
+        os.environ.update(faults)
+        install()
+        return run_trainer_in_process(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        for name, function in real.items():
+            setattr(loop, name, function)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--verify_equivalence"]:
         from scripts import verify_equivalence

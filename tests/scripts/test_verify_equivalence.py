@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
+from scripts import verify_equivalence
 from scripts.verify_equivalence import compare, drop_flags, main, variants
 from tests.helpers.in_process import run_in_process
-from tests.helpers.trainer_launch import REPO, TINY, clean_env, free_port
+from tests.helpers.trainer_launch import FAULTY_TRAINER, REPO, TINY, clean_env, free_port
 
 TOOL = os.path.join(REPO, "scripts", "verify_equivalence.py")
-FAULTY_TOOL = [os.path.join(REPO, "tests", "helpers", "faults.py"), "--verify_equivalence"]  # faults planted
 HEADER = ["variant", "against", "max |diff|", "rel diff", "tolerance", "result", "worst tensor (its rel diff)"]
 TWO = ["1 process x batch 4 (reference)", "1 process x batch 2 x accumulation 2", "2 processes x batch 2",
        "2 processes x batch 2, resumed at step 4"]
@@ -28,15 +28,21 @@ def run_tool(*args: str, env=None, launcher=None, timeout: float = 600, tool=(TO
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_tool_in_process(*args: str, **env) -> subprocess.CompletedProcess:
+def run_tool_in_process(*args: str, trainer: str | None = None, **env) -> subprocess.CompletedProcess:
     """The check's main() in this process, with `run_tool`'s environment (that its trainer processes
-    inherit): for whole runs whose result is the table, not what the check's own process prints."""
+    inherit): for runs whose result is the table or a line of main()'s, not a property of the check's
+    own process. `trainer`: the script its trainer runs start (FAULTY_TRAINER: faults planted)."""
     def call():
         os.environ.clear()
         os.environ.update(clean_env(**env))
         return main(list(args))
 
-    return run_in_process(["verify_equivalence.py", *args], call, cwd=REPO)
+    real = verify_equivalence.TRAINER
+    verify_equivalence.TRAINER = trainer or real
+    try:
+        return run_in_process(["verify_equivalence.py", *args], call, cwd=REPO)
+    finally:
+        verify_equivalence.TRAINER = real
 
 
 def tool_flags(data, work_dir, *extra) -> list[str]:
@@ -89,8 +95,8 @@ def test_two_processes_one_process_accumulation_and_resume_agree(data, tmp_path)
 @pytest.mark.slow
 def test_one_process_compares_accumulation_2_with_batch_2b(data, tmp_path):
     # a copied training command: the flags the check sets itself are named and not used
-    done = run_tool("--nproc_per_node", "1", *tool_flags(data, tmp_path / "work"), "--save_dir", str(tmp_path / "out"),
-                    "--save_interval", "100", "--eval_data_path", str(data / "eval.jsonl"))
+    done = run_tool_in_process("--nproc_per_node", "1", *tool_flags(data, tmp_path / "work"), "--save_dir",
+                               str(tmp_path / "out"), "--save_interval", "100", "--eval_data_path", str(data / "eval.jsonl"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[0] == "note: the check sets --eval_data_path, --save_dir, --save_interval itself: " \
                                           "your value is not used"
@@ -106,8 +112,8 @@ def test_one_process_compares_accumulation_2_with_batch_2b(data, tmp_path):
 def test_a_planted_per_rank_mean_fails_the_two_process_variant(data, tmp_path):
     """MINISFT_FAULT_LOCAL_MEAN=1 (tests/helpers/faults.py): every rank divides by its own loss-token
     count, the classic bug. One process is unaffected, so only the 2-process row fails."""
-    done = run_tool("--nproc_per_node", "2", *tool_flags(data, tmp_path), env=clean_env(MINISFT_FAULT_LOCAL_MEAN="1"),
-                    tool=FAULTY_TOOL)
+    done = run_tool_in_process("--nproc_per_node", "2", *tool_flags(data, tmp_path), trainer=FAULTY_TRAINER,
+                               MINISFT_FAULT_LOCAL_MEAN="1")
     assert done.returncode == 1, done.stdout + done.stderr
     rows = table(done.stdout)
     assert list(rows) == TWO
@@ -171,7 +177,7 @@ def test_several_processes_without_torchrun_are_refused(tmp_path):
 
 
 def test_missing_data_is_the_trainers_one_line_error_and_exit_2(tmp_path):
-    done = run_tool("--work_dir", str(tmp_path), *TINY, "--data_path", str(tmp_path / "nope.jsonl"))
+    done = run_tool_in_process("--work_dir", str(tmp_path), *TINY, "--data_path", str(tmp_path / "nope.jsonl"))
     assert done.returncode == 2, done.stdout + done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("error: ") and "nope.jsonl" in line
@@ -215,8 +221,8 @@ def test_the_relative_difference_is_measured_against_the_reference_s_own_update(
 def test_too_little_data_for_the_resume_step_is_a_user_error(data, tmp_path):
     few = tmp_path / "few.jsonl"
     few.write_text("".join(open(data / "train.jsonl", encoding="utf-8").readlines()[:5]), encoding="utf-8")
-    done = run_tool("--nproc_per_node", "1", "--work_dir", str(tmp_path), *TINY, "--data_path", str(few),
-                    "--batch_size", "2")
+    done = run_tool_in_process("--nproc_per_node", "1", "--work_dir", str(tmp_path), *TINY, "--data_path", str(few),
+                               "--batch_size", "2")
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip() == ("error: 1 process x batch 4 (reference) ended before step 4 (too little data for "
                                    "this global batch): lower --resume_step, --max_steps or --batch_size")
