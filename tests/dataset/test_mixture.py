@@ -184,8 +184,8 @@ def test_bad_sources_and_weights_are_named_in_one_line(tmp_path):
         with pytest.raises(DataError) as caught:
             parse_data_path(spec)
         assert message in str(caught.value) and "\n" not in str(caught.value), spec
-    result = run_trainer([*TINY, "--data_path", f"{tmp_path / 'a.jsonl'}:0", "--save_dir", str(tmp_path / "run")],
-                         check=False)
+    result = run_trainer_in_process([*TINY, "--data_path", f"{tmp_path / 'a.jsonl'}:0", "--save_dir",
+                                     str(tmp_path / "run")])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == (f"error: --data_path {tmp_path / 'a.jsonl'}:0: the weight '0' "
                                                       f"after ':' must be a positive number (e.g. {tmp_path / 'a.jsonl'}:2)")

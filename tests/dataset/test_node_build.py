@@ -20,32 +20,39 @@ from tests.helpers.chat_rows import chat_line, make_chat, write_lines, write_row
 from tests.helpers.trainer_launch import free_port
 
 
-def _ddp_worker(rank: int, world_size: int, port: int, data_path: str, cache_dir: str, out_dir: str) -> None:
-    """One rank: load the dataset under gloo and write what it saw (or its error) to out_dir."""
+def _ddp_worker(rank: int, world_size: int, port: int, runs: list, out_dir: str) -> None:
+    """One rank: load each of `runs` (data path, cache dir) under one gloo group, in order, and write
+    what it saw (or its error) to out_dir, one result per run."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), RANK=str(rank))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    result = {"rank": rank}
-    try:
-        if rank != 0:
-            def must_not_build(*args, **kwargs):
-                raise AssertionError(f"rank {rank} built the cache")
+    if rank != 0:
+        def must_not_build(*args, **kwargs):
+            raise AssertionError(f"rank {rank} built the cache")
 
-            token_cache.build_cache = must_not_build
-        build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 128, Path(cache_dir), "error", 1)
-        ds = SFTDataset(data_path, load_tokenizer(None), 128, cache_dir=cache_dir)
-        result["cache_path"] = str(ds.cache_path)
-        result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
-        result["labels"] = [ds[i]["labels"].tolist() for i in range(len(ds))]
-    except DataError as exc:
-        result["error"] = str(exc)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result), encoding="utf-8")
+        token_cache.build_cache = must_not_build
+    results = []
+    for data_path, cache_dir in runs:
+        result = {"rank": rank}
+        try:
+            build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 128, Path(cache_dir), "error", 1)
+            ds = SFTDataset(data_path, load_tokenizer(None), 128, cache_dir=cache_dir)
+            result["cache_path"] = str(ds.cache_path)
+            result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
+            result["labels"] = [ds[i]["labels"].tolist() for i in range(len(ds))]
+        except DataError as exc:
+            result["error"] = str(exc)
+        results.append(result)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
     torch.distributed.destroy_process_group()
 
 
-def run_two_ranks(tmp_path: Path, data_path: Path, timeout: float = 90.0) -> list[dict]:
-    out_dir = tmp_path / "out"
+def run_two_ranks(folder: Path, data_paths: list[Path], timeout: float = 180.0) -> list[list[dict]]:
+    """Two spawned gloo ranks that load each of `data_paths` in turn (a token cache folder each): per
+    data path, the results of rank 0 and rank 1."""
+    out_dir = folder / "out"
     out_dir.mkdir()
-    args = (2, free_port(), str(data_path), str(tmp_path / "cache"), str(out_dir))
+    runs = [(str(path), str(folder / f"cache{index}")) for index, path in enumerate(data_paths)]
+    args = (2, free_port(), runs, str(out_dir))
     context = torch_mp.start_processes(_ddp_worker, args=args, nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
@@ -53,13 +60,27 @@ def run_two_ranks(tmp_path: Path, data_path: Path, timeout: float = 90.0) -> lis
             for process in context.processes:
                 process.kill()
             pytest.fail(f"the ranks did not finish within {timeout} s (hang)")
-    return [json.loads((out_dir / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
+    return [list(pair) for pair in zip(*ranks)]
+
+
+@pytest.fixture(scope="module")
+def two_rank_loads(tmp_path_factory):
+    """One pair of gloo ranks loads a good file (30 chats) and then a file whose 7th line has an unknown
+    role, each into a cache folder of its own; rank 1 must never build. Returns the data paths and, per
+    file, both ranks' results."""
+    folder = tmp_path_factory.mktemp("node_build")
+    good = write_lines(folder / "data.jsonl", [make_chat(i) for i in range(30)])
+    rows = [make_chat(i) for i in range(10)]
+    rows[6] = '{"conversations": [{"role": "robot", "content": "x"}]}'
+    bad = write_lines(folder / "bad.jsonl", rows)
+    good_ranks, bad_ranks = run_two_ranks(folder, [good, bad])
+    return {"good": (good, good_ranks), "bad": (bad, bad_ranks)}
 
 
 @pytest.mark.slow
-def test_ddp_rank0_builds_and_both_ranks_see_same_data(tmp_path):
-    data_path = write_lines(tmp_path / "data.jsonl", [make_chat(i) for i in range(30)])
-    rank0, rank1 = run_two_ranks(tmp_path, data_path)
+def test_ddp_rank0_builds_and_both_ranks_see_same_data(two_rank_loads):
+    _, (rank0, rank1) = two_rank_loads["good"]
     assert "error" not in rank0 and "error" not in rank1
     assert rank0["cache_path"] == rank1["cache_path"]
     assert len(rank0["input_ids"]) == 30
@@ -67,12 +88,9 @@ def test_ddp_rank0_builds_and_both_ranks_see_same_data(tmp_path):
 
 
 @pytest.mark.slow
-def test_ddp_bad_line_raises_on_both_ranks(tmp_path):
-    rows = [make_chat(i) for i in range(10)]
-    rows[6] = '{"conversations": [{"role": "robot", "content": "x"}]}'
-    data_path = write_lines(tmp_path / "data.jsonl", rows)
-    rank0, rank1 = run_two_ranks(tmp_path, data_path)
-    for result in (rank0, rank1):
+def test_ddp_bad_line_raises_on_both_ranks(two_rank_loads):
+    data_path, ranks = two_rank_loads["bad"]
+    for result in ranks:
         assert result.get("error", "").startswith(f"{data_path}:7: ")
         assert "unknown role 'robot'" in result["error"]
 

@@ -11,13 +11,20 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-if __name__ == "__main__":
-    from trainer.loop import loop
+
+def ticking_save_clock(tick_s: float):
+    """A SaveClock class whose clock reads 0, tick_s, 2 * tick_s, ... (for trainer.loop.loop.SaveClock)."""
     from trainer.loop.save_clock import SaveClock
 
-    tick = float(os.environ["MINISFT_TEST_TICK_S"]) * (1 if os.environ.get("RANK", "0") == "0" else 1000)
     readings = itertools.count()
-    loop.SaveClock = functools.partial(SaveClock, clock=lambda: next(readings) * tick)
+    return functools.partial(SaveClock, clock=lambda: next(readings) * tick_s)
+
+
+if __name__ == "__main__":
+    from trainer.loop import loop
+
+    tick = float(os.environ["MINISFT_TEST_TICK_S"]) * (1 if os.environ.get("RANK", "0") == "0" else 1000)
+    loop.SaveClock = ticking_save_clock(tick)
 
     import train_full_sft
 

@@ -125,8 +125,9 @@ def test_a_max_seq_len_whose_rope_tables_do_not_fit_is_one_line_before_tokenizin
             "heads of 12288 dimensions (hidden_size 12288 / 1 attention heads): the RoPE tables for 32768 positions "
             "need 6.0 GiB, more than a quarter of this machine's 16.0 GiB; give more --num_attention_heads or a "
             "smaller --hidden_size")
-    far = run_trainer(flags(data, tmp_path / "run", "--max_seq_len", str(10**12), "--cache_dir", str(tmp_path / "cache")),
-                      check=False)
+    monkeypatch.undo()  # the run reads this machine's memory
+    far = run_trainer_in_process(flags(data, tmp_path / "run", "--max_seq_len", str(10**12), "--cache_dir",
+                                       str(tmp_path / "cache")))
     assert far.returncode == 2 and far.stderr.strip().splitlines()[-1].startswith(f"error: --max_seq_len {10**12}: ")
     assert "Traceback" not in far.stderr and not os.path.exists(tmp_path / "cache")
     assert not os.path.exists(tmp_path / "run" / "model")
@@ -372,9 +373,9 @@ def test_a_model_too_large_for_host_memory_is_one_line_before_tokenizing(data, t
     with pytest.raises(ConfigError) as refused:
         model_setup.build_model_config(deep, tokenizer, device=torch.device("cuda", 0))
     assert "(hidden 768 x 100000 layers, vocabulary 6400: 737.46 B parameters)" in str(refused.value)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    huge = run_trainer(flags(data, tmp_path / "run", "--hidden_size", "1048576", "--cache_dir", str(tmp_path / "cache")),
-                       check=False)
+    monkeypatch.undo()  # the run reads this machine's memory and the test's own environment
+    huge = run_trainer_in_process(flags(data, tmp_path / "run", "--hidden_size", "1048576", "--cache_dir",
+                                        str(tmp_path / "cache")))
     assert huge.returncode == 2 and "Traceback" not in huge.stderr
     assert huge.stderr.strip().splitlines()[-1].startswith("error: the model (hidden 1048576 x 2 layers")
     assert "GiB of host memory to train on the CPU" in huge.stderr

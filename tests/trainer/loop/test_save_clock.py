@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
+from tests.helpers.ticking_clock import ticking_save_clock
+from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer, run_trainer_in_process
+from trainer.loop import loop
 from trainer.loop.loop import agree_on_step
 from trainer.loop.save_clock import SaveClock
 from tests.trainer.loop.test_loop_syncs import micro_batches, tiny_run
@@ -60,13 +62,18 @@ def checkpoint_steps(save_dir) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_saves_fall_on_the_steps_rank_zeros_clock_says(data, tmp_path, nproc):
+def test_saves_fall_on_the_steps_rank_zeros_clock_says(data, tmp_path, monkeypatch, nproc):
     """A clock of 10 s per step and --save_every_minutes 0.5: a save every third step, and the one of
     --save_interval 4 restarts the half minute; with 2 processes rank 1's clock (1000x faster) is not
-    the one that decides, and both ranks save at the same steps (else a save's collectives hang)."""
-    helper = os.path.join(REPO, "tests", "helpers", "ticking_clock.py")
+    the one that decides, and both ranks save at the same steps (else a save's collectives hang).
+    One process runs in the test's own (its clock is rank 0's), two under torchrun."""
     save_dir = tmp_path / "run"
-    run_trainer(flags(data, save_dir, "--batch_size", str(4 // nproc), "--max_steps", "10", "--keep_last", "10",
-                      "--save_interval", "4", "--save_every_minutes", "0.5"),
-                nproc=nproc, script=helper, env=clean_env(MINISFT_TEST_TICK_S="10"), timeout=600)
+    argv = flags(data, save_dir, "--batch_size", str(4 // nproc), "--max_steps", "10", "--keep_last", "10",
+                 "--save_interval", "4", "--save_every_minutes", "0.5")
+    if nproc == 1:
+        monkeypatch.setattr(loop, "SaveClock", ticking_save_clock(10.0))
+        run_trainer_in_process(argv, check=True)
+    else:
+        helper = os.path.join(REPO, "tests", "helpers", "ticking_clock.py")
+        run_trainer(argv, nproc=nproc, script=helper, env=clean_env(MINISFT_TEST_TICK_S="10"), timeout=600)
     assert checkpoint_steps(save_dir) == [3, 4, 7, 8, 10]
