@@ -14,7 +14,7 @@ from tests.helpers.trainer_launch import (REPO, assert_weights_equal, checkpoint
 pytestmark = pytest.mark.slow
 
 
-def test_unusable_resume_files_give_a_one_line_error(data, reference, launcher, tmp_path):
+def test_unusable_resume_files_give_a_one_line_error(data, reference, tmp_path):
     good = checkpoint_at(reference, 2)
     content = open(good, "rb").read()
     (tmp_path / "truncated.pt").write_bytes(content[: len(content) // 2])
@@ -36,17 +36,14 @@ def test_unusable_resume_files_give_a_one_line_error(data, reference, launcher, 
                          "hidden_size (checkpoint 32, flags 64); head_dim (checkpoint 8, flags 16); "
                          "intermediate_size (checkpoint 128, flags 256)"),
     }
-    processes = {}
-    for name, (extra, _) in cases.items():  # all at once: each fails before training starts
+    for name, (extra, expected) in cases.items():  # each fails before training starts: no process of its own
         resume_file = good if name == "other_config" else tmp_path / f"{name}.pt"
         args = [*flags(data, tmp_path / f"run_{name}", "--max_steps", "12"), *extra, "--resume_from", str(resume_file)]
-        processes[name] = launcher.start(args, name)
-    for name, (_, expected) in cases.items():
-        assert launcher.wait(processes[name]) == 2, launcher.output(processes[name])
-        out, err = launcher.output(processes[name])
-        line = last_line(err)
+        result = run_trainer_in_process(args)
+        assert result.returncode == 2, (name, result.stdout, result.stderr)
+        line = last_line(result.stderr)
         assert line.startswith(expected) if expected.endswith("(") else line == expected, (name, line)
-        assert "Traceback" not in err and "training" not in out
+        assert "Traceback" not in result.stderr and "training" not in result.stdout
     assert not marker.exists()
 
 
