@@ -58,6 +58,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from .formats import THINK_CLOSE, THINK_OPEN, Conversation, DataError, LineError, first_line
 from .prefix_tokens import encode_text
@@ -126,16 +127,29 @@ def _check_template_renders(tokenizer, name: str) -> None:
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash of everything that changes token ids: vocab/merges/special tokens/normalizer and the template.
 
-    Uses the serialized backend (``tokenizer.json`` content), so it needs no encoding call.
+    Uses the serialized backend (``tokenizer.json`` content), so it needs no encoding call. Its
+    truncation and padding settings are left out: they change no token id of ours (every call
+    passes none, and the call clears those a ``tokenizer.json`` saved), and counting them would give
+    a tokenizer loaded with them another fingerprint than the same tokenizer after its first call.
     """
     digest = hashlib.sha256()
-    digest.update(tokenizer.backend_tokenizer.to_str().encode("utf-8"))
+    digest.update(_backend_text(tokenizer.backend_tokenizer).encode("utf-8"))
     template = tokenizer.chat_template
     digest.update(json.dumps(template, sort_keys=True).encode("utf-8"))
     specials = {name: str(getattr(tokenizer, name, None)) for name in ("bos_token", "eos_token", "pad_token")}
     digest.update(json.dumps(specials, sort_keys=True).encode("utf-8"))
     digest.update(type(tokenizer).__name__.encode("utf-8"))
     return digest.hexdigest()
+
+
+def _backend_text(backend) -> str:
+    """The backend's serialization with no truncation and no padding (as after a tokenizer call)."""
+    if backend.truncation is None and backend.padding is None:
+        return backend.to_str()
+    bare = Tokenizer.from_str(backend.to_str())
+    bare.no_truncation()
+    bare.no_padding()
+    return bare.to_str()
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -3,12 +3,15 @@ file, tokenizer and ``max_seq_len`` stay, and built again when one changes; an u
 found without hashing it again, a changed one is hashed again, also after a same-size edit with its
 mtime kept."""
 
+import json
 import os
+import shutil
 
 import numpy as np
 
 import dataset.cache.key as digests
 from dataset import build_cache_and_open, load_tokenizer
+from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
 from tests.helpers.chat_rows import chat_line, make_chat, write_lines, write_rows
 from tests.helpers.templates import make_alt_tokenizer
 
@@ -96,3 +99,24 @@ def test_older_keys_are_those_of_the_versions_other_code_built(tokenizer):
     assert [(tokens, rows) for tokens, rows, _ in older] == [(1, 1), (2, 1), (3, 1), (4, 1)]
     assert [key for _, _, key in older] == [digests.cache_key(digest, tokenizer, 64, tokens, rows)
                                             for tokens, rows, _ in older]
+
+
+def test_a_tokenizer_saved_with_truncation_and_padding_opens_the_cache_it_built(tokenizer, tmp_path):
+    """A ``tokenizer.json`` may hold truncation and padding settings, which the first tokenizer call
+    clears (ours pass none): they change no token, so they are no part of the cache's key, and the
+    build and the dataset that opens its cache name the same one."""
+    folder = tmp_path / "tok"
+    shutil.copytree(DEFAULT_TOKENIZER_DIR, folder)
+    definition = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    definition["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    definition["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None,
+                             "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (folder / "tokenizer.json").write_text(json.dumps(definition, ensure_ascii=False), encoding="utf-8")
+    saved = load_tokenizer(folder)
+    path = write_lines(tmp_path / "data.jsonl", [make_chat(i) for i in range(3)])
+
+    opened = build_cache_and_open(path, saved, 128, num_proc=1)
+    expected = build_cache_and_open(path, tokenizer, 128, num_proc=1, cache_dir=tmp_path / "shipped")
+    assert opened.cache_path.name == expected.cache_path.name
+    assert np.array_equal(np.asarray(opened.tokens), np.asarray(expected.tokens))
+    assert tokenizer_fingerprint(load_tokenizer(folder)) == tokenizer_fingerprint(tokenizer)
