@@ -47,9 +47,9 @@ def weights(path) -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp_run(data, tmp_path_factory):
-    """The uninterrupted 2-process FSDP run, a checkpoint every 2 steps."""
+    """The uninterrupted 2-process FSDP run, a checkpoint every step (the state each other run's is compared to)."""
     save_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "2", "--fsdp", "1",
+    run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "1", "--fsdp", "1",
                       "--save_dtype", "float32"), nproc=2)
     return save_dir
 
@@ -202,18 +202,18 @@ def test_the_loop_trains_on_while_the_shards_are_written_and_they_hold_their_ste
 
 def test_a_sigterm_while_shards_are_written_waits_for_them_and_saves_its_step(data, fsdp_run, tmp_path):
     """Step 2's shards are held until step 3 is taken, when rank 1 gets a SIGTERM: the stop's save
-    of step 3 waits for them, is written before exit 0, and a resume from it ends where the
-    uninterrupted run does, bit for bit."""
-    save_dir, resumed = tmp_path / "stopped", tmp_path / "resumed"
-    stopped = run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "2", "--fsdp", "1"),
+    of step 3 waits for them, is written before exit 0, and holds, bit for bit, everything a resume
+    reads of the uninterrupted run's step 3 (so a resume ends where that run does)."""
+    save_dir = tmp_path / "stopped"
+    stopped = run_trainer(flags(data, save_dir, "--batch_size", "3", *STEPS, "--save_interval", "2", "--fsdp", "1",
+                                "--save_dtype", "float32"),
                           nproc=2, script=os.path.join(REPO, "tests", "helpers", "held_shards.py"),
                           env=clean_env(MINISFT_TEST_RELEASE_AT="3", MINISFT_TEST_SIGTERM_AT="3"))
     assert "stopping at step 3" in stopped.stdout and "shards of step 2 written after step 3" in stopped.stdout
     assert sorted(os.listdir(save_dir / "checkpoints")) == ["step_00000002.dcp", "step_00000003.dcp"]
-    assert load_resume_checkpoint(dcp_at(save_dir, 3))["step"] == 3
-    run_trainer(flags(data, resumed, "--batch_size", "3", *STEPS, "--save_interval", "0", "--fsdp", "1",
-                      "--resume_from", dcp_at(save_dir, 3)), nproc=2)
-    assert_weights_equal(weights(dcp_at(resumed, 4)), weights(dcp_at(fsdp_run, 4)))
+    state = training_state(dcp_at(save_dir, 3))
+    assert state["step"] == 3
+    assert_same(state, training_state(dcp_at(fsdp_run, 3)), "step 3")
 
 
 def test_a_shard_write_failing_on_rank_1_stops_every_rank_with_its_one_line_reason(data, tmp_path):
@@ -332,7 +332,7 @@ def test_a_truncated_shard_is_skipped_and_a_checkpoint_that_does_not_fit_is_one_
                                 "--save_interval", "0"))
     assert (f"warning: skipping unusable checkpoint: sharded checkpoint {dcp_at(run, 4)} is truncated (__1_0.distcp "
             f"holds 1000 bytes, its index needs {size}); falling back to the previous one") in resumed.stdout.splitlines()
-    assert f"resuming from {dcp_at(run, 2)} (step 2," in resumed.stdout
+    assert f"resuming from {dcp_at(run, 3)} (step 3," in resumed.stdout
     assert "Warning" not in resumed.stderr and "Traceback" not in resumed.stderr, resumed.stderr
     index = os.path.join(dcp_at(run, 2), ".metadata")
     metadata = FileSystemReader(dcp_at(run, 2)).read_metadata()  # our own file: DCP's reader unpickles it
@@ -384,11 +384,11 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused_and_skipped(data, f
                                                "--resume_from", dcp_at(run, 4)))
         assert (refused.returncode, refused.stderr.splitlines()[-1]) == (2, f"error: {refusals[name]}"), refused.stderr
         assert "Traceback" not in refused.stderr and "training" not in refused.stdout
-        resumed = run_trainer_in_process(flags(data, run, "--batch_size", "6", *STEPS, "--max_steps", "3",
+        resumed = run_trainer_in_process(flags(data, run, "--batch_size", "6", *STEPS, "--max_steps", "4",
                                                "--from_resume", "1", "--save_interval", "0"), check=True)
         assert (f"warning: skipping unusable checkpoint: {refusals[name]}; falling back to the previous one"
                 in resumed.stdout.splitlines()), resumed.stdout[-3000:]
-        assert f"resuming from {dcp_at(run, 2)} (step 2," in resumed.stdout
+        assert f"resuming from {dcp_at(run, 3)} (step 3," in resumed.stdout
         assert "Traceback" not in resumed.stderr, resumed.stderr
     assert not marker.exists()
 
