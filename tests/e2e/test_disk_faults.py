@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from tests.helpers.fault_checks import ONE_PROCESS, all_finite, checkpoint_names, digest, last_line
 from tests.helpers.faults import FILE_LIMIT_ENV
 from tests.helpers.trainer_launch import (
-    FAULTY_TRAINER, checkpoint_at, clean_env, flags, run_trainer, run_trainer_with_a_read_only,
+    FAULTY_TRAINER, checkpoint_at, clean_env, flags, run_trainer_in_process, run_trainer_with_a_read_only,
 )
 from trainer.checkpoint.resume import load_resume_checkpoint
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def test_an_unwritable_save_dir_fails_before_training(data, tmp_path):
     (tmp_path / "a_file").write_text("not a directory")
     for save_dir in (tmp_path / "a_file" / "run", tmp_path / "a_file"):
-        result = run_trainer(flags(data, save_dir, "--max_steps", "2"), check=False)
+        result = run_trainer_in_process(flags(data, save_dir, "--max_steps", "2"))
         assert result.returncode == 2
         assert last_line(result.stderr) == f"error: --save_dir {save_dir} cannot be a folder: {tmp_path / 'a_file'} is a file"
         assert "Traceback" not in result.stderr and "training" not in result.stdout
@@ -29,7 +29,7 @@ def test_an_unwritable_save_dir_fails_before_training(data, tmp_path):
 @pytest.mark.parametrize("folder", ["checkpoints", "model"])
 def test_a_read_only_folder_of_the_save_dir_fails_before_training(data, tmp_path, folder):
     save_dir = tmp_path / "run"
-    run_trainer(flags(data, save_dir, "--max_steps", "2"))
+    run_trainer_in_process(flags(data, save_dir, "--max_steps", "2"), check=True)  # the run the refused one resumes
     mounted = save_dir / folder
     before = {path.name: digest(path) for path in mounted.iterdir()}
     result = run_trainer_with_a_read_only(mounted, flags(data, save_dir, "--max_steps", "4", "--from_resume", "1"))
@@ -43,7 +43,7 @@ def test_a_read_only_folder_of_the_save_dir_fails_before_training(data, tmp_path
 def test_a_model_folder_that_links_to_a_read_only_one_is_replaced_by_the_save_not_refused(data, tmp_path):
     # a save renames a new model/ over the link; the read-only folder it points to is never written
     save_dir, published = tmp_path / "run", tmp_path / "published"
-    run_trainer(flags(data, save_dir, "--max_steps", "2"))
+    run_trainer_in_process(flags(data, save_dir, "--max_steps", "2"), check=True)
     (save_dir / "model").rename(published)
     (save_dir / "model").symlink_to(published)
     before = {path.name: digest(path) for path in published.iterdir()}
