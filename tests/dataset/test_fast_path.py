@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataset import chatml
+from dataset import chatml, rendering
 from dataset.chatml_encoder import ChatMLEncoder as ChunkEncoder
 from dataset.formats import Conversation, LineError, parse_line
 from dataset.rendering import encode_with_template as encode_conversation
@@ -31,9 +31,55 @@ def demo_conversations():
     return [parse_line(line) for path in DEMO_FILES for line in open(path, encoding="utf-8") if line.strip()]
 
 
+# The general path's results, per tokenizer object, per conversation object (both kept alive here, so
+# that an id is not reused). Every tokenizer and conversation of these tests is built before its first
+# encoding and not changed after it: a result depends on nothing else.
+SPANS: dict[tuple[int, int], tuple] = {}  # loss_spans: the rendering, the same for every max_seq_len
+GENERAL: dict[tuple[int, int, int], tuple] = {}  # encode_with_template, per max_seq_len
+
+
+@pytest.fixture(scope="module", autouse=True)
+def forget_the_general_path():
+    """The remembered results (tens of MB for the demo set) go with this module's tests."""
+    yield
+    SPANS.clear()
+    GENERAL.clear()
+
+
+def remembered(table, key, objects, compute):
+    """`compute()`'s value, or the LineError it raised (raised again), computed once per key."""
+    if key not in table:
+        try:
+            table[key] = (objects, compute(), None)
+        except LineError as exc:
+            table[key] = (objects, None, exc)
+    _, value, error = table[key]
+    if error is not None:
+        raise error.with_traceback(None)
+    return value
+
+
 def general(tokenizer, conversation, max_seq_len):
+    """encode_with_template's ids and mask, or its LineError. Its loss_spans (the chat template's
+    renderings, most of its time) is computed once per tokenizer and conversation, whatever the
+    max_seq_len: the same function on the same arguments."""
+    real_loss_spans = rendering.loss_spans
+
+    def loss_spans(tok, conv):
+        if tok is not tokenizer or conv is not conversation:
+            return real_loss_spans(tok, conv)
+        key = (id(tokenizer), id(conversation))
+        return remembered(SPANS, key, (tokenizer, conversation), lambda: real_loss_spans(tokenizer, conversation))
+
+    def encode():
+        rendering.loss_spans = loss_spans
+        try:
+            return encode_conversation(tokenizer, conversation, max_seq_len)
+        finally:
+            rendering.loss_spans = real_loss_spans
+
     try:
-        return encode_conversation(tokenizer, conversation, max_seq_len)
+        return remembered(GENERAL, (id(tokenizer), id(conversation), max_seq_len), (tokenizer, conversation), encode)
     except LineError as exc:
         return exc
 
