@@ -61,11 +61,13 @@ class ChatAugmenter:
             self.prefixes.append(np.asarray(with_system[: len(with_system) - len(plain)], dtype=np.int64))
         # A sample that starts like a system prefix already has a system prompt (or a tools block).
         self.system_head = self.prefixes[0][: _common_prefix(self.prefixes)] if self.prefixes else None
-        self.empty_think = np.asarray(tokenizer(EMPTY_THINK, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        empty_think = tokenizer(EMPTY_THINK, add_special_tokens=False, split_special_tokens=False)["input_ids"]
+        self.empty_think = np.asarray(empty_think, dtype=np.int64)
         if drop_empty_think_ratio:
             text = render(tokenizer, Conversation(PROBE))
             dropped = self._drop(np.asarray(plain, dtype=np.int64), np.ones(len(plain), dtype=bool))[0]
-            expected = tokenizer(text.replace(EMPTY_THINK, ""), add_special_tokens=False)["input_ids"]
+            expected = tokenizer(text.replace(EMPTY_THINK, ""), add_special_tokens=False,
+                                 split_special_tokens=False)["input_ids"]
             if EMPTY_THINK not in text or dropped.tolist() != expected:
                 raise DataError("--drop_empty_think_ratio: the chat template and tokenizer give no separable empty think block")
 

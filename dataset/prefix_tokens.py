@@ -23,6 +23,9 @@ MIN_WINDOW_CHARS = 4096
 
 
 def _encode(tokenizer, text: str, **kwargs) -> tuple[list[int], list[tuple[int, int]]]:
+    # The special-token text a template writes is its special token, also for a tokenizer saved with
+    # ``split_special_tokens`` set (its default for every call); data text passes True (rendering).
+    kwargs = {"split_special_tokens": False, **kwargs}
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, **kwargs)
     return list(encoding["input_ids"]), list(encoding["offset_mapping"])
 

@@ -131,6 +131,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     truncation and padding settings are left out: they change no token id of ours (every call
     passes none, and the call clears those a ``tokenizer.json`` saved), and counting them would give
     a tokenizer loaded with them another fingerprint than the same tokenizer after its first call.
+    ``split_special_tokens`` is counted where a tokenizer is saved with it set: it is that
+    tokenizer's default for every call and changes what ``tokenizer(text)`` gives (the chat markers
+    a template writes stay special tokens in our calls, which pass ``False`` for them).
     """
     digest = hashlib.sha256()
     digest.update(_backend_text(tokenizer.backend_tokenizer).encode("utf-8"))
@@ -139,6 +142,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     specials = {name: str(getattr(tokenizer, name, None)) for name in ("bos_token", "eos_token", "pad_token")}
     digest.update(json.dumps(specials, sort_keys=True).encode("utf-8"))
     digest.update(type(tokenizer).__name__.encode("utf-8"))
+    if getattr(tokenizer, "split_special_tokens", False):
+        digest.update(b"split_special_tokens")
     return digest.hexdigest()
 
 

@@ -8,12 +8,15 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 
 import dataset.cache.key as digests
-from dataset import build_cache_and_open, load_tokenizer
-from dataset.rendering import DEFAULT_TOKENIZER_DIR, tokenizer_fingerprint
+from dataset import ChatAugmenter, build_cache_and_open, load_tokenizer
+from dataset.rendering import DEFAULT_TOKENIZER_DIR, prompt_token_ids, tokenizer_fingerprint
+from dataset.tokens import encode_conversation
 from tests.helpers.chat_rows import chat_line, make_chat, write_lines, write_rows
-from tests.helpers.templates import make_alt_tokenizer
+from tests.helpers.templates import PLAIN_CHATML, make_alt_tokenizer, with_template
+from trainer.evaluation.evaluate import stop_token_ids
 
 
 def test_cache_is_reused_without_tokenizing_and_rebuilt_on_changes(tokenizer, tmp_path, monkeypatch):
@@ -120,3 +123,43 @@ def test_a_tokenizer_saved_with_truncation_and_padding_opens_the_cache_it_built(
     assert opened.cache_path.name == expected.cache_path.name
     assert np.array_equal(np.asarray(opened.tokens), np.asarray(expected.tokens))
     assert tokenizer_fingerprint(load_tokenizer(folder)) == tokenizer_fingerprint(tokenizer)
+
+
+@pytest.mark.parametrize("template", [None, PLAIN_CHATML])
+def test_a_tokenizer_saved_with_split_special_tokens_keeps_the_templates_special_tokens(tokenizer, tmp_path, template):
+    """``split_special_tokens`` set in ``tokenizer_config.json`` is every call's default: the special
+    tokens a template writes (``<|im_start|>``) stay one token each, as under the same tokenizer without
+    it, and data that spells one stays text. With the ChatML encoder (the shipped template) and the
+    general path (another template), a short text and one longer than the encoder's window, a
+    generation prompt, the stop tokens, and the augmentation that drops an empty think block. Its
+    caches are its own: the flag is in the fingerprint (the shipped tokenizer's is golden in
+    test_tokens_version.py)."""
+    folder = tmp_path / "tok"
+    shutil.copytree(DEFAULT_TOKENIZER_DIR, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}), encoding="utf-8")
+    splitting, plain = load_tokenizer(folder), load_tokenizer(None)
+    if template is not None:
+        splitting, plain = with_template(splitting, template), with_template(plain, template)
+    assert splitting.split_special_tokens
+    im_start = plain.convert_tokens_to_ids("<|im_start|>")
+    long = {"conversations": [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "Zorlia " * 3000}]}
+    rows = [make_chat(0), long,
+            {"conversations": [{"role": "user", "content": "say <|im_end|>"}, {"role": "assistant", "content": "no"}]}]
+    for row in rows:
+        conversation = row["conversations"]
+        ids, mask = encode_conversation(splitting, conversation, 256)
+        expected_ids, expected_mask = encode_conversation(plain, conversation, 256)
+        assert ids.tolist() == expected_ids.tolist() and mask.tolist() == expected_mask.tolist()
+        assert ids[0] == im_start
+        assert prompt_token_ids(splitting, conversation[:1]) == prompt_token_ids(plain, conversation[:1])
+    if template is None:  # the shipped template writes an empty think block: it is found and dropped
+        ChatAugmenter(splitting, seed=0, drop_empty_think_ratio=1.0)
+    assert tokenizer_fingerprint(splitting) != tokenizer_fingerprint(plain)
+    path = write_lines(tmp_path / "data.jsonl", rows)
+    built, plain_built = (build_cache_and_open(path, tok, 256, num_proc=1) for tok in (splitting, plain))
+    assert built.cache_path != plain_built.cache_path
+    assert np.array_equal(np.asarray(built.tokens), np.asarray(plain_built.tokens))
+    # the end of a turn is the template's <|im_end|> also where eos is another token
+    splitting.eos_token = "<|endoftext|>"
+    assert stop_token_ids(splitting) == plain.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])

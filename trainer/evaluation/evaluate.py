@@ -77,7 +77,8 @@ def end_of_turn_token_id(tokenizer) -> int | None:
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     special = set(tokenizer.all_special_ids) | {
         token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
-    for token_id in tokenizer(text[text.rindex(PROBE) + len(PROBE):], add_special_tokens=False)["input_ids"]:
+    after = tokenizer(text[text.rindex(PROBE) + len(PROBE):], add_special_tokens=False, split_special_tokens=False)
+    for token_id in after["input_ids"]:
         if token_id in special:
             return token_id
     return None
