@@ -105,11 +105,16 @@ def export_dir(out_dir: Path, overwrite: bool, write):
     file), then put those files in ``out_dir`` in place of what it held; returns what ``write`` returned.
 
     ``out_dir`` itself is kept when it exists (it may be the current directory, ``--out_dir .``):
-    its old entries are moved to a second sibling, the new ones moved in, the old ones deleted."""
+    its old entries are moved to a second sibling, the new ones moved in, the old ones deleted. A
+    second sibling left by an export stopped during that swap holds files that are nowhere else: it
+    is refused, not deleted."""
     from trainer.checkpoint.files import write_failure
 
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
     old = out_dir.with_name(f".{out_dir.name}.export-old")
+    if old.is_dir() and any(old.iterdir()):
+        fail(f"an export to {out_dir} was stopped while it replaced the files there, and the files it replaced "
+             f"are in {old}: move back what you want to keep, delete {old}, and export again")
     for leftover in (staging, old):  # of an export that was killed
         shutil.rmtree(leftover, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

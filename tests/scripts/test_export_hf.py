@@ -192,3 +192,28 @@ def test_a_gguf_export_with_overwrite_replaces_the_folder_as_every_format_does(t
     assert replaced.stdout.splitlines()[-1] == f"exported f16 GGUF (qwen3, 6400 tokens) to {out_dir / 'model-f16.gguf'}"
     assert sorted(os.listdir(tmp_path)) == ["exp"] and os.listdir(out_dir) == ["model-f16.gguf"]
     assert gguf.GGUFReader(str(out_dir / "model-f16.gguf")).fields["general.name"].contents() == "exp"
+
+
+def test_the_files_an_export_stopped_mid_swap_set_aside_are_refused_not_deleted(trained, tmp_path):
+    """An export stopped after it moved a folder's files aside (and before it deleted them) leaves them in
+    ``.NAME.export-old``, the only copy: the next export into that folder stops with one line and keeps
+    them; once that folder is gone, an export writes again (and removes a half-written staging folder)."""
+    out_dir = tmp_path / "exp"
+    out_dir.mkdir()
+    (out_dir / "config.json").write_text("half of the new export")
+    old = tmp_path / ".exp.export-old"
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"the only copy")
+    staging = tmp_path / ".exp.export-tmp"
+    staging.mkdir()
+    export = ["export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir), "--overwrite"]
+    refused = script_in_process(*export)
+    assert (refused.returncode, refused.stderr) == (
+        2, f"error: an export to {out_dir} was stopped while it replaced the files there, and the files it replaced "
+           f"are in {old}: move back what you want to keep, delete {old}, and export again\n")
+    assert (old / "model.safetensors").read_bytes() == b"the only copy"
+    assert (out_dir / "config.json").read_text() == "half of the new export" and staging.is_dir()
+    (old / "model.safetensors").unlink()
+    done = script_in_process(*export)
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["exp"] and "model.safetensors" in os.listdir(out_dir)
