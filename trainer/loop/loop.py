@@ -7,8 +7,9 @@ preemption and rank 0's "a save is due" of --save_every_minutes, trainer/loop/sa
 each micro-batch contributes `sum of its token losses / global count`, and DDP's gradient
 averaging (FSDP2's reduce-scatter averages the same way) is undone by a factor of world_size.
 So N ranks x B samples is the same step as 1 rank x N*B, and accumulation is the same as a
-bigger batch. Gradients are all-reduced once per optimizer step (`run.parallel.micro_step`:
-no_sync, or no reduce-scatter, on the other micro-steps).
+bigger batch. DDP all-reduces gradients once per optimizer step (`run.parallel.micro_step`:
+no_sync on the other micro-steps); FSDP2 reduce-scatters them after every micro-batch, so they
+accumulate sharded.
 
 Host synchronisation: none in a step between log lines. The counts come from the CPU batches
 and are summed over the ranks on a gloo group of host memory (`all_reduce_sum_on_host`); a

@@ -8,8 +8,9 @@ small interface, so it never asks which one it has:
 The interface:
     wrap(model)                         -> the module the loop calls (DDP / fully_shard)
     micro_step(model, last)             -> context for one micro-batch's forward+backward of `model`
-                                           (what wrap returned, maybe compiled); only the last
-                                           micro-batch of an optimizer step communicates
+                                           (what wrap returned, maybe compiled): DDP communicates
+                                           on the last micro-batch of an optimizer step only, FSDP
+                                           on every one (its gradients accumulate sharded)
     settle_layout(backward_of_zero)     before the first step: runs `backward_of_zero` (a forward and
                                            backward of zero) where the wrapper's gradient layout settles
                                            at its first backward (DDP), so every step is summed alike

@@ -3,12 +3,16 @@
 Each transformer block and the root module are sharded over all processes: a rank keeps 1/N of
 every weight, gradient and AdamW state in float32. A block's full weights exist only while it runs
 (all-gathered before its forward and again for its backward, in `--dtype`), and its gradients are
-reduce-scattered in float32 after the last micro-batch of an optimizer step.
+reduce-scattered in float32 at the end of its backward, on every micro-batch: with
+`--accumulation_steps` above 1 the micro-batches add up in the sharded gradients, so no rank holds
+the whole model's gradients (at the cost of one reduce-scatter per micro-batch, not one per step).
 
 The mathematics is DDP's: FSDP2's reduce-scatter averages over the ranks exactly as DDP's
 all-reduce does, so the loop's `x world_size` gives the same token-mean gradient under both
 (tests/trainer/parallel/test_fsdp.py checks FSDP against one process and against DDP).
 """
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -62,9 +66,12 @@ class FullyShardedParallel:
         return self.model
 
     def micro_step(self, model, last: bool):
-        """Only the last micro-batch reduce-scatters; the others accumulate unsharded gradients."""
-        self.model.set_requires_gradient_sync(last)
-        return _Nothing()
+        """Every micro-batch reduce-scatters (FSDP2's default): each block's gradients are
+        reduce-scattered as its backward ends and added to the rank's float32 shard, so between
+        micro-batches a rank holds 1/N of them. `set_requires_gradient_sync(False)` (DDP's `no_sync`)
+        would communicate once per step but hold every parameter's whole float32 gradient on every
+        rank until then: the memory sharding is there to save."""
+        return contextlib.nullcontext()
 
     def settle_layout(self, backward_of_zero) -> None:
         """Nothing: FSDP2's reduce-scatter layout is fixed when the model is sharded."""
@@ -109,14 +116,6 @@ class FullyShardedParallel:
 
     def inference_model(self, dtype: torch.dtype):
         return gather_to_rank0(self.model, self.ctx.is_main, dtype)
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def optimizer_state_by_name(model, optimizer, state: dict) -> dict:
