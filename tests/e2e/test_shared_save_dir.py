@@ -51,9 +51,9 @@ def test_a_refusal_names_the_ranks_by_host_as_ranges():
 
 @pytest.fixture(scope="module")
 def two_saves(tmp_path_factory, data):
-    """Two resume checkpoints of one tiny run: after steps 2 and 4."""
+    """Two resume checkpoints of one tiny run: after steps 1 and 2."""
     run = tmp_path_factory.mktemp("saves") / "run"
-    run_trainer_in_process(flags(data, run, "--batch_size", "2", "--max_steps", "4", "--save_interval", "2"),
+    run_trainer_in_process(flags(data, run, "--batch_size", "2", "--max_steps", "2", "--save_interval", "1"),
                            check=True)
     return sorted((run / "checkpoints").glob("step_*.pt"))
 
@@ -62,12 +62,12 @@ def two_saves(tmp_path_factory, data):
 @pytest.mark.parametrize("on_node1, told", [
     (None, "not every rank can read the resume checkpoint (rank 1 on host {host}: resume checkpoint {path} does not "
            "exist): every node needs the same checkpoint at {path}"),
-    (0, "the resume checkpoint {path} is another one on rank 1 on host {host} (step 2 of run {run}) than on rank 0 "
-        "on host {host} (step 4 of run {run}): every node needs the same checkpoint at that path"),
+    (0, "the resume checkpoint {path} is another one on rank 1 on host {host} (step 1 of run {run}) than on rank 0 "
+        "on host {host} (step 2 of run {run}): every node needs the same checkpoint at that path"),
 ])
 def test_a_resume_checkpoint_that_differs_between_nodes_stops_every_rank(two_saves, data, tmp_path, on_node1, told):
-    # --resume_from one path, which holds the save of step 4 on node 0, and on node 1 (rank 1, which
-    # sees its own folder at that path) no file, or the save of step 2.
+    # --resume_from one path, which holds the save of step 2 on node 0, and on node 1 (rank 1, which
+    # sees its own folder at that path) no file, or the save of step 1.
     nodes = (tmp_path / "node0", tmp_path / "node1")
     for node in nodes:
         node.mkdir()

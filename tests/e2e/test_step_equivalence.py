@@ -5,7 +5,7 @@ balance loss is per row and divided by the step's global row count)."""
 import pytest
 
 from tests.helpers.trainer_launch import (
-    assert_weights_equal, final_weights, flags, run_trainer, run_trainer_in_process, together, train_losses,
+    SCRIPT, assert_weights_equal, final_weights, flags, run_ranks_apart, run_trainer_in_process, together, train_losses,
 )
 
 pytestmark = pytest.mark.slow
@@ -18,9 +18,12 @@ MOE = ["--use_moe", "1", "--num_experts", "4", "--num_experts_per_tok", "2", "--
 def test_two_ranks_with_accumulation_equal_one_rank_with_the_whole_batch(data, tmp_path, model_flags):
     steps = ["--max_steps", "3", "--save_interval", "0", "--learning_rate", "1e-3", "--warmup_steps", "10",
              *model_flags]
-    together(lambda: run_trainer_in_process(flags(data, tmp_path / "one", "--batch_size", "8", *steps), check=True),
-             lambda: run_trainer(flags(data, tmp_path / "split", "--batch_size", "2", "--accumulation_steps", "2",
-                                       *steps), nproc=2))
+    # the two ranks as two plain processes (RANK, WORLD_SIZE in their environment): the launcher is not what is checked
+    _, ranks = together(
+        lambda: run_trainer_in_process(flags(data, tmp_path / "one", "--batch_size", "8", *steps), check=True),
+        lambda: run_ranks_apart(SCRIPT, flags(data, tmp_path / "split", "--batch_size", "2", "--accumulation_steps", "2",
+                                              *steps), local_ranks=(0, 1)))
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks
     one, split = final_weights(tmp_path / "one"), final_weights(tmp_path / "split")
     assert_weights_equal(split, one, atol=1e-5)
     losses = train_losses(tmp_path / "one")

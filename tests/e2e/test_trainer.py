@@ -8,9 +8,11 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.in_process import run_in_process
+from tests.helpers.record_dtypes import main_recording
 from tests.helpers.trainer_launch import (
-    REPO, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_trainer,
-    run_trainer_in_process, together, train_losses,
+    REPO, SCRIPT, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_ranks_apart,
+    run_trainer, run_trainer_in_process, together, train_losses,
 )
 
 pytestmark = pytest.mark.slow
@@ -29,6 +31,19 @@ def one_process_batch_8(data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def two_ranks_batch_4(data, tmp_path_factory):
+    """2 ranks x batch 4 under torchrun, STEPS with a save at step 2 besides the last (a save reads the
+    weights, it does not change them), each rank recording the files it writes (record_opens.py):
+    the run that must equal one_process_batch_8, and whose rank 1 must write nothing."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    (folder / "report").mkdir()
+    run_trainer(flags(data, folder / "run", "--batch_size", "4", *STEPS, "--save_interval", "2"), nproc=2,
+                script=os.path.join(REPO, "tests", "helpers", "record_opens.py"),
+                env=clean_env(MINISFT_WRITE_REPORT=str(folder / "report")))
+    return folder
+
+
+@pytest.fixture(scope="module")
 def one_step_run(data, tmp_path_factory):
     """One process, batch 4, 1 step: the checkpoint that the refused resumes start from."""
     save_dir = tmp_path_factory.mktemp("one_step")
@@ -37,16 +52,16 @@ def one_step_run(data, tmp_path_factory):
 
 
 def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation_equals_bigger_batch(
-        data, one_process_batch_8, tmp_path):
-    together(lambda: run_trainer_in_process(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps",
-                                                  "2", *STEPS), check=True),
-             lambda: run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", *STEPS), nproc=2))
+        data, one_process_batch_8, two_ranks_batch_4, tmp_path):
+    run_trainer_in_process(flags(data, tmp_path / "accum", "--batch_size", "4", "--accumulation_steps", "2", *STEPS),
+                           check=True)
     one = final_weights(one_process_batch_8)
-    assert_weights_equal(final_weights(tmp_path / "two"), one, atol=1e-5)
+    assert_weights_equal(final_weights(two_ranks_batch_4 / "run"), one, atol=1e-5)
     assert_weights_equal(final_weights(tmp_path / "accum"), one, atol=1e-5)
     losses = train_losses(one_process_batch_8)
-    for other in ("two", "accum"):
-        for step, loss in train_losses(tmp_path / other).items():
+    for other in (two_ranks_batch_4 / "run", tmp_path / "accum"):
+        assert sorted(train_losses(other)) == [1, 2, 3]
+        for step, loss in train_losses(other).items():
             assert loss == pytest.approx(losses[step], abs=1e-5)
     # the training changed the weights (the equality above is not trivial)
     initial = torch.load(checkpoint_at(one_process_batch_8, 3), weights_only=True)
@@ -96,14 +111,17 @@ def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):
     # Autocast is proven by the dtype of the matmul outputs inside the training step, not by the
     # losses differing (on a CPU without native bf16 they can coincide). 2 tiny steps: bf16 is
     # emulated, many times slower, on AVX2-only CPUs.
+    # Each run in this process (autocast is a per-thread state its step enters and leaves), on one
+    # thread as a trainer process would.
     def recorded(dtype):
-        return run_trainer(flags(data, tmp_path / dtype, "--batch_size", "4", "--max_steps", "2", "--dtype", dtype),
-                           script=os.path.join(REPO, "tests", "helpers", "record_dtypes.py"),
-                           env=clean_env(MINISFT_DTYPE_REPORT=str(tmp_path / f"{dtype}.json")))
+        args = flags(data, tmp_path / dtype, "--batch_size", "4", "--max_steps", "2", "--dtype", dtype)
+        done = run_in_process(["record_dtypes.py", *args],
+                              lambda: main_recording(args, str(tmp_path / f"{dtype}.json")), threads=1)
+        assert done.returncode == 0, done.stderr[-5000:]
 
-    result, *_ = together(lambda: run_trainer_in_process(flags(data, tmp_path / "fp16", "--max_steps", "1", "--dtype",
-                                                               "float16")),
-                          lambda: recorded("bfloat16"), lambda: recorded("float32"))
+    recorded("bfloat16")
+    recorded("float32")
+    result = run_trainer_in_process(flags(data, tmp_path / "fp16", "--max_steps", "1", "--dtype", "float16"))
     assert json.load(open(tmp_path / "bfloat16.json")) == ["torch.bfloat16"]
     assert json.load(open(tmp_path / "float32.json")) == ["torch.float32"]
     weights = final_weights(tmp_path / "bfloat16")
@@ -166,7 +184,8 @@ def test_two_torchrun_agents_as_two_nodes_train_together(data, one_process_batch
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
     # With MiniMind's augmentations on: they are drawn per (seed, epoch, sample), also in workers.
-    common = ["--batch_size", "4", "--max_steps", "7", "--dropout", "0.1", "--num_workers", workers,
+    # 5 steps, saved at 3, an eval at 2 and at 4: an eval before the save and one after it.
+    common = ["--batch_size", "4", "--max_steps", "5", "--dropout", "0.1", "--num_workers", workers,
               "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2",
               "--system_prompt_ratio", "0.5", "--drop_empty_think_ratio", "0.5"]
     # in this process, but DataLoader workers are forked from a process of the run's own
@@ -175,11 +194,11 @@ def test_resume_after_k_steps_is_bit_identical(data, tmp_path, workers):
     # The state a crash after step 3 leaves behind is the step-3 checkpoint: continue from it.
     resumed = run_trainer(flags(data, tmp_path / "resumed", *common, "--save_interval", "0",
                                 "--resume_from", checkpoint_at(tmp_path / "full", 3)))
-    assert "resuming from" in resumed.stdout and "training 7 optimizer steps from step 3" in resumed.stdout
+    assert "resuming from" in resumed.stdout and "training 5 optimizer steps from step 3" in resumed.stdout
     assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "full"))
-    assert torch.load(checkpoint_at(tmp_path / "full", 7), weights_only=True)["step"] == 7
+    assert torch.load(checkpoint_at(tmp_path / "full", 5), weights_only=True)["step"] == 5
     losses_full, losses_resumed = train_losses(tmp_path / "full"), train_losses(tmp_path / "resumed")
-    assert all(losses_resumed[s] == losses_full[s] for s in range(4, 8))
+    assert all(losses_resumed[s] == losses_full[s] for s in (4, 5))
 
 
 def test_resume_on_a_different_world_size_continues_the_same_sample_stream(data, tmp_path):
@@ -187,32 +206,30 @@ def test_resume_on_a_different_world_size_continues_the_same_sample_stream(data,
     run_trainer_in_process(flags(data, tmp_path / "full", "--batch_size", "4", *common, "--save_interval", "3"),
                            check=True)
     # same global batch (2 ranks x 2 = 1 rank x 4), so the same samples and the same mathematics
-    resumed = run_trainer(flags(data, tmp_path / "resumed", "--batch_size", "2", *common, "--save_interval", "0",
-                                "--resume_from", checkpoint_at(tmp_path / "full", 3)), nproc=2)
-    assert "resuming a 1-process run on 2 processes" in resumed.stdout
+    # two ranks as two plain processes: the launcher is not what is checked
+    ranks = run_ranks_apart(SCRIPT, flags(data, tmp_path / "resumed", "--batch_size", "2", *common, "--save_interval",
+                                          "0", "--resume_from", checkpoint_at(tmp_path / "full", 3)), local_ranks=(0, 1))
+    assert [rank.returncode for rank in ranks] == [0, 0], ranks
+    assert "resuming a 1-process run on 2 processes" in ranks[0].stdout
     assert_weights_equal(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "full"), atol=1e-5)
 
 
 def test_from_resume_picks_the_latest_checkpoint_and_keeps_last(data, tmp_path):
-    run_trainer(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "5", "--save_interval", "1",
-                      "--keep_last", "2"))
+    run_trainer_in_process(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "5", "--save_interval", "1",
+                                 "--keep_last", "2"), check=True)
     names = sorted(os.listdir(tmp_path / "checkpoints"))
     assert names == ["step_00000004.pt", "step_00000005.pt"]
-    again = run_trainer(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "6", "--save_interval", "0",
-                              "--from_resume", "1"))
+    again = run_trainer_in_process(flags(data, tmp_path, "--batch_size", "4", "--max_steps", "6", "--save_interval",
+                                         "0", "--from_resume", "1"), check=True)
     assert "resuming from" in again.stdout and "step_00000005.pt" in again.stdout
     assert torch.load(checkpoint_at(tmp_path, 6), weights_only=True)["step"] == 6
 
 
-def test_only_rank_zero_writes_files(data, tmp_path):
-    report = tmp_path / "report"
-    report.mkdir()
-    save_dir = tmp_path / "run"
-    run_trainer(flags(data, save_dir, "--batch_size", "4", "--max_steps", "2", "--save_interval", "1"), nproc=2,
-                script=os.path.join(REPO, "tests", "helpers", "record_opens.py"), env=clean_env(MINISFT_WRITE_REPORT=str(report)))
+def test_only_rank_zero_writes_files(two_ranks_batch_4):
+    report, save_dir = two_ranks_batch_4 / "report", two_ranks_batch_4 / "run"
     rank0 = [p for p in json.load(open(report / "rank0.json")) if p.startswith(str(save_dir))]
     rank1 = [p for p in json.load(open(report / "rank1.json")) if p.startswith(str(save_dir))]
-    assert any(p.endswith("step_00000002.pt") for p in rank0)
+    assert any(p.endswith("step_00000002.pt") for p in rank0) and any(p.endswith("step_00000003.pt") for p in rank0)
     assert any(p.endswith("metrics.jsonl") for p in rank0)
     assert any(".model.tmp." in p and p.endswith("config.json") for p in rank0)  # inference weights
     assert str(save_dir / "model") in rank0  # renamed into place
@@ -244,9 +261,10 @@ def test_truncated_checkpoint_is_refused_with_a_clear_message(data, one_step_run
 
 
 def test_ddp_neither_broadcasts_nor_reduces_the_rope_buffers():
-    result = subprocess.run([sys.executable, os.path.join(REPO, "tests", "helpers", "ddp_buffers_check.py")], cwd=REPO,
-                            env=clean_env(), capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = run_ranks_apart(os.path.join(REPO, "tests", "helpers", "ddp_buffers_check.py"), [], local_ranks=(0, 1),
+                            timeout=180)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
+    result = ranks[1]  # rank 1 reports
     assert "ignored: ['model.freqs_cos', 'model.freqs_sin']" in result.stdout
     assert "without ignore: rank 1 buffer overwritten by rank 0" in result.stdout
     assert "with ignore: rank 1 buffer kept" in result.stdout

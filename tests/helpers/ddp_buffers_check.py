@@ -1,4 +1,5 @@
-"""Two real gloo processes show what DDP does with the RoPE buffers (run by test_trainer.py).
+"""Two real gloo processes show what DDP does with the RoPE buffers (run by test_trainer.py): started
+as two processes with RANK, WORLD_SIZE and MASTER_PORT set, each runs one rank; without RANK, it spawns both.
 
 Rank 1 corrupts its copy of `freqs_cos` before wrapping. A plain DDP wrapper broadcasts rank 0's
 buffers at construction (and before each forward), overwriting it; the trainer's wrapper, which
@@ -68,7 +69,9 @@ def worker(rank: int, port: int) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "RANK" in os.environ:  # one rank of the two, started apart (MASTER_PORT given)
+    worker(int(os.environ["RANK"]), int(os.environ["MASTER_PORT"]))
+elif __name__ == "__main__":
     import socket
 
     with socket.socket() as sock:
