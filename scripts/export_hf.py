@@ -113,7 +113,7 @@ def export_dir(out_dir: Path, overwrite: bool, write):
     staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
     old = out_dir.with_name(f".{out_dir.name}.export-old")
     if old.is_dir() and any(old.iterdir()):
-        fail(f"an export to {out_dir} was stopped while it replaced the files there, and the files it replaced "
+        fail(f"an export to {out_dir} was stopped while it swapped the files there, and the old files "
              f"are in {old}: move back what you want to keep, delete {old}, and export again")
     for leftover in (staging, old):  # of an export that was killed
         shutil.rmtree(leftover, ignore_errors=True)

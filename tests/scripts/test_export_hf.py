@@ -209,7 +209,7 @@ def test_the_files_an_export_stopped_mid_swap_set_aside_are_refused_not_deleted(
     export = ["export_hf.py", "--model_path", str(trained["checkpoint"]), "--out_dir", str(out_dir), "--overwrite"]
     refused = script_in_process(*export)
     assert (refused.returncode, refused.stderr) == (
-        2, f"error: an export to {out_dir} was stopped while it replaced the files there, and the files it replaced "
+        2, f"error: an export to {out_dir} was stopped while it swapped the files there, and the old files "
            f"are in {old}: move back what you want to keep, delete {old}, and export again\n")
     assert (old / "model.safetensors").read_bytes() == b"the only copy"
     assert (out_dir / "config.json").read_text() == "half of the new export" and staging.is_dir()
