@@ -278,12 +278,18 @@ def build_optimizer(model: MiniMindForCausalLM, args, device: torch.device) -> t
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=True)
 
 
-def keep_fused_kernels(optimizer: torch.optim.Optimizer) -> None:
-    """After a resume: loading an optimizer state takes each group's settings from the checkpoint
-    (`fused`, `foreach` of the run that wrote it); back to fused AdamW, whose step counters live on
-    the parameters' device in float32."""
-    for group in optimizer.param_groups:
-        group.update(fused=True, foreach=None)
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's settings (all but its parameters): what `build_optimizer` made of this run's flags."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def keep_run_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> None:
+    """After a resume: loading an optimizer state takes each group's settings from the checkpoint (the
+    --weight_decay, `fused` and `foreach` of the run that wrote it); back to this run's `settings`
+    (`group_settings` before the load), so that --weight_decay acts as --learning_rate does, and back to
+    fused AdamW, whose step counters live on the parameters' device in float32."""
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        group.update(own)
         for param in group["params"]:
             state = optimizer.state.get(param, {})
             if "step" in state:

@@ -23,7 +23,7 @@ from trainer.evaluation.evaluate import EvalSet
 from trainer.evaluation.selection import measured_on, measured_with, same_measurement
 from trainer.loop.health import StepHealth
 from trainer.loop.save_clock import SaveClock
-from trainer.model_setup import keep_fused_kernels
+from trainer.model_setup import group_settings, keep_run_settings
 from trainer.parallel import Parallelism
 from trainer.parallel.ddp import unwrap
 from trainer.run_logger import RunLogger
@@ -147,6 +147,7 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         raise CheckpointError(f"resume checkpoint does not fit this run: {problems}")
     if not is_sharded(saved):
         saved["model"] = with_tied_head(saved["model"], tied)
+    settings = group_settings(run.optimizer)  # this run's flags: the load replaces them with the checkpoint's
     try:
         run.parallel.load_training_state(run.optimizer, saved)
     except CheckpointError:
@@ -159,7 +160,7 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         # sharded checkpoint) steps an optimizer without state at learning rate 0 to give it one (AdamW's
         # counter at 1), which an empty saved state (a one-process or DDP file's) leaves in place.
         run.optimizer.state.clear()
-    keep_fused_kernels(run.optimizer)
+    keep_run_settings(run.optimizer, settings)
     if saved.get("scaler") and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))
     if saved["world_size"] == run.ctx.world_size:
