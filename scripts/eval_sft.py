@@ -77,6 +77,17 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def check_data_path(path: Path) -> None:
+    """Refuse, before the model loads, a --data_path that is no readable data file: a directory (this
+    command reads one file, not the trainer's shards), or what the trainer refuses a file for
+    (missing, empty, one JSON array, UTF-16, ...: ``dataset.sources.check_data_file``)."""
+    from dataset.sources import check_data_file
+
+    if path.is_dir():
+        fail(f"--data_path {path} is a directory: eval_sft.py reads one .jsonl, .jsonl.gz, .json or .parquet file")
+    check_data_file(path)
+
+
 def read_examples(path: Path, tokenizer, max_seq_len: int, limit: int | None = None) -> list[Example]:
     """Parse and encode the file, read as training reads it (``dataset.sources``); a bad line raises ``DataError("file:line: problem")``."""
     import numpy as np
@@ -281,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)  # ranges checked (scripts/_common.ArgumentParser)
     check_output_file(args.json_out, "--json_out")
     check_not_an_input(args.json_out, "--json_out", [args.data_path])
+    check_data_path(Path(args.data_path))
     model, tokenizer = load_model_and_tokenizer(args)
     max_seq_len, limit, remedy = length_limit(args.max_seq_len, model.config.max_position_embeddings)
     examples = read_examples(Path(args.data_path), tokenizer, max_seq_len, args.limit)

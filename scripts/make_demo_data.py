@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._common import ArgumentParser, fail, run_main  # noqa: E402
+from scripts._common import REPO_DIR, ArgumentParser, fail, run_main  # noqa: E402
 from trainer.args import path_value  # noqa: E402
 from scripts._demo_plain import (  # noqa: E402
     FIELD_OF, GREETINGS, PREFIXES, country_name, is_eval_phrasing, make_eval_sample, make_train_sample, phrasings,
@@ -263,7 +263,9 @@ def check_replaceable(path: Path, text: str, overwrite: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="make_demo_data.py")
-    parser.add_argument("--out-dir", default="dataset/demo", type=path_value)
+    parser.add_argument("--out-dir", default=str(REPO_DIR / "dataset" / "demo"), type=path_value,
+                        help="where sft_train.jsonl and sft_eval.jsonl go: by default the repository's, which "
+                             "train_full_sft.py and eval_sft.py read, whatever the working directory")
     parser.add_argument("--train-size", type=int, default=7000)
     parser.add_argument("--eval-size", type=int, default=300)
     parser.add_argument("--tool-train-size", type=int, default=4000)

@@ -65,6 +65,17 @@ def test_make_demo_data_replaces_other_data_only_with_overwrite_and_rewrites_its
         assert len((tmp_path / "sft_train.jsonl").read_text().splitlines()) == 4
 
 
+def test_make_demo_data_writes_by_default_where_training_reads_whatever_the_working_directory(tmp_path):
+    # other sizes: other bytes than the bundled files, so the repository's files are refused, not replaced
+    sizes = ("--train-size", "3", "--eval-size", "2", "--tool-train-size", "1", "--tool-eval-size", "1")
+    bundled = (DEMO / "sft_train.jsonl").read_bytes()
+    done = script_in_process("make_demo_data.py", *sizes, cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (2, f"error: {DEMO / 'sft_train.jsonl'} exists and is not this demo "
+                                                 "data (your own data?): choose another --out-dir, or --overwrite to "
+                                                 "replace it\n")
+    assert list(tmp_path.iterdir()) == [] and (DEMO / "sft_train.jsonl").read_bytes() == bundled
+
+
 def test_make_demo_data_refuses_a_negative_size_or_a_file_as_out_dir_in_one_line(tmp_path):
     done = script_in_process("make_demo_data.py", "--tool-train-size", "-1", "--out-dir", str(tmp_path / "new"))
     assert (done.returncode, done.stderr) == (2, "error: --tool-train-size must be >= 0 (got -1)\n")

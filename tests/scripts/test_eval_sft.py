@@ -129,6 +129,17 @@ def test_a_json_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp
         assert (done.returncode, done.stderr) == (2, f"error: {line}\n")
 
 
+def test_a_data_path_that_is_no_data_file_is_refused_before_the_model_loads(tmp_path):
+    # the model path is never reached; a directory is named as this command's flag, not the trainer's
+    (tmp_path / "empty.jsonl").write_text("")
+    for value, line in ((tmp_path, f"--data_path {tmp_path} is a directory: eval_sft.py reads one .jsonl, "
+                                   ".jsonl.gz, .json or .parquet file"),
+                        (tmp_path / "empty.jsonl", f"{tmp_path / 'empty.jsonl'}: data file is empty"),
+                        (tmp_path / "none.jsonl", f"{tmp_path / 'none.jsonl'}: data file not found")):
+        done = script_in_process("eval_sft.py", "--model_path", str(tmp_path / "none"), "--data_path", str(value))
+        assert (done.returncode, done.stderr) == (2, f"error: {line}\n")
+
+
 def test_a_max_seq_len_that_holds_no_label_is_refused_before_the_model_loads(tmp_path):
     # one token has no next token to predict: the trainer's bound (>= 2), not a NaN loss with exit 0
     done = script_in_process("eval_sft.py", "--model_path", str(tmp_path / "none"), "--max_seq_len", "1")
