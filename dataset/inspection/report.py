@@ -65,6 +65,7 @@ class SourceReport:
     supervised: np.ndarray = field(default_factory=lambda: np.zeros(len(SEGMENTS), dtype=np.int64))
     cut: np.ndarray = field(default_factory=lambda: np.zeros(len(SEGMENTS), dtype=np.int64))
     assistant_turns: int = 0
+    trained_turns: int = 0  # assistant turns with a loss token within max_seq_len, in kept rows
     empty_thinks: int = 0  # assistant turns whose empty think block carries loss
     empty_think_tokens: int = 0  # their supervised tokens
     samples: list[Sample] = field(default_factory=list)
@@ -78,6 +79,7 @@ class SourceReport:
             self.tokens += row.counts()
             self.supervised += row.counts(supervised_only=True)
             self.cut += row.counts(kept=False)
+            self.trained_turns += row.trained_turns()
             blocks, tokens = row.supervised_empty_thinks()
             self.empty_thinks += blocks
             self.empty_think_tokens += tokens
@@ -129,7 +131,8 @@ class SourceReport:
             "name": self.name, "spec": self.spec, "files": self.files, "weight": self.weight, "max_seq_len": self.max_seq_len,
             "rows": self.rows, "total_rows": self.total_rows, "bad": self.bad, "kept": self.kept,
             "truncated": self.truncated, "dropped": dict(self.dropped), "drop_examples": dict(self.drop_examples),
-            "assistant_turns": self.assistant_turns, "supervised_empty_think_blocks": self.empty_thinks,
+            "assistant_turns": self.assistant_turns, "trained_assistant_turns": self.trained_turns,
+            "supervised_empty_think_blocks": self.empty_thinks,
             "supervised_empty_think_tokens": self.empty_think_tokens,
             "segments": {name: {"tokens": int(self.tokens[k]), "supervised": int(self.supervised[k]),
                                 "cut": int(self.cut[k])} for k, name in enumerate(SEGMENTS)},
@@ -278,8 +281,9 @@ def report_lines(report: SourceReport) -> list[str]:
         lines.append(f"  dropped {count}: {reason} (e.g. {report.drop_examples[reason]})")
     if report.bad:
         lines.append(f"  bad {report.bad}: first {report.first_bad}")
-    lines.append(f"  assistant turns: {report.assistant_turns}; {report.empty_thinks} learn an empty think block "
-                 f"({report.empty_think_tokens} supervised tokens)")
+    lines.append(f"  assistant turns: {report.assistant_turns}, {report.trained_turns} trained (a loss token within "
+                 f"--max_seq_len); {report.empty_thinks} learn an empty think block ({report.empty_think_tokens} "
+                 "supervised tokens)")
     return lines + segment_table([report])
 
 
@@ -287,7 +291,7 @@ def empty_think_warning(reports: list[SourceReport]) -> str:
     blocks = sum(report.empty_thinks for report in reports)
     tokens = sum(report.empty_think_tokens for report in reports)
     share = percent(tokens, sum(int(report.supervised.sum()) for report in reports))
-    return (f"{blocks} of {sum(report.assistant_turns for report in reports)} assistant turns learn an empty think "
+    return (f"{blocks} of {sum(report.trained_turns for report in reports)} trained assistant turns learn an empty think "
             f"block (<think>\\n\\n</think> supervised: {tokens} tokens, {share} of the loss tokens): the model learns to "
             "skip its reasoning; right for replies meant to be thinking-off, else give them reasoning or drop the empty "
             "blocks from most samples (--drop_empty_think_ratio 0.8, as MiniMind)")

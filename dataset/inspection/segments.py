@@ -51,6 +51,7 @@ class SegmentedRow:
     max_seq_len: int
     empty_thinks: list[tuple[int, int]] = field(default_factory=list)  # token ranges of empty think blocks
     assistant_turns: int = 0
+    turns: list[tuple[int, int]] = field(default_factory=list)  # token ranges of the assistant turns' loss spans
     thoughts: int = 0  # think blocks with reasoning in them
 
     @property
@@ -80,6 +81,10 @@ class SegmentedRow:
         their supervised tokens)."""
         tokens = [int(self.supervised[start:min(end, self.kept)].sum()) for start, end in self.empty_thinks]
         return sum(map(bool, tokens)), sum(tokens)
+
+    def trained_turns(self) -> int:
+        """Assistant turns with a supervised token within ``max_seq_len`` (none in a dropped row)."""
+        return sum(bool(self.supervised[start:min(end, self.kept)].any()) for start, end in self.turns)
 
     def drop_reason(self) -> tuple[str, str] | None:
         """``None`` for a kept row; else (reason, detail with the numbers) of why no loss token is left."""
@@ -125,13 +130,19 @@ def segment_row(tokenizer, conversation: Conversation, max_seq_len: int) -> Segm
         segments = codes[middle]
     else:
         segments = np.full(len(ids), TEMPLATE, dtype=np.int8)
-    empty_thinks = []
-    for start, end in (think[:2] for think in thinks if think[2]):
+    empty_thinks = _token_ranges(offsets, (think[:2] for think in thinks if think[2]))
+    return SegmentedRow(text, ids, offsets, supervised, segments.astype(np.int8), max_seq_len, empty_thinks, turns,
+                        _token_ranges(offsets, spans), sum(not think[2] for think in thinks))
+
+
+def _token_ranges(offsets: np.ndarray, character_ranges) -> list[tuple[int, int]]:
+    """(first, end) token indices of the tokens overlapping each character range that has any."""
+    ranges = []
+    for start, end in character_ranges:
         inside = np.flatnonzero((offsets[:, 1] > start) & (offsets[:, 0] < end))
         if len(inside):
-            empty_thinks.append((int(inside[0]), int(inside[-1]) + 1))
-    return SegmentedRow(text, ids, offsets, supervised, segments.astype(np.int8), max_seq_len, empty_thinks, turns,
-                        sum(not think[2] for think in thinks))
+            ranges.append((int(inside[0]), int(inside[-1]) + 1))
+    return ranges
 
 
 def character_segments(tokenizer, conversation: Conversation, text: str, spans: list[tuple[int, int]]):

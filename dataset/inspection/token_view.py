@@ -121,7 +121,7 @@ def html_page(reports: list[SourceReport], samples: list[Sample], title: str, me
         about = [f"<h3>{html.escape(report.name)} ({html.escape(report.spec)}): {html.escape(report.sampled_text())}</h3>",
                  f'<p class="facts">{report.kept} rows kept, {dropped} dropped, {report.bad} bad; {report.truncated} '
                  f"longer than --max_seq_len {report.max_seq_len} (cut); {report.empty_thinks} of "
-                 f"{report.assistant_turns} assistant turns learn an empty think block "
+                 f"{report.trained_turns} trained assistant turns learn an empty think block "
                  f"({percent(report.empty_think_tokens, int(report.supervised.sum()))} of the loss tokens)</p>"]
         about += [f'<p class="facts">dropped {count}: {html.escape(reason)} (e.g. '
                   f"{html.escape(report.drop_examples[reason])})</p>" for reason, count in report.dropped.most_common()]

@@ -121,6 +121,20 @@ def test_a_supervised_empty_think_block_is_counted_with_its_tokens(tokenizer):
     assert segment_row(tokenizer, TOOL_CHAT, start + 2).supervised_empty_thinks() == (1, 2)  # partly kept
 
 
+def test_a_turn_is_trained_where_a_loss_token_of_it_is_kept(tokenizer):
+    """TOOL_CHAT's two assistant turns (a tool call, then the answer): both trained when whole, the first
+    alone when the second's loss tokens are all cut, none when the row is dropped."""
+    row = segment_row(tokenizer, TOOL_CHAT, 4096)
+    assert row.assistant_turns == 2 and len(row.turns) == 2 and row.trained_turns() == 2
+    second = row.turns[1][0]
+    assert all(row.supervised[start:end].any() for start, end in row.turns)
+    assert segment_row(tokenizer, TOOL_CHAT, second).trained_turns() == 1
+    assert segment_row(tokenizer, TOOL_CHAT, second + 1).trained_turns() == 2
+    first = int(np.flatnonzero(row.supervised)[0])
+    dropped = segment_row(tokenizer, TOOL_CHAT, first)
+    assert dropped.dropped and dropped.assistant_turns == 2 and dropped.trained_turns() == 0
+
+
 def test_a_tools_block_longer_than_max_seq_len_drops_the_row_with_that_reason(tokenizer):
     tools = count(tokenizer, TOOLS_BLOCK)
     dropped = segment_row(tokenizer, TOOL_CHAT, tools)
@@ -170,7 +184,11 @@ def test_with_240_tokens_every_demo_tool_conversation_is_dropped(tokenizer, tmp_
     assert report.tokens[SEGMENTS.index("tools block")] == 0 and report.cut[SEGMENTS.index("tools block")] > 240 * with_tools
     warnings = report.warnings()
     assert any(f"{with_tools} of 40 rows dropped" in w and "tools block alone" in w for w in warnings)
-    assert any("learn an empty think block" in w for w in warnings)
+    # the empty think blocks are counted against the turns that are trained, not those of dropped rows
+    trained = sum(segment_row(tokenizer, parse_row(json.loads(line)), 240).trained_turns() for line in lines)
+    assert 0 < report.trained_turns == trained < report.assistant_turns
+    assert any(f"{report.empty_thinks} of {trained} trained assistant turns learn an empty think block" in w
+               for w in warnings)
     cut_calls = report.cut[SEGMENTS.index("tool call")]
     assert f"{report.name}: no tool call is trained: all {cut_calls} tool call tokens are cut by --max_seq_len 240" in warnings
 
