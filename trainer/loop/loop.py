@@ -33,7 +33,7 @@ from trainer.errors import CheckpointError, ConfigError, TrainingError, first_li
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
-from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, set_lr
+from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, schedule_change, set_lr
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
@@ -271,6 +271,8 @@ def train(run: Run) -> str:
     nothing_left = nothing_left_to_train(run, total_steps)
     if nothing_left:
         logger.print(nothing_left)
+    elif note := schedule_change(state.step, run.resumed_lr, total_steps, args.learning_rate, warmup, args.min_lr_ratio):
+        logger.print(note)
     run.model.train()
     logger.print(
         f"training {total_steps} optimizer steps from step {state.step}: {run.ctx.world_size} process(es) x "

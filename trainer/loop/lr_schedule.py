@@ -17,6 +17,21 @@ def cosine_lr(step: int, total_steps: int, peak_lr: float, warmup_steps: int, mi
     return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_change(step: int, resumed_lr: float | None, total_steps: int, peak_lr: float, warmup_steps: int,
+                    min_lr_ratio: float) -> str | None:
+    """What to say where a resume at `step` continues on another curve than the checkpoint's run: the
+    total counts optimizer steps of the global batch (processes x batch x accumulation), so another
+    global batch, --epochs or --max_steps (or another peak, warmup or floor) moves the learning rate."""
+    if resumed_lr is None or step == 0:
+        return None
+    here = cosine_lr(step - 1, total_steps, peak_lr, warmup_steps, min_lr_ratio)
+    if math.isclose(here, resumed_lr, rel_tol=1e-6, abs_tol=1e-12):
+        return None
+    return (f"note: this run's learning rate schedule ({total_steps} optimizer steps, warmup {warmup_steps}) is not "
+            f"the checkpoint's: its step {step} trained at {resumed_lr:.4g}, this schedule gives {here:.4g} there, "
+            f"and the run goes on at {cosine_lr(step, total_steps, peak_lr, warmup_steps, min_lr_ratio):.4g}")
+
+
 def default_warmup_steps(total_steps: int) -> int:
     return max(1, round(0.03 * total_steps)) if total_steps > 1 else 0
 

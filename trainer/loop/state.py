@@ -75,6 +75,7 @@ class Run:
     health: StepHealth = field(default_factory=StepHealth)  # the steps' flags on the device, not read yet
     writer: BackgroundWriter = field(default_factory=BackgroundWriter)  # the saves' writer thread
     save_clock: SaveClock = field(default_factory=SaveClock)  # --save_every_minutes (set by the loop)
+    resumed_lr: float | None = None  # the learning rate of the resume checkpoint's last step (None: no step)
 
     @functools.cached_property
     def tokenizer_record(self) -> dict:
@@ -160,6 +161,8 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         # sharded checkpoint) steps an optimizer without state at learning rate 0 to give it one (AdamW's
         # counter at 1), which an empty saved state (a one-process or DDP file's) leaves in place.
         run.optimizer.state.clear()
+    else:
+        run.resumed_lr = run.optimizer.param_groups[0]["lr"]  # the checkpoint's, before this run's settings
     keep_run_settings(run.optimizer, settings)
     if saved.get("scaler") and run.scaler.is_enabled():
         run.scaler.load_state_dict(scaler_state_for_resume(saved["scaler"], run.logger.print))

@@ -1,7 +1,9 @@
 """What a resume takes from its flags and what from its checkpoint: the optimizer's settings."""
 
+import math
 import shutil
 
+import pytest
 import torch
 
 from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer_in_process
@@ -29,3 +31,27 @@ def test_a_resume_trains_with_its_own_weight_decay(data, tmp_path):
         difference = changed["model"][name] - kept["model"][name]
         expected = -lr * (0.5 - 0.01) * weight if weight.dim() >= 2 else torch.zeros_like(weight)
         torch.testing.assert_close(difference, expected, rtol=0, atol=1e-7, msg=name)
+
+
+def test_a_resume_on_another_schedule_says_where_the_learning_rate_goes(data, tmp_path):
+    """A resume with another total of optimizer steps (here --max_steps 4 -> 8: the cosine is stretched;
+    another global batch or --epochs does the same) says which learning rate the checkpoint's last step
+    trained at and where this schedule takes it; a resume on the same curve says nothing."""
+    steps = ["--batch_size", "8", "--warmup_steps", "1", "--min_lr_ratio", "0.1"]
+    first = tmp_path / "first"
+    run_trainer_in_process(flags(data, first, *steps, "--max_steps", "4", "--save_interval", "3"), check=True)
+    same = run_trainer_in_process(flags(data, first, *steps, "--max_steps", "4",
+                                        "--resume_from", checkpoint_at(first, 3)), check=True)
+    assert "schedule" not in same.stdout
+    longer = run_trainer_in_process(flags(data, tmp_path / "longer", *steps, "--max_steps", "8",
+                                          "--resume_from", checkpoint_at(first, 3)), check=True)
+    trained = torch.load(checkpoint_at(first, 3), weights_only=True)["optimizer"]["param_groups"][0]["lr"]
+    # step 3 of 4 (one warmup step, then 3 down the cosine from 3e-3 to 3e-4): a third of the way
+    assert trained == pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 3)), rel=1e-12)
+    there = 3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 7))  # step 3 of 8: a seventh of the way
+    next_lr = 3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(2 * math.pi / 7))
+    line = (f"note: this run's learning rate schedule (8 optimizer steps, warmup 1) is not the checkpoint's: its step 3 "
+            f"trained at {trained:.4g}, this schedule gives {there:.4g} there, and the run goes on at {next_lr:.4g}")
+    assert line in longer.stdout.splitlines()
+    last = torch.load(checkpoint_at(tmp_path / "longer", 8), weights_only=True)["optimizer"]["param_groups"][0]["lr"]
+    assert last == pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(6 * math.pi / 7)), rel=1e-12)  # this schedule's
