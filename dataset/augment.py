@@ -34,6 +34,10 @@ SYSTEM_PROMPTS = [
     "You are a knowledgeable AI. Try your best to provide accurate information.",
 ]
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+# The rule by which ``system_room`` finds a sample's own system block (which takes no prompt): --packing 1
+# plans every row's room by it, so a resume compares it (trainer/run_identity.py). 1: the block's first
+# tokens exactly; 2: their last one also merged with the start of the system text.
+ROOM_RULE = 2
 PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
 
@@ -61,6 +65,10 @@ class ChatAugmenter:
             self.prefixes.append(np.asarray(with_system[: len(with_system) - len(plain)], dtype=np.int64))
         # A sample that starts like a system prefix already has a system prompt (or a tools block).
         self.system_head = self.prefixes[0][: _common_prefix(self.prefixes)] if self.prefixes else None
+        # The head's last token ("\n" after the role) merges with text that starts like it: a system
+        # text "\nBe brief." gives "\n\n". So that position takes every token whose text starts with it.
+        self.head_end = _tokens_starting_with(tokenizer, self.system_head[-1]) if self.prefixes and len(
+            self.system_head) else None
         empty_think = tokenizer(EMPTY_THINK, add_special_tokens=False, split_special_tokens=False)["input_ids"]
         self.empty_think = np.asarray(empty_think, dtype=np.int64)
         if drop_empty_think_ratio:
@@ -85,12 +93,23 @@ class ChatAugmenter:
         (``max_added()`` at most). A drawn prompt is added where it takes at most that many tokens."""
         lengths = np.diff(np.asarray(offsets, dtype=np.int64))
         room = np.minimum(self.max_added(), np.maximum(max_seq_len - lengths, 0))
-        head = self.system_head
-        long_enough = np.flatnonzero(lengths >= len(head))
+        long_enough = np.flatnonzero(lengths >= len(self.system_head))
         starts = np.asarray(offsets[:-1], dtype=np.int64)[long_enough]
-        has_system = (np.asarray(tokens[starts[:, None] + np.arange(len(head))]) == head).all(axis=1)
+        has_system = self._open_system(np.asarray(tokens[starts[:, None] + np.arange(len(self.system_head))]))
         room[long_enough[has_system]] = -1
         return room
+
+    def _open_system(self, firsts: np.ndarray) -> np.ndarray:
+        """Per row of ``firsts`` (the first ``len(system_head)`` tokens of samples): whether they open a
+        system block, the head's last token possibly merged with the start of the system text."""
+        head = self.system_head
+        if not len(head):
+            return np.ones(len(firsts), dtype=bool)
+        last = firsts[:, -1]
+        known = last < len(self.head_end)
+        ends = np.zeros(len(firsts), dtype=bool)
+        ends[known] = self.head_end[last[known]]
+        return (firsts[:, :-1] == head[:-1]).all(axis=1) & ends
 
     def room_note(self, rooms: list[np.ndarray], max_seq_len: int) -> str:
         """The start summary's line: how many samples (``system_room`` of each file) have room for a
@@ -126,7 +145,7 @@ class ChatAugmenter:
 
     def _has_system(self, ids: np.ndarray) -> bool:
         head = self.system_head
-        return len(ids) >= len(head) and np.array_equal(ids[: len(head)], head)
+        return len(ids) >= len(head) and bool(self._open_system(ids[None, : len(head)])[0])
 
     def _drop(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         block = self.empty_think
@@ -141,6 +160,13 @@ class ChatAugmenter:
                 keep[start : start + len(block)] = False
                 last_end = start + len(block)
         return ids[keep], mask[keep]
+
+
+def _tokens_starting_with(tokenizer, token_id: int) -> np.ndarray:
+    """Per token id of the tokenizer: whether its text starts with the text of token ``token_id``."""
+    texts = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    start = texts[int(token_id)]
+    return np.asarray([text is not None and text.startswith(start) for text in texts], dtype=bool)
 
 
 def _common_prefix(arrays: list[np.ndarray]) -> int:

@@ -36,7 +36,8 @@ Every change of the record's shape has its own `RECORD_VERSION`, and every shape
   `left_out`;
 - 3: `identity` without `prompt_room` (rows without room for a system prompt);
 - 4: files without `samples_digest` (compared by their number of samples);
-- 5: every field of `RunIdentity`.
+- 5: `identity` without `room_rule` (rows with room planned by `dataset.augment.ROOM_RULE` 1);
+- 6: every field of `RunIdentity`.
 A record that cannot be read (a newer version, a missing or mistyped field) is a one-line refusal.
 """
 
@@ -47,10 +48,11 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from dataset.augment import ROOM_RULE
 from dataset.rendering import tokenizer_fingerprint
 from dataset.cache import TOKENS_VERSION
 
-RECORD_VERSION = 5
+RECORD_VERSION = 6
 UNRECORDED_TOKENS_VERSION = 1  # the tokenizing code of the checkpoints that recorded none
 
 
@@ -80,6 +82,7 @@ class RunIdentity:
     sources: tuple[SourceRecord, ...]
     tokens_version: int = TOKENS_VERSION  # of the code that parsed, rendered and truncated the rows
     prompt_room: bool = False  # --packing 1 rows planned with room for a system prompt per sample
+    room_rule: int = ROOM_RULE  # by which that room was planned (dataset.augment.ROOM_RULE)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,7 +101,7 @@ class RunIdentity:
                         for source in saved["sources"])
         return cls(int(saved["seed"]), int(saved["max_seq_len"]), int(saved["packing"]), str(saved["tokenizer"]),
                    sources, int(later(saved, "tokens_version", UNRECORDED_TOKENS_VERSION)),
-                   bool(later(saved, "prompt_room", False, since=4)))
+                   bool(later(saved, "prompt_room", False, since=4)), int(later(saved, "room_rule", 1, since=6)))
 
     def legacy_fixed(self) -> dict:
         """These facts in the form of a version 1 record (`sample_stream["fixed"]`)."""
@@ -190,6 +193,10 @@ def difference(before: RunIdentity, now: RunIdentity, flags: dict) -> tuple | No
             return f"--{name}", getattr(before, name), getattr(now, name), f"resume with --{name} {getattr(before, name)}"
     if before.prompt_room != now.prompt_room:
         return prompt_room_difference(before.prompt_room, now.prompt_room)
+    if now.prompt_room and before.room_rule != now.room_rule:
+        return ("the rule that finds a sample's own system prompt (dataset.augment.ROOM_RULE: --packing 1 plans the "
+                "rows' room for a system prompt by it)", before.room_rule, now.room_rule,
+                "resume with the minisft version that wrote the checkpoint")
     if before.tokenizer != now.tokenizer:
         return ("--tokenizer_path (tokenizer and chat template)", before.tokenizer, now.tokenizer,
                 "resume with the tokenizer it was trained with")

@@ -51,14 +51,40 @@ def test_a_system_prompt_is_added_wherever_it_fits_max_seq_len_with_and_without_
     from tests.helpers.bench_launch import demo_head
 
     always = ChatAugmenter(tokenizer, seed=42, system_prompt_ratio=1.0)
-    ds = build_cache_and_open(demo_head(tmp_path, 300), tokenizer, 400, num_proc=1, augmenter=always)
-    assert always.room_note([ds.prompt_room], 400) == (
-        "[data] --system_prompt_ratio 1: 95 of 120 samples without a system prompt have room for one within "
-        "--max_seq_len 400, 2 only for the shorter prompts, 23 for none; 79.6% of them get one")
+    ds = build_cache_and_open(demo_head(tmp_path, 300), tokenizer, 150, num_proc=1, augmenter=always)
+    # 91 samples have no system block (the tool conversations render one for their tools)
+    assert always.room_note([ds.prompt_room], 150) == (
+        "[data] --system_prompt_ratio 1: 75 of 91 samples without a system prompt have room for one within "
+        "--max_seq_len 150, 9 only for the shorter prompts, 7 for none; 86.5% of them get one")
     alone = [ds[i] for i in range(len(ds))]
-    assert sum(len(item["input_ids"]) > length for item, length in zip(alone, ds.lengths)) == 96
-    packed = PackedSFTDataset(ds, 400)
+    assert sum(len(item["input_ids"]) > length for item, length in zip(alone, ds.lengths)) == 80
+    packed = PackedSFTDataset(ds, 150)
     for row in range(len(packed)):  # every row holds its samples as they are alone, prompt included
         members = packed.items[packed.row_offsets[row] : packed.row_offsets[row + 1]]
         assert packed[row]["input_ids"].tolist() == [t for i in members for t in alone[i]["input_ids"].tolist()]
-        assert len(packed[row]["input_ids"]) <= 400
+        assert len(packed[row]["input_ids"]) <= 150
+
+
+def test_a_system_block_whose_text_starts_with_a_newline_gets_no_second_one(tokenizer, tmp_path):
+    """A system message whose text starts with a newline ("\\nBe brief."), or a MiniMind tool row with
+    an empty system message (its block renders "\\n\\n# Tools"): the template's "\\n" after the role and
+    the text's newlines are one token ("\\n\\n"), yet the sample has a system block and gets no second
+    one in front, as a system prompt without the newline; a sample without one gets it."""
+    import json
+
+    from dataset import ChatAugmenter
+    from tests.helpers.chat_rows import TOOLS
+
+    reply = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    systems = ["Be brief.", "\nBe brief.", "\n\nBe brief.", "\r\nBe brief."]
+    rows = [{"conversations": [{"role": "system", "content": text}] + reply} for text in systems]
+    rows.append({"conversations": [{"role": "system", "content": "", "tools": json.dumps(TOOLS)}] + reply})
+    path = write_lines(tmp_path / "a.jsonl", rows + [{"conversations": reply}])
+    always = ChatAugmenter(tokenizer, seed=0, system_prompt_ratio=1.0)
+    ds = build_cache_and_open(path, tokenizer, 256, num_proc=1, augmenter=always)
+    for index in range(len(rows)):
+        assert ds[index]["input_ids"].tolist() == ds.tokens[ds.offsets[index]:ds.offsets[index + 1]].tolist()
+        assert tokenizer.decode(ds[index]["input_ids"]).count("<|im_start|>system") == 1
+    assert ds.prompt_room.tolist()[:len(rows)] == [-1] * len(rows)
+    prefix = always.prefixes[always.draw(0, len(rows))[0]].tolist()
+    assert ds[len(rows)]["input_ids"].tolist() == prefix + ds.tokens[ds.offsets[len(rows)]:].tolist()

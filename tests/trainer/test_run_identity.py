@@ -87,8 +87,8 @@ def test_packing_with_a_system_prompt_ratio_is_another_sample_stream_and_says_wh
     path = tmp_path / "a.jsonl"
     path.write_text(demo_rows(0, 8), encoding="utf-8")
     packed = identity(tmp_path, str(path), "--packing", "1", "--system_prompt_ratio", "0.2")
-    assert "[data] --system_prompt_ratio 0.2: 1 of 2 samples without a system prompt have room for one within " \
-           "--max_seq_len 512, 0 only for the shorter prompts, 1 for none; 10.0% of them get one\n" in capsys.readouterr().out
+    assert "[data] --system_prompt_ratio 0.2: 1 of 1 samples without a system prompt have room for one within " \
+           "--max_seq_len 512, 0 only for the shorter prompts, 0 for none; 20.0% of them get one\n" in capsys.readouterr().out
     assert refusal(tmp_path, identity(tmp_path, str(path), "--packing", "1"), packed) == (
         "cannot resume: --system_prompt_ratio (with --packing 1 it sets room for a system prompt in the rows) differs "
         "from the checkpoint's run (checkpoint 0, now above 0), so its position in the epoch would mean other samples; "
@@ -178,7 +178,7 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
     path.write_text(demo_rows(0, 8), encoding="utf-8")
     now = identity(tmp_path, str(path))
     current = run_identity.recorded(now, None)
-    assert current["version"] == 5 and run_identity.refusal({"sample_stream": current, "args": {}}, now, "/r") is None
+    assert current["version"] == 6 and run_identity.refusal({"sample_stream": current, "args": {}}, now, "/r") is None
     # version 2 as written before tokens_version was recorded (and before left_out): tokenizing code 1
     old = {**current["identity"], "sources": [{k: v for k, v in source.items() if k != "left_out"}
                                               for source in current["identity"]["sources"]]}
@@ -198,10 +198,22 @@ def test_every_shape_of_the_record_is_read_and_an_unreadable_one_is_one_line(tmp
     stream = {**current, "version": 4, "identity": {**current["identity"], "sources": [
         {**current["identity"]["sources"][0], "files": files}]}}
     assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") is None
-    # version 5 lacking a field, and a newer version: one line each, no KeyError
+    # version 5, without room_rule: a run without room for a system prompt resumes; one with it planned its
+    # rows' room by rule 1, which took a system text after a newline for none (dataset.augment.ROOM_RULE)
+    stream = {**current, "version": 5, "identity": {k: v for k, v in current["identity"].items() if k != "room_rule"}}
+    assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") is None
+    roomy = dataclasses.replace(now, prompt_room=True)
+    stream = {**stream, "identity": {**stream["identity"], "prompt_room": True}}
+    assert run_identity.refusal({"sample_stream": stream, "args": {}}, roomy, "/r") == (
+        "cannot resume: the rule that finds a sample's own system prompt (dataset.augment.ROOM_RULE: --packing 1 plans "
+        "the rows' room for a system prompt by it) differs from the checkpoint's run (checkpoint 1, now 2), so its "
+        "position in the epoch would mean other samples; resume with the minisft version that wrote the checkpoint, "
+        "or start a new run from its weights with --from_weight /r/model --save_dir NEW_DIR")
+    assert run_identity.refusal({"sample_stream": run_identity.recorded(roomy, None), "args": {}}, roomy, "/r") is None
+    # version 6 lacking a field, and a newer version: one line each, no KeyError
     broken = {**current, "identity": {k: v for k, v in current["identity"].items() if k != "prompt_room"}}
-    for stream, reason in ((broken, "no 'prompt_room'"), ({**current, "version": 6},
-                                                          "version 6; this minisft reads up to 5")):
+    for stream, reason in ((broken, "no 'prompt_room'"), ({**current, "version": 7},
+                                                          "version 7; this minisft reads up to 6")):
         assert run_identity.refusal({"sample_stream": stream, "args": {}}, now, "/r") == (
             f"cannot resume: the checkpoint's record of its sample stream (version {stream['version']}) cannot be "
             f"read ({reason}); resume with the minisft version that wrote the checkpoint, or start a new run from its "
