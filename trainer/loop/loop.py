@@ -309,6 +309,7 @@ def train(run: Run) -> str:
                 break
             if state.step % args.log_interval == 0 or state.step == total_steps:
                 log_interval(run, interval, result.grad_norm, lr, total_steps)
+            paused = time.time()  # evaluations and saves are no training: left out of the window's tokens/s
             if run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0:
                 last_eval = state.step
                 if evaluate_and_select(run):
@@ -318,6 +319,7 @@ def train(run: Run) -> str:
                 save(run)
                 run.save_clock.saved()
                 last_saved = state.step
+            interval["start"] += time.time() - paused
             if state.samples_in_epoch == 0:
                 break  # epoch finished: the outer loop starts the next one
         if status != "finished":

@@ -62,3 +62,33 @@ def test_max_steps_beyond_the_epochs_says_where_the_run_ends(data, tmp_path):
         "warning: --max_steps 100 is more than the 3 optimizer steps of --epochs 1: the run ends at step 3 "
         "(raise --epochs to train longer)"]
     assert "training 3 optimizer steps from step 0" in done.stdout
+
+
+def test_tokens_per_s_leaves_out_the_time_of_evaluations_and_saves(data, tmp_path, monkeypatch):
+    """Every evaluation and save takes a million seconds on the loop's clock: a window's tokens/s is
+    its training tokens over its training time, so each window still shows thousands of tokens a second."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+    from trainer.loop import loop
+
+    offset = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: time.time() + offset[0]))
+
+    def slow(call):
+        def wrapped(*args, **kwargs):
+            offset[0] += 1e6
+            return call(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(loop, "evaluate", slow(loop.evaluate))
+    monkeypatch.setattr(loop, "save_in_background", slow(loop.save_in_background))
+    run = tmp_path / "run"
+    run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "6", "--log_interval", "2",
+                                 "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2",
+                                 "--save_interval", "3"), check=True)
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
+    speeds = {row["step"]: row["tokens_per_s"] for row in rows if row["kind"] == "train"}
+    assert sorted(speeds) == [2, 4, 6] and min(speeds.values()) > 100, speeds  # without: under 0.01 after step 2
