@@ -285,7 +285,7 @@ def train(run: Run) -> str:
                 "resumed_at": state.step if state.step % args.log_interval else None,
                 # several training sources: their losses per log window
                 "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
-    last_saved = last_eval = state.step
+    last_saved = last_eval = last_logged = state.step
     run.save_clock = SaveClock(args.save_every_minutes if run.ctx.is_main else 0.0)  # rank 0's clock decides
     status, layout_settled = "finished", False
     while state.step < total_steps and state.epoch < args.epochs:
@@ -307,8 +307,10 @@ def train(run: Run) -> str:
             if result is None:
                 status = "preempted"
                 break
+            taken = (result.grad_norm, lr)  # the last step's: a window that a stop cuts short logs them
             if state.step % args.log_interval == 0 or state.step == total_steps:
-                log_interval(run, interval, result.grad_norm, lr, total_steps)
+                log_interval(run, interval, *taken, total_steps)
+                last_logged = state.step
             paused = time.time()  # evaluations and saves are no training: left out of the window's tokens/s
             if run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0:
                 last_eval = state.step
@@ -324,6 +326,8 @@ def train(run: Run) -> str:
                 break  # epoch finished: the outer loop starts the next one
         if status != "finished":
             break
+    if status != "finished" and last_logged != state.step:  # the steps since the last line are logged too
+        log_interval(run, interval, *taken, total_steps)
     if status == "preempted":
         logger.print(f"{run.preemption.reason or 'a stop signal (on another rank)'} received: stopping at step {state.step} and saving a resume checkpoint")
     elif run.eval_sets and last_eval != state.step:

@@ -92,3 +92,32 @@ def test_tokens_per_s_leaves_out_the_time_of_evaluations_and_saves(data, tmp_pat
     rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
     speeds = {row["step"]: row["tokens_per_s"] for row in rows if row["kind"] == "train"}
     assert sorted(speeds) == [2, 4, 6] and min(speeds.values()) > 100, speeds  # without: under 0.01 after step 2
+
+
+def test_a_stop_between_log_lines_logs_the_steps_since_the_last_one(data, tmp_path, monkeypatch):
+    """A SIGTERM during step 5 of --log_interval 4: the run stops after step 5 and saves it; step 5's
+    loss is logged (its resume logs from step 6 on), the same as a run of --log_interval 1 logs it."""
+    import json
+
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+    from trainer.loop import loop
+
+    agree = loop.agree_on_step
+
+    def sigterm_during_step_5(run, *args, **kwargs):
+        if run.state.step == 5:
+            run.preemption.requested, run.preemption.reason = True, "SIGTERM"
+        return agree(run, *args, **kwargs)
+
+    def train_rows(name, *extra):
+        run_trainer_in_process(flags(data, tmp_path / name, "--batch_size", "8", "--max_steps", "8",
+                                     "--save_interval", "0", *extra), check=True)
+        rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl", encoding="utf-8")]
+        return {row["step"]: row for row in rows if row["kind"] == "train"}
+
+    every = train_rows("every", "--log_interval", "1")
+    monkeypatch.setattr(loop, "agree_on_step", sigterm_during_step_5)
+    stopped = train_rows("stopped", "--log_interval", "4")
+    assert sorted(stopped) == [4, 5]
+    assert stopped[5]["loss"] == pytest.approx(every[5]["loss"], abs=1e-6)
+    assert stopped[5]["lr"] == every[5]["lr"] and stopped[5]["grad_norm"] == pytest.approx(every[5]["grad_norm"])
