@@ -316,6 +316,7 @@ def train(run: Run) -> str:
                 last_eval = state.step
                 if evaluate_and_select(run):
                     status = "early_stopped"
+                    interval["start"] += time.time() - paused
                     break
             if (args.save_interval and state.step % args.save_interval == 0) or run.save_clock.agreed:
                 save(run)

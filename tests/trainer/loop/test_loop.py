@@ -121,3 +121,33 @@ def test_a_stop_between_log_lines_logs_the_steps_since_the_last_one(data, tmp_pa
     assert sorted(stopped) == [4, 5]
     assert stopped[5]["loss"] == pytest.approx(every[5]["loss"], abs=1e-6)
     assert stopped[5]["lr"] == every[5]["lr"] and stopped[5]["grad_norm"] == pytest.approx(every[5]["grad_norm"])
+
+
+def test_an_early_stop_between_log_lines_logs_its_steps_without_the_evaluations_time(data, tmp_path, monkeypatch):
+    """--keep_best says stop at the evaluation of step 3 (--log_interval 4), which takes a million
+    seconds on the loop's clock: steps 1-3 are logged, at training speed."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from tests.helpers.trainer_launch import flags, run_trainer_in_process
+    from trainer.loop import loop
+
+    offset = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: time.time() + offset[0]))
+    evaluate = loop.evaluate
+
+    def slow_evaluate(run):
+        offset[0] += 1e6
+        return evaluate(run)
+
+    monkeypatch.setattr(loop, "evaluate", slow_evaluate)
+    select = loop.update_selection
+    monkeypatch.setattr(loop, "update_selection", lambda *args: (select(*args)[0], True))  # stop at the first
+    run = tmp_path / "run"
+    run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "8", "--log_interval", "4",
+                                 "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "3",
+                                 "--keep_best", "eval_loss", "--save_interval", "0"), check=True)
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
+    assert [(row["kind"], row["step"]) for row in rows] == [("eval", 3), ("early_stop", 3), ("train", 3)]
+    assert rows[-1]["tokens_per_s"] > 100
