@@ -1,10 +1,14 @@
 """trainer/loop/loop.py: the run's total optimizer steps, counted before the first step."""
 
+import json
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from dataset.sampler import ResumableDistributedSampler
+from tests.helpers.trainer_launch import flags, run_trainer_in_process
+from trainer.loop import loop
 from trainer.loop.loop import count_total_steps
 
 
@@ -26,10 +30,6 @@ def test_the_total_counts_the_rest_of_this_epoch_and_every_later_one(epochs):
 
 
 def test_the_step_that_ends_an_epoch_is_logged_as_of_that_epoch(data, tmp_path):
-    import json
-
-    from tests.helpers.trainer_launch import flags, run_trainer_in_process
-
     run = tmp_path / "run"
     done = run_trainer_in_process(flags(data, run, "--batch_size", "32", "--epochs", "2", "--log_interval", "1",
                                         "--save_interval", "0"), check=True)  # 96 rows: 3 steps an epoch
@@ -40,8 +40,6 @@ def test_the_step_that_ends_an_epoch_is_logged_as_of_that_epoch(data, tmp_path):
 
 
 def test_an_epoch_that_ends_in_a_shorter_accumulation_says_so(data, tmp_path):
-    from tests.helpers.trainer_launch import flags, run_trainer_in_process
-
     def start_line(*extra):
         done = run_trainer_in_process(flags(data, tmp_path / "_".join(extra), "--max_steps", "1", "--save_interval", "0",
                                             *extra), check=True)
@@ -54,8 +52,6 @@ def test_an_epoch_that_ends_in_a_shorter_accumulation_says_so(data, tmp_path):
 
 
 def test_max_steps_beyond_the_epochs_says_where_the_run_ends(data, tmp_path):
-    from tests.helpers.trainer_launch import flags, run_trainer_in_process
-
     done = run_trainer_in_process(flags(data, tmp_path / "run", "--batch_size", "32", "--max_steps", "100",
                                         "--save_interval", "0"), check=True)  # 96 rows: 3 steps an epoch
     assert [line for line in done.stdout.splitlines() if line.startswith("warning: --max_steps")] == [
@@ -67,13 +63,6 @@ def test_max_steps_beyond_the_epochs_says_where_the_run_ends(data, tmp_path):
 def test_tokens_per_s_leaves_out_the_time_of_evaluations_and_saves(data, tmp_path, monkeypatch):
     """Every evaluation and save takes a million seconds on the loop's clock: a window's tokens/s is
     its training tokens over its training time, so each window still shows thousands of tokens a second."""
-    import json
-    import time
-    from types import SimpleNamespace
-
-    from tests.helpers.trainer_launch import flags, run_trainer_in_process
-    from trainer.loop import loop
-
     offset = [0.0]
     monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: time.time() + offset[0]))
 
@@ -97,11 +86,6 @@ def test_tokens_per_s_leaves_out_the_time_of_evaluations_and_saves(data, tmp_pat
 def test_a_stop_between_log_lines_logs_the_steps_since_the_last_one(data, tmp_path, monkeypatch):
     """A SIGTERM during step 5 of --log_interval 4: the run stops after step 5 and saves it; step 5's
     loss is logged (its resume logs from step 6 on), the same as a run of --log_interval 1 logs it."""
-    import json
-
-    from tests.helpers.trainer_launch import flags, run_trainer_in_process
-    from trainer.loop import loop
-
     agree = loop.agree_on_step
 
     def sigterm_during_step_5(run, *args, **kwargs):
@@ -126,13 +110,6 @@ def test_a_stop_between_log_lines_logs_the_steps_since_the_last_one(data, tmp_pa
 def test_an_early_stop_between_log_lines_logs_its_steps_without_the_evaluations_time(data, tmp_path, monkeypatch):
     """--keep_best says stop at the evaluation of step 3 (--log_interval 4), which takes a million
     seconds on the loop's clock: steps 1-3 are logged, at training speed."""
-    import json
-    import time
-    from types import SimpleNamespace
-
-    from tests.helpers.trainer_launch import flags, run_trainer_in_process
-    from trainer.loop import loop
-
     offset = [0.0]
     monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: time.time() + offset[0]))
     evaluate = loop.evaluate
