@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import Conversation, DataError
+from .prefix_tokens import encode_text
 from .rendering import render, tokenize_rendered
 
 SYSTEM_PROMPTS = [
@@ -69,13 +70,11 @@ class ChatAugmenter:
         # text "\nBe brief." gives "\n\n". So that position takes every token whose text starts with it.
         self.head_end = _tokens_starting_with(tokenizer, self.system_head[-1]) if self.prefixes and len(
             self.system_head) else None
-        empty_think = tokenizer(EMPTY_THINK, add_special_tokens=False, split_special_tokens=False)["input_ids"]
-        self.empty_think = np.asarray(empty_think, dtype=np.int64)
+        self.empty_think = np.asarray(encode_text(tokenizer, EMPTY_THINK)[0], dtype=np.int64)
         if drop_empty_think_ratio:
             text = render(tokenizer, Conversation(PROBE))
             dropped = self._drop(np.asarray(plain, dtype=np.int64), np.ones(len(plain), dtype=bool))[0]
-            expected = tokenizer(text.replace(EMPTY_THINK, ""), add_special_tokens=False,
-                                 split_special_tokens=False)["input_ids"]
+            expected = encode_text(tokenizer, text.replace(EMPTY_THINK, ""))[0]
             if EMPTY_THINK not in text or dropped.tolist() != expected:
                 raise DataError("--drop_empty_think_ratio: the chat template and tokenizer give no separable empty think block")
 

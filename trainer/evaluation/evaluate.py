@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from dataset import IGNORE_INDEX, model_inputs
+from dataset.prefix_tokens import encode_text
 from dataset.tool_calls import calls_match, parse_reply
 from model.loss import loss_positions_of
 from trainer.evaluation.selection import METRICS
@@ -77,8 +78,7 @@ def end_of_turn_token_id(tokenizer) -> int | None:
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     special = set(tokenizer.all_special_ids) | {
         token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
-    after = tokenizer(text[text.rindex(PROBE) + len(PROBE):], add_special_tokens=False, split_special_tokens=False)
-    for token_id in after["input_ids"]:
+    for token_id in encode_text(tokenizer, text[text.rindex(PROBE) + len(PROBE):])[0]:
         if token_id in special:
             return token_id
     return None
