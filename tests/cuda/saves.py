@@ -40,6 +40,26 @@ def test_a_background_save_queues_its_copies_and_writes_the_state_of_its_step(tm
     assert head.untyped_storage().data_ptr() == embedding.untyped_storage().data_ptr()
 
 
+def test_the_host_copies_of_a_gpu_state_are_page_locked_in_one_block_of_their_size():
+    """trainer/checkpoint/host_memory.py: the copies lie end to end in one block registered with
+    the driver (queued copies, not waited for), not each in a power-of-two block of torch's pinned
+    allocator; the block is unregistered when its copies are freed (registering the same addresses
+    again would fail)."""
+    import gc
+
+    from trainer.checkpoint.background import to_host
+
+    state = {"a": torch.randn(1000, device="cuda:0"), "b": torch.randn(3, 7, device="cuda:0")}
+    for _ in range(3):
+        copy = to_host(state)
+        torch.cuda.synchronize()
+        assert all(value.is_pinned() for value in copy.values())
+        assert copy["b"].untyped_storage().data_ptr() - copy["a"].untyped_storage().data_ptr() == 4032
+        assert all(torch.equal(copy[key], state[key].cpu()) for key in state)
+        del copy
+        gc.collect()
+
+
 def test_a_save_casts_one_weight_at_a_time_on_the_gpu(tmp_path, monkeypatch):
     """--save_dtype bfloat16: the save's device memory above what training holds is one weight in
     bf16 (the largest), not a bf16 copy of every weight (trainer/checkpoint/background.py: to_host)."""

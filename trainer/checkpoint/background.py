@@ -2,9 +2,10 @@
 waits only for that copy), and a writer thread writes the files while training goes on.
 
 - `to_host(tree, into)`: every tensor of a nested dict/list (state dicts, optimizer state, RNG
-  states) copied into CPU memory, into the previous save's buffers where they fit; from a GPU into
-  pinned memory, copied asynchronously (the writer waits for the copies, the loop does not). The
-  copy is what the files hold: later steps change the live tensors, never the copy.
+  states) copied into one block of CPU memory (trainer/checkpoint/host_memory.py), the previous
+  save's where the layout is the same; from a GPU into page-locked memory, copied asynchronously
+  (the writer waits for the copies, the loop does not). The copy is what the files hold: later
+  steps change the live tensors, never the copy.
 - `host_model(config, state, source)`: a plain model around such a copy (and a `to_host` copy of
   the live model's RoPE tables), for the writers of inference weights, which read a model (its
   config, `state_dict()`, `save_pretrained`).
@@ -24,34 +25,71 @@ import threading
 
 import torch
 
+from trainer.checkpoint.host_memory import host_tensors
 from trainer.errors import CheckpointError
 
 
-def to_host(tree, into=None, dtype: torch.dtype | None = None, _copies: dict | None = None):
-    """`tree` with every tensor copied to CPU memory (pinned for CUDA tensors); other values kept.
+def to_host(tree, into=None, dtype: torch.dtype | None = None):
+    """`tree` with every tensor copied to CPU memory (trainer/checkpoint/host_memory.py: one block,
+    page-locked for CUDA tensors); other values kept.
 
     `into`: an earlier copy of a tree of the same layout (the previous save's, written already):
-    its tensors of the same shape and dtype are filled again instead of allocating new ones, so
-    a save does not touch fresh memory (page faults, pinned allocations) for every byte.
+    when every tensor of it has the shape and dtype of its place in `tree`, they are filled again
+    instead of allocating new ones, so a save does not touch fresh memory (page faults, pinned
+    allocations) for every byte.
     `dtype`: the floating-point tensors' dtype in the copy (--save_dtype). Each tensor is cast as
     it is copied, so the device holds one cast tensor at a time, never a cast copy of the whole tree.
     Entries that are the same memory (a tied `lm_head.weight` and the embedding: two `detach()`ed
     views in a state dict) get one copy, so the copy and the file written from it hold it once."""
-    copies = {} if _copies is None else _copies
+    sources: dict = {}  # memory key -> (the tensor, the earlier copy at its first place)
+    _collect(tree, into, sources)
+    wanted = [dtype if dtype is not None and source.is_floating_point() else source.dtype
+              for source, _ in sources.values()]
+    earlier = [old for _, old in sources.values()]
+    if not all(isinstance(old, torch.Tensor) and old.shape == source.shape and old.dtype == want
+               for (source, old), want in zip(sources.values(), wanted)):
+        pin = torch.cuda.is_available() and any(source.is_cuda for source, _ in sources.values())
+        earlier = host_tensors([(source.shape, want) for (source, _), want in zip(sources.values(), wanted)], pin)
+    for (source, _), copy in zip(sources.values(), earlier):
+        source = source.detach()
+        if source.device.type == "cpu":
+            copy.copy_(source)
+        else:
+            # Cast on the device, then copy: the cast tensor is freed once the copy is queued (the
+            # allocator reuses its memory only for work queued after the copy on this stream).
+            copy.copy_(source.to(copy.dtype), non_blocking=True)
+    return _rebuild(tree, dict(zip(sources, earlier)))
+
+
+def _collect(tree, into, sources: dict) -> None:
+    """Every tensor of `tree` under its memory key (the first place it appears), with the tensor at
+    the same place in `into`, if any."""
     if isinstance(tree, torch.Tensor):
-        key = same_memory_key(tree)
-        if key is None:
-            return _tensor_to_host(tree, into, dtype)
-        if key not in copies:
-            copies[key] = _tensor_to_host(tree, into, dtype)
-        return copies[key]
-    if isinstance(tree, dict):
+        sources.setdefault(_memory_key(tree), (tree, into))
+    elif isinstance(tree, dict):
         earlier = into if isinstance(into, dict) else {}
-        return type(tree)((key, to_host(value, earlier.get(key), dtype, copies)) for key, value in tree.items())
-    if isinstance(tree, (list, tuple)):
+        for key, value in tree.items():
+            _collect(value, earlier.get(key), sources)
+    elif isinstance(tree, (list, tuple)):
         earlier = into if isinstance(into, (list, tuple)) and len(into) == len(tree) else [None] * len(tree)
-        return type(tree)(to_host(value, old, dtype, copies) for value, old in zip(tree, earlier))
+        for value, old in zip(tree, earlier):
+            _collect(value, old, sources)
+
+
+def _rebuild(tree, copies: dict):
+    """`tree` with each tensor replaced by the copy of its memory key."""
+    if isinstance(tree, torch.Tensor):
+        return copies[_memory_key(tree)]
+    if isinstance(tree, dict):
+        return type(tree)((key, _rebuild(value, copies)) for key, value in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_rebuild(value, copies) for value in tree)
     return tree
+
+
+def _memory_key(tensor: torch.Tensor):
+    """`same_memory_key`, or the tensor itself for an empty tensor (copied on its own)."""
+    return same_memory_key(tensor) or ("empty", id(tensor))
 
 
 def same_memory_key(tensor: torch.Tensor):
@@ -62,19 +100,6 @@ def same_memory_key(tensor: torch.Tensor):
         return None
     return (tensor.untyped_storage()._cdata, tensor.storage_offset(), tensor.dtype, tuple(tensor.shape),
             tuple(tensor.stride()))
-
-
-def _tensor_to_host(tensor: torch.Tensor, into, dtype: torch.dtype | None) -> torch.Tensor:
-    source = tensor.detach()
-    wanted = dtype if dtype is not None and source.is_floating_point() else source.dtype
-    reuse = isinstance(into, torch.Tensor) and into.shape == source.shape and into.dtype == wanted
-    if source.device.type == "cpu":
-        return into.copy_(source) if reuse else source.to(wanted, copy=True)
-    host = into if reuse else torch.empty(source.shape, dtype=wanted, device="cpu", pin_memory=True)
-    # Cast on the device, then copy: the cast tensor is freed once the copy is queued (the
-    # allocator reuses its memory only for work queued after the copy on this stream).
-    host.copy_(source.to(wanted), non_blocking=True)
-    return host
 
 
 def copies_done() -> "torch.cuda.Event | None":
