@@ -139,3 +139,15 @@ def best_record(metric: str, value: float, step: int, data: list[str]) -> str:
     """The content of best.json (`measured_on`: the held-out data's keys, `measured_on`)."""
     return json.dumps({"metric": metric, "mode": metric_mode(metric), "value": value, "step": step,
                        "measured_on": data}, indent=2) + "\n"
+
+
+def stopped_early(state, metric: str | None, patience: int) -> str | None:
+    """What to say where the selection a resume carries already holds `patience` evaluations without
+    improvement of `metric` (the run it continues stopped early there), else None: training on would
+    take one more step, evaluate, and stop again."""
+    if not (metric and patience and state.evals_without_improvement >= patience):
+        return None
+    best = f" (best {state.best_value:.4f} at step {state.best_step})" if state.best_value is not None else ""
+    return (f"nothing left to train: the checkpoint's run stopped early at step {state.step}: {metric} has not "
+            f"improved in {state.evals_without_improvement} evaluations{best}, --early_stop_patience {patience}; "
+            "raise --early_stop_patience, or give 0, to train further")
