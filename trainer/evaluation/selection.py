@@ -143,11 +143,12 @@ def best_record(metric: str, value: float, step: int, data: list[str]) -> str:
 
 def stopped_early(state, metric: str | None, patience: int) -> str | None:
     """What to say where the selection a resume carries already holds `patience` evaluations without
-    improvement of `metric` (the run it continues stopped early there), else None: training on would
-    take one more step, evaluate, and stop again."""
+    improvement of `metric` (the run it continues stopped early there, or its last evaluation was one
+    more without improvement), else None: training on would take steps up to the next evaluation
+    and stop there."""
     if not (metric and patience and state.evals_without_improvement >= patience):
         return None
     best = f" (best {state.best_value:.4f} at step {state.best_step})" if state.best_value is not None else ""
-    return (f"nothing left to train: the checkpoint's run stopped early at step {state.step}: {metric} has not "
-            f"improved in {state.evals_without_improvement} evaluations{best}, --early_stop_patience {patience}; "
-            "raise --early_stop_patience, or give 0, to train further")
+    count = state.evals_without_improvement
+    return (f"nothing left to train: {metric} has not improved in the checkpoint's last {count} evaluations{best}, "
+            f"where --early_stop_patience {patience} stops the run; raise --early_stop_patience, or give 0, to train further")

@@ -168,9 +168,10 @@ def test_a_restarted_early_stopped_run_trains_nothing_and_a_larger_patience_trai
     assert os.listdir(run / "checkpoints") == ["step_00000002.pt"]
     model = (run / "model" / "model.safetensors").read_bytes()
     again = run_trainer_in_process([*argv, "--from_resume", "1"], check=True)  # the same command, restarted
-    assert ("nothing left to train: the checkpoint's run stopped early at step 2: eval_token_accuracy has not "
-            "improved in 1 evaluations (best ") in again.stdout
-    assert "raise --early_stop_patience, or give 0, to train further" in again.stdout
+    assert ("nothing left to train: eval_token_accuracy has not improved in the checkpoint's last 1 evaluations "
+            "(best ") in again.stdout
+    assert ("at step 1), where --early_stop_patience 1 stops the run; raise --early_stop_patience, or give 0, "
+            "to train further") in again.stdout
     assert "step 3/" not in again.stdout and "eval step" not in again.stdout
     assert os.listdir(run / "checkpoints") == ["step_00000002.pt"]
     assert (run / "model" / "model.safetensors").read_bytes() == model
