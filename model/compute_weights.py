@@ -107,6 +107,11 @@ class ComputeWeights:
         """`gemm.of(a, W, *extra)` for W the matrices `params` (one group) one below the other: their
         piece of the cast buffer, or without a cast `gemm` joining the parameters themselves."""
         if self.flat is None:
+            if not torch.is_grad_enabled():
+                # Nothing to save for a backward (an evaluation): the GEMM itself. Dynamo (torch 2.13)
+                # cannot trace these Functions' apply with grad disabled (the experts' concatenation
+                # gets `ends` among the weights: a fake-tensor error).
+                return gemm.forward(a, *extra, *params)
             return gemm.apply(a, *extra, *params)
         return gemm.of(a, self._view(params[0]), *extra)
 

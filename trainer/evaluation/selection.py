@@ -139,3 +139,16 @@ def best_record(metric: str, value: float, step: int, data: list[str]) -> str:
     """The content of best.json (`measured_on`: the held-out data's keys, `measured_on`)."""
     return json.dumps({"metric": metric, "mode": metric_mode(metric), "value": value, "step": step,
                        "measured_on": data}, indent=2) + "\n"
+
+
+def stopped_early(state, metric: str | None, patience: int) -> str | None:
+    """What to say where the selection a resume carries already holds `patience` evaluations without
+    improvement of `metric` (the run it continues stopped early there, or its last evaluation was one
+    more without improvement), else None: training on would take steps up to the next evaluation
+    and stop there."""
+    if not (metric and patience and state.evals_without_improvement >= patience):
+        return None
+    best = f" (best {state.best_value:.4f} at step {state.best_step})" if state.best_value is not None else ""
+    count = state.evals_without_improvement
+    return (f"nothing left to train: {metric} has not improved in the checkpoint's last {count} evaluations{best}, "
+            f"where --early_stop_patience {patience} stops the run; raise --early_stop_patience, or give 0, to train further")

@@ -31,7 +31,7 @@ from dataset import IGNORE_INDEX, model_inputs
 from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE
 from trainer.errors import CheckpointError, ConfigError, TrainingError, first_line
 from trainer.evaluation.evaluate import evaluate
-from trainer.evaluation.selection import best_record, update_selection
+from trainer.evaluation.selection import best_record, stopped_early, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
 from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, schedule_change, set_lr
 from trainer.loop.save_clock import SaveClock
@@ -268,7 +268,7 @@ def train(run: Run) -> str:
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
         logger.print(f"warning: --max_steps {args.max_steps} is more than the {total_steps} optimizer steps of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
-    nothing_left = nothing_left_to_train(run, total_steps)
+    nothing_left = nothing_left_to_train(run, total_steps) or stopped_early(state, args.keep_best, args.early_stop_patience)
     if nothing_left:
         logger.print(nothing_left)
     elif note := schedule_change(state.step, run.resumed_lr, total_steps, args.learning_rate, warmup, args.min_lr_ratio):
@@ -288,7 +288,7 @@ def train(run: Run) -> str:
     last_saved = last_eval = last_logged = state.step
     run.save_clock = SaveClock(args.save_every_minutes if run.ctx.is_main else 0.0)  # rank 0's clock decides
     status, layout_settled = "finished", False
-    while state.step < total_steps and state.epoch < args.epochs:
+    while not nothing_left and state.step < total_steps and state.epoch < args.epochs:
         sampler = run.data.sampler
         sampler.set_epoch(state.epoch)
         sampler.set_start_index(state.samples_in_epoch)

@@ -155,3 +155,26 @@ def test_a_resume_with_other_generation_settings_starts_the_selection_of_a_gener
     assert (row["new_best"], row["best_step"], row["best_value"]) == (True, 3, row["eval_exact_match"])
     assert json.loads((run / "best" / "best.json").read_text())["measured_on"] == [
         held_out_entry(data / "eval.jsonl", 16), "2 generated answers of at most 8 tokens"]
+
+
+def test_a_restarted_early_stopped_run_trains_nothing_and_a_larger_patience_trains_on(data, tmp_path):
+    # A learning rate this small leaves the argmax predictions unchanged: the token accuracy never
+    # improves after the first evaluation, so patience 1 stops the run at its second evaluation (step 2).
+    run = tmp_path / "run"
+    argv = flags(data, run, "--batch_size", "8", "--max_steps", "6", "--eval_interval", "1", "--save_interval", "0",
+                 "--learning_rate", "1e-9", "--eval_data_path", str(data / "eval.jsonl"),
+                 "--keep_best", "eval_token_accuracy", "--early_stop_patience", "1")
+    assert "stopped early" in run_trainer_in_process(argv, check=True).stdout
+    assert os.listdir(run / "checkpoints") == ["step_00000002.pt"]
+    model = (run / "model" / "model.safetensors").read_bytes()
+    again = run_trainer_in_process([*argv, "--from_resume", "1"], check=True)  # the same command, restarted
+    assert ("nothing left to train: eval_token_accuracy has not improved in the checkpoint's last 1 evaluations "
+            "(best ") in again.stdout
+    assert ("at step 1), where --early_stop_patience 1 stops the run; raise --early_stop_patience, or give 0, "
+            "to train further") in again.stdout
+    assert "step 3/" not in again.stdout and "eval step" not in again.stdout
+    assert os.listdir(run / "checkpoints") == ["step_00000002.pt"]
+    assert (run / "model" / "model.safetensors").read_bytes() == model
+    on = run_trainer_in_process([*argv[:-1], "3", "--from_resume", "1"], check=True)
+    assert "step 3/6" in on.stdout and "nothing left" not in on.stdout
+    assert [row["step"] for row in eval_rows(run)[0]] == [1, 2, 3, 4]  # patience 3: two more evaluations, then stop
