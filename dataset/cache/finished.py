@@ -2,7 +2,7 @@
 ``TokenCache``, the cache opened for reading (found by ``build.open_finished``).
 
 The check (``read_checked``) reads the sizes of the files, the header of ``offsets.npy`` and its
-two ends, never the tokens. It runs once per open, in ``TokenCache``: a damaged cache is a one-line
+two ends, and the token ids, block by block, for one outside the vocabulary. It runs once per open, in ``TokenCache``: a damaged cache is a one-line
 ``DataError`` naming the directory to delete. The build step runs the same check before it reuses
 a cache and builds a damaged one again (``build.build_or_reuse``).
 """
@@ -16,6 +16,8 @@ import numpy as np
 
 from ..formats import DataError
 
+TOKENS_BLOCK = 1 << 24  # token ids read at a time by the vocabulary check
+
 
 def read_meta(cache: Path) -> dict:
     return json.loads((cache / "meta.json").read_text(encoding="utf-8"))
@@ -25,9 +27,10 @@ def read_checked(cache: Path) -> tuple[dict | None, str | None]:
     """``(meta, None)``: the record of the finished cache ``cache`` when its files agree with each
     other; ``(meta or None, problem)``: what is wrong with them, one phrase. They agree when
     ``meta.json`` is readable, ``offsets.npy`` is whole with ``num_samples + 1`` entries from 0 to
-    ``num_tokens``, ``tokens.bin`` and ``loss_mask.bin`` are ``num_tokens`` entries long. A file cut
-    short (a copy stopped halfway, a disk that filled outside the build, a lost write) is found
-    here, not as a numpy error at the first step."""
+    ``num_tokens``, ``tokens.bin`` and ``loss_mask.bin`` are ``num_tokens`` entries long, and every
+    token id is below the recorded ``vocab_size``. A file cut short (a copy stopped halfway, a disk
+    that filled outside the build, a lost write) or a token id that damage put past the vocabulary
+    (flipped bits) is found here, not as a numpy error or an embedding's index error at a step."""
     try:
         meta = read_meta(cache)
         samples, tokens, itemsize = meta["num_samples"], meta["num_tokens"], np.dtype(meta["dtype"]).itemsize
@@ -50,7 +53,23 @@ def read_checked(cache: Path) -> tuple[dict | None, str | None]:
     offsets = np.memmap(cache / "offsets.npy", dtype=np.int64, mode="r", offset=data_start)
     if offsets[0] != 0 or offsets[-1] != tokens:
         return meta, f"offsets.npy runs from {offsets[0]:,} to {offsets[-1]:,}, from 0 to {tokens:,} expected"
-    return meta, None
+    return meta, token_outside_vocabulary(cache / "tokens.bin", np.dtype(meta["dtype"]), meta.get("vocab_size"))
+
+
+def token_outside_vocabulary(path: Path, dtype: np.dtype, vocab_size) -> str | None:
+    """Where ``path`` (token ids of ``dtype``) holds an id not below ``vocab_size``, one phrase
+    naming the first; None when every id is in the vocabulary or no vocabulary is recorded. Read in
+    blocks of ``TOKENS_BLOCK`` ids, so memory stays flat."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        return None
+    ids = np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+    for start in range(0, len(ids), TOKENS_BLOCK):
+        block = ids[start:start + TOKENS_BLOCK]
+        outside = np.flatnonzero(block >= vocab_size)
+        if len(outside):
+            at = start + int(outside[0])
+            return f"tokens.bin holds token id {int(ids[at]):,} at entry {at:,}, outside the vocabulary of {vocab_size:,}"
+    return None
 
 
 class TokenCache:

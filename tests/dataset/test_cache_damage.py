@@ -78,3 +78,34 @@ def test_opening_a_finished_cache_checks_its_files_once(tokenizer, tmp_path, mon
     opened = SFTDataset(tmp_path / "a.jsonl", tokenizer, 64)
     assert opened.cache_path == cache and len(opened) == 7
     assert sorted(name for name in reads if name in ("header", "meta.json")) == ["header", "meta.json"]
+
+
+def flip_a_token_past_the_vocabulary(cache: Path, files: dict[str, bytes]) -> tuple[int, int]:
+    """tokens.bin with one id set to the dtype's largest (flipped bits, same size); (entry, id)."""
+    dtype = np.dtype(json.loads(files["meta.json"])["dtype"])
+    tokens = np.frombuffer(files["tokens.bin"], dtype=dtype).copy()
+    tokens[5] = np.iinfo(dtype).max
+    (cache / "tokens.bin").write_bytes(tokens.tobytes())
+    return 5, int(tokens[5])
+
+
+def test_a_token_id_past_the_vocabulary_is_damage_built_again(tokenizer, tmp_path, capsys):
+    cache, files = built_cache(tokenizer, tmp_path)
+    entry, token = flip_a_token_past_the_vocabulary(cache, files)
+    capsys.readouterr()
+    again = build_cache_and_open(tmp_path / "a.jsonl", tokenizer, 64, num_proc=1)
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"a.jsonl: the token cache {cache} is damaged (tokens.bin holds token id {token:,} at entry {entry}, outside "
+        f"the vocabulary of {len(tokenizer):,}): building it again")
+    assert again.cache_path == cache
+    assert {n: (cache / n).read_bytes() for n in FILES} == files
+
+
+def test_opening_a_cache_holding_a_token_id_past_the_vocabulary_is_one_line(tokenizer, tmp_path):
+    cache, files = built_cache(tokenizer, tmp_path)
+    entry, token = flip_a_token_past_the_vocabulary(cache, files)
+    with pytest.raises(DataError) as info:
+        TokenCache(cache)
+    assert str(info.value) == (f"the token cache {cache} is damaged: tokens.bin holds token id {token:,} at entry "
+                               f"{entry}, outside the vocabulary of {len(tokenizer):,}; delete {cache} and run again "
+                               "to build it anew")
