@@ -39,13 +39,17 @@ def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
     """The newest readable checkpoint in `save_dir`; unreadable newer ones are skipped with a message.
 
     None when there is no checkpoint at all; a CheckpointError when there are some but none can be
-    read (starting from scratch would then overwrite the run's model/)."""
+    read (starting from scratch would then overwrite the run's model/), or when the newest readable
+    one is of a run that nothing else in `save_dir` records (`check_of_the_dirs_runs`)."""
     found = list_checkpoints(save_dir)
     for path in found:
         try:
-            return path, load_resume_checkpoint(path)
+            saved = load_resume_checkpoint(path)
         except CheckpointError as error:
             log(f"warning: skipping unusable checkpoint: {error}; falling back to the previous one")
+            continue
+        check_of_the_dirs_runs(save_dir, path, saved)
+        return path, saved
     if found:
         raise CheckpointError(
             f"none of the {len(found)} resume checkpoint(s) in {checkpoints_dir(save_dir)} can be read (see the "
@@ -53,6 +57,31 @@ def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
             f"{os.path.join(save_dir, 'model')} --save_dir NEW_DIR, or move the damaged checkpoints away"
         )
     return None
+
+
+def check_of_the_dirs_runs(save_dir: str, path: str, saved: dict) -> None:
+    """Refuse the checkpoint `path` (`saved`), the newest readable one of `save_dir`, when its run id is recorded by
+    no other checkpoint and no metrics.jsonl row there while they record other runs: a checkpoint of
+    another run copied into checkpoints/. Continued, it would go on as that run in this directory, its
+    saves would rotate this run's checkpoints away and replace its model/. A directory that records
+    no other run (a run's first save), or a checkpoint without a run id, is taken as it is."""
+    run_id = saved.get("run_id")
+    if run_id is None:
+        return
+    others = set()
+    records = itertools.chain(logged_rows(save_dir), map(checkpoint_record, (other for other in list_checkpoints(save_dir) if other != path)))
+    for record in records:
+        if record.get("run_id") == run_id:
+            return
+        if isinstance(record.get("run_id"), str):
+            others.add(record["run_id"])
+    if others:
+        raise CheckpointError(
+            f"the newest checkpoint {path} is of run {run_id}, which no other checkpoint or metrics.jsonl row "
+            f"in {save_dir} records (they are of run {', '.join(sorted(others))}): a checkpoint of another run "
+            f"copied in? --from_resume 1 would continue that run here, rotate this run's checkpoints away and "
+            f"replace its model/; move it out of {checkpoints_dir(save_dir)}, or give --resume_from {path} to "
+            "continue it here")
 
 
 def claim_for_resume(save_dir: str, path: str, saved: dict, overwrite: bool, pth_name: str | None = None) -> Claim:
