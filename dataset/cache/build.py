@@ -388,12 +388,17 @@ def build_or_reuse(path: Path, tokenizer, max_seq_len: int, cache_root: Path, ba
     check_bad_data_mode(bad_data)
     check_data_file(path)
     digest, target = cache_target(path, tokenizer, max_seq_len, cache_root)
+    why = None
     if (target / "meta.json").is_file():
         meta, problem = read_checked(target)
         why = f"is damaged ({problem})" if problem else other_versions(meta)
-        if why:
-            print_escaped(f"{path.name}: the token cache {target} {why}: building it again", file=sys.stderr)
-            _remove_cache(target)
+    elif os.path.lexists(target):
+        # A finished cache is renamed into place with its meta.json: without one it is what a deletion
+        # or a copy stopped halfway left, and the build's rename onto it would fail on every run.
+        why = "is damaged (it has no meta.json)"
+    if why:
+        print_escaped(f"{path.name}: the token cache {target} {why}: building it again", file=sys.stderr)
+        _remove_cache(target)
     if not (target / "meta.json").is_file():
         _report_older_caches(path, digest, tokenizer, max_seq_len, cache_root)
         build_cache(path, tokenizer, max_seq_len, target, bad_data, num_proc, **({"cores": cores} if cores else {}))
@@ -424,4 +429,7 @@ def _remove_cache(cache: Path) -> None:
         os.rename(cache, aside)
     except FileNotFoundError:  # another process moved it first
         return
-    shutil.rmtree(aside, ignore_errors=True)
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)

@@ -109,3 +109,22 @@ def test_opening_a_cache_holding_a_token_id_past_the_vocabulary_is_one_line(toke
     assert str(info.value) == (f"the token cache {cache} is damaged: tokens.bin holds token id {token:,} at entry "
                                f"{entry}, outside the vocabulary of {len(tokenizer):,}; delete {cache} and run again "
                                "to build it anew")
+
+
+@pytest.mark.parametrize("left", [("tokens.bin", "loss_mask.bin", "offsets.npy"), ("tokens.bin",), ()])
+def test_a_cache_folder_without_meta_json_is_built_again_not_a_write_error_on_every_run(tokenizer, tmp_path, capsys,
+                                                                                         left):
+    """What a deletion or a copy stopped halfway leaves: the cache's folder with some of its files
+    and no meta.json. The build's rename onto it failed ("Directory not empty") on every run."""
+    cache, files = built_cache(tokenizer, tmp_path)
+    for name in FILES:
+        if name not in left:
+            (cache / name).unlink()
+    capsys.readouterr()
+    for _ in range(2):
+        again = build_cache_and_open(tmp_path / "a.jsonl", tokenizer, 64, num_proc=1)
+        assert again.cache_path == cache and len(again) == 7
+        assert {n: (cache / n).read_bytes() for n in FILES} == files
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"a.jsonl: the token cache {cache} is damaged (it has no meta.json): building it again")
+    assert sorted(path.name for path in cache.parent.iterdir()) == sorted([cache.name, ".digests"])
