@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 from pathlib import Path
 
 from ..formats import DataError
@@ -111,6 +112,7 @@ def file_digest(path: Path) -> str:
 
 
 SAMPLED_BLOCKS = 16
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # what a memo of .digests holds
 SAMPLED_BLOCK_BYTES = 1 << 16
 
 
@@ -135,10 +137,14 @@ def cheap_file_key(path: Path) -> str:
 def data_digest(path: Path, cache_root: Path) -> str:
     """The file's full sha256, hashed once per file version: memoized under ``cache_root/.digests``
     by ``cheap_file_key`` (size, mtime, inode, inode change time, sampled blocks), so an unchanged
-    multi-GB file is not re-read at every start."""
+    multi-GB file is not re-read at every start. A memo that holds no sha256 (empty after a crash lost
+    its write, damaged) is hashed again: taken as it is, it would key this file's cache, and that of
+    every other file with such a memo, by the same text."""
     memo = Path(cache_root) / ".digests" / cheap_file_key(path)
     if memo.is_file():
-        return memo.read_text(encoding="utf-8").strip()
+        recorded = memo.read_text(encoding="utf-8", errors="replace").strip()
+        if SHA256_HEX.fullmatch(recorded):
+            return recorded
     digest = file_digest(path)
     tmp = memo.with_name(memo.name + f".tmp{os.getpid()}")
     try:

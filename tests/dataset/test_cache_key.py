@@ -94,6 +94,26 @@ def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noti
     assert second.cache_path != first.cache_path
 
 
+@pytest.mark.parametrize("memo_text", ["", "c0ffee", "not a digest\n"])
+def test_a_digest_memo_that_holds_no_sha256_is_hashed_again_not_shared_by_two_files(tokenizer, tmp_path, memo_text):
+    """A memo of .digests left empty (a crash lost its write) or damaged: each file is hashed again and
+    opens its own cache, not the cache of another file whose memo holds the same text."""
+    first = write_lines(tmp_path / "first.jsonl", [make_chat(i) for i in range(20)])
+    second = write_lines(tmp_path / "second.jsonl", [make_chat(i) for i in range(7)])
+    for path in (first, second):
+        build_cache_and_open(path, tokenizer, 128, num_proc=1)
+    memos = sorted((tmp_path / ".cache" / ".digests").iterdir())
+    assert len(memos) == 2
+    for memo in memos:
+        memo.write_text(memo_text, encoding="utf-8")
+    for path, rows in ((first, 20), (second, 7)):
+        opened = build_cache_and_open(path, tokenizer, 128, num_proc=1)
+        assert len(opened) == rows
+        assert opened.data_digest == digests.file_digest(path)
+    assert sorted(memo.read_text(encoding="utf-8") for memo in memos) == sorted(
+        digests.file_digest(path) for path in (first, second))
+
+
 def test_older_keys_are_those_of_the_versions_other_code_built(tokenizer):
     """Rows versions above 1 exist under this tokens version only: no code built tokens versions 1-3 with
     rows version 2, so no key of such a pair is looked for."""
