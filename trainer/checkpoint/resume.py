@@ -60,16 +60,18 @@ def find_resume_checkpoint(save_dir: str, log=print) -> tuple[str, dict] | None:
 
 
 def check_of_the_dirs_runs(save_dir: str, path: str, saved: dict) -> None:
-    """Refuse the checkpoint `path` (`saved`), the newest readable one of `save_dir`, when its run id is recorded by
-    no other checkpoint and no metrics.jsonl row there while they record other runs: a checkpoint of
-    another run copied into checkpoints/. Continued, it would go on as that run in this directory, its
-    saves would rotate this run's checkpoints away and replace its model/. A directory that records
-    no other run (a run's first save), or a checkpoint without a run id, is taken as it is."""
+    """Refuse the checkpoint `path` (`saved`), the newest readable one of `save_dir`, when its run id
+    is recorded by no other checkpoint and no metrics.jsonl row there while they record other runs:
+    a checkpoint of another run copied into checkpoints/. Continued, it would go on as that run in
+    this directory, its saves would rotate this run's checkpoints away and replace its model/. A
+    directory that records no other run (a run's first save), or a checkpoint without a run id, is
+    taken as it is."""
     run_id = saved.get("run_id")
     if run_id is None:
         return
     others = set()
-    records = itertools.chain(logged_rows(save_dir), map(checkpoint_record, (other for other in list_checkpoints(save_dir) if other != path)))
+    earlier = (other for other in list_checkpoints(save_dir) if other != path)
+    records = itertools.chain(logged_rows(save_dir), map(checkpoint_record, earlier))
     for record in records:
         if record.get("run_id") == run_id:
             return
