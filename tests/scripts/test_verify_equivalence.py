@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from scripts import verify_equivalence
 from scripts.verify_equivalence import compare, drop_flags, main, variants
 from tests.helpers.in_process import run_in_process
-from tests.helpers.trainer_launch import FAULTY_TRAINER, REPO, TINY, clean_env, free_port
+from tests.helpers.trainer_launch import FAULTY_TRAINER, REPO, SCRIPT, TINY, clean_env, free_port
 
 TOOL = os.path.join(REPO, "scripts", "verify_equivalence.py")
 HEADER = ["variant", "against", "max |diff|", "rel diff", "tolerance", "result", "worst tensor (its rel diff)"]
@@ -21,6 +22,10 @@ TWO = ["1 process x batch 4 (reference)", "1 process x batch 2 x accumulation 2"
        "2 processes x batch 2, resumed at step 4"]
 ONE = ["1 process x batch 4 (reference)", "1 process x batch 2 x accumulation 2",
        "1 process x batch 4, resumed at step 4"]
+# The one-process variants trained from step 0: tests on the check's table and lines run them in the
+# test process (the check's own start of those processes is exercised by the two-node and the
+# planted-bug tests).
+SINGLE = ("reference", "accum")
 
 
 def run_tool(*args: str, env=None, launcher=None, timeout: float = 600, tool=(TOOL,)) -> subprocess.CompletedProcess:
@@ -28,10 +33,46 @@ def run_tool(*args: str, env=None, launcher=None, timeout: float = 600, tool=(TO
                           capture_output=True, text=True, timeout=timeout)
 
 
-def run_tool_in_process(*args: str, trainer: str | None = None, **env) -> subprocess.CompletedProcess:
+class TrainerInProcess:
+    """A finished one-process trainer run standing in for the `subprocess.Popen` of
+    `[python, train_full_sft.py, *flags]` that the check starts: the trainer's main() on the check's own flags,
+    in this process under the environment the check gave it; stdout and stderr together, as piped."""
+
+    def __init__(self, command, env, **_):
+        import train_full_sft
+
+        def call():
+            os.environ.clear()
+            os.environ.update(env)
+            return train_full_sft.main(command[2:])
+
+        done = run_in_process(command, call, threads=1)  # one torch thread, as OMP_NUM_THREADS=1 gives a process
+        self.returncode, self.output = done.returncode, done.stdout + done.stderr
+
+    def communicate(self, timeout=None):
+        return self.output, None
+
+
+def popen_with_runs_in_process(kinds: tuple[str, ...]):
+    """`subprocess` as the check sees it: its one-process runs of the variants `kinds` (the names of
+    their save directories) run in this process; every other command starts its process."""
+    def popen(command, **kwargs):
+        save_dir = command[command.index("--save_dir") + 1] if "--save_dir" in command else ""
+        if command[:2] == [sys.executable, SCRIPT] and os.path.basename(save_dir) in kinds:
+            return TrainerInProcess(command, **kwargs)
+        return subprocess.Popen(command, **kwargs)
+
+    return types.SimpleNamespace(Popen=popen, PIPE=subprocess.PIPE, STDOUT=subprocess.STDOUT,
+                                 TimeoutExpired=subprocess.TimeoutExpired)
+
+
+def run_tool_in_process(*args: str, trainer: str | None = None, in_process: tuple[str, ...] = (),
+                        **env) -> subprocess.CompletedProcess:
     """The check's main() in this process, with `run_tool`'s environment (that its trainer processes
     inherit): for runs whose result is the table or a line of main()'s, not a property of the check's
-    own process. `trainer`: the script its trainer runs start (FAULTY_TRAINER: faults planted)."""
+    own process. `trainer`: the script its trainer runs start (FAULTY_TRAINER: faults planted).
+    `in_process`: the variants (reference, accum) whose one-process trainer runs go in this process
+    too, with the flags and environment the check gives them; a resumed run stays a fresh process."""
     def call():
         os.environ.clear()
         os.environ.update(clean_env(**env))
@@ -39,10 +80,12 @@ def run_tool_in_process(*args: str, trainer: str | None = None, **env) -> subpro
 
     real = verify_equivalence.TRAINER
     verify_equivalence.TRAINER = trainer or real
+    if in_process:
+        verify_equivalence.subprocess = popen_with_runs_in_process(in_process)
     try:
         return run_in_process(["verify_equivalence.py", *args], call, cwd=REPO)
     finally:
-        verify_equivalence.TRAINER = real
+        verify_equivalence.TRAINER, verify_equivalence.subprocess = real, subprocess
 
 
 def tool_flags(data, work_dir, *extra) -> list[str]:
@@ -81,7 +124,7 @@ def assert_all_within_tolerance(rows: dict, names: list[str]) -> None:
 
 @pytest.mark.slow
 def test_two_processes_one_process_accumulation_and_resume_agree(data, tmp_path):
-    done = run_tool_in_process("--nproc_per_node", "2", *tool_flags(data, tmp_path))
+    done = run_tool_in_process("--nproc_per_node", "2", *tool_flags(data, tmp_path), in_process=SINGLE)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = table(done.stdout)
     assert_all_within_tolerance(rows, TWO)
@@ -96,7 +139,8 @@ def test_two_processes_one_process_accumulation_and_resume_agree(data, tmp_path)
 def test_one_process_compares_accumulation_2_with_batch_2b(data, tmp_path):
     # a copied training command: the flags the check sets itself are named and not used
     done = run_tool_in_process("--nproc_per_node", "1", *tool_flags(data, tmp_path / "work"), "--save_dir",
-                               str(tmp_path / "out"), "--save_interval", "100", "--eval_data_path", str(data / "eval.jsonl"))
+                               str(tmp_path / "out"), "--save_interval", "100", "--eval_data_path", str(data / "eval.jsonl"),
+                               in_process=SINGLE)  # the resumed run is a fresh process: its bit-identity is one
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[0] == "note: the check sets --eval_data_path, --save_dir, --save_interval itself: " \
                                           "your value is not used"
@@ -222,7 +266,7 @@ def test_too_little_data_for_the_resume_step_is_a_user_error(data, tmp_path):
     few = tmp_path / "few.jsonl"
     few.write_text("".join(open(data / "train.jsonl", encoding="utf-8").readlines()[:5]), encoding="utf-8")
     done = run_tool_in_process("--nproc_per_node", "1", "--work_dir", str(tmp_path), *TINY, "--data_path", str(few),
-                               "--batch_size", "2")
+                               "--batch_size", "2", in_process=SINGLE)
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip() == ("error: 1 process x batch 4 (reference) ended before step 4 (too little data for "
                                    "this global batch): lower --resume_step, --max_steps or --batch_size")
