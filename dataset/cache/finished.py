@@ -2,8 +2,9 @@
 ``TokenCache``, the cache opened for reading (found by ``build.open_finished``).
 
 The check (``read_checked``) reads the sizes of the files, the header of ``offsets.npy`` and its
-two ends, and the token ids, block by block, for one outside the vocabulary. It runs once per open, in ``TokenCache``: a damaged cache is a one-line
-``DataError`` naming the directory to delete. The build step runs the same check before it reuses
+two ends, and the token ids, block by block, for one outside the vocabulary. It runs once per
+open, in ``TokenCache``: a damaged cache is a one-line ``DataError`` naming the directory to
+delete. The build step runs the same check before it reuses
 a cache and builds a damaged one again (``build.build_or_reuse``).
 """
 

@@ -132,7 +132,12 @@ def update_selection(state, metric: str, figures: dict, patience: int, data: lis
         state.best_metric, state.best_measured_on = metric, data
         return True, False
     state.evals_without_improvement += 1
-    return False, bool(patience) and state.evals_without_improvement >= patience
+    return False, patience_spent(state, patience)
+
+
+def patience_spent(state, patience: int) -> bool:
+    """Whether `state` holds `patience` evaluations in a row without improvement (never with 0)."""
+    return bool(patience) and state.evals_without_improvement >= patience
 
 
 def best_record(metric: str, value: float, step: int, data: list[str]) -> str:
@@ -146,7 +151,7 @@ def stopped_early(state, metric: str | None, patience: int) -> str | None:
     improvement of `metric` (the run it continues stopped early there, or its last evaluation was one
     more without improvement), else None: training on would take steps up to the next evaluation
     and stop there."""
-    if not (metric and patience and state.evals_without_improvement >= patience):
+    if not (metric and patience_spent(state, patience)):
         return None
     best = f" (best {state.best_value:.4f} at step {state.best_step})" if state.best_value is not None else ""
     count = state.evals_without_improvement
