@@ -24,7 +24,6 @@ from trainer.runtime.node_lines import print_for_node
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TRAIN_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_train.jsonl")
-DEFAULT_EVAL_DATA = os.path.join(REPO_DIR, "dataset", "demo", "sft_eval.jsonl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

@@ -23,11 +23,10 @@ class PreemptionFlag:
         self.requested = False
         self.reason = None  # "SIGTERM" or "SIGINT" once requested
         self.interrupted = False  # a SIGINT came (a second one stops now, whatever came first)
-        self._previous = {}
 
     def install(self) -> "PreemptionFlag":
         for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous[signum] = signal.signal(signum, self._handle)
+            signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -40,11 +39,6 @@ class PreemptionFlag:
         self.reason = self.reason or signal.Signals(signum).name
         if signum == signal.SIGINT:
             say("Ctrl-C: stopping at the next step boundary and saving (press Ctrl-C again to stop now)")
-
-    def uninstall(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}
 
 
 def keep_exit_code() -> None:
