@@ -65,15 +65,24 @@ def check_of_the_dirs_runs(save_dir: str, path: str, saved: dict) -> None:
     a checkpoint of another run copied into checkpoints/. Continued, it would go on as that run in
     this directory, its saves would rotate this run's checkpoints away and replace its model/. A
     directory that records no other run (a run's first save), or a checkpoint without a run id, is
-    taken as it is."""
+    taken as it is; so is the first checkpoint of a new line where the directory records the line it
+    comes from, as its first checkpoint may come before its first row: a rollback's where a record
+    names the run it left (`rolled_back_from`), a fork's tried again where a record names the same
+    `forked_from`."""
     run_id = saved.get("run_id")
     if run_id is None:
         return
+    own = {run_id}
+    left, fork = saved.get("rolled_back_from"), saved.get("forked_from")
+    if isinstance(left, dict) and isinstance(left.get("run_id"), str):
+        own.add(left["run_id"])
+    if not (isinstance(fork, dict) and {"run_id", "step", "checkpoint"} <= fork.keys()):
+        fork = None
     others = set()
     earlier = (other for other in list_checkpoints(save_dir) if other != path)
     records = itertools.chain(logged_rows(save_dir), map(checkpoint_record, earlier))
     for record in records:
-        if record.get("run_id") == run_id:
+        if record.get("run_id") in own or (fork and same_origin(record.get("forked_from"), fork)):
             return
         if isinstance(record.get("run_id"), str):
             others.add(record["run_id"])

@@ -47,6 +47,7 @@ class TrainState:
     wandb_run_id: str | None = None
     run_id: str = field(default_factory=new_run_id)  # one line of training, kept across resumes in its save_dir
     forked_from: dict | None = None  # {run_id, step, checkpoint} of the run it forked (save_dir.Claim); None: none
+    rolled_back_from: dict | None = None  # {run_id, step} of the line a rollback left (take_save_dir); None: none
     best_metric: str | None = None  # the --keep_best metric the best value below is of
     best_value: float | None = None  # of that metric, and the step that reached it
     best_step: int | None = None
@@ -122,6 +123,7 @@ def resume_state(run: Run) -> dict:
         "sample_stream": run_identity.recorded(run.data.identity, run.data.sampler.epoch_group_size(state.epoch)),
         "run_id": state.run_id,
         "forked_from": state.forked_from,
+        "rolled_back_from": state.rolled_back_from,
         "wandb_run_id": run.logger.wandb_run_id,
     }
 
@@ -182,6 +184,7 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         wandb_run_id=None if fork else saved.get("wandb_run_id"),
         run_id=run.state.run_id if fork else saved.get("run_id") or run.state.run_id,
         forked_from=fork or saved.get("forked_from"),
+        rolled_back_from=None if fork else saved.get("rolled_back_from"),
         best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
         best_measured_on=saved.get("best_measured_on"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
@@ -216,6 +219,8 @@ def take_save_dir(run: Run, claim: Claim, resumed: bool) -> None:
     if not resumed:
         return
     if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, run.state.step, run.logger.print):
+        if not claim.forked_from:  # a fork's line is named by its forked_from
+            run.state.rolled_back_from = {"run_id": run.state.run_id, "step": run.state.step}
         run.state.run_id = new_run_id()
     fork = claim.forked_from
     if fork:

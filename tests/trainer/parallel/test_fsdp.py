@@ -161,7 +161,7 @@ def test_a_run_stopped_before_its_first_step_resumes_under_fsdp_bit_identical(da
 
 
 # What a checkpoint records of its run, not of its training state: its flags (--save_dir), id, place on disk.
-RUN_RECORDS = ("args", "run_id", "forked_from", "wandb_run_id", "sharded_path")
+RUN_RECORDS = ("args", "run_id", "forked_from", "rolled_back_from", "wandb_run_id", "sharded_path")
 
 
 def assert_same(a, b, where="") -> None:

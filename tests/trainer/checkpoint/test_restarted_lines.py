@@ -1,0 +1,45 @@
+"""A new line of training in a directory that records the line it comes from: a rollback, or a fork
+tried again there, stopped after its first checkpoint and before its first metrics.jsonl row, is
+continued by --from_resume 1 (trainer/checkpoint/resume.py: check_of_the_dirs_runs)."""
+
+import os
+
+from tests.helpers.faults import run_in_this_process
+from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer_in_process
+from trainer.checkpoint.resume import load_resume_checkpoint
+
+
+def test_a_rollback_that_stops_after_its_first_checkpoint_is_continued_by_from_resume(data, tmp_path):
+    # The new line's first checkpoint (step 3) is the only record of its run id: the run stops at step 4,
+    # before its first metrics.jsonl row (--log_interval 100), beside the old line's rows and step 2.
+    common = ["--batch_size", "8", "--log_interval", "100", "--save_interval", "1"]
+    run_trainer_in_process(flags(data, tmp_path, *common, "--max_steps", "4", "--save_interval", "2"), check=True)
+    old_line = load_resume_checkpoint(checkpoint_at(tmp_path, 2))["run_id"]
+    stopped = run_in_this_process(flags(data, tmp_path, *common, "--max_steps", "8", "--resume_from",
+                                        checkpoint_at(tmp_path, 2)), MINISFT_FAULT_CPU_OOM_STEP="4")
+    assert stopped.returncode == 1 and "error: step 4 ran out of memory" in stopped.stderr, stopped.stderr
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002.pt", "step_00000003.pt"]
+    new = load_resume_checkpoint(checkpoint_at(tmp_path, 3))
+    assert new["run_id"] != old_line and new["rolled_back_from"] == {"run_id": old_line, "step": 2}
+    again = run_trainer_in_process(flags(data, tmp_path, *common, "--max_steps", "5", "--from_resume", "1"), check=True)
+    assert f"resuming from {checkpoint_at(tmp_path, 3)} (step 3" in again.stdout
+    assert load_resume_checkpoint(checkpoint_at(tmp_path, 5))["run_id"] == new["run_id"]  # the same line goes on
+
+
+def test_a_fork_tried_again_that_stops_after_its_first_checkpoint_is_continued_by_from_resume(data, tmp_path):
+    # The first try logs a row (it records the fork) and saves past the start; the second try, a fork
+    # again, sets that checkpoint aside and stops after its own first checkpoint, before any row.
+    origin, fork_dir = tmp_path / "origin", tmp_path / "fork"
+    run_trainer_in_process(flags(data, origin, "--batch_size", "8", "--max_steps", "2"), check=True)
+    again = ["--batch_size", "8", "--save_interval", "1", "--max_steps", "8", "--resume_from", checkpoint_at(origin, 2)]
+    first = run_in_this_process(flags(data, fork_dir, *again), MINISFT_FAULT_CPU_OOM_STEP="4")
+    assert first.returncode == 1 and os.path.exists(checkpoint_at(fork_dir, 3)), first.stderr
+    second = run_in_this_process(flags(data, fork_dir, *again, "--log_interval", "100"), MINISFT_FAULT_CPU_OOM_STEP="4")
+    assert second.returncode == 1 and "error: step 4 ran out of memory" in second.stderr, second.stderr
+    assert sorted(os.listdir(fork_dir / "checkpoints")) == ["step_00000003.pt"]
+    line = load_resume_checkpoint(checkpoint_at(fork_dir, 3))
+    assert line["rolled_back_from"] is None and line["forked_from"]["checkpoint"] == checkpoint_at(origin, 2)
+    resumed = run_trainer_in_process(flags(data, fork_dir, "--batch_size", "8", "--max_steps", "4", "--from_resume", "1"),
+                                     check=True)
+    assert f"resuming from {checkpoint_at(fork_dir, 3)} (step 3" in resumed.stdout
+    assert load_resume_checkpoint(checkpoint_at(fork_dir, 4))["run_id"] == line["run_id"]
