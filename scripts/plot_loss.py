@@ -6,6 +6,8 @@
 file, so steps after the crashed run's last checkpoint appear twice: for every (kind, step) the
 last line wins, which gives one continuous curve. Every line names its run (``run_id``): one run is
 plotted, the one of the file's last line, unless ``--runs all`` (lines without a run id count as one run).
+A rollback's run goes on from the run it left (its lines' ``rolled_back_from``): that run's lines up
+to the step it left it at are plotted with it.
 """
 
 from __future__ import annotations
@@ -116,14 +118,33 @@ def is_metrics_line(record) -> bool:
 
 
 def latest_run(records: list[dict]) -> tuple[list[dict], str | None]:
-    """The records of the run of the last record (by `run_id`) and a note naming what was left out, or None."""
+    """The records of the run of the last record (by `run_id`), with those of the runs it rolled back
+    from up to where it left them, and a note naming what was left out, or None."""
     run_id = records[-1].get("run_id")
-    kept = [record for record in records if record.get("run_id") == run_id]
-    others = {record.get("run_id") for record in records} - {run_id}
-    if not others:
+    last_step = {run_id: math.inf}  # run id -> its last step plotted
+    current, before = run_id, ""
+    while (left := rolled_back_from(records, current)) and left["run_id"] not in last_step:
+        current = left["run_id"]
+        last_step[current] = left["step"]
+        before += f", with run {current} up to step {left['step']}"
+    kept = [record for record in records
+            if record.get("run_id") in last_step and record["step"] <= last_step[record.get("run_id")]]
+    others = {record.get("run_id") for record in records} - set(last_step)
+    if len(kept) == len(records):
         return records, None
-    return kept, (f"note: plotted run {run_id} ({len(kept)} of {len(records)} lines); {len(others)} other run(s) "
-                  "in this file are left out (--runs all plots every line)")
+    left_out = f"; {len(others)} other run(s) in this file are left out" if others else ""
+    return kept, (f"note: plotted run {run_id}{before} ({len(kept)} of {len(records)} lines){left_out} "
+                  "(--runs all plots every line)")
+
+
+def rolled_back_from(records: list[dict], run_id) -> dict | None:
+    """The {run_id, step} that a line of the run `run_id` records as the run it rolled back from, or None."""
+    for record in records:
+        left = record.get("rolled_back_from")
+        if (record.get("run_id") == run_id and isinstance(left, dict) and isinstance(left.get("run_id"), str)
+                and is_step(left.get("step"))):
+            return left
+    return None
 
 
 def dedupe_metrics(records: list[dict]) -> dict[str, list[dict]]:

@@ -82,8 +82,10 @@ class RunLogger:
         self.wandb = None
         self.wandb_run_id = wandb_run_id
         self.run_id = None  # set by the loop: every metrics.jsonl row names the run it belongs to
-        # A fork's origin (trainer/checkpoint/save_dir.py:Claim): in its wandb config and its first metrics.jsonl row.
-        self.forked_from = forked_from
+        # Where this run's line of training comes from, said by the first metrics.jsonl row of this process:
+        # a fork's origin (trainer/checkpoint/save_dir.py:Claim, also in its wandb config) and the line a
+        # rollback left (trainer/loop/state.py:take_save_dir), by which scripts/plot_loss.py draws its history.
+        self.origin = {"forked_from": forked_from} if forked_from else {}
         self.bar = None  # a tqdm bar when stdout is a terminal, else one line per log interval
         self.use_bar = is_main and terminal_width() > 0
         if self.enabled and args.use_wandb:
@@ -96,7 +98,7 @@ class RunLogger:
         try:
             self.wandb = wandb.init(
                 project=args.wandb_project, name=args.wandb_run_name, id=run_id, resume="allow",
-                config={**vars(args), **({"forked_from": self.forked_from} if self.forked_from else {})},
+                config={**vars(args), **self.origin},
                 dir=args.save_dir,
             )
         except wandb.errors.Error as error:  # no network, bad key, unknown project...: the user's to fix
@@ -159,8 +161,8 @@ class RunLogger:
 
     def _record(self, row: dict) -> None:
         row = {**row, "run_id": self.run_id, "time": time.time()}
-        if self.forked_from:
-            row["forked_from"], self.forked_from = self.forked_from, None  # said once, by the fork's first row
+        row.update(self.origin)
+        self.origin = {}
         try:
             with open(self.metrics_path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(row) + "\n")

@@ -43,6 +43,26 @@ def test_plot_draws_the_latest_run_of_a_file_two_runs_wrote_unless_asked(tmp_pat
     assert [r["step"] for r in drawn["train"]] == list(range(1, 11))
 
 
+def test_a_rollbacks_run_is_drawn_with_the_runs_it_left_up_to_where_it_left_them(tmp_path, capsys, monkeypatch):
+    import scripts.plot_loss as plot_loss
+
+    first = [{**row, "run_id": "a"} for row in metric_lines(range(1, 11))]
+    second = [{**row, "run_id": "b"} for row in metric_lines(range(5, 9), loss_offset=1.0)]  # rolled back to 4
+    third = [{**row, "run_id": "c"} for row in metric_lines(range(7, 13), loss_offset=2.0)]  # rolled back to 6
+    second[0]["rolled_back_from"] = {"run_id": "a", "step": 4}
+    third[0]["rolled_back_from"] = third[3]["rolled_back_from"] = {"run_id": "b", "step": 6}  # two processes
+    other = [{**row, "run_id": "z"} for row in metric_lines(range(1, 3))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in other + first + second + third))
+    drawn = {}
+    monkeypatch.setattr(plot_loss, "plot", lambda curves, out, title: drawn.update(curves) or [])
+    assert plot_loss.main(["--metrics", str(tmp_path)]) == 0
+    assert [(r["step"], r["run_id"]) for r in drawn["train"]] == [
+        (1, "a"), (2, "a"), (3, "a"), (4, "a"), (5, "b"), (6, "b"), *((step, "c") for step in range(7, 13))]
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "note: plotted run c, with run b up to step 6, with run a up to step 4 (12 of 22 lines); 1 other run(s) in "
+        "this file are left out (--runs all plots every line)")
+
+
 def test_plot_writes_a_png_and_rejects_empty_metrics(tmp_path, capsys):
     from scripts.plot_loss import main
 

@@ -222,6 +222,8 @@ def take_save_dir(run: Run, claim: Claim, resumed: bool) -> None:
         if not claim.forked_from:  # a fork's line is named by its forked_from
             run.state.rolled_back_from = {"run_id": run.state.run_id, "step": run.state.step}
         run.state.run_id = new_run_id()
+    if run.state.rolled_back_from:  # said by the first row of every start of the line: its first may have none
+        run.logger.origin["rolled_back_from"] = run.state.rolled_back_from
     fork = claim.forked_from
     if fork:
         own = "a run id and a wandb run" if run.args.use_wandb else "a run id"

@@ -2,8 +2,10 @@
 tried again there, stopped after its first checkpoint and before its first metrics.jsonl row, is
 continued by --from_resume 1 (trainer/checkpoint/resume.py: check_of_the_dirs_runs)."""
 
+import json
 import os
 
+from scripts.plot_loss import latest_run
 from tests.helpers.faults import run_in_this_process
 from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer_in_process
 from trainer.checkpoint.resume import load_resume_checkpoint
@@ -13,7 +15,8 @@ def test_a_rollback_that_stops_after_its_first_checkpoint_is_continued_by_from_r
     # The new line's first checkpoint (step 3) is the only record of its run id: the run stops at step 4,
     # before its first metrics.jsonl row (--log_interval 100), beside the old line's rows and step 2.
     common = ["--batch_size", "8", "--log_interval", "100", "--save_interval", "1"]
-    run_trainer_in_process(flags(data, tmp_path, *common, "--max_steps", "4", "--save_interval", "2"), check=True)
+    run_trainer_in_process(flags(data, tmp_path, *common, "--max_steps", "4", "--save_interval", "2", "--log_interval", "1"),
+                           check=True)
     old_line = load_resume_checkpoint(checkpoint_at(tmp_path, 2))["run_id"]
     stopped = run_in_this_process(flags(data, tmp_path, *common, "--max_steps", "8", "--resume_from",
                                         checkpoint_at(tmp_path, 2)), MINISFT_FAULT_CPU_OOM_STEP="4")
@@ -24,6 +27,11 @@ def test_a_rollback_that_stops_after_its_first_checkpoint_is_continued_by_from_r
     again = run_trainer_in_process(flags(data, tmp_path, *common, "--max_steps", "5", "--from_resume", "1"), check=True)
     assert f"resuming from {checkpoint_at(tmp_path, 3)} (step 3" in again.stdout
     assert load_resume_checkpoint(checkpoint_at(tmp_path, 5))["run_id"] == new["run_id"]  # the same line goes on
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
+    assert [(row["step"], row["run_id"] == new["run_id"], row.get("rolled_back_from")) for row in rows] == [
+        (1, False, None), (2, False, None), (3, False, None), (4, False, None),
+        (5, True, {"run_id": old_line, "step": 2})]  # the first row of each process of the new line says it
+    assert [row["step"] for row in latest_run(rows)[0]] == [1, 2, 5]  # what plot_loss.py draws
 
 
 def test_a_fork_tried_again_that_stops_after_its_first_checkpoint_is_continued_by_from_resume(data, tmp_path):
