@@ -54,7 +54,6 @@ _EXPORTS = {  # name -> the module that defines it
     "load_tokenizer": "rendering",
     "model_inputs": "collate",
     "pack_lengths": "packing",
-    "pad_fraction": "collate",
 }
 
 __all__ = list(_EXPORTS)

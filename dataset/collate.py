@@ -1,8 +1,6 @@
-"""Batch collation with right padding, and the pad-fraction statistic used by the benchmark."""
+"""Batch collation with right padding, and the batch -> model-inputs contract."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -81,16 +79,6 @@ class SFTCollator:
             starts, lengths = document_starts(batch["position_ids"])
             batch["packed_layout"] = PackedDocuments(starts, lengths, batch["position_ids"].shape)
         return batch
-
-
-def pad_fraction(batches: Iterable[dict[str, torch.Tensor]]) -> float:
-    """Fraction of padded positions (attention_mask == 0) over all positions of the batches."""
-    padded = total = 0
-    for batch in batches:
-        mask = batch["attention_mask"]
-        padded += int((mask == 0).sum())
-        total += mask.numel()
-    return padded / total if total else 0.0
 
 
 def model_inputs(batch: dict, device: torch.device) -> dict:

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from dataset import SFTCollator, pad_fraction
+from dataset import SFTCollator
+from tests.helpers.batches import pad_fraction
 
 
 def test_collator_right_pads_to_longest_or_fixed_length():

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from dataset import PackedSFTDataset, ResumableDistributedSampler, SFTCollator, build_cache_and_open, pad_fraction
+from dataset import PackedSFTDataset, ResumableDistributedSampler, SFTCollator, build_cache_and_open
+from tests.helpers.batches import pad_fraction
 
 
 ROOT = Path(__file__).resolve().parents[2]
