@@ -244,10 +244,6 @@ class EpochMixture:
                 parts.append(start + cycle[(epoch * extra + np.arange(extra, dtype=np.int64)) % size])
         return np.concatenate(parts).astype(np.int64)
 
-    def source_of(self, indices: np.ndarray) -> np.ndarray:
-        """The source of each sample index."""
-        return np.searchsorted(self.starts, indices, side="right") - 1
-
 
 # --------------------------------------------------------------------------- datasets
 

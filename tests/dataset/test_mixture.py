@@ -21,8 +21,13 @@ from trainer.run_logger import format_figure
 from trainer.loop.source_losses import SourceLosses
 
 
+def source_of(mixture: EpochMixture, indices: np.ndarray) -> np.ndarray:
+    """The source of each sample index (the sources laid end to end from ``mixture.starts``)."""
+    return np.searchsorted(mixture.starts, indices, side="right") - 1
+
+
 def per_source(order: np.ndarray, mixture: EpochMixture) -> list[np.ndarray]:
-    sources = mixture.source_of(order)
+    sources = source_of(mixture, order)
     return [order[sources == s] - mixture.starts[s] for s in range(len(mixture.sizes))]
 
 
@@ -70,7 +75,7 @@ def test_the_mixture_stream_is_the_same_for_1_2_and_4_ranks_and_resumes_on_any(g
         one = stream(1, epoch)
         assert stream(2, epoch) == one and stream(4, epoch)[:70] == one
         assert stream(4, epoch, start=24)[:46] == one[24:] and stream(2, epoch, start=24) == one[24:]
-        assert sorted(mixture.source_of(np.asarray(one)).tolist()) == [0] * 53 + [1] * 17  # counts of 70 at 3:1
+        assert sorted(source_of(mixture, np.asarray(one)).tolist()) == [0] * 53 + [1] * 17  # counts of 70 at 3:1
 
 
 # --------------------------------------------------------------------------- sources
