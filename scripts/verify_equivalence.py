@@ -291,10 +291,10 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def checkpoint_at(save_dir: Path, step: int) -> str:
-    from trainer.checkpoint.save_dir import list_checkpoints, step_of
+    from trainer.checkpoint.save_dir import checkpoint_path, list_checkpoints, step_of
 
     found = [path for path in list_checkpoints(str(save_dir)) if step_of(path) == step]
-    return found[0] if found else str(save_dir / "checkpoints" / f"step_{step:08d}.pt")
+    return found[0] if found else checkpoint_path(str(save_dir), step)
 
 
 def error_line(output: str) -> str:

@@ -8,7 +8,7 @@ import os
 
 from trainer.checkpoint import sharded, single_file
 from trainer.checkpoint.save_dir import (
-    SET_ASIDE_DIR, Claim, checkpoints_dir, claim_for_fresh_run, list_checkpoints, logged_rows, run_label,
+    SET_ASIDE_DIR, SHARDED_SUFFIX, Claim, checkpoints_dir, claim_for_fresh_run, list_checkpoints, logged_rows, run_label,
 )
 from trainer.errors import CheckpointError
 
@@ -28,7 +28,7 @@ def load_resume_checkpoint(path: str, required=REQUIRED_KEYS) -> dict:
     `required` names the entries the caller needs (inference needs only the model and its config).
     The tensors are memory-mapped (single file) or read when loaded into the model (sharded)."""
     if os.path.isdir(path):
-        if path.rstrip("/").endswith(sharded.SUFFIX):
+        if path.rstrip("/").endswith(SHARDED_SUFFIX):
             return sharded.load_meta(path, required)
         raise CheckpointError(f"resume checkpoint {path} is a directory: give a step_*.pt file inside its "
                               "checkpoints/, or --from_resume 1 with --save_dir set to the run directory")

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from trainer.checkpoint.files import fsync_dir
 from trainer.errors import CheckpointError
 
-# step_00000100.pt: one file; step_00000100.dcp: a directory of shards
-CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8,})\.(pt|dcp)$")
+FILE_SUFFIX = ".pt"  # step_00000100.pt: one file
+SHARDED_SUFFIX = ".dcp"  # step_00000100.dcp: a directory of shards
+CHECKPOINT_PATTERN = re.compile(rf"^step_(\d{{8,}})({re.escape(FILE_SUFFIX)}|{re.escape(SHARDED_SUFFIX)})$")
 MODEL_DIR = "model"
 BEST_DIR = "best"
 BEST_FILE = "best.json"
@@ -48,8 +49,9 @@ def checkpoints_dir(save_dir: str) -> str:
     return os.path.join(save_dir, "checkpoints")
 
 
-def checkpoint_path(save_dir: str, step: int) -> str:
-    return os.path.join(checkpoints_dir(save_dir), f"step_{step:08d}.pt")
+def checkpoint_path(save_dir: str, step: int, suffix: str = FILE_SUFFIX) -> str:
+    """The resume checkpoint of ``step``: a file (FILE_SUFFIX) or a directory of shards (SHARDED_SUFFIX)."""
+    return os.path.join(checkpoints_dir(save_dir), f"step_{step:08d}{suffix}")
 
 
 def list_checkpoints(save_dir: str) -> list[str]:

@@ -38,17 +38,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainer.checkpoint import single_file
 from trainer.checkpoint.dcp_reading import check_entries, load_quietly, read_index
 from trainer.checkpoint.files import atomic_torch_save, fsync_dir, remove_stale_temporaries
-from trainer.checkpoint.save_dir import checkpoints_dir, drop_old_checkpoints, remove_directory_checkpoint
+from trainer.checkpoint.save_dir import (
+    SHARDED_SUFFIX, checkpoint_path, checkpoints_dir, drop_old_checkpoints, remove_directory_checkpoint,
+)
 from trainer.errors import CheckpointError, first_line
 from trainer.runtime.distributed import barrier
 
-SUFFIX = ".dcp"
 META = "meta.pt"
 SHARDED_ENTRIES = ("model", "optimizer")  # in the shards; everything else is in meta.pt
 
 
 def sharded_path(save_dir: str, step: int) -> str:
-    return os.path.join(checkpoints_dir(save_dir), f"step_{step:08d}{SUFFIX}")
+    return checkpoint_path(save_dir, step, SHARDED_SUFFIX)
 
 
 def is_sharded(saved: dict) -> bool:
@@ -60,7 +61,7 @@ def remove_stale(folder: str) -> None:
     if not os.path.isdir(folder):
         return
     for name in os.listdir(folder):
-        if f"{SUFFIX}." in name and os.path.isdir(os.path.join(folder, name)):
+        if f"{SHARDED_SUFFIX}." in name and os.path.isdir(os.path.join(folder, name)):
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 

@@ -26,7 +26,7 @@ from model import MiniMindConfig, MiniMindForCausalLM
 from model.rope import precompute_rope_tables
 
 from dataset import DataError
-from trainer.checkpoint.save_dir import checkpoints_folder_problem, list_checkpoints
+from trainer.checkpoint.save_dir import SHARDED_SUFFIX, checkpoints_folder_problem, list_checkpoints
 from trainer.errors import CheckpointError, ConfigError, ModelLoadError
 from trainer.weights.read import (build_config, check_torch_file, folder_tokenizer, load_into, model_dir_of,
                                   read_weights, saved_tokenizer)
@@ -42,7 +42,7 @@ def resolve_model_path(path: str | Path) -> tuple[str, Path]:
     if not path.exists():
         raise ModelLoadError(f"{path}: model path does not exist")
     if path.is_dir():
-        if path.suffix == ".dcp":  # a sharded resume checkpoint (--fsdp 1)
+        if path.suffix == SHARDED_SUFFIX:  # a sharded resume checkpoint (--fsdp 1)
             return "checkpoint", path
         folder = Path(model_dir_of(str(path)))  # a run directory: its model/, whatever else lies at its top
         if (folder / "config.json").is_file():

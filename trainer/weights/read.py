@@ -33,7 +33,7 @@ from model.rope import yarn_ramps_agree
 from trainer.checkpoint import single_file
 from trainer.checkpoint.files import safe_torch_load
 from trainer.checkpoint.resume import load_resume_checkpoint
-from trainer.checkpoint.save_dir import checkpoints_folder_problem
+from trainer.checkpoint.save_dir import SHARDED_SUFFIX, checkpoints_folder_problem
 from trainer.errors import CheckpointError, first_line
 from trainer.weights.tokenizer import RECORD_FILE, OwnTokenizer, of_checkpoint, of_folder
 
@@ -75,7 +75,7 @@ def read_weights(path: str) -> Weights:
 def _read_any(path: str) -> Weights:
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist")
-    if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):  # a sharded resume checkpoint (--fsdp 1)
+    if os.path.isdir(path) and path.rstrip("/").endswith(SHARDED_SUFFIX):  # a sharded resume checkpoint (--fsdp 1)
         loaded = load_resume_checkpoint(path, required=("model_config", "model"))
         return Weights(clean_state_dict(loaded["model"]), _minimind_fields(loaded["model_config"]),
                        f"resume checkpoint {path}", of_checkpoint(loaded))
@@ -223,7 +223,7 @@ def folder_tokenizer(folder: str) -> OwnTokenizer | None:
 def saved_tokenizer(path: str) -> OwnTokenizer | None:
     """The tokenizer a resume checkpoint names (None for a plain state dict), read without loading its
     tensors: a single file memory-mapped, a sharded `step_*.dcp/` from its meta.pt alone."""
-    if os.path.isdir(path) and path.rstrip("/").endswith(".dcp"):
+    if os.path.isdir(path) and path.rstrip("/").endswith(SHARDED_SUFFIX):
         return of_checkpoint(load_resume_checkpoint(path, required=("args",)))
     check_torch_file(path)
     loaded = safe_torch_load(path)
