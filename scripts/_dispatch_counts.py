@@ -22,13 +22,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from scripts._bench_common import endless_batches, optimizer_step_once, single_process_context
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
-from trainer.loop.loop import agree_on_step, optimizer_step
 from trainer.loop.state import Run
 from trainer.model_setup import build_model, build_model_config, build_optimizer, compile_model
 from trainer.parallel.ddp import Replicated
-from trainer.runtime.distributed import DistContext
 from trainer.runtime.precision import build_grad_scaler
 from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import setup_seed
@@ -103,7 +102,7 @@ class StepFigures:
 def build_step_run(trainer_argv: list[str]) -> Run:
     """The trainer's Run for these trainer flags, in one CPU process, with fused AdamW (its CUDA choice)."""
     args = parse_args(trainer_argv + ["--device", "cpu"])
-    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+    ctx = single_process_context(torch.device("cpu"))
     from dataset import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer_path)
@@ -120,19 +119,6 @@ def build_step_run(trainer_argv: list[str]) -> Run:
               tokenizer=tokenizer, logger=None, preemption=PreemptionFlag(), parallel=parallel)
     run.model.train()
     return run
-
-
-def micro_batch_stream(run: Run):
-    epoch = 0
-    while True:
-        run.data.sampler.set_epoch(epoch)
-        yield from run.data.loader
-        epoch += 1
-
-
-def one_step(run: Run, batches) -> None:
-    micro_batches = [next(batches) for _ in range(run.args.accumulation_steps)]
-    optimizer_step(run, micro_batches, agree_on_step(run, micro_batches), run.args.learning_rate)
 
 
 @contextlib.contextmanager
@@ -155,16 +141,16 @@ def measure(trainer_argv: list[str], warmup_steps: int, steps: int, backend: str
     counters.clear()
     with compile_backend(backend):
         run = build_step_run(trainer_argv)
-        batches = micro_batch_stream(run)
-        one_step(run, batches)  # the first step compiles
+        batches = endless_batches(run.data)
+        optimizer_step_once(run, batches, run.args)  # the first step compiles
         compiled_by_first = counters["frames"]["ok"]
         for _ in range(warmup_steps - 1):
-            one_step(run, batches)
+            optimizer_step_once(run, batches, run.args)
         figures = StepFigures()
         for _ in range(steps):
             counter, flops = DispatchCounter(), flop_counter()
             with flops, counter:
-                one_step(run, batches)
+                optimizer_step_once(run, batches, run.args)
             figures.ops.append(counter.total)
             figures.dispatches.append(counter.dispatches)
             figures.casts.append(counter.casts)

@@ -357,8 +357,9 @@ def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: boo
     """`steps` optimizer steps of the trainer for these flags (summed), traced as described in the
     module docstring, after `warmup_steps` uncounted ones (the first creates AdamW's moments); the
     roofline of `card`."""
+    from scripts._bench_common import endless_batches
     from scripts._bench_flops import causal_pairs
-    from scripts._dispatch_counts import build_step_run, micro_batch_stream
+    from scripts._dispatch_counts import build_step_run
     from trainer.loop.loop import agree_on_step, optimizer_step
     from trainer.model_setup import build_optimizer
 
@@ -366,7 +367,7 @@ def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: boo
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_parameters(run.parallel.model, mode)
     run.optimizer = build_optimizer(run.parallel.model, run.args, torch.device("cuda"))  # fused, as on a GPU
-    batches = micro_batch_stream(run)
+    batches = endless_batches(run.data)
     peak = card.peak("float32" if run.dtype == torch.float32 else "bfloat16")
     counter = ByteCounter(bandwidth=card.bandwidth, peak=peak, by_shapes=by_shapes)
     for step in range(warmup_steps + steps):
