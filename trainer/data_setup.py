@@ -21,6 +21,7 @@ from dataset.mixture import ConcatenatedSamples, EpochMixture, MixtureDataset, l
 from dataset.printable import print_escaped
 from dataset.sources import check_data_file
 from trainer.args import held_out_files
+from trainer.checkpoint.save_dir import METRICS_FILE
 from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import EvalSet, generation_examples, long_prompts, no_room_problem
 from trainer.evaluation.selection import eval_set_names
@@ -60,7 +61,7 @@ def reads_run_log(spec: str, save_dir: str) -> bool:
     """Whether the data source `spec` (a directory, or a glob over one folder) would read the
     `metrics.jsonl` a run writes in `save_dir`."""
     folder, pattern = (spec, "*.jsonl") if os.path.isdir(spec) else os.path.split(spec)
-    return os.path.realpath(folder or ".") == os.path.realpath(save_dir) and fnmatch.fnmatch("metrics.jsonl", pattern)
+    return os.path.realpath(folder or ".") == os.path.realpath(save_dir) and fnmatch.fnmatch(METRICS_FILE, pattern)
 
 
 def _worker_ignores_preemption(_worker_id: int) -> None:

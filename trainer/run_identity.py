@@ -51,6 +51,7 @@ from pathlib import Path
 from dataset.augment import ROOM_RULE
 from dataset.rendering import tokenizer_fingerprint
 from dataset.cache import TOKENS_VERSION
+from trainer.checkpoint.save_dir import MODEL_DIR
 
 RECORD_VERSION = 6
 UNRECORDED_TOKENS_VERSION = 1  # the tokenizing code of the checkpoints that recorded none
@@ -164,7 +165,7 @@ def refusal(saved: dict, now: RunIdentity, save_dir: str) -> str | None:
     """One line naming the first fact of the sample stream the resume changes and what to do, or None."""
     stream = saved.get("sample_stream", {})
     flags = saved["args"]
-    model_dir = Path(flags.get("save_dir", save_dir)) / "model"
+    model_dir = Path(flags.get("save_dir", save_dir)) / MODEL_DIR
     new_run = f"start a new run from its weights with --from_weight {model_dir} --save_dir NEW_DIR"
     if "identity" in stream:
         version = stream.get("version", 2)

@@ -14,6 +14,7 @@ import time
 from urllib.parse import urlparse
 
 from dataset.printable import print_escaped, printable
+from trainer.checkpoint.save_dir import METRICS_FILE
 from trainer.errors import LoggingError
 
 WANDB_MODES_WITHOUT_LOGIN = ("offline", "dryrun", "disabled")
@@ -78,7 +79,7 @@ class RunLogger:
 
     def __init__(self, args, is_main: bool, wandb_run_id: str | None = None, forked_from: dict | None = None):
         self.enabled = is_main
-        self.metrics_path = os.path.join(args.save_dir, "metrics.jsonl")
+        self.metrics_path = os.path.join(args.save_dir, METRICS_FILE)
         self.wandb = None
         self.wandb_run_id = wandb_run_id
         self.run_id = None  # set by the loop: every metrics.jsonl row names the run it belongs to

@@ -34,19 +34,21 @@ from trainer.errors import CheckpointError
 FILE_SUFFIX = ".pt"  # step_00000100.pt: one file
 SHARDED_SUFFIX = ".dcp"  # step_00000100.dcp: a directory of shards
 CHECKPOINT_PATTERN = re.compile(rf"^step_(\d{{8,}})({re.escape(FILE_SUFFIX)}|{re.escape(SHARDED_SUFFIX)})$")
+CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"  # a run's log (trainer/run_logger.py writes it)
 MODEL_DIR = "model"
 BEST_DIR = "best"
 BEST_FILE = "best.json"
 SET_ASIDE_DIR = "set_aside"
 NO_RUN_ID = "(no run id recorded)"  # names the run of a checkpoint that records no run id
-SAVED_FOLDERS = ("checkpoints", MODEL_DIR, BEST_DIR)  # the folders of a save_dir that saves write into
+SAVED_FOLDERS = (CHECKPOINTS_DIR, MODEL_DIR, BEST_DIR)  # the folders of a save_dir that saves write into
 
 
 # --------------------------------------------------------------------------- paths
 
 
 def checkpoints_dir(save_dir: str) -> str:
-    return os.path.join(save_dir, "checkpoints")
+    return os.path.join(save_dir, CHECKPOINTS_DIR)
 
 
 def checkpoint_path(save_dir: str, step: int, suffix: str = FILE_SUFFIX) -> str:
@@ -67,7 +69,7 @@ def checkpoints_folder_problem(path: str) -> str | None:
     """`path` is a run's `checkpoints/` folder, given where one model is asked for: what to give
     instead (one checkpoint, or the run's directory), else None."""
     run = os.path.dirname(os.path.abspath(path))
-    found = list_checkpoints(run) if os.path.basename(os.path.abspath(path)) == "checkpoints" else []
+    found = list_checkpoints(run) if os.path.basename(os.path.abspath(path)) == CHECKPOINTS_DIR else []
     if not found:
         return None
     return (f"{path} is a run's folder of resume checkpoints: give one of them ({os.path.basename(found[0])}) "
@@ -104,7 +106,7 @@ def ensure_writable_dir(path: str) -> None:
         raise CheckpointError(f"--save_dir {path} is not writable: {problem}")
     for name in SAVED_FOLDERS:
         folder = os.path.join(path, name)
-        if not os.path.isdir(folder) or (name != "checkpoints" and os.path.islink(folder)):
+        if not os.path.isdir(folder) or (name != CHECKPOINTS_DIR and os.path.islink(folder)):
             continue
         problem = _write_problem(folder)
         if problem and problem != os.strerror(errno.ENOENT):  # gone: renamed by a live run's save, which the lock meets
@@ -205,9 +207,9 @@ def claim_for_fresh_run(save_dir: str, overwrite: bool, resuming: bool = False, 
                               "not a run's weights, and is never moved: choose another --save_dir")
     checkpoints = list_checkpoints(save_dir)
     previous = [os.path.join(save_dir, name) for name in SAVED_FOLDERS
-                if os.path.lexists(os.path.join(save_dir, name)) and (name != "checkpoints" or checkpoints)]
-    if os.path.isfile(os.path.join(save_dir, "metrics.jsonl")):  # a run's log (anything else fails at its first write)
-        previous.append(os.path.join(save_dir, "metrics.jsonl"))
+                if os.path.lexists(os.path.join(save_dir, name)) and (name != CHECKPOINTS_DIR or checkpoints)]
+    if os.path.isfile(os.path.join(save_dir, METRICS_FILE)):  # a run's log (anything else fails at its first write)
+        previous.append(os.path.join(save_dir, METRICS_FILE))
     pth = os.path.join(save_dir, pth_name) if pth_name else None
     if pth and os.path.lexists(pth):
         previous.append(pth)
@@ -234,7 +236,7 @@ def logged_rows(save_dir: str) -> Iterator[dict]:
     """The rows of `<save_dir>/metrics.jsonl`, in order; a line that is no row (the half-written last
     line of a crash) is left out."""
     try:
-        with open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8", errors="replace") as handle:
+        with open(os.path.join(save_dir, METRICS_FILE), encoding="utf-8", errors="replace") as handle:
             for line in handle:
                 with contextlib.suppress(ValueError):
                     row = json.loads(line)
@@ -291,7 +293,7 @@ def is_run_dir(path: str) -> bool:
     metrics.jsonl, or its .lock is held by a live process (a `.lock` alone is a common name)."""
     if not os.path.isdir(path):
         return False
-    return (any(os.path.lexists(os.path.join(path, name)) for name in ("checkpoints", "metrics.jsonl"))
+    return (any(os.path.lexists(os.path.join(path, name)) for name in (CHECKPOINTS_DIR, METRICS_FILE))
             or lock_holder(path) is not None)
 
 
@@ -349,7 +351,7 @@ def inside_a_run_model_dir(path: str) -> str | None:
     while True:
         parent = os.path.dirname(current)
         if os.path.basename(current) in (MODEL_DIR, BEST_DIR) and (
-                os.path.isdir(checkpoints_dir(parent)) or os.path.exists(os.path.join(parent, "metrics.jsonl"))):
+                os.path.isdir(checkpoints_dir(parent)) or os.path.exists(os.path.join(parent, METRICS_FILE))):
             return current
         if parent == current:
             return None

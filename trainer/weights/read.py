@@ -33,7 +33,9 @@ from model.rope import yarn_ramps_agree
 from trainer.checkpoint import single_file
 from trainer.checkpoint.files import safe_torch_load
 from trainer.checkpoint.resume import load_resume_checkpoint
-from trainer.checkpoint.save_dir import SHARDED_SUFFIX, checkpoints_folder_problem
+from trainer.checkpoint.save_dir import (
+    CHECKPOINTS_DIR, METRICS_FILE, MODEL_DIR, SHARDED_SUFFIX, checkpoints_folder_problem,
+)
 from trainer.errors import CheckpointError, first_line
 from trainer.weights.tokenizer import RECORD_FILE, OwnTokenizer, of_checkpoint, of_folder
 
@@ -109,9 +111,9 @@ def model_dir_of(folder: str) -> str:
     """The HF model directory that the directory `folder` stands for: a training run's (checkpoints/ or
     metrics.jsonl) inference weights `model/`, even where model files lie at its top; `folder/model` of
     a folder without config.json; else `folder`."""
-    run_model = os.path.join(folder, "model")
+    run_model = os.path.join(folder, MODEL_DIR)
     if os.path.isfile(os.path.join(run_model, "config.json")) and (
-            any(os.path.exists(os.path.join(folder, name)) for name in ("checkpoints", "metrics.jsonl"))
+            any(os.path.exists(os.path.join(folder, name)) for name in (CHECKPOINTS_DIR, METRICS_FILE))
             or not os.path.isfile(os.path.join(folder, "config.json"))):
         return run_model
     return folder
