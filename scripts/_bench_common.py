@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from scripts._common import REPO_DIR, fail
-from trainer.args import add_flag, flag_bounds, parse_args
+from scripts._common import fail
+from trainer.args import DEFAULT_TRAIN_DATA, add_flag, flag_bounds, parse_args
 from trainer.data_setup import build_train_data
 from trainer.loop.loop import agree_on_step, optimizer_step
 from trainer.loop.state import Run
@@ -33,7 +33,6 @@ from trainer.runtime.preemption import PreemptionFlag
 from trainer.runtime.seeding import setup_seed
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
 MIB = 1024 * 1024
 
 
@@ -50,7 +49,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="1 = the trainer's MoE MLPs (its default experts and top-k); FLOPs count active experts")
     add_flag(model, "--vocab_size", type=int, default=None, at_least=1,
              help="LM head size (default: the tokenizer's); e.g. 151936 for a Qwen3-sized head on the same data")
-    model.add_argument("--data_path", default=str(DEFAULT_DATA), help="SFT jsonl file")
+    model.add_argument("--data_path", default=DEFAULT_TRAIN_DATA, help="SFT jsonl file")
     model.add_argument("--cache_dir", default=None, help="token cache of the timed runs; default: next to the data")
 
 

@@ -46,8 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._common import REPO_DIR, ArgumentParser, fail  # noqa: E402
-from trainer.args import add_flag, flag_bounds  # noqa: E402
+from scripts._common import ArgumentParser, fail  # noqa: E402
+from trainer.args import DEFAULT_TRAIN_DATA, add_flag, flag_bounds  # noqa: E402
 
 PREP_SETS = ("plain", "tool")
 
@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(description="Rows per core of our data preparation (parse, template, loss spans, "
                                         "tokenize) against MiniMind's per-sample preprocessing, on plain and on "
                                         "tool/reasoning rows.", epilog="Figures: docs/benchmarks.md.")
-    parser.add_argument("--data_path", default=str(REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"),
+    parser.add_argument("--data_path", default=DEFAULT_TRAIN_DATA,
                         help="SFT jsonl file")
     parser.add_argument("--max_seq_len", type=int, default=512).bounds = flag_bounds("max_seq_len")
     add_flag(parser, "--rows", dest="prep_rows", type=int, default=0, at_least=0,

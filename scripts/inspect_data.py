@@ -26,16 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._common import (  # noqa: E402
-    REPO_DIR, ArgumentParser, check_not_an_input, check_output_file, fail, run_main, write_output,
+    ArgumentParser, check_not_an_input, check_output_file, fail, run_main, write_output,
 )
-from trainer.args import add_flag, flag_bounds, path_value  # noqa: E402
-
-DEFAULT_DATA = REPO_DIR / "dataset" / "demo" / "sft_train.jsonl"
+from trainer.args import DEFAULT_TRAIN_DATA, add_flag, flag_bounds, path_value  # noqa: E402
 
 
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="inspect_data.py")
-    parser.add_argument("--data_path", default=str(DEFAULT_DATA),
+    parser.add_argument("--data_path", default=DEFAULT_TRAIN_DATA,
                         help="as the trainer's: files, directories or globs, comma-separated, each with an optional :weight")
     parser.add_argument("--tokenizer_path", default=None,
                         help="tokenizer dir; default: the one saved with --from_weight's weights, else the shipped one")
