@@ -53,7 +53,6 @@ _EXPORTS = {  # name -> the module that defines it
     "encode_conversation": "tokens",
     "load_tokenizer": "rendering",
     "model_inputs": "collate",
-    "pack_lengths": "packing",
 }
 
 __all__ = list(_EXPORTS)
