@@ -1,6 +1,6 @@
 """`python -m model [--hidden_size N --num_hidden_layers N ...]`: print a config's parameter count."""
 
-from model import MiniMindConfig, MiniMindForCausalLM, format_parameter_count
+from . import MiniMindConfig, MiniMindForCausalLM, format_parameter_count
 from scripts._common import ArgumentParser, fail, run_main
 
 
