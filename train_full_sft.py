@@ -67,7 +67,7 @@ from trainer.runtime.kernels import prefer_flash_attention
 from trainer.runtime.node_lines import TORCHRUN_NAMES, launcher_names, print_for_node
 from trainer.runtime.precision import apply_tf32_policy, build_grad_scaler, resolve_dtype
 from trainer.runtime.seeding import setup_seed
-from trainer.weights.write import minimind_pth_name
+from trainer.weights.read import minimind_pth_name
 
 
 def claim_save_dir(args, ctx):
@@ -119,7 +119,7 @@ def choose_resume_checkpoint(args, config, log) -> tuple[str | None, dict | None
     """On rank 0: (path, loaded checkpoint) to resume from, or (None, None) for a fresh run, and the
     `Claim` on --save_dir: a --save_dir of another run is refused, or with --overwrite 1 its files (its
     MiniMind .pth too) are to be set aside once every check has passed."""
-    pth_name = minimind_pth_name(config, args.save_weight) if args.save_weight else None
+    pth_name = minimind_pth_name(args.save_weight, config.hidden_size, config.use_moe) if args.save_weight else None
     if args.resume_from:
         saved = load_resume_checkpoint(args.resume_from)
         return args.resume_from, saved, claim_for_resume(args.save_dir, args.resume_from, saved, args.overwrite,

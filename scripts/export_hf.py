@@ -147,9 +147,10 @@ def export_dir(out_dir: Path, overwrite: bool, write):
 
 def export_minimind(model, out_dir: Path, prefix: str, overwrite: bool) -> Path:
     from trainer.errors import CheckpointError
-    from trainer.weights.write import minimind_pth_name, minimind_settings, write_minimind_pth
+    from trainer.weights.read import minimind_pth_name
+    from trainer.weights.write import minimind_settings, write_minimind_pth
 
-    target = out_dir / minimind_pth_name(model.config, prefix)
+    target = out_dir / minimind_pth_name(prefix, model.config.hidden_size, model.config.use_moe)
     if target.exists() and not overwrite:
         fail(f"{target} exists (pass --overwrite to replace it)")
     out_dir.mkdir(parents=True, exist_ok=True)

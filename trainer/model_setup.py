@@ -12,9 +12,9 @@ from trainer.errors import ConfigError
 from trainer.evaluation.evaluate import stop_token_ids
 from trainer.runtime.distributed import processes_on_this_node
 from trainer.weights.inference import empty_model, model_from_weights
-from trainer.weights.read import Weights, build_config, read_weights, resolve_minimind_name
+from trainer.weights.read import Weights, build_config, minimind_pth_name, read_weights, resolve_minimind_name
 from trainer.weights.tokenizer import check_vocab_fits, resolve_tokenizer
-from trainer.weights.write import minimind_pth_name, minimind_unsupported, pth_prefix_problem
+from trainer.weights.write import minimind_unsupported, pth_prefix_problem
 
 # Architecture flags and the config field each sets. With --from_weight the field comes from the
 # weights; a flag the user gave that says otherwise is refused.
@@ -98,7 +98,7 @@ def check_moe_flags_act(args, config: MiniMindConfig, from_weights: bool) -> Non
 def check_pth_spares_the_start(args, config: MiniMindConfig, prefix: str) -> None:
     """The run's MiniMind .pth (`--save_weight`) must not be the `--from_weight` file: every save
     would write over the weights the run starts from (`--from_weight full_sft --save_weight full_sft`)."""
-    target = os.path.join(args.save_dir, minimind_pth_name(config, prefix))
+    target = os.path.join(args.save_dir, minimind_pth_name(prefix, config.hidden_size, config.use_moe))
     start = resolve_minimind_name(args.from_weight, args.save_dir, args.hidden_size, bool(args.use_moe))
     if os.path.isfile(target) and os.path.samefile(target, start):
         raise ConfigError(f"--save_weight {prefix} would write over {target}, the --from_weight weights this run "

@@ -57,11 +57,17 @@ class Weights:
 # --------------------------------------------------------------------------- reading
 
 
+def minimind_pth_name(prefix: str, hidden_size: int, use_moe: bool) -> str:
+    """MiniMind's file name for a model's weights, `{prefix}_{hidden_size}[_moe].pth`: the file its
+    `--from_weight PREFIX` reads and its `--save_weight PREFIX` writes."""
+    return f"{prefix}_{hidden_size}{'_moe' if use_moe else ''}.pth"
+
+
 def resolve_minimind_name(value: str, save_dir: str, hidden_size: int, use_moe: bool) -> str:
     """MiniMind's `--from_weight pretrain` = `{save_dir}/pretrain_{hidden}[_moe].pth`; paths stay paths."""
     if os.path.exists(value) or not re.fullmatch(r"[\w.-]+", value) or value.endswith((".pth", ".pt")):
         return value
-    candidate = os.path.join(save_dir, f"{value}_{hidden_size}{'_moe' if use_moe else ''}.pth")
+    candidate = os.path.join(save_dir, minimind_pth_name(value, hidden_size, use_moe))
     if os.path.isfile(candidate):
         return candidate
     raise CheckpointError(f"--from_weight {value}: neither a path nor MiniMind's {candidate} exists")

@@ -22,7 +22,7 @@ from model.rope import yarn_ramps_agree
 from trainer.checkpoint.files import atomic_torch_save, fsync_dir, settle_files, write_failure
 from trainer.checkpoint.save_dir import MODEL_DIR
 from trainer.errors import CheckpointError
-from trainer.weights.read import LM_HEAD, read_json
+from trainer.weights.read import LM_HEAD, minimind_pth_name, read_json
 from trainer.weights.tokenizer import RECORD_FILE, folder_record
 
 
@@ -224,10 +224,6 @@ def minimind_unsupported(config: MiniMindConfig) -> str | None:
     return None
 
 
-def minimind_pth_name(config: MiniMindConfig, prefix: str) -> str:
-    return f"{prefix}_{config.hidden_size}{'_moe' if config.use_moe else ''}.pth"
-
-
 def pth_prefix_problem(prefix: str, folder_flag: str) -> str | None:
     """Why `--save_weight PREFIX` cannot name a MiniMind .pth inside the folder of `folder_flag`
     (empty, or a path: the file would land elsewhere), or None."""
@@ -253,7 +249,7 @@ def minimind_settings(config: MiniMindConfig) -> dict:
 
 def save_minimind_copy(model, save_dir: str, prefix: str) -> str:
     """The trainer's `--save_weight PREFIX`: MiniMind's own `{save_dir}/{prefix}_{hidden}[_moe].pth`."""
-    path = os.path.join(save_dir, minimind_pth_name(model.config, prefix))
+    path = os.path.join(save_dir, minimind_pth_name(prefix, model.config.hidden_size, model.config.use_moe))
     write_minimind_pth(model, path)
     return path
 
