@@ -85,7 +85,7 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def build_token_caches(paths, args, tokenizer) -> None:
+def build_token_caches(paths, args, tokenizer, local_rank: int) -> None:
     """The token cache of each of these data files, built where missing (or continued), by local
     rank 0 of each node under torch.distributed (dataset.cache.build_or_reuse_on_node); the
     datasets opened after this step find them finished. A cache beside the data that cannot be written
@@ -93,7 +93,7 @@ def build_token_caches(paths, args, tokenizer) -> None:
     for path in map(Path, paths):
         cache_root = default_cache_root(path, args.cache_dir)
         try:
-            build_or_reuse_on_node(path, tokenizer, args.max_seq_len, cache_root, args.bad_data)
+            build_or_reuse_on_node(path, tokenizer, args.max_seq_len, cache_root, args.bad_data, local_rank=local_rank)
         except OSError as error:
             failed = Path(error.filename) if error.filename else None
             if args.cache_dir or failed is None or not (failed == cache_root or cache_root in failed.parents):
@@ -145,7 +145,7 @@ def build_train_data(args, tokenizer, ctx) -> TrainData:
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
     sources = parse_data_path(args.data_path)
-    build_token_caches([path for source in sources for path in source.files], args, tokenizer)
+    build_token_caches([path for source in sources for path in source.files], args, tokenizer, ctx.local_rank)
     dataset, mixture, opened = build_mixture(args, sources, tokenizer, augmenter, rank_zero_log(ctx))
     if augmenter.prefixes and ctx.rank == 0:  # the share of the samples a system prompt fits
         print_escaped(augmenter.room_note([samples.prompt_room for _, files in opened for samples in files],
@@ -195,7 +195,7 @@ def build_eval_sets(args, tokenizer, ctx, context: int) -> list[EvalSet]:
     if problem:
         raise ConfigError(problem)
     paths = held_out_files(args.eval_data_path)
-    build_token_caches(paths, args, tokenizer)
+    build_token_caches(paths, args, tokenizer, ctx.local_rank)
     eval_sets = []
     for name, path in zip(eval_set_names(paths), paths):
         dataset = build_dataset(path, args, tokenizer, log=rank_zero_log(ctx))

@@ -32,17 +32,19 @@ from .workers import usable_cores
 
 
 def build_or_reuse_on_node(
-    path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error", num_proc: int | None = None
+    path: Path, tokenizer, max_seq_len: int, cache_root: Path, bad_data: str = "error", num_proc: int | None = None,
+    *, local_rank: int,
 ) -> Path:
     """``build.build_or_reuse`` on this process, or on local rank 0 of each node under
     ``torch.distributed`` (module docstring). ``num_proc``: tokenizer processes (default: one per
-    core of the node)."""
+    core of the node). ``local_rank``: this process's rank on its node, as its launcher gives it
+    (``LOCAL_RANK``, ``--local_rank`` or ``SLURM_LOCALID``: the trainer's ``launch_env``)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return build_or_reuse(path, tokenizer, max_seq_len, cache_root, bad_data, num_proc)
 
-    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0))
+    rank = dist.get_rank()
     node = rank - local_rank
     nonce = [os.urandom(8).hex() if rank == 0 else None]
     dist.broadcast_object_list(nonce)  # quick: nobody is building yet

@@ -77,9 +77,9 @@ def test_the_data_setup_step_builds_the_caches_that_the_datasets_then_only_open(
     built, real_build = [], build.build_cache
     monkeypatch.setattr(build, "build_cache", lambda path, *rest, **kwargs: built.append(path.name) or
                         real_build(path, *rest, **kwargs))
-    build_token_caches(files, args, tokenizer)
+    build_token_caches(files, args, tokenizer, 0)
     assert built == ["a.jsonl", "b.jsonl"] and len(list((tmp_path / "cache").glob("*/meta.json"))) == 2
-    build_token_caches(files, args, tokenizer)  # finished: reused
+    build_token_caches(files, args, tokenizer, 0)  # finished: reused
     assert built == ["a.jsonl", "b.jsonl"]
     monkeypatch.setattr(build, "build_cache", lambda *args, **kwargs: pytest.fail("a dataset built a cache"))
     assert [len(SFTDataset(path, tokenizer, 64, cache_dir=args.cache_dir)) for path in files] == [9, 5]
@@ -89,7 +89,7 @@ def test_the_training_data_setup_builds_each_file_s_cache_once_then_opens_it(tmp
     a, b = write_rows(tmp_path / "a.jsonl"), write_rows(tmp_path / "b.jsonl", 5)
     args = parse_args([*TINY, "--data_path", f"{a},{b}", "--eval_data_path", str(b),
                        "--cache_dir", str(tmp_path / "cache")])
-    ctx = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+    ctx = SimpleNamespace(world_size=1, rank=0, local_rank=0, device=torch.device("cpu"))
     tokenizer = load_tokenizer(None)
     built, opened = [], []
     real_build, real_open = build.build_cache, sft_dataset.open_finished

@@ -369,7 +369,7 @@ def test_training_prints_the_summary_after_building_the_data(tmp_path, capsys):
     for extra, empty_think_warning in (((), True), (("--drop_empty_think_ratio", "0.8"), False)):
         args = parse_args([*TINY, "--data_path", f"{tools},{plain}", "--max_seq_len", "400",
                            "--cache_dir", str(tmp_path / "cache"), *extra])
-        build_train_data(args, load_tokenizer(None), SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu")))
+        build_train_data(args, load_tokenizer(None), SimpleNamespace(world_size=1, rank=0, local_rank=0, device=torch.device("cpu")))
         out = capsys.readouterr().out.splitlines()
         summary = [line for line in out if line.startswith("[data] ") and "mixture per epoch" not in line]
         assert summary[0].startswith("[data] inspected up to 64 rows per source") and len(summary) <= 5, summary
@@ -378,7 +378,7 @@ def test_training_prints_the_summary_after_building_the_data(tmp_path, capsys):
                    for line in summary)
         assert any("empty think block" in line for line in summary) == empty_think_warning
     quiet = parse_args([*TINY, "--data_path", str(plain), "--cache_dir", str(tmp_path / "cache")])
-    build_train_data(quiet, load_tokenizer(None), SimpleNamespace(world_size=2, rank=1, device=torch.device("cpu")))
+    build_train_data(quiet, load_tokenizer(None), SimpleNamespace(world_size=2, rank=1, local_rank=1, device=torch.device("cpu")))
     assert "[data] inspected" not in capsys.readouterr().out  # rank 0 only
 
 

@@ -97,7 +97,7 @@ def write_rows(path, rows) -> None:
 
 def train_data(data_path: str, cache_dir, *extra):
     args = parse_args([*TINY, "--data_path", data_path, "--cache_dir", str(cache_dir), *extra])
-    return build_train_data(args, load_tokenizer(None), SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu")))
+    return build_train_data(args, load_tokenizer(None), SimpleNamespace(world_size=1, rank=0, local_rank=0, device=torch.device("cpu")))
 
 
 def test_a_directory_or_glob_source_holds_the_same_samples_as_listing_its_files(tmp_path, monkeypatch):

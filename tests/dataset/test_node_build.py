@@ -34,7 +34,8 @@ def _ddp_worker(rank: int, world_size: int, port: int, runs: list, out_dir: str)
     for data_path, cache_dir in runs:
         result = {"rank": rank}
         try:
-            build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 128, Path(cache_dir), "error", 1)
+            build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 128, Path(cache_dir), "error", 1,
+                                   local_rank=rank)
             ds = SFTDataset(data_path, load_tokenizer(None), 128, cache_dir=cache_dir)
             result["cache_path"] = str(ds.cache_path)
             result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
@@ -116,7 +117,8 @@ def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out
     with (open(Path(out_dir, f"stdout{rank}.txt"), "w") as out, contextlib.redirect_stdout(out),
           open(Path(out_dir, f"stderr{rank}.txt"), "w") as err, contextlib.redirect_stderr(err)):
         try:
-            node_build.build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 64, Path(cache_dir), "error", 1)
+            node_build.build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 64, Path(cache_dir), "error", 1,
+                                              local_rank=rank)
             ds = SFTDataset(data_path, load_tokenizer(None), 64, cache_dir=cache_dir)
             result["cache_path"] = str(ds.cache_path)
             result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]

@@ -280,7 +280,7 @@ def test_the_references_are_the_trainers_evaluation_ones_and_the_prompts_chats(t
     tokenizer = load_tokenizer(None)
     args = SimpleNamespace(eval_data_path=str(data), max_seq_len=512, bad_data="error", cache_dir=str(tmp_path),
                            packing=0, batch_size=2, eval_generate_samples=6, eval_max_new_tokens=4)
-    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    ctx = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     (eval_set,) = build_eval_sets(args, tokenizer, ctx, 512)
     examples = read_examples(data, tokenizer, 512)
     assert [(e.reference, e.reference_calls) for e in examples] == [

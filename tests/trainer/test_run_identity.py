@@ -31,7 +31,7 @@ def demo_rows(start: int, stop: int) -> str:
 
 def identity(tmp_path, data_path: str, *extra: str) -> run_identity.RunIdentity:
     args = parse_args([*TINY, "--data_path", data_path, "--cache_dir", str(tmp_path / "cache"), *extra])
-    ctx = SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))
+    ctx = SimpleNamespace(world_size=1, rank=0, local_rank=0, device=torch.device("cpu"))
     return build_train_data(args, load_tokenizer(None), ctx).identity
 
 

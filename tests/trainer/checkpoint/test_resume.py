@@ -71,7 +71,7 @@ def replay_epoch(argv: list[str], world_size: int, saved: dict | None) -> list[i
     """The epoch's samples (global order) as the trainer's own data setup and resume logic order them."""
     args = parse_args(argv)
     tokenizer = load_tokenizer(args.tokenizer_path)
-    data = build_train_data(args, tokenizer, SimpleNamespace(world_size=world_size, rank=0, device=torch.device("cpu")))
+    data = build_train_data(args, tokenizer, SimpleNamespace(world_size=world_size, rank=0, local_rank=0, device=torch.device("cpu")))
     if saved is None:
         return global_order_after(data.sampler, world_size, epoch=0, start=0)
     messages = []
@@ -83,7 +83,7 @@ def replay_epoch(argv: list[str], world_size: int, saved: dict | None) -> list[i
 def samples_in(data) -> int:
     """Samples of the test data set at the TINY flags' --max_seq_len (from the trainer's own data setup)."""
     return len(build_train_data(parse_args(flags(data, "unused")), load_tokenizer(None),
-                                SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"))).dataset)
+                                SimpleNamespace(world_size=1, rank=0, local_rank=0, device=torch.device("cpu"))).dataset)
 
 
 @pytest.mark.slow
@@ -148,7 +148,7 @@ def identity_of(tmp_path, **flags):
     """The run identity of TINY flags (plus `flags`) on the demo data's first rows, from the trainer's data setup."""
     args = parse_args([*TINY, "--cache_dir", str(tmp_path / "cache"), "--save_dir", "/runs/b",
                        *[part for name, value in flags.items() for part in (f"--{name}", str(value))]])
-    return build_train_data(args, load_tokenizer(None), SimpleNamespace(world_size=1, rank=0,
+    return build_train_data(args, load_tokenizer(None), SimpleNamespace(world_size=1, rank=0, local_rank=0,
                                                                         device=torch.device("cpu"))).identity
 
 

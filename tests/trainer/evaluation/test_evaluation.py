@@ -224,7 +224,7 @@ def _evaluate_in_process(rank, world_size, init_file, data_path, out_dir):
     tokenizer = load_tokenizer(None)
     args = SimpleNamespace(eval_data_path=data_path, max_seq_len=128, bad_data="error", cache_dir=out_dir,
                            packing=0, batch_size=3, eval_generate_samples=5, eval_max_new_tokens=4)
-    ctx = SimpleNamespace(rank=rank, world_size=world_size, device=torch.device("cpu"))
+    ctx = SimpleNamespace(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
     eval_sets = build_eval_sets(args, tokenizer, ctx, 1024)
     model = tiny_model_for(tokenizer)
     run = SimpleNamespace(raw_model=model, ctx=ctx, dtype=torch.float32, args=args, tokenizer=tokenizer,
@@ -326,7 +326,7 @@ def test_a_tokenizer_whose_eos_is_not_the_end_of_turn_token_keeps_its_generation
     args = SimpleNamespace(eval_data_path=str(data / "eval.jsonl"), max_seq_len=2048, bad_data="error",
                            cache_dir=str(tmp_path / "cache"), packing=0, batch_size=4, eval_generate_samples=5,
                            eval_max_new_tokens=4)
-    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    ctx = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     (eval_set,) = build_eval_sets(args, tokenizer, ctx, 2048)
     assert len(eval_set.examples) == 5  # was 0: the turns end with <|im_end|>, not with eos
     assert "generation prompts" not in capsys.readouterr().out
@@ -408,7 +408,7 @@ def test_tool_call_accuracy_and_exact_match_are_counted_per_kind_of_turn(tmp_pat
     args = SimpleNamespace(eval_data_path=str(tmp_path / "mixed.jsonl"), max_seq_len=512, bad_data="error",
                            cache_dir=str(tmp_path), packing=0, batch_size=2, eval_generate_samples=10,
                            eval_max_new_tokens=4)
-    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    ctx = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     (eval_set,) = build_eval_sets(args, tokenizer, ctx, 1024)
     assert (eval_set.num_replies, eval_set.num_tool_turns) == (2, 3)
     assert [e.reference_calls for e in eval_set.examples[:3]] == [

@@ -52,7 +52,7 @@ def test_without_generation_eval_max_new_tokens_is_not_measured_against_the_cont
     args = SimpleNamespace(eval_data_path=str(data / "eval.jsonl"), max_seq_len=512, bad_data="error",
                            cache_dir=str(tmp_path), packing=0, batch_size=4, eval_generate_samples=0,
                            eval_max_new_tokens=600)
-    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    ctx = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     (eval_set,) = build_eval_sets(args, load_tokenizer(None), ctx, 512)
     assert (len(eval_set.loader.dataset), eval_set.examples) == (16, [])
 
