@@ -23,8 +23,8 @@ TWO = ["1 process x batch 4 (reference)", "1 process x batch 2 x accumulation 2"
 ONE = ["1 process x batch 4 (reference)", "1 process x batch 2 x accumulation 2",
        "1 process x batch 4, resumed at step 4"]
 # The one-process variants trained from step 0: tests on the check's table and lines run them in the
-# test process (the check's own start of those processes is exercised by the two-node and the
-# planted-bug tests).
+# test process (the check's own start of those processes is exercised by the two-node test and by
+# the resumed one-process variant of the accumulation test).
 SINGLE = ("reference", "accum")
 
 
@@ -36,15 +36,27 @@ def run_tool(*args: str, env=None, launcher=None, timeout: float = 600, tool=(TO
 class TrainerInProcess:
     """A finished one-process trainer run standing in for the `subprocess.Popen` of
     `[python, train_full_sft.py, *flags]` that the check starts: the trainer's main() on the check's own flags,
-    in this process under the environment the check gave it; stdout and stderr together, as piped."""
+    in this process under the environment the check gave it; stdout and stderr together, as piped.
+    For `[python, FAULTY_TRAINER, *flags]`, the faults of that environment are installed for the run
+    (tests/helpers/faults.py) and trainer/loop/loop.py's functions put back after it."""
 
     def __init__(self, command, env, **_):
         import train_full_sft
+        from tests.helpers import faults
+        from trainer.loop import loop
 
         def call():
             os.environ.clear()
             os.environ.update(env)
-            return train_full_sft.main(command[2:])
+            if command[1] != FAULTY_TRAINER:
+                return train_full_sft.main(command[2:])
+            real = {name: getattr(loop, name) for name in faults.WRAPPED}
+            try:
+                faults.install()
+                return train_full_sft.main(command[2:])
+            finally:
+                for name, function in real.items():
+                    setattr(loop, name, function)
 
         done = run_in_process(command, call, threads=1)  # one torch thread, as OMP_NUM_THREADS=1 gives a process
         self.returncode, self.output = done.returncode, done.stdout + done.stderr
@@ -58,7 +70,8 @@ def popen_with_runs_in_process(kinds: tuple[str, ...]):
     their save directories) run in this process; every other command starts its process."""
     def popen(command, **kwargs):
         save_dir = command[command.index("--save_dir") + 1] if "--save_dir" in command else ""
-        if command[:2] == [sys.executable, SCRIPT] and os.path.basename(save_dir) in kinds:
+        if command[:2] in ([sys.executable, SCRIPT], [sys.executable, FAULTY_TRAINER]) and \
+                os.path.basename(save_dir) in kinds:
             return TrainerInProcess(command, **kwargs)
         return subprocess.Popen(command, **kwargs)
 
@@ -157,7 +170,7 @@ def test_a_planted_per_rank_mean_fails_the_two_process_variant(data, tmp_path):
     """MINISFT_FAULT_LOCAL_MEAN=1 (tests/helpers/faults.py): every rank divides by its own loss-token
     count, the classic bug. One process is unaffected, so only the 2-process row fails."""
     done = run_tool_in_process("--nproc_per_node", "2", *tool_flags(data, tmp_path), trainer=FAULTY_TRAINER,
-                               MINISFT_FAULT_LOCAL_MEAN="1")
+                               in_process=SINGLE, MINISFT_FAULT_LOCAL_MEAN="1")
     assert done.returncode == 1, done.stdout + done.stderr
     rows = table(done.stdout)
     assert list(rows) == TWO
