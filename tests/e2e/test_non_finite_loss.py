@@ -10,9 +10,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.fault_checks import all_finite, last_line
 from tests.helpers.faults import run_in_this_process
-from tests.helpers.trainer_launch import (
-    FAULTY_TRAINER, assert_weights_equal, checkpoint_at, clean_env, flags, run_trainer,
-)
+from tests.helpers.trainer_launch import FAULTY_TRAINER, assert_weights_equal, checkpoint_at, flags, run_ranks_apart
 from trainer.checkpoint.resume import load_resume_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -137,10 +135,14 @@ def test_an_evaluation_out_of_gpu_memory_is_one_line_too(data, tmp_path):
                                       "files already in {save_dir} are kept"),
 ])
 def test_a_stop_every_rank_shares_is_said_once(data, tmp_path, fault, line):
+    """Two ranks as two plain processes (the launcher is not what is checked): both stop with exit 1,
+    and of their two stderr streams together one line is an error."""
     save_dir = tmp_path / "run"
-    result = run_trainer(flags(data, save_dir, "--batch_size", "2", "--max_steps", "6", "--max_bad_steps", "2",
-                               "--eval_interval", "2", "--eval_data_path", str(data / "eval.jsonl"), "--keep_best",
-                               "eval_loss"), nproc=2, script=FAULTY_TRAINER, env=clean_env(**fault), check=False)
-    assert result.returncode == 1, result.stderr[-3000:]
-    errors = [text for text in result.stderr.splitlines() if text.startswith("error")]  # torchrun's own: "E1127 ..."
+    ranks = run_ranks_apart(FAULTY_TRAINER, flags(data, save_dir, "--batch_size", "2", "--max_steps", "6",
+                                                  "--max_bad_steps", "2", "--eval_interval", "2", "--eval_data_path",
+                                                  str(data / "eval.jsonl"), "--keep_best", "eval_loss"),
+                            local_ranks=(0, 1), **fault)
+    stderr = "".join(rank.stderr for rank in ranks)
+    assert [rank.returncode for rank in ranks] == [1, 1], stderr[-3000:]
+    errors = [text for text in stderr.splitlines() if text.startswith("error")]
     assert errors == [line.format(save_dir=save_dir, allocator=ALLOCATOR)]
