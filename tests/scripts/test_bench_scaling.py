@@ -4,18 +4,18 @@ import json
 
 import pytest
 
-from scripts.bench_scaling import COLUMNS, format_header
-from tests.helpers.bench_launch import run_bench
+from scripts.bench_scaling import COLUMNS, format_header, main
+from tests.helpers.bench_launch import REPO
+from tests.helpers.in_process import run_in_process
 
 
 def test_scaling_reports_the_cache_build_and_the_restart(tmp_path):
-    """One size and one restart: two fresh processes (each imports torch), so it stays short."""
+    """One size and one restart: two fresh processes (each imports torch), so it stays short. The
+    script's own main() runs in the test's process: what it measures is those two fresh processes."""
     json_out = tmp_path / "scaling.json"
-    completed = run_bench(
-        "bench_scaling.py", "--sizes", "150", "--restarts", "1", "--hidden_size", "32", "--num_hidden_layers", "1",
-        "--max_seq_len", "512", "--batch_size", "2", "--dtypes", "float32", "--device", "cpu", "--json_out", str(json_out),
-        timeout=300,
-    )
+    argv = ["--sizes", "150", "--restarts", "1", "--hidden_size", "32", "--num_hidden_layers", "1", "--max_seq_len",
+            "512", "--batch_size", "2", "--dtypes", "float32", "--device", "cpu", "--json_out", str(json_out)]
+    completed = run_in_process(["bench_scaling.py", *argv], lambda: main(argv), cwd=REPO)
     assert completed.returncode == 0, completed.stderr
     lines = completed.stdout.splitlines()
     header = lines.index(next(line for line in lines if line.lstrip().startswith("conversations")))
