@@ -32,14 +32,16 @@ def one_process_batch_8(data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks_batch_4(data, tmp_path_factory):
-    """2 ranks x batch 4 under torchrun, STEPS with a save at step 2 besides the last (a save reads the
+    """2 ranks x batch 4 (two plain processes: torchrun's own launch is test_other_launch_styles' and
+    the two-node test's subject), STEPS with a save at step 2 besides the last (a save reads the
     weights, it does not change them), each rank recording the files it writes (record_opens.py):
     the run that must equal one_process_batch_8, and whose rank 1 must write nothing."""
     folder = tmp_path_factory.mktemp("two_ranks")
     (folder / "report").mkdir()
-    run_trainer(flags(data, folder / "run", "--batch_size", "4", *STEPS, "--save_interval", "2"), nproc=2,
-                script=os.path.join(REPO, "tests", "helpers", "record_opens.py"),
-                env=clean_env(MINISFT_WRITE_REPORT=str(folder / "report")))
+    ranks = run_ranks_apart(os.path.join(REPO, "tests", "helpers", "record_opens.py"),
+                            flags(data, folder / "run", "--batch_size", "4", *STEPS, "--save_interval", "2"),
+                            local_ranks=(0, 1), MINISFT_WRITE_REPORT=str(folder / "report"))
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
     return folder
 
 
