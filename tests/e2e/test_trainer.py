@@ -32,16 +32,27 @@ def one_process_batch_8(data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks_batch_4(data, tmp_path_factory):
-    """2 ranks x batch 4 (two plain processes: torchrun's own launch is test_other_launch_styles' and
-    the two-node test's subject), STEPS with a save at step 2 besides the last (a save reads the
-    weights, it does not change them), each rank recording the files it writes (record_opens.py):
-    the run that must equal one_process_batch_8, and whose rank 1 must write nothing."""
+    """2 ranks x batch 4 started as `srun --ntasks 2` starts its tasks (SLURM_* set for each, MASTER_*
+    given: no scontrol here), STEPS with a save at step 2 besides the last (a save reads the weights,
+    it does not change them), each rank recording the files it writes (record_opens.py): the run that
+    must equal one_process_batch_8, and whose rank 1 must write nothing. Rank 0's output: rank0.out."""
     folder = tmp_path_factory.mktemp("two_ranks")
     (folder / "report").mkdir()
-    ranks = run_ranks_apart(os.path.join(REPO, "tests", "helpers", "record_opens.py"),
-                            flags(data, folder / "run", "--batch_size", "4", *STEPS, "--save_interval", "2"),
-                            local_ranks=(0, 1), MINISFT_WRITE_REPORT=str(folder / "report"))
-    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
+    args = flags(data, folder / "run", "--batch_size", "4", *STEPS, "--save_interval", "2")
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "helpers", "record_opens.py"), *args],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                                            SLURM_JOB_ID="7", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                            MINISFT_WRITE_REPORT=str(folder / "report")))
+             for rank in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    (folder / "rank0.out").write_text(outputs[0], encoding="utf-8")
     return folder
 
 
@@ -88,25 +99,21 @@ def test_the_equivalence_runs_split_batches_of_unequal_loss_token_counts(data):
     assert any(loss_tokens(step[:4]) != loss_tokens(step[4:]) for step in steps)  # micro-batch 1 vs 2
 
 
-@pytest.mark.parametrize("style", ["legacy_launch", "self_spawn", "slurm"])
+@pytest.mark.parametrize("style", ["legacy_launch", "self_spawn"])
 def test_other_launch_styles_train_the_same_as_one_process(data, one_process_batch_8, tmp_path, style):
     args = flags(data, tmp_path / style, "--batch_size", "4", *STEPS)
     if style == "legacy_launch":  # passes --local-rank to each worker
         run_trainer(args, launcher=[sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node", "2",
                                     "--master_addr", "127.0.0.1", "--master_port", str(free_port())])
-    elif style == "self_spawn":  # seed 004's method C: the script starts its own workers
+    else:  # seed 004's method C: the script starts its own workers
         run_trainer([*args, "--world_size", "2"])
-    else:  # what `srun --ntasks 2` sets for each task (MASTER_* given: no scontrol here)
-        port = free_port()
-        procs = [subprocess.Popen([sys.executable, os.path.join(REPO, "train_full_sft.py"), *args], cwd=REPO,
-                                  env=clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
-                                                SLURM_JOB_ID="7", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank in (0, 1)]
-        outputs = [p.communicate(timeout=180)[0] for p in procs]
-        assert [p.returncode for p in procs] == [0, 0], outputs
-        assert "2 process(es) x batch 4" in outputs[0]
     assert_weights_equal(final_weights(tmp_path / style), final_weights(one_process_batch_8), atol=1e-5)
+
+
+def test_srun_tasks_train_the_same_as_one_process(two_ranks_batch_4, one_process_batch_8):
+    """The launch style of two_ranks_batch_4: srun's tasks (SLURM_* in their environment)."""
+    assert "2 process(es) x batch 4" in (two_ranks_batch_4 / "rank0.out").read_text(encoding="utf-8")
+    assert_weights_equal(final_weights(two_ranks_batch_4 / "run"), final_weights(one_process_batch_8), atol=1e-5)
 
 
 def test_bfloat16_autocast_on_cpu_trains_and_float16_is_refused(data, tmp_path):

@@ -14,7 +14,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-RANK = os.environ.get("RANK", "0")
+RANK = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # srun's tasks have SLURM_PROCID alone
 written: set[str] = set()
 
 
