@@ -12,8 +12,8 @@ import pytest
 
 from tests.helpers.fault_checks import FINAL_STEP, ONE_PROCESS, CheckpointWatcher, temporaries
 from tests.helpers.trainer_launch import (
-    Launcher, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, metric_rows,
-    run_trainer, run_trainer_in_process, torchrun_cmd, wait_until, worker_pids,
+    SCRIPT, Launcher, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, metric_rows,
+    run_ranks_apart, run_trainer_in_process, torchrun_cmd, wait_until, worker_pids,
 )
 from trainer.checkpoint.resume import load_resume_checkpoint
 
@@ -56,9 +56,11 @@ def test_sigkill_at_random_points_then_from_resume_is_bit_identical(data, refere
 
 @pytest.fixture(scope="module")
 def reference_two(data, tmp_path_factory):
-    """The uninterrupted two-process run of LONG_TWO (this module's, in place of tests/e2e/conftest.py's)."""
+    """The uninterrupted two-process run of LONG_TWO (this module's, in place of tests/e2e/conftest.py's),
+    its two ranks as two plain processes: only its weights are used."""
     save_dir = tmp_path_factory.mktemp("reference_two")
-    run_trainer(flags(data, save_dir, *LONG_TWO), nproc=2)
+    ranks = run_ranks_apart(SCRIPT, flags(data, save_dir, *LONG_TWO), local_ranks=(0, 1))
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
     return save_dir
 
 
