@@ -1,17 +1,9 @@
-"""Helpers for tests that run the benchmark scripts (scripts/bench*.py) in a fresh process."""
+"""Helpers for tests of the benchmark scripts (scripts/bench*.py)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "dataset" / "demo" / "sft_train.jsonl"
-
-
-def run_bench(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python scripts/<script> ARGS` from the repo's root; the finished process."""
-    return subprocess.run([sys.executable, str(REPO / "scripts" / script), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def demo_head(tmp_path: Path, lines: int) -> Path:
