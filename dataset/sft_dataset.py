@@ -59,7 +59,6 @@ class SFTDataset(Dataset):
         self.pad_token_id = tokenizer.pad_token_id
         cache_root = default_cache_root(self.data_path, cache_dir)
         self.cache = open_finished(self.data_path, tokenizer, max_seq_len, cache_root, bad_data)
-        self.cache_path = self.cache.path
         meta = self.cache.meta
         # The content this dataset holds (sha256 of the file when its cache was built): the run's
         # identity (trainer/run_identity.py) takes it from here, never from the file again.

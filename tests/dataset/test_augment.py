@@ -29,7 +29,7 @@ def test_augmentations_equal_minimind_text_and_are_drawn_per_seed_epoch_index(to
     many = write_lines(tmp_path / "many.jsonl", [make_chat(i) for i in range(200)])
     half = build_cache_and_open(many, tokenizer, 128, num_proc=1, augmenter=ChatAugmenter(tokenizer, 7, 0.5, 0.5))
     plain = build_cache_and_open(many, tokenizer, 128, num_proc=1)
-    assert half.cache_path == plain.cache_path  # the cache does not depend on augmentations
+    assert half.cache.path == plain.cache.path  # the cache does not depend on augmentations
     epoch0 = [half[i]["input_ids"].tolist() for i in range(200)]
     with_system = sum(ids[:3] != plain[i]["input_ids"].tolist()[:3] for i, ids in enumerate(epoch0))
     without_think = sum(len(ids) < len(plain[i]["input_ids"]) + 0 and ids[:3] == plain[i]["input_ids"].tolist()[:3]

@@ -61,7 +61,7 @@ def test_a_dataset_without_a_finished_cache_raises_and_builds_nothing(tmp_path, 
 @pytest.mark.parametrize("version, recorded", [("tokens_version", 3), ("rows_version", 1)])
 def test_a_cache_of_another_tokens_or_rows_version_is_not_opened(tmp_path, version, recorded):
     data = write_rows(tmp_path / "d.jsonl")
-    path = build_cache_and_open(data, None, 64, num_proc=1).cache_path
+    path = build_cache_and_open(data, None, 64, num_proc=1).cache.path
     meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
     (path / "meta.json").write_text(json.dumps({**meta, version: recorded}), encoding="utf-8")
     current = {"tokens_version": build.TOKENS_VERSION, "rows_version": build.ROWS_VERSION}[version]

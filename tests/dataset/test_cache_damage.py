@@ -17,7 +17,7 @@ def built_cache(tokenizer, tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
     data.write_text("".join(json.dumps({"conversations": [{"role": "user", "content": f"What is {i} plus 1?"},
                                                           {"role": "assistant", "content": str(i + 1)}]}) + "\n"
                             for i in range(7)), encoding="utf-8")
-    cache = build_cache_and_open(data, tokenizer, 64, num_proc=1).cache_path
+    cache = build_cache_and_open(data, tokenizer, 64, num_proc=1).cache.path
     return cache, {name: (cache / name).read_bytes() for name in FILES}
 
 
@@ -43,7 +43,7 @@ def test_a_cache_file_cut_short_is_built_again(tokenizer, tmp_path, capsys, name
     again = build_cache_and_open(tmp_path / "a.jsonl", tokenizer, 64, num_proc=1)
     err = capsys.readouterr().err.splitlines()
     assert err[0] == f"a.jsonl: the token cache {cache} is damaged ({expected_problem(name, files)}): building it again"
-    assert again.cache_path == cache
+    assert again.cache.path == cache
     assert {n: (cache / n).read_bytes() for n in FILES} == files
 
 
@@ -76,7 +76,7 @@ def test_opening_a_finished_cache_checks_its_files_once(tokenizer, tmp_path, mon
     monkeypatch.setattr(np.lib.format, "read_array_header_1_0", lambda f: reads.append("header") or real_header(f))
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or real_read_text(self, *a, **k))
     opened = SFTDataset(tmp_path / "a.jsonl", tokenizer, 64)
-    assert opened.cache_path == cache and len(opened) == 7
+    assert opened.cache.path == cache and len(opened) == 7
     assert sorted(name for name in reads if name in ("header", "meta.json")) == ["header", "meta.json"]
 
 
@@ -97,7 +97,7 @@ def test_a_token_id_past_the_vocabulary_is_damage_built_again(tokenizer, tmp_pat
     assert capsys.readouterr().err.splitlines()[0] == (
         f"a.jsonl: the token cache {cache} is damaged (tokens.bin holds token id {token:,} at entry {entry}, outside "
         f"the vocabulary of {len(tokenizer):,}): building it again")
-    assert again.cache_path == cache
+    assert again.cache.path == cache
     assert {n: (cache / n).read_bytes() for n in FILES} == files
 
 
@@ -123,7 +123,7 @@ def test_a_cache_folder_without_meta_json_is_built_again_not_a_write_error_on_ev
     capsys.readouterr()
     for _ in range(2):
         again = build_cache_and_open(tmp_path / "a.jsonl", tokenizer, 64, num_proc=1)
-        assert again.cache_path == cache and len(again) == 7
+        assert again.cache.path == cache and len(again) == 7
         assert {n: (cache / n).read_bytes() for n in FILES} == files
     assert capsys.readouterr().err.splitlines()[0] == (
         f"a.jsonl: the token cache {cache} is damaged (it has no meta.json): building it again")

@@ -22,7 +22,7 @@ from trainer.evaluation.evaluate import stop_token_ids
 def test_cache_is_reused_without_tokenizing_and_rebuilt_on_changes(tokenizer, tmp_path, monkeypatch):
     path = write_lines(tmp_path / "data.jsonl", [make_chat(i) for i in range(20)])
     first = build_cache_and_open(path, tokenizer, 128, num_proc=1)
-    assert first.cache_path.parent == tmp_path / ".cache"
+    assert first.cache.path.parent == tmp_path / ".cache"
     assert first.tokens.dtype == np.uint16
     assert np.asarray(first.offsets).dtype == np.int64 and len(first.offsets) == 21
 
@@ -33,22 +33,22 @@ def test_cache_is_reused_without_tokenizing_and_rebuilt_on_changes(tokenizer, tm
         for name in ("__call__", "encode", "apply_chat_template"):
             patch.setattr(type(tokenizer), name, no_tokenizing)
         second = build_cache_and_open(path, tokenizer, 128, num_proc=1)
-    assert second.cache_path == first.cache_path
+    assert second.cache.path == first.cache.path
     assert all(np.array_equal(first[i]["input_ids"], second[i]["input_ids"]) for i in range(20))
 
     changed_len = build_cache_and_open(path, tokenizer, 96, num_proc=1)
-    assert changed_len.cache_path != first.cache_path
+    assert changed_len.cache.path != first.cache.path
 
     other_tokenizer = load_tokenizer(make_alt_tokenizer(tmp_path / "alt_tok"))
     changed_tok = build_cache_and_open(path, other_tokenizer, 128, num_proc=1)
-    assert changed_tok.cache_path != first.cache_path
+    assert changed_tok.cache.path != first.cache.path
 
     write_lines(path, [make_chat(i) for i in range(21)])
     changed_data = build_cache_and_open(path, tokenizer, 128, num_proc=1)
-    assert changed_data.cache_path != first.cache_path and len(changed_data) == 21
+    assert changed_data.cache.path != first.cache.path and len(changed_data) == 21
 
     explicit = build_cache_and_open(path, tokenizer, 128, cache_dir=tmp_path / "elsewhere", num_proc=1)
-    assert explicit.cache_path.parent == tmp_path / "elsewhere"
+    assert explicit.cache.path.parent == tmp_path / "elsewhere"
     cache_dirs = sorted(p.name for p in (tmp_path / ".cache").iterdir() if p.name != ".digests")
     assert len(cache_dirs) == 4 and not any(name.startswith(".tmp") for name in cache_dirs)
 
@@ -59,14 +59,14 @@ def test_unchanged_file_is_found_without_hashing_it_and_a_changed_one_is_rehashe
     hashed = []
     real_digest = digests.file_digest
     monkeypatch.setattr(digests, "file_digest", lambda p: hashed.append(p) or real_digest(p))
-    assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path == first.cache_path
+    assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache.path == first.cache.path
     assert hashed == []  # a start with the file unchanged reads none of its bytes
     stat = path.stat()
     changed = path.read_bytes().replace(b"What is 0", b"What is 9", 1)  # same size; mtime restored below
     path.write_bytes(changed)
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     second = build_cache_and_open(path, tokenizer, 64, num_proc=1)
-    assert hashed == [path] and second.cache_path != first.cache_path
+    assert hashed == [path] and second.cache.path != first.cache.path
     assert digests.data_digest(path, path.parent / ".cache") == real_digest(path)
 
 
@@ -91,7 +91,7 @@ def test_a_same_size_edit_between_the_sampled_blocks_with_the_mtime_kept_is_noti
     assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
     assert digests.data_digest(path, path.parent / ".cache") == digests.file_digest(path) != old_digest
     second = build_cache_and_open(path, tokenizer, 64, num_proc=1)
-    assert second.cache_path != first.cache_path
+    assert second.cache.path != first.cache.path
 
 
 @pytest.mark.parametrize("memo_text", ["", "c0ffee", "not a digest\n"])
@@ -140,7 +140,7 @@ def test_a_tokenizer_saved_with_truncation_and_padding_opens_the_cache_it_built(
 
     opened = build_cache_and_open(path, saved, 128, num_proc=1)
     expected = build_cache_and_open(path, tokenizer, 128, num_proc=1, cache_dir=tmp_path / "shipped")
-    assert opened.cache_path.name == expected.cache_path.name
+    assert opened.cache.path.name == expected.cache.path.name
     assert np.array_equal(np.asarray(opened.tokens), np.asarray(expected.tokens))
     assert tokenizer_fingerprint(load_tokenizer(folder)) == tokenizer_fingerprint(tokenizer)
 
@@ -178,7 +178,7 @@ def test_a_tokenizer_saved_with_split_special_tokens_keeps_the_templates_special
     assert tokenizer_fingerprint(splitting) != tokenizer_fingerprint(plain)
     path = write_lines(tmp_path / "data.jsonl", rows)
     built, plain_built = (build_cache_and_open(path, tok, 256, num_proc=1) for tok in (splitting, plain))
-    assert built.cache_path != plain_built.cache_path
+    assert built.cache.path != plain_built.cache.path
     assert np.array_equal(np.asarray(built.tokens), np.asarray(plain_built.tokens))
     # the end of a turn is the template's <|im_end|> also where eos is another token
     splitting.eos_token = "<|endoftext|>"

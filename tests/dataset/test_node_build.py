@@ -37,7 +37,7 @@ def _ddp_worker(rank: int, world_size: int, port: int, runs: list, out_dir: str)
             build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 128, Path(cache_dir), "error", 1,
                                    local_rank=rank)
             ds = SFTDataset(data_path, load_tokenizer(None), 128, cache_dir=cache_dir)
-            result["cache_path"] = str(ds.cache_path)
+            result["cache_path"] = str(ds.cache.path)
             result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
             result["labels"] = [ds[i]["labels"].tolist() for i in range(len(ds))]
         except DataError as exc:
@@ -120,7 +120,7 @@ def _slow_build_worker(rank: int, port: int, data_path: str, cache_dir: str, out
             node_build.build_or_reuse_on_node(Path(data_path), load_tokenizer(None), 64, Path(cache_dir), "error", 1,
                                               local_rank=rank)
             ds = SFTDataset(data_path, load_tokenizer(None), 64, cache_dir=cache_dir)
-            result["cache_path"] = str(ds.cache_path)
+            result["cache_path"] = str(ds.cache.path)
             result["input_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
         except Exception as exc:  # noqa: BLE001 - the test reads it
             result["error"] = f"{type(exc).__name__}: {exc}"

@@ -78,7 +78,7 @@ def test_a_sentencepiece_style_tokenizer_is_tokenized_whole_and_its_cache_holds_
     for i, ids in enumerate(whole):
         assert ds[i]["input_ids"].tolist() == ids, i
     # not the key of tokens version 3, whose caches of this tokenizer hold the pieces' ids
-    assert TOKENS_VERSION > 3 and ds.cache_path.name != cache_key(file_digest(data), tokenizer, 4096, 3, 1)
+    assert TOKENS_VERSION > 3 and ds.cache.path.name != cache_key(file_digest(data), tokenizer, 4096, 3, 1)
     assert_same_as_general(tokenizer, rows + RANDOM[:200], 4096)
 
 

@@ -80,8 +80,8 @@ def test_a_failed_build_resumes_after_its_finished_chunks_and_gives_the_same_cac
     assert sum(encoded) == 23 - 15  # only the rows after the committed 15 are encoded, not all 23
     assert ("continuing cache build at row 15 of 23 (r.jsonl: the rows before were tokenized by an earlier run, "
             "which stopped: RuntimeError: injected failure)") in capsys.readouterr().err
-    assert resumed.cache_path.name == whole.cache_path.name
-    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)  # tokens, masks, offsets, meta
+    assert resumed.cache.path.name == whole.cache.path.name
+    assert cache_files(resumed.cache.path) == cache_files(whole.cache.path)  # tokens, masks, offsets, meta
     assert partials(cache_root) == []
 
 
@@ -142,7 +142,7 @@ def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_pa
     changed = build_cache_and_open(path, tokenizer, 64, num_proc=1)
     assert sum(encoded) == 20  # nothing of the old version's 8 rows was reused
     fresh = build_cache_and_open(path, tokenizer, 64, cache_dir=tmp_path / "fresh", num_proc=1)
-    assert cache_files(changed.cache_path) == cache_files(fresh.cache_path)
+    assert cache_files(changed.cache.path) == cache_files(fresh.cache.path)
     # The old version's partial build is removed; the other file's is kept for its own restart.
     assert len(other_partial) == 1 and partials(cache_root) == other_partial
 
@@ -168,8 +168,8 @@ def test_a_live_builders_partial_build_is_not_touched(tokenizer, tmp_path, monke
         holder.kill()
         holder.wait()
     # ...and a build of the same cache waits for the live builder, then does the work itself.
-    new_partial = cache_root / f".partial-{new.cache_path.name}"
-    shutil.rmtree(new.cache_path)
+    new_partial = cache_root / f".partial-{new.cache.path.name}"
+    shutil.rmtree(new.cache.path)
     holder = hold_lock(new_partial / "lock", 1.5)
     capsys.readouterr()
     rebuilt = build_cache_and_open(path, tokenizer, 64, num_proc=1)
@@ -213,7 +213,7 @@ def test_a_kill_9_build_resumes_from_its_committed_rows(tokenizer, tmp_path, mon
     assert (f"resuming cache build at row {committed} of {rows} (k9.jsonl: the rows before were tokenized by an earlier "
             "run, interrupted before it could record how: killed, or its machine lost)") in capsys.readouterr().err
     whole = build_cache_and_open(data, tokenizer, 64, cache_dir=tmp_path / "whole", num_proc=1)
-    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
+    assert cache_files(resumed.cache.path) == cache_files(whole.cache.path)
     assert partials(cache_root) == []
 
 
@@ -259,7 +259,7 @@ def test_a_file_size_limit_while_building_the_token_cache_is_one_line(tokenizer,
     assert (f"continuing cache build at row {committed['rows']:,} of 3,000 (d.jsonl: the rows before were tokenized "
             f"by an earlier run, which stopped: could not write the token cache ") in capsys.readouterr().err
     whole = build_cache_and_open(data, tokenizer, 512, cache_dir=tmp_path / "whole", num_proc=1)
-    assert cache_files(resumed.cache_path) == cache_files(whole.cache_path)
+    assert cache_files(resumed.cache.path) == cache_files(whole.cache.path)
 
 
 @pytest.mark.slow

@@ -80,11 +80,11 @@ def test_a_cache_built_under_other_rules_of_bad_rows_is_built_again_once(tokeniz
         f"d.jsonl: not reusing the token cache {old}: it was built by older code (rows version 1; this code accepts "
         f"rows as version 2: {ROWS_CHANGES[2]}); building a new one (delete the old one once no older minisft uses "
         "it)")
-    assert ds.cache_path != old and (len(ds), ds.num_skipped) == (2, 1)
+    assert ds.cache.path != old and (len(ds), ds.num_skipped) == (2, 1)
     assert json.loads((old / "meta.json").read_text(encoding="utf-8"))["num_samples"] == 3  # left for older code
-    assert json.loads((ds.cache_path / "meta.json").read_text(encoding="utf-8"))["rows_version"] == 2
+    assert json.loads((ds.cache.path / "meta.json").read_text(encoding="utf-8"))["rows_version"] == 2
     again = build_cache_and_open(data, tokenizer, 64, bad_data="skip", cache_dir=cache_root, num_proc=1)
-    assert again.cache_path == ds.cache_path and capsys.readouterr().err == ""
+    assert again.cache.path == ds.cache.path and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("recorded", [None, 1])
@@ -92,16 +92,16 @@ def test_a_cache_that_records_another_or_no_rows_version_is_built_again(tokenize
     data = write_lines(tmp_path / "d.jsonl", [CHAT, CHAT])
     first = build_cache_and_open(data, tokenizer, 64, num_proc=1)
     expected = [first[i]["labels"] for i in range(len(first))]
-    meta = json.loads((first.cache_path / "meta.json").read_text(encoding="utf-8"))
+    meta = json.loads((first.cache.path / "meta.json").read_text(encoding="utf-8"))
     meta.pop("rows_version")
     meta.update({} if recorded is None else {"rows_version": recorded})
-    (first.cache_path / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
-    (first.cache_path / "loss_mask.bin").write_bytes(bytes(len((first.cache_path / "loss_mask.bin").read_bytes())))
+    (first.cache.path / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    (first.cache.path / "loss_mask.bin").write_bytes(bytes(len((first.cache.path / "loss_mask.bin").read_bytes())))
     capsys.readouterr()
 
     again = build_cache_and_open(data, tokenizer, 64, num_proc=1)
     assert capsys.readouterr().err.splitlines()[0] == (
-        f"d.jsonl: the token cache {again.cache_path} records rows version 1, not this code's 2: building it again")
-    assert again.cache_path == first.cache_path
+        f"d.jsonl: the token cache {again.cache.path} records rows version 1, not this code's 2: building it again")
+    assert again.cache.path == first.cache.path
     assert all(np.array_equal(again[i]["labels"], expected[i]) for i in range(len(again)))
-    assert json.loads((again.cache_path / "meta.json").read_text(encoding="utf-8"))["rows_version"] == 2
+    assert json.loads((again.cache.path / "meta.json").read_text(encoding="utf-8"))["rows_version"] == 2

@@ -88,7 +88,7 @@ def test_a_cache_built_by_older_code_is_not_reused(tokenizer, tmp_path, capsys):
     fresh = build_cache_and_open(data, tokenizer, 64, bad_data="skip", cache_dir=tmp_path / "fresh", num_proc=1)
     cache_root = tmp_path / "cache"
     stale = cache_root / legacy_key(data, tokenizer, 64)
-    shutil.copytree(fresh.cache_path, stale)
+    shutil.copytree(fresh.cache.path, stale)
     (stale / "loss_mask.bin").write_bytes(bytes(len((stale / "loss_mask.bin").read_bytes())))
     meta = json.loads((stale / "meta.json").read_text(encoding="utf-8"))
     meta.pop("tokens_version", None)
@@ -96,12 +96,12 @@ def test_a_cache_built_by_older_code_is_not_reused(tokenizer, tmp_path, capsys):
     capsys.readouterr()
 
     ds = build_cache_and_open(data, tokenizer, 64, bad_data="skip", cache_dir=cache_root, num_proc=1)
-    assert ds.cache_path != stale  # reusing it would make every label -100
+    assert ds.cache.path != stale  # reusing it would make every label -100
     assert all(np.array_equal(ds[i]["labels"], fresh[i]["labels"]) for i in range(len(fresh)))
     assert (f"d.jsonl: not reusing the token cache {stale}: it was built by older code (tokens version 1; this "
             f"code tokenizes as version {token_cache.TOKENS_VERSION}: ") in capsys.readouterr().err
     assert (stale / "meta.json").is_file()  # older code may still use it
-    assert json.loads((ds.cache_path / "meta.json").read_text(encoding="utf-8"))["tokens_version"] == \
+    assert json.loads((ds.cache.path / "meta.json").read_text(encoding="utf-8"))["tokens_version"] == \
         token_cache.TOKENS_VERSION
 
 
@@ -110,21 +110,21 @@ def test_a_cache_that_records_another_tokens_version_is_built_again(tokenizer, t
     shutil.copy(GOLDEN_ROWS, data)
     first = build_cache_and_open(data, tokenizer, 64, bad_data="skip", num_proc=1)
     expected = [first[i]["labels"] for i in range(len(first))]
-    meta_path = first.cache_path / "meta.json"
+    meta_path = first.cache.path / "meta.json"
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     meta["tokens_version"] = token_cache.TOKENS_VERSION - 1
     meta_path.write_text(json.dumps(meta), encoding="utf-8")
-    (first.cache_path / "loss_mask.bin").write_bytes(bytes(len((first.cache_path / "loss_mask.bin").read_bytes())))
+    (first.cache.path / "loss_mask.bin").write_bytes(bytes(len((first.cache.path / "loss_mask.bin").read_bytes())))
     del first
     capsys.readouterr()
 
     again = build_cache_and_open(data, tokenizer, 64, bad_data="skip", num_proc=1)
-    assert (f"d.jsonl: the token cache {again.cache_path} records tokens version {token_cache.TOKENS_VERSION - 1}, "
+    assert (f"d.jsonl: the token cache {again.cache.path} records tokens version {token_cache.TOKENS_VERSION - 1}, "
             f"not this code's {token_cache.TOKENS_VERSION}: building it again") in capsys.readouterr().err
     assert all(np.array_equal(again[i]["labels"], expected[i]) for i in range(len(again)))
-    assert json.loads((again.cache_path / "meta.json").read_text(encoding="utf-8"))["tokens_version"] == \
+    assert json.loads((again.cache.path / "meta.json").read_text(encoding="utf-8"))["tokens_version"] == \
         token_cache.TOKENS_VERSION
-    assert [p.name for p in again.cache_path.parent.iterdir() if p.name.startswith(".removed-")] == []
+    assert [p.name for p in again.cache.path.parent.iterdir() if p.name.startswith(".removed-")] == []
 
 
 def test_a_cache_built_by_the_parser_before_its_fixes_is_not_reused(tokenizer, tmp_path, monkeypatch):
@@ -132,8 +132,8 @@ def test_a_cache_built_by_the_parser_before_its_fixes_is_not_reused(tokenizer, t
     path = write_rows(tmp_path / "a.jsonl", [chat_line(i) for i in range(3)])
     with monkeypatch.context() as patch:
         patch.setattr(token_cache, "TOKENS_VERSION", 2)
-        old = build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path
+        old = build_cache_and_open(path, tokenizer, 64, num_proc=1).cache.path
     built = []
     real_build = token_cache.build_cache
     monkeypatch.setattr(token_cache, "build_cache", lambda *args: built.append(args) or real_build(*args))
-    assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache_path != old and built
+    assert build_cache_and_open(path, tokenizer, 64, num_proc=1).cache.path != old and built

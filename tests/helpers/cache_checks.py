@@ -44,7 +44,7 @@ def plant_rows_1_cache(data: Path, rows_1_reading: list, cache_root: Path, max_s
     tokenizer = load_tokenizer(None)
     built = build_cache_and_open(made_of, tokenizer, max_seq_len, bad_data="skip", num_proc=1, log=lambda line: None)
     target = Path(cache_root) / cache_key(file_digest(data), tokenizer, max_seq_len, TOKENS_VERSION, 1)
-    shutil.copytree(built.cache_path, target)
+    shutil.copytree(built.cache.path, target)
     meta = json.loads((target / "meta.json").read_text(encoding="utf-8"))
     del meta["rows_version"]
     meta.update(data_file=str(data), data_digest=file_digest(data),
