@@ -9,6 +9,7 @@ import os
 from trainer.checkpoint import sharded, single_file
 from trainer.checkpoint.save_dir import (
     SET_ASIDE_DIR, SHARDED_SUFFIX, Claim, checkpoints_dir, claim_for_fresh_run, list_checkpoints, logged_rows, run_label,
+    set_aside_by_rollbacks_to,
 )
 from trainer.errors import CheckpointError
 
@@ -150,6 +151,19 @@ def same_origin(recorded, origin: dict) -> bool:
     return (isinstance(recorded, dict) and isinstance(recorded.get("checkpoint"), str)
             and (recorded.get("run_id"), recorded.get("step")) == (origin["run_id"], origin["step"])
             and os.path.realpath(recorded["checkpoint"]) == os.path.realpath(origin["checkpoint"]))
+
+
+def left_by_a_rollback(save_dir: str, run_id: str | None, step: int) -> str | None:
+    """The set_aside/ folder where a rollback to `step` put checkpoints of the run `run_id` past it (the
+    first such), else None. A run that resumes that run at that step again goes on from where the old
+    line was left, so it is a rollback too, with no later checkpoint left to set aside: the rollback's
+    command once more after it stopped before its first checkpoint, or --from_resume 1 finding that
+    step the newest checkpoint."""
+    if run_id is None:
+        return None
+    left = (path for path in set_aside_by_rollbacks_to(save_dir, step) if checkpoint_record(path).get("run_id") == run_id)
+    found = next(left, None)
+    return os.path.dirname(os.path.dirname(found)) if found else None
 
 
 def checkpoint_record(path: str) -> dict:

@@ -154,6 +154,19 @@ def set_aside(save_dir: str, paths: list[str], reason: str) -> str:
     return folder
 
 
+def rollback_reason(step: int) -> str:
+    """The suffix of the set_aside/ folder of a rollback to `step` (`set_aside_later_checkpoints`)."""
+    return f"after-step-{step}"
+
+
+def set_aside_by_rollbacks_to(save_dir: str, step: int) -> list[str]:
+    """The checkpoints that rollbacks to `step` set aside in `save_dir`, newest first within each folder."""
+    root = os.path.join(save_dir, SET_ASIDE_DIR)
+    folders = sorted(name for name in os.listdir(root) if name.endswith("-" + rollback_reason(step))) \
+        if os.path.isdir(root) else []
+    return [path for name in folders for path in list_checkpoints(os.path.join(root, name))]
+
+
 def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
     """A resume to an earlier step starts a new line of training: the later checkpoints of the old
     line would outrank (and rotate away) the new ones, so they are moved aside, named, not deleted."""
@@ -163,7 +176,7 @@ def set_aside_later_checkpoints(save_dir: str, step: int, log=print) -> bool:
         later.append(os.path.join(save_dir, BEST_DIR))
     if later:
         names = ", ".join(os.path.basename(path) for path in reversed(later))
-        folder = set_aside(save_dir, later, f"after-step-{step}")
+        folder = set_aside(save_dir, later, rollback_reason(step))
         log(f"resuming at step {step} while later checkpoints exist: moved {names} to {folder} "
             "(the new line of training replaces them; delete that folder once you do not need it)")
     return bool(later)

@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
+from trainer.checkpoint.resume import left_by_a_rollback
 from trainer.checkpoint.sharded import is_sharded, read_full
 from trainer.checkpoint.save_dir import (
     BEST_DIR, Claim, best_record_on_disk, new_run_id, run_label, set_aside, set_aside_later_checkpoints,
@@ -218,7 +219,8 @@ def take_save_dir(run: Run, claim: Claim, resumed: bool) -> None:
         claim.carry_out(run.logger.print)
     if not resumed:
         return
-    if run.ctx.is_main and set_aside_later_checkpoints(run.args.save_dir, run.state.step, run.logger.print):
+    if run.ctx.is_main and (set_aside_later_checkpoints(run.args.save_dir, run.state.step, run.logger.print)
+                            or rolled_back_before(run)):
         if not claim.forked_from:  # a fork's line is named by its forked_from
             run.state.rolled_back_from = {"run_id": run.state.run_id, "step": run.state.step}
         run.state.run_id = new_run_id()
@@ -231,6 +233,16 @@ def take_save_dir(run: Run, claim: Claim, resumed: bool) -> None:
                          f"{run.args.save_dir} does not hold: this run goes on from its step {fork['step']} as run "
                          f"{run.state.run_id}, with {own} of its own")
     restart_incomparable_selection(run, fork)
+
+
+def rolled_back_before(run: Run) -> bool:
+    """Whether a rollback to this run's step left the resumed line's later checkpoints in set_aside/
+    (trainer/checkpoint/resume.py:left_by_a_rollback), said in one line: this run is a new line too."""
+    folder = left_by_a_rollback(run.args.save_dir, run.state.run_id, run.state.step)
+    if folder:
+        run.logger.print(f"resuming at step {run.state.step}, where a rollback left run {run_label(run.state.run_id)}'s "
+                         f"later checkpoints ({folder}): this run is a new line of training, as that rollback was")
+    return bool(folder)
 
 
 def saved_best_metric(saved: dict) -> str | None:

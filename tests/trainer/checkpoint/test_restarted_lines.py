@@ -1,9 +1,12 @@
 """A new line of training in a directory that records the line it comes from: a rollback, or a fork
 tried again there, stopped after its first checkpoint and before its first metrics.jsonl row, is
-continued by --from_resume 1 (trainer/checkpoint/resume.py: check_of_the_dirs_runs)."""
+continued by --from_resume 1 (trainer/checkpoint/resume.py: check_of_the_dirs_runs); a rollback
+stopped before its first checkpoint is a new line again when tried again (left_by_a_rollback)."""
 
 import json
 import os
+
+import pytest
 
 from scripts.plot_loss import latest_run
 from tests.helpers.faults import run_in_this_process
@@ -51,3 +54,29 @@ def test_a_fork_tried_again_that_stops_after_its_first_checkpoint_is_continued_b
                                      check=True)
     assert f"resuming from {checkpoint_at(fork_dir, 3)} (step 3" in resumed.stdout
     assert load_resume_checkpoint(checkpoint_at(fork_dir, 4))["run_id"] == line["run_id"]
+
+
+@pytest.mark.parametrize("again", ["resume_from", "from_resume"])
+def test_a_rollback_that_stops_before_its_first_checkpoint_is_a_new_line_when_tried_again(data, tmp_path, again):
+    # The first try sets step 4 aside and stops at step 3, leaving no record of its run id; step 2
+    # is then the directory's newest checkpoint, of the old line, whose later steps set_aside/ holds.
+    common = ["--batch_size", "8", "--save_interval", "2", "--max_steps", "4"]
+    run_trainer_in_process(flags(data, tmp_path, *common), check=True)
+    old_line = load_resume_checkpoint(checkpoint_at(tmp_path, 2))["run_id"]
+    rollback = flags(data, tmp_path, *common, "--resume_from", checkpoint_at(tmp_path, 2))
+    stopped = run_in_this_process(rollback, MINISFT_FAULT_CPU_OOM_STEP="3")
+    assert stopped.returncode == 1 and "error: step 3 ran out of memory" in stopped.stderr, stopped.stderr
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002.pt"]
+    command = rollback if again == "resume_from" else flags(data, tmp_path, *common, "--from_resume", "1")
+    retried = run_trainer_in_process(command, check=True)
+    folder = next((tmp_path / "set_aside").iterdir())
+    assert (f"resuming at step 2, where a rollback left run {old_line}'s later checkpoints ({folder}): "
+            "this run is a new line of training, as that rollback was") in retried.stdout
+    new = load_resume_checkpoint(checkpoint_at(tmp_path, 4))
+    assert new["run_id"] != old_line and new["rolled_back_from"] == {"run_id": old_line, "step": 2}
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl", encoding="utf-8")]
+    assert [(row["step"], row["run_id"] == new["run_id"], row.get("rolled_back_from")) for row in rows] == [
+        (1, False, None), (2, False, None), (3, False, None), (4, False, None),
+        (3, True, {"run_id": old_line, "step": 2}), (4, True, None)]
+    assert [(row["step"], row["run_id"] == new["run_id"]) for row in latest_run(rows)[0]] == [
+        (1, False), (2, False), (3, True), (4, True)]  # what plot_loss.py draws: the old line up to step 2
