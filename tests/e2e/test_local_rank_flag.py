@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers.trainer_launch import REPO, clean_env, flags, free_port
+from tests.helpers.trainer_launch import REPO, clean_env, finish, flags, free_port
 
 
 @pytest.mark.slow
@@ -21,12 +21,7 @@ def test_the_token_cache_is_built_once_per_node_when_local_rank_comes_as_a_flag(
         [sys.executable, script, *args, "--local_rank", str(rank)], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         env=clean_env(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for rank in (0, 1)]
-    try:
-        ranks = [process.communicate(timeout=240) for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    assert [process.returncode for process in processes] == [0, 0], ranks
-    builds = [line for _, stderr in ranks for line in stderr.splitlines() if "built the token cache" in line]
-    assert builds == ["rank 0 built the token cache of train.jsonl"], ranks
+    ranks = finish(processes, timeout=240)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr for rank in ranks]
+    builds = [line for rank in ranks for line in rank.stderr.splitlines() if "built the token cache" in line]
+    assert builds == ["rank 0 built the token cache of train.jsonl"], [rank.stderr for rank in ranks]

@@ -11,7 +11,7 @@ import torch
 from tests.helpers.in_process import run_in_process
 from tests.helpers.record_dtypes import main_recording
 from tests.helpers.trainer_launch import (
-    REPO, SCRIPT, assert_weights_equal, checkpoint_at, clean_env, final_weights, flags, free_port, run_ranks_apart,
+    REPO, SCRIPT, assert_weights_equal, checkpoint_at, clean_env, final_weights, finish, flags, free_port, run_ranks_apart,
     run_trainer, run_trainer_in_process, together, train_losses,
 )
 
@@ -46,13 +46,9 @@ def two_ranks_batch_4(data, tmp_path_factory):
                                             SLURM_JOB_ID="7", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                             MINISFT_WRITE_REPORT=str(folder / "report")))
              for rank in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=180)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    (folder / "rank0.out").write_text(outputs[0], encoding="utf-8")
+    ranks = finish(procs, timeout=180)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stdout for rank in ranks]
+    (folder / "rank0.out").write_text(ranks[0].stdout, encoding="utf-8")
     return folder
 
 

@@ -120,6 +120,13 @@ def run_ranks_apart(script: str, args: list[str], local_ranks: tuple[int, int], 
         commands[rank], cwd=cwds[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(local_ranks[rank]), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=port, **env)) for rank in (0, 1)]
+    return finish(processes, timeout)
+
+
+def finish(processes: list[subprocess.Popen], timeout: float) -> list[subprocess.CompletedProcess]:
+    """Each of `processes` waited for (at most `timeout` seconds each) and read to its end: its exit
+    code and output. Any still running after that (a timeout, a failed read) is killed, so a test
+    that fails halfway leaves no process behind."""
     finished = []
     try:
         for process in processes:

@@ -14,7 +14,7 @@ import torch
 from scripts import verify_equivalence
 from scripts.verify_equivalence import compare, drop_flags, main, variants
 from tests.helpers.in_process import run_in_process
-from tests.helpers.trainer_launch import FAULTY_TRAINER, REPO, SCRIPT, TINY, clean_env, free_port
+from tests.helpers.trainer_launch import FAULTY_TRAINER, REPO, SCRIPT, TINY, clean_env, finish, free_port
 
 TOOL = os.path.join(REPO, "scripts", "verify_equivalence.py")
 HEADER = ["variant", "against", "max |diff|", "rel diff", "tolerance", "result", "worst tensor (its rel diff)"]
@@ -194,11 +194,7 @@ def test_started_by_torchrun_on_two_nodes_it_trains_in_that_world(data, tmp_path
                     "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
         procs.append(subprocess.Popen([*launcher, TOOL, *tool_flags(data, tmp_path)], cwd=REPO, env=clean_env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    outputs = [node.stdout for node in finish(procs, timeout=600)]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     assert_all_within_tolerance(table(outputs[0]), TWO)
     assert "verdict:" not in outputs[1]  # rank 1 only trains
