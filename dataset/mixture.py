@@ -168,7 +168,25 @@ def parse_data_path(text: str) -> list[Source]:
         except DataError as exc:
             raise DataError(f"{exc}{comma_hint(text, spec)}") from None
         sources.append(Source(name, spec, files, weight, ignored))
+    check_no_file_twice(sources)
     return sources
+
+
+def check_no_file_twice(sources: list[Source]) -> None:
+    """A one-line ``DataError`` for a file read twice: given twice, given beside a directory or glob
+    that holds it, or reached through a link beside itself. Each reading trains on all of its rows,
+    so they would come twice as often per epoch as the others', silently."""
+    first: dict[str, tuple[Source, Path]] = {}
+    for source in sources:
+        for path in source.files:
+            earlier, given = first.setdefault(os.path.realpath(path), (source, path))
+            if earlier is source and given == path:
+                continue
+            where = (f"in the sources {earlier.spec} and {source.spec}" if earlier is not source
+                     else f"in the source {source.spec}, as {given} and {path}")
+            raise DataError(f"--data_path reads {given} twice, {where}: its rows would be trained twice per epoch; "
+                            f"give it once (a weight, {earlier.spec}:2, gives a source a larger share of a mixture; "
+                            "--epochs adds passes)")
 
 
 def lone_weight_note(sources: list[Source]) -> str | None:

@@ -13,7 +13,7 @@ import torch
 from dataset import DataError, ResumableDistributedSampler, SFTCollator, load_tokenizer
 from dataset.mixture import EpochMixture, epoch_counts, parse_data_path
 from model import MiniMindConfig, MiniMindForCausalLM
-from tests.helpers.trainer_launch import (TINY, checkpoint_at, final_weights, run_trainer, run_trainer_in_process,
+from tests.helpers.trainer_launch import (TINY, checkpoint_at, final_weights, flags, run_trainer, run_trainer_in_process,
                                          together)
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
@@ -360,3 +360,30 @@ def test_two_ranks_give_the_same_per_source_losses_and_weights_as_one(mixture_da
         assert sum(row[f"loss_tokens/{name}"] for row in one.values()) > 0
     first, second = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     assert all(torch.allclose(first[key], second[key], atol=1e-5, rtol=0) for key in first)
+
+
+def test_a_file_read_twice_is_refused_in_one_line(data, tmp_path):
+    # Each reading would train on all of the file's rows: twice as often per epoch as the others'.
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_rows(shards / "a.jsonl", [chat(i) for i in range(3)])
+    write_rows(tmp_path / "b.jsonl", [chat(i) for i in range(3)])
+    a, b = shards / "a.jsonl", tmp_path / "b.jsonl"
+    advice = "its rows would be trained twice per epoch; give it once (a weight, {}:2, gives a source a larger share " \
+             "of a mixture; --epochs adds passes)"
+    for spec, where, first in (
+            (f"{a},{b},{a}", f"in the sources {a} and {a}", a),
+            (f"{shards}:3,{a}", f"in the sources {shards} and {a}", shards),
+            (f"{b},{shards / '*.jsonl'},{a}", f"in the sources {shards / '*.jsonl'} and {a}", shards / "*.jsonl")):
+        with pytest.raises(DataError) as refused:
+            parse_data_path(spec)
+        assert str(refused.value) == f"--data_path reads {a} twice, {where}: {advice.format(first)}"
+    (shards / "link.jsonl").symlink_to(a)
+    with pytest.raises(DataError) as refused:
+        parse_data_path(str(shards))
+    assert str(refused.value) == (f"--data_path reads {a} twice, in the source {shards}, as {a} and "
+                                  f"{shards / 'link.jsonl'}: {advice.format(shards)}")
+    assert [source.files for source in parse_data_path(f"{a},{b}")] == [(a,), (b,)]  # apart, each is read once
+    done = run_trainer_in_process(flags(data, tmp_path / "run", "--data_path", f"{b},{b}"))
+    assert (done.returncode, done.stderr.splitlines()) == (2, [
+        f"error: --data_path reads {b} twice, in the sources {b} and {b}: {advice.format(b)}"])
