@@ -43,15 +43,23 @@ def check_data_files(args, log=print) -> None:
     passes `check_data_file` (missing, empty, a folder, ...): a one-line DataError before a previous
     run is set aside (--overwrite 1) or any data is tokenized. The training files themselves, maybe
     thousands of shards, are checked as their caches are built. A held-out file that is also trained
-    on is said (`log`): its figures measure what the model learned of it."""
+    on is said (`log`): its figures measure what the model learned of it. A held-out file named twice
+    is refused: it would count twice in eval_loss."""
     sources = parse_data_path(args.data_path)
     trained = {os.path.realpath(path) for source in sources for path in source.files}
     for source in sources:
         if reads_run_log(source.spec, args.save_dir):
             raise DataError(f"--save_dir {args.save_dir} is where --data_path {source.spec} reads its files: the run's "
                             "metrics.jsonl would be read as data on resume; choose another --save_dir")
+    held_out: dict[str, str] = {}  # real path -> as first given
     for path in held_out_files(args.eval_data_path):
         check_data_file(Path(path))
+        first = held_out.get(os.path.realpath(path))
+        held_out.setdefault(os.path.realpath(path), path)
+        if first is not None:
+            named = f"{path} twice" if first == path else f"{first} twice (as {first} and {path})"
+            raise DataError(f"--eval_data_path names {named}: it would be evaluated twice and count twice in "
+                            "eval_loss; give it once")
         if os.path.realpath(path) in trained:
             log(f"[eval] warning: {path} is held out and also trained on (--data_path): its evaluation measures "
                 "what the model learned of it, not how it does on conversations it has not seen")

@@ -37,6 +37,19 @@ def test_a_held_out_file_that_is_also_training_data_is_said(data, tmp_path):
     assert "[eval] warning" not in again.stdout
 
 
+def test_a_held_out_file_named_twice_is_refused(data, tmp_path):
+    # evaluated twice, it would count twice in eval_loss (and in the best-checkpoint choice)
+    held_out, link = data / "eval.jsonl", tmp_path / "link.jsonl"
+    link.symlink_to(held_out)
+    for given, named in ((f"{held_out},{held_out}", f"{held_out} twice"),
+                         (f"{held_out},{link}", f"{held_out} twice (as {held_out} and {link})")):
+        done = run_trainer_in_process(flags(data, tmp_path / "run", "--eval_data_path", given))
+        assert (done.returncode, done.stderr.splitlines()) == (2, [
+            f"error: --eval_data_path names {named}: it would be evaluated twice and count twice in eval_loss; give "
+            "it once"])
+        assert "tokenizing" not in done.stdout and not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_save_dir_that_a_data_source_reads_is_refused_before_anything_is_written(data, tmp_path):
     """The run writes metrics.jsonl in --save_dir: a directory or glob source there would read it as
     a data shard (on resume: a line without conversations)."""
