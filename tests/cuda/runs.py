@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from tests.helpers.trainer_launch import final_weights, flags, run_trainer, train_losses
+from tests.helpers.trainer_launch import final_weights, flags, run_trainer, torchrun_cmd, train_losses
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -20,7 +20,7 @@ def test_one_gpu_trains_with_autocast_and_grad_scaler(data, tmp_path, dtype):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_with_nccl_equal_one_gpu_with_double_batch(data, tmp_path):
     common = ["--max_steps", "3", "--dtype", "float32", "--save_interval", "0"]
-    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", "--backend", "nccl", *common), nproc=2)
+    run_trainer(flags(data, tmp_path / "two", "--batch_size", "4", "--backend", "nccl", *common), nproc=2, launcher=torchrun_cmd(2))
     run_trainer(flags(data, tmp_path / "one", "--batch_size", "8", *common))
     one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     for key in one:
@@ -33,7 +33,7 @@ def test_two_gloo_ranks_on_one_gpu_equal_one_process_with_double_batch(data, tmp
     each (no_sync on the first): the weights of 1 process x 2B, within the dtype's rounding."""
     common = ["--max_steps", "3", "--dtype", dtype, "--save_interval", "0", "--device", "cuda:0",
               "--accumulation_steps", "2"]
-    run_trainer(flags(data, tmp_path / "two", "--batch_size", "2", "--backend", "gloo", *common), nproc=2)
+    run_trainer(flags(data, tmp_path / "two", "--batch_size", "2", "--backend", "gloo", *common), nproc=2, launcher=torchrun_cmd(2))
     run_trainer(flags(data, tmp_path / "one", "--batch_size", "4", *common))
     one, two = final_weights(tmp_path / "one"), final_weights(tmp_path / "two")
     for key in one:

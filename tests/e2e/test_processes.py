@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tests.helpers.trainer_launch import (
     GPUS_OPTION, REPO, checkpoint_at, clean_env, final_weights, flags, hide_gpus, metric_rows, run_trainer,
-    run_trainer_in_process, train_losses, wait_until,
+    run_trainer_in_process, torchrun_cmd, train_losses, wait_until,
 )
 from trainer.args import parse_args
 from trainer.errors import DistributedError
@@ -309,7 +309,7 @@ def test_a_data_error_under_torchrun_is_printed_once_and_every_rank_exits_2(tmp_
     rows = open(os.path.join(REPO, "dataset", "demo", "sft_train.jsonl"), encoding="utf-8").readlines()[:5]
     bad.write_text("".join(rows) + '{"broken\n', encoding="utf-8")
     result = run_trainer([*TINY, "--data_path", str(bad), "--save_dir", str(tmp_path / "run"), "--cache_dir",
-                          str(tmp_path / "cache")], nproc=2, check=False)
+                          str(tmp_path / "cache")], nproc=2, check=False, launcher=torchrun_cmd(2))
     output = result.stdout + result.stderr
     line = f"error: {bad}:6: invalid JSON (Invalid control character at at column 9)"
     assert output.count(line) == 1, output[-3000:]
@@ -326,7 +326,8 @@ def test_a_missing_data_file_under_torchrun_is_printed_once_and_every_rank_exits
     from tests.helpers.trainer_launch import TINY
 
     missing = tmp_path / "missing.jsonl"
-    result = run_trainer([*TINY, "--data_path", str(missing), "--save_dir", str(tmp_path / "run")], nproc=2, check=False)
+    result = run_trainer([*TINY, "--data_path", str(missing), "--save_dir", str(tmp_path / "run")], nproc=2, check=False,
+                         launcher=torchrun_cmd(2))
     output = result.stdout + result.stderr
     assert output.count(f"error: {missing}: data file not found") == 1, output[-3000:]
     assert re.findall(r"exitcode\s*: (\S+) \(pid", output) == ["2", "2"], output[-3000:]

@@ -18,6 +18,7 @@ from tests.helpers.in_process import run_in_process
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "train_full_sft.py")
 FAULTY_TRAINER = os.path.join(REPO, "tests", "helpers", "faults.py")  # the trainer with MINISFT_FAULT_* planted
+FORKED_LAUNCH = os.path.join(REPO, "tests", "helpers", "forked_launch.py")
 # A ~30k-parameter model: every run below takes seconds on 2 CPU cores.
 TINY = [
     "--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4",
@@ -61,11 +62,18 @@ def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra]
 
 
+def forked_launch_cmd(nproc: int) -> list[str]:
+    """The launch of tests/helpers/forked_launch.py: torchrun's agent, each worker forked from a process
+    that imported the trainer once (the training's tests; torchrun_cmd where torchrun is what is tested)."""
+    return [sys.executable, FORKED_LAUNCH, str(nproc), str(free_port())]
+
+
 def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: float = 300, env=None,
                 check: bool = True, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run the trainer with plain python (nproc=1) or torchrun; return the finished process."""
+    """Run the trainer with plain python (nproc=1) or on `nproc` ranks launched by forked_launch_cmd
+    (`launcher`: another, such as torchrun_cmd); return the finished process."""
     if launcher is None:
-        launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+        launcher = [sys.executable] if nproc == 1 else forked_launch_cmd(nproc)
     result = subprocess.run([*launcher, script, *args], cwd=REPO, env=env or clean_env(),
                             capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:

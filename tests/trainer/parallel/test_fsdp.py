@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from tests.helpers.overfitted import script_in_process
 from tests.helpers.trainer_launch import (Launcher, REPO, assert_weights_equal, checkpoint_at, clean_env, flags,
-                                         run_trainer, run_trainer_in_process, together, train_losses, wait_until,
-                                         worker_pids)
+                                         run_trainer, run_trainer_in_process, together, torchrun_cmd, train_losses,
+                                         wait_until, worker_pids)
 from trainer.checkpoint.resume import load_resume_checkpoint
 from trainer.checkpoint.sharded import read_full
 
@@ -431,6 +431,7 @@ def test_a_sharded_checkpoint_that_does_not_fit_is_refused_as_a_single_file_one_
     report.mkdir()
     checkpoint = rewritten(dcp_at(fsdp_run, 2), tmp_path / "apart.dcp", apart)
     result = run_trainer(flags(data, tmp_path / "apart", *resume, checkpoint), nproc=2, check=False,
+                         launcher=torchrun_cmd(2),  # the exit code of each rank, as torchrun reports them
                          script=os.path.join(REPO, "tests", "helpers", "record_opens.py"),
                          env=clean_env(MINISFT_WRITE_REPORT=str(report)))
     output = result.stdout + result.stderr

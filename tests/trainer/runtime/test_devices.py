@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
+from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer, torchrun_cmd
 from trainer.errors import DistributedError, NodeLaunchError
 from trainer.runtime.distributed import gpu_for_local_rank, gpus_given_per_task, pick_device, processes_on_this_node
 
@@ -106,7 +106,7 @@ def test_processes_on_this_node_from_the_launchers():
 @pytest.mark.slow
 def test_torchrun_with_two_processes_on_one_visible_gpu_exits_2_in_one_line(data, tmp_path):
     result = run_trainer(flags(data, tmp_path, "--max_steps", "1"), nproc=2, check=False, timeout=120,
-                         script=os.path.join(REPO, "tests", "helpers", "fake_gpus.py"),
+                         launcher=torchrun_cmd(2), script=os.path.join(REPO, "tests", "helpers", "fake_gpus.py"),
                          env=clean_env(MINISFT_TEST_FAKE_GPUS="1", CUDA_VISIBLE_DEVICES="0"))
     line = ("error: 2 processes on this node but this process sees 1 GPU(s) (CUDA_VISIBLE_DEVICES=0): start at most "
             "1 per node (torchrun --nproc_per_node 1, srun --ntasks-per-node 1), or give each process its own GPU "

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.helpers.trainer_launch import REPO, TINY, run_trainer
+from tests.helpers.trainer_launch import REPO, TINY, run_trainer, torchrun_cmd
 from trainer.errors import DistributedError, NodeLaunchError
 from trainer.runtime.distributed import gpu_for_local_rank
 from trainer.runtime.node_lines import SLURM_NAMES, TORCHRUN_NAMES, prints_for_node
@@ -46,7 +46,7 @@ def test_only_a_refusal_that_every_process_of_the_node_meets_is_a_node_line():
 def test_a_flag_error_under_torchrun_is_printed_once_and_the_run_exits_2(tmp_path, flag, line):
     start = time.monotonic()
     result = run_trainer([*TINY, *flag, "--save_dir", str(tmp_path / "run"), "--dist_timeout", "600"], nproc=2,
-                         check=False, timeout=120)
+                         check=False, timeout=120, launcher=torchrun_cmd(2))
     assert time.monotonic() - start < 60  # two starts of the trainer, no wait for a peer
     output = result.stdout + result.stderr
     assert [text for text in output.splitlines() if text.startswith("error:")] == [f"error: {line}"], output[-3000:]
