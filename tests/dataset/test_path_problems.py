@@ -138,5 +138,7 @@ def test_a_number_after_a_colon_is_named(tmp_path, capsys):
         f"[data] note: --data_path {data}:2: ':2' is a mixture weight, not a line number; a single source is read "
         "whole, every row once per epoch, whatever its weight")
     assert mixture.lone_weight_note(parse_data_path(str(data))) is None
-    assert mixture.lone_weight_note(parse_data_path(f"{data}:2,{data}:1")) is None
+    other = tmp_path / "more.jsonl"
+    other.write_text(ROW + "\n", encoding="utf-8")
+    assert mixture.lone_weight_note(parse_data_path(f"{data}:2,{other}:1")) is None
 
