@@ -54,13 +54,14 @@ def check_data_files(args, log=print) -> None:
     held_out: dict[str, str] = {}  # real path -> as first given
     for path in held_out_files(args.eval_data_path):
         check_data_file(Path(path))
-        first = held_out.get(os.path.realpath(path))
-        held_out.setdefault(os.path.realpath(path), path)
-        if first is not None:
+        real = os.path.realpath(path)
+        if real in held_out:
+            first = held_out[real]
             named = f"{path} twice" if first == path else f"{first} twice (as {first} and {path})"
             raise DataError(f"--eval_data_path names {named}: it would be evaluated twice and count twice in "
                             "eval_loss; give it once")
-        if os.path.realpath(path) in trained:
+        held_out[real] = path
+        if real in trained:
             log(f"[eval] warning: {path} is held out and also trained on (--data_path): its evaluation measures "
                 "what the model learned of it, not how it does on conversations it has not seen")
 
