@@ -145,7 +145,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     log = print_escaped if ctx.is_main else (lambda message: None)
     warn_flags_without_effect(args, ctx, log)
     dtype = resolve_dtype(args.dtype, ctx.device, log)  # --dtype float16 on a CPU: refused before any data is read
-    check_data_files(args, log)  # a missing data source or held-out file: refused before a previous run is set aside
+    sources = check_data_files(args, log)  # a missing data source or held-out file: refused before a previous run is set aside
     weights = read_initial_weights(args, log)
     tokenizer, tokenizer_path = load_tokenizer_for_weights(args, weights, log)
     config = build_model_config(args, tokenizer, weights, ctx.device)
@@ -155,7 +155,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
 
     # 4. Data: tokenized once into a memory-mapped cache; a sampler that can start mid-epoch; the
     # run's identity (what defines its sample stream), from the data opened, kept in every checkpoint.
-    data = build_train_data(args, tokenizer, ctx)
+    data = build_train_data(args, tokenizer, ctx, sources)
     eval_sets = build_eval_sets(args, tokenizer, ctx, config.max_position_embeddings)
     check_selection(args, metric_names(eval_sets))
 

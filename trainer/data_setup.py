@@ -38,8 +38,9 @@ class TrainData:
     source_names: list[str] = field(default_factory=lambda: ["data"])  # of --data_path's sources, in order
 
 
-def check_data_files(args, log=print) -> None:
-    """Every --data_path source resolves (files, directories, globs, weights) and every held-out file
+def check_data_files(args, log=print) -> list:
+    """--data_path's sources, parsed (`parse_data_path`) for `build_train_data`. Every source
+    resolves (files, directories, globs, weights) and every held-out file
     passes `check_data_file` (missing, empty, a folder, ...): a one-line DataError before a previous
     run is set aside (--overwrite 1) or any data is tokenized. The training files themselves, maybe
     thousands of shards, are checked as their caches are built. A held-out file that is also trained
@@ -64,6 +65,7 @@ def check_data_files(args, log=print) -> None:
         if real in trained:
             log(f"[eval] warning: {path} is held out and also trained on (--data_path): its evaluation measures "
                 "what the model learned of it, not how it does on conversations it has not seen")
+    return sources
 
 
 def reads_run_log(spec: str, save_dir: str) -> bool:
@@ -150,10 +152,11 @@ def build_mixture(args, sources: list, tokenizer, augmenter, log) -> tuple[Mixtu
     return MixtureDataset(parts, [source.name for source in sources]), mixture, opened
 
 
-def build_train_data(args, tokenizer, ctx) -> TrainData:
+def build_train_data(args, tokenizer, ctx, sources: list | None = None) -> TrainData:
+    """`sources`: --data_path parsed, as `check_data_files` returns it (parsed here when not given)."""
     # MiniMind's augmentations (off by default) act on cached samples, drawn per (seed, epoch, index).
     augmenter = ChatAugmenter(tokenizer, args.seed, args.system_prompt_ratio, args.drop_empty_think_ratio)
-    sources = parse_data_path(args.data_path)
+    sources = parse_data_path(args.data_path) if sources is None else sources
     build_token_caches([path for source in sources for path in source.files], args, tokenizer, ctx.local_rank)
     dataset, mixture, opened = build_mixture(args, sources, tokenizer, augmenter, rank_zero_log(ctx))
     if augmenter.prefixes and ctx.rank == 0:  # the share of the samples a system prompt fits

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from dataset.mixture import parse_data_path
 from tests.helpers.trainer_launch import flags, run_trainer_in_process, run_trainer_with_a_read_only
+from trainer import data_setup
 
 
 def test_a_held_out_file_that_cannot_be_read_fails_before_the_training_data_is_tokenized(data, tmp_path):
@@ -48,6 +50,20 @@ def test_a_held_out_file_named_twice_is_refused(data, tmp_path):
             f"error: --eval_data_path names {named}: it would be evaluated twice and count twice in eval_loss; give "
             "it once"])
         assert "tokenizing" not in done.stdout and not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_data_path_is_resolved_once_per_start(data, tmp_path, monkeypatch):
+    # the sources checked before anything is set aside are the ones trained on: a glob or folder is
+    # listed once, and the checks on its files (read twice, the run's own log) are not done again
+    parsed = []
+
+    def counted(spec):
+        parsed.append(spec)
+        return parse_data_path(spec)
+
+    monkeypatch.setattr(data_setup, "parse_data_path", counted)
+    run_trainer_in_process(flags(data, tmp_path / "run", "--max_steps", "1"), check=True)
+    assert parsed == [str(data / "train.jsonl")]
 
 
 def test_a_save_dir_that_a_data_source_reads_is_refused_before_anything_is_written(data, tmp_path):
