@@ -43,7 +43,7 @@ def held_gradients(model, world_size: int) -> dict:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in param_groups(module._get_fsdp_state()):
             for fsdp_param in group.fsdp_params:
                 if fsdp_param.unsharded_accumulated_grad is not None:
                     unsharded.append(f"{fsdp_param._param_fqn}: unsharded_accumulated_grad")
@@ -51,6 +51,13 @@ def held_gradients(model, world_size: int) -> dict:
                 if unsharded_param is not None and unsharded_param.grad is not None:
                     unsharded.append(f"{fsdp_param._param_fqn}: unsharded_param.grad")
     return {"not_sharded": not_sharded, "unsharded": unsharded}
+
+
+def param_groups(state) -> list:
+    """FSDP2's parameter groups of one module's state: a list in torch 2.13, one group (or None) in 2.11."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []
 
 
 def check(dtype: torch.dtype) -> list[dict]:
