@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers import warm_start
 from tests.helpers.in_process import run_in_process
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -70,12 +71,14 @@ def forked_launch_cmd(nproc: int) -> list[str]:
 
 def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: float = 300, env=None,
                 check: bool = True, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run the trainer with plain python (nproc=1) or on `nproc` ranks launched by forked_launch_cmd
-    (`launcher`: another, such as torchrun_cmd); return the finished process."""
-    if launcher is None:
-        launcher = [sys.executable] if nproc == 1 else forked_launch_cmd(nproc)
-    result = subprocess.run([*launcher, script, *args], cwd=REPO, env=env or clean_env(),
-                            capture_output=True, text=True, timeout=timeout)
+    """Run the trainer as `python SCRIPT ARGS` (nproc=1; forked from a process that imported it,
+    tests/helpers/warm_start.py) or on `nproc` ranks launched by forked_launch_cmd (`launcher`:
+    another, such as torchrun_cmd); return the finished process."""
+    if launcher is None and nproc == 1:
+        result = warm_start.run(script, args, REPO, env or clean_env(), clean_env(), timeout)
+    else:
+        result = subprocess.run([*(launcher or forked_launch_cmd(nproc)), script, *args], cwd=REPO,
+                                env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
@@ -119,15 +122,17 @@ def run_ranks_apart(script: str, args: list[str], local_ranks: tuple[int, int], 
     private mount namespace (one path that holds other files on each "node"; the test is skipped
     where the machine refuses one)."""
     port = str(free_port())
-    commands = [[sys.executable, script, *args], [sys.executable, script, *args]]
+    processes = []
     for rank, bind in enumerate(binds):
-        if bind is not None:
-            mount = f"mount --bind {shlex.quote(str(bind[0]))} {shlex.quote(str(bind[1]))}"
-            commands[rank] = after_private_mounts(mount, commands[rank], "a private bind mount")
-    processes = [subprocess.Popen(
-        commands[rank], cwd=cwds[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(local_ranks[rank]), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=port, **env)) for rank in (0, 1)]
+        environ = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(local_ranks[rank]),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env)
+        if bind is None:  # forked from a process that imported the trainer (tests/helpers/warm_start.py)
+            processes.append(warm_start.start(script, args, cwds[rank], environ, clean_env()))
+            continue
+        mount = f"mount --bind {shlex.quote(str(bind[0]))} {shlex.quote(str(bind[1]))}"
+        command = after_private_mounts(mount, [sys.executable, script, *args], "a private bind mount")
+        processes.append(subprocess.Popen(command, cwd=cwds[rank], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True, env=environ))
     return finish(processes, timeout)
 
 
