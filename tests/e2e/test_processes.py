@@ -247,7 +247,7 @@ def test_sigterm_while_the_script_imports_torch_exits_zero(data, launcher, tmp_p
     # Half a second in, the script is still importing torch (main() has not run): the handler
     # installed before those imports turns the SIGTERM into a stop at the first step boundary.
     save_dir = tmp_path / "run"
-    process = launcher.start(flags(data, save_dir, *STEPS), "importing")
+    process = launcher.start(flags(data, save_dir, *STEPS), "importing", launcher=[sys.executable])  # a fresh process
     time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
     assert launcher.wait(process) == 0, launcher.output(process)

@@ -204,12 +204,16 @@ class Launcher:
         self.folder = folder
         self.processes = []
 
-    def start(self, args, name, nproc=1, launcher=None, env=None, script=SCRIPT) -> subprocess.Popen:
-        if launcher is None:
-            launcher = [sys.executable] if nproc == 1 else torchrun_cmd(nproc)
+    def start(self, args, name, nproc=1, launcher=None, env=None, script=SCRIPT):
+        """`python SCRIPT ARGS` (forked from a process that imported it, tests/helpers/warm_start.py), or under
+        `launcher` (default for `nproc` > 1: torchrun), in a session of its own; its output in the folder's
+        NAME.out and NAME.err. A subprocess.Popen or a warm_start.WarmProcess, which answer alike."""
         with open(self.folder / f"{name}.out", "w") as out, open(self.folder / f"{name}.err", "w") as err:
-            process = subprocess.Popen([*launcher, script, *args], cwd=REPO, env=env or clean_env(), stdout=out,
-                                       stderr=err, start_new_session=True)
+            if launcher is None and nproc == 1:
+                process = warm_start.start(script, args, REPO, env or clean_env(), clean_env(), out, err)
+            else:
+                process = subprocess.Popen([*(launcher or torchrun_cmd(nproc)), script, *args], cwd=REPO,
+                                           env=env or clean_env(), stdout=out, stderr=err, start_new_session=True)
         process.name = name
         self.processes.append(process)
         return process

@@ -82,10 +82,10 @@ def can_warm_start(env: dict, server_env: dict) -> bool:
 class WarmProcess:
     """`python script ARGS` forked from the warm server, with Popen's interface for waiting on it."""
 
-    def __init__(self, server: Server, script: str, args: list[str], cwd: str, env: dict):
+    def __init__(self, server: Server, script: str, args: list[str], cwd: str, env: dict, stdout=None, stderr=None):
         self.args = [sys.executable, script, *args]
         self.returncode = None
-        self._files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]  # stdout, stderr
+        self._files = [stdout or tempfile.TemporaryFile(), stderr or tempfile.TemporaryFile()]
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._socket.connect(server.address)
         request = json.dumps({"script": script, "args": list(args), "cwd": os.path.abspath(cwd), "env": dict(env)})
@@ -120,7 +120,12 @@ class WarmProcess:
         file.seek(0)
         return io.TextIOWrapper(file, encoding=locale.getpreferredencoding(False)).read()
 
+    def send_signal(self, number: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, number)
+
     def kill(self) -> None:
+        """SIGKILL to the run's session (the run and the processes it started)."""
         if self.returncode is None:
             try:
                 os.killpg(self.pid, signal.SIGKILL)
@@ -128,15 +133,16 @@ class WarmProcess:
                 pass
 
 
-def start(script: str, args: list[str], cwd: str, env: dict, server_env: dict):
-    """`python script ARGS` in `cwd` with `env`: a WarmProcess where the server's import fits
-    `env`, else a fresh `subprocess.Popen` (stdout and stderr piped, text). `server_env`: the
-    environment the server starts with on first use (the runs' usual one)."""
+def start(script: str, args: list[str], cwd: str, env: dict, server_env: dict, stdout=None, stderr=None):
+    """`python script ARGS` in `cwd` with `env`, in a session of its own: a WarmProcess where the
+    server's import fits `env`, else a fresh `subprocess.Popen`. Its stdout and stderr go to the
+    files `stdout` and `stderr` where given, else `communicate` returns them as text. `server_env`:
+    the environment the server starts with on first use (the runs' usual one)."""
     server = Server.get(server_env)
     if can_warm_start(env, server.env):
-        return WarmProcess(server, script, args, cwd, env)
-    return subprocess.Popen([sys.executable, script, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+        return WarmProcess(server, script, args, cwd, env, stdout, stderr)
+    return subprocess.Popen([sys.executable, script, *args], cwd=cwd, env=env, stdout=stdout or subprocess.PIPE,
+                            stderr=stderr or subprocess.PIPE, text=True, start_new_session=True)
 
 
 def run(script: str, args: list[str], cwd: str, env: dict, server_env: dict,
@@ -162,22 +168,29 @@ def serve(address: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(address)
     listener.listen(64)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the supervising forks are reaped as they end
     print("ready", flush=True)
+    supervisors = set()
     while True:
-        readable = select.select([listener, sys.stdin], [], [])[0]
-        if sys.stdin in readable:
-            return  # EOF: the test process that started this server has ended
-        connection, _ = listener.accept()
-        if os.fork() == 0:
-            listener.close()
-            supervise(connection)
-        connection.close()
+        readable = select.select([listener, sys.stdin], [], [], 1.0)[0]
+        # Ended supervising forks are waited for, so that the runs' CPU time adds up in the test
+        # process's, as a fresh process's does (SIGCHLD ignored would discard it).
+        supervisors -= {pid for pid in supervisors if os.waitpid(pid, os.WNOHANG)[0]}
+        if sys.stdin in readable:  # EOF: the test process that started this server has ended
+            for pid in supervisors:
+                os.waitpid(pid, 0)
+            return
+        if listener in readable:
+            connection, _ = listener.accept()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                supervise(connection)
+            supervisors.add(pid)
+            connection.close()
 
 
 def supervise(connection: socket.socket) -> None:
     """In a fork of the server: fork the run, tell the client its pid, wait for it, send its exit code."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 2)
     request = json.loads(message)
     pid = os.fork()
