@@ -88,18 +88,19 @@ def count_total_steps(run: Run) -> int:
 
 
 def nothing_left_to_train(run: Run, total_steps: int) -> str | None:
-    """What to say where the run resumes at or past its last step `total_steps`, else None."""
+    """What to say where the run resumes at or past its last step `total_steps` or stopped early; else None."""
     state, args = run.state, run.args
     if not 0 < total_steps <= state.step:
-        return None
+        return stopped_early(state, args.keep_best, args.early_stop_patience)
     return (f"nothing left to train: the checkpoint is at step {state.step} and the run ends at step {total_steps} "
             f"(--epochs {args.epochs}, --max_steps {args.max_steps}); raise --epochs or --max_steps to train further")
 
 
 def check_something_to_train(run: Run) -> None:
-    """Refuse a resume with nothing left to train before --save_dir changes (trainer/loop/state.py:take_save_dir):
-    it would set the previous run or later checkpoints aside, or start a fork, and write nothing. Only
-    --from_resume 1, a restarted job that has finished, goes on to say so and end: its directory stays as it is."""
+    """Refuse a resume with nothing left to train (`nothing_left_to_train`) before --save_dir changes
+    (trainer/loop/state.py:take_save_dir): it would set the previous run or later checkpoints aside, or start a fork,
+    and write nothing. Only --from_resume 1, a restarted job that has finished, goes on to say so and end: its directory
+    stays as it is."""
     problem = nothing_left_to_train(run, count_total_steps(run))
     if problem and not run.args.from_resume:
         raise ConfigError(f"{problem}; nothing in {run.args.save_dir} was moved")
@@ -268,7 +269,7 @@ def train(run: Run) -> str:
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
         logger.print(f"warning: --max_steps {args.max_steps} is more than the {total_steps} optimizer steps of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
-    nothing_left = nothing_left_to_train(run, total_steps) or stopped_early(state, args.keep_best, args.early_stop_patience)
+    nothing_left = nothing_left_to_train(run, total_steps)
     if nothing_left:
         logger.print(nothing_left)
     elif note := schedule_change(state.step, run.resumed_lr, total_steps, args.learning_rate, warmup, args.min_lr_ratio):

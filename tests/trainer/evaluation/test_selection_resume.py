@@ -178,3 +178,25 @@ def test_a_restarted_early_stopped_run_trains_nothing_and_a_larger_patience_trai
     on = run_trainer_in_process([*argv[:-1], "3", "--from_resume", "1"], check=True)
     assert "step 3/6" in on.stdout and "nothing left" not in on.stdout
     assert [row["step"] for row in eval_rows(run)[0]] == [1, 2, 3, 4]  # patience 3: two more evaluations, then stop
+
+
+def test_a_resume_from_an_early_stopped_checkpoint_is_refused_before_anything_moves(data, tmp_path):
+    # as a resume past the last step is: with --resume_from (a rollback, a fork) it would set checkpoints
+    # aside or start a fork, then train nothing
+    run = tmp_path / "run"
+    argv = flags(data, run, "--batch_size", "8", "--max_steps", "6", "--eval_interval", "1", "--save_interval", "1",
+                 "--learning_rate", "1e-9", "--eval_data_path", str(data / "eval.jsonl"),
+                 "--keep_best", "eval_token_accuracy", "--early_stop_patience", "1")
+    assert "stopped early" in run_trainer_in_process(argv, check=True).stdout
+    assert os.listdir(run / "checkpoints") == ["step_00000001.pt", "step_00000002.pt"]
+    for resume_from, save_dir in ((checkpoint_at(run, 2), run), (checkpoint_at(run, 2), tmp_path / "fork")):
+        done = run_trainer_in_process([*argv[:argv.index("--save_dir")], "--save_dir", str(save_dir),
+                                       *argv[argv.index("--save_dir") + 2:], "--resume_from", resume_from])
+        assert (done.returncode, done.stderr.splitlines()[-1:]) == (2, [
+            "error: nothing left to train: eval_token_accuracy has not improved in the checkpoint's last 1 evaluations "
+            f"(best {json.loads((run / 'best' / 'best.json').read_text())['value']:.4f} at step 1), where "
+            "--early_stop_patience 1 stops the run; raise --early_stop_patience, or give 0, to train further; nothing "
+            f"in {save_dir} was moved"])
+    assert sorted(os.listdir(run)) == [".lock", "best", "checkpoints", "metrics.jsonl", "model"]
+    assert os.listdir(tmp_path / "fork") == [".lock"]  # the save dir's lock, taken first
+    assert os.listdir(run / "checkpoints") == ["step_00000001.pt", "step_00000002.pt"]
