@@ -157,13 +157,18 @@ def test_a_resume_with_other_generation_settings_starts_the_selection_of_a_gener
         held_out_entry(data / "eval.jsonl", 16), "2 generated answers of at most 8 tokens"]
 
 
-def test_a_restarted_early_stopped_run_trains_nothing_and_a_larger_patience_trains_on(data, tmp_path):
-    # A learning rate this small leaves the argmax predictions unchanged: the token accuracy never
-    # improves after the first evaluation, so patience 1 stops the run at its second evaluation (step 2).
-    run = tmp_path / "run"
-    argv = flags(data, run, "--batch_size", "8", "--max_steps", "6", "--eval_interval", "1", "--save_interval", "0",
-                 "--learning_rate", "1e-9", "--eval_data_path", str(data / "eval.jsonl"),
+def stopping_early(data, save_dir, save_interval: int) -> list[str]:
+    """Flags of a run that stops early at step 2: a learning rate this small leaves the argmax predictions
+    unchanged, so the token accuracy never improves after the first evaluation and patience 1 (the last
+    flag) stops the run at its second evaluation."""
+    return flags(data, save_dir, "--batch_size", "8", "--max_steps", "6", "--eval_interval", "1", "--save_interval",
+                 str(save_interval), "--learning_rate", "1e-9", "--eval_data_path", str(data / "eval.jsonl"),
                  "--keep_best", "eval_token_accuracy", "--early_stop_patience", "1")
+
+
+def test_a_restarted_early_stopped_run_trains_nothing_and_a_larger_patience_trains_on(data, tmp_path):
+    run = tmp_path / "run"
+    argv = stopping_early(data, run, save_interval=0)
     assert "stopped early" in run_trainer_in_process(argv, check=True).stdout
     assert os.listdir(run / "checkpoints") == ["step_00000002.pt"]
     model = (run / "model" / "model.safetensors").read_bytes()
@@ -184,14 +189,11 @@ def test_a_resume_from_an_early_stopped_checkpoint_is_refused_before_anything_mo
     # as a resume past the last step is: with --resume_from (a rollback, a fork) it would set checkpoints
     # aside or start a fork, then train nothing
     run = tmp_path / "run"
-    argv = flags(data, run, "--batch_size", "8", "--max_steps", "6", "--eval_interval", "1", "--save_interval", "1",
-                 "--learning_rate", "1e-9", "--eval_data_path", str(data / "eval.jsonl"),
-                 "--keep_best", "eval_token_accuracy", "--early_stop_patience", "1")
-    assert "stopped early" in run_trainer_in_process(argv, check=True).stdout
+    assert "stopped early" in run_trainer_in_process(stopping_early(data, run, save_interval=1), check=True).stdout
     assert os.listdir(run / "checkpoints") == ["step_00000001.pt", "step_00000002.pt"]
-    for resume_from, save_dir in ((checkpoint_at(run, 2), run), (checkpoint_at(run, 2), tmp_path / "fork")):
-        done = run_trainer_in_process([*argv[:argv.index("--save_dir")], "--save_dir", str(save_dir),
-                                       *argv[argv.index("--save_dir") + 2:], "--resume_from", resume_from])
+    for save_dir in (run, tmp_path / "fork"):  # a resume in place, a fork
+        done = run_trainer_in_process([*stopping_early(data, save_dir, save_interval=1), "--resume_from",
+                                       checkpoint_at(run, 2)])
         assert (done.returncode, done.stderr.splitlines()[-1:]) == (2, [
             "error: nothing left to train: eval_token_accuracy has not improved in the checkpoint's last 1 evaluations "
             f"(best {json.loads((run / 'best' / 'best.json').read_text())['value']:.4f} at step 1), where "
