@@ -64,10 +64,12 @@ def test_a_killed_or_timed_out_warm_run_reads_as_popen_reports_it(tmp_path):
     assert time.monotonic() - began < 30
 
 
-def test_a_run_whose_import_time_environment_differs_starts_fresh(tmp_path):
+def test_a_run_whose_import_time_environment_differs_or_that_may_see_a_gpu_starts_fresh(tmp_path):
     script = tmp_path / "threads.py"
     script.write_text("import torch\nprint(torch.get_num_threads())\n")
     warm = warm_start.start(str(script), [], str(tmp_path), clean_env(), clean_env())
     other = warm_start.start(str(script), [], str(tmp_path), dict(clean_env(), OMP_NUM_THREADS="2"), clean_env())
     assert type(warm) is warm_start.WarmProcess and type(other) is subprocess.Popen
     assert (warm.communicate(timeout=60)[0], other.communicate(timeout=60)[0]) == ("1\n", "2\n")
+    shown = {key: value for key, value in clean_env().items() if key != "CUDA_VISIBLE_DEVICES"}  # as under --gpus
+    assert not warm_start.can_warm_start(shown, shown) and warm_start.can_warm_start(clean_env(), clean_env())

@@ -11,8 +11,8 @@ directory, the environment, stdin from /dev/null, stdout and stderr to their own
 run as `__main__`, and the interpreter's exit (non-daemon threads joined, atexit handlers, exit
 code; a signal that kills it reads as `-signal`, as Popen reports it). What it shares with the
 server is what the import did: a run whose environment differs from the server's in a variable
-read at import time (PYTHON*, locale, thread counts, CUDA_VISIBLE_DEVICES, ...) is started as a
-fresh process instead (`can_warm_start`).
+read at import time (PYTHON*, locale, thread counts, CUDA_VISIBLE_DEVICES, ...), or that may see a
+GPU, is started as a fresh process instead (`can_warm_start`).
 
 `WarmProcess` answers as a `subprocess.Popen` does (`communicate`, `poll`, `wait`, `kill`)."""
 
@@ -76,7 +76,10 @@ class Server:
 
 
 def can_warm_start(env: dict, server_env: dict) -> bool:
-    return import_time_variables(env) == import_time_variables(server_env)
+    """Whether a run with `env` may fork from a server started with `server_env`: the same variables
+    read at import time, and no GPU to see (a fork of a process whose import may have touched the
+    CUDA driver cannot use it; the GPU tests, run with the GPUs shown, start fresh processes)."""
+    return env.get("CUDA_VISIBLE_DEVICES") == "" and import_time_variables(env) == import_time_variables(server_env)
 
 
 class WarmProcess:
