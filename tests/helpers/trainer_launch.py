@@ -63,22 +63,18 @@ def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), *extra]
 
 
-def forked_launch_cmd(nproc: int) -> list[str]:
-    """The launch of tests/helpers/forked_launch.py: torchrun's agent, each worker forked from a process
-    that imported the trainer once (the training's tests; torchrun_cmd where torchrun is what is tested)."""
-    return [sys.executable, FORKED_LAUNCH, str(nproc), str(free_port())]
-
-
 def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: float = 300, env=None,
                 check: bool = True, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run the trainer as `python SCRIPT ARGS` (nproc=1; forked from a process that imported it,
-    tests/helpers/warm_start.py) or on `nproc` ranks launched by forked_launch_cmd (`launcher`:
-    another, such as torchrun_cmd); return the finished process."""
-    if launcher is None and nproc == 1:
-        result = warm_start.run(script, args, REPO, env or clean_env(), clean_env(), timeout)
+    """Run the trainer as `python SCRIPT ARGS`, or on `nproc` ranks through tests/helpers/forked_launch.py
+    (torchrun's agent, each worker forked from the launcher, which imported the trainer once), either
+    forked from a process that imported the trainer (tests/helpers/warm_start.py); or under `launcher`
+    (such as torchrun_cmd, where what torchrun does is tested). Return the finished process."""
+    if launcher is None:
+        command = [script, *args] if nproc == 1 else [FORKED_LAUNCH, str(nproc), str(free_port()), script, *args]
+        result = warm_start.run(command[0], command[1:], REPO, env or clean_env(), clean_env(), timeout)
     else:
-        result = subprocess.run([*(launcher or forked_launch_cmd(nproc)), script, *args], cwd=REPO,
-                                env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+        result = subprocess.run([*launcher, script, *args], cwd=REPO, env=env or clean_env(), capture_output=True,
+                                text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
