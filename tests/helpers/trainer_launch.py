@@ -65,10 +65,10 @@ def torchrun_cmd(nproc: int, *extra: str) -> list[str]:
 
 def run_trainer(args: list[str], nproc: int = 1, script: str = SCRIPT, timeout: float = 300, env=None,
                 check: bool = True, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """Run the trainer as `python SCRIPT ARGS`, or on `nproc` ranks through tests/helpers/forked_launch.py
-    (torchrun's agent, each worker forked from the launcher, which imported the trainer once), either
-    forked from a process that imported the trainer (tests/helpers/warm_start.py); or under `launcher`
-    (such as torchrun_cmd, where what torchrun does is tested). Return the finished process."""
+    """The trainer run as `python SCRIPT ARGS`, or on `nproc` ranks by tests/helpers/forked_launch.py
+    (torchrun's agent, each worker forked from the launcher), started from a process that imported the
+    trainer (tests/helpers/warm_start.py); under `launcher` instead where given (torchrun_cmd, where what
+    torchrun does is tested). The finished process."""
     if launcher is None:
         command = [script, *args] if nproc == 1 else [FORKED_LAUNCH, str(nproc), str(free_port()), script, *args]
         result = warm_start.run(command[0], command[1:], REPO, env or clean_env(), clean_env(), timeout)

@@ -1,4 +1,5 @@
-"""`python train_full_sft.py ARGS` as a process forked from one that imported the trainer once.
+"""The tests' `python SCRIPT ARGS` (the trainer, its fault-planting wrapper, the forked launcher) as a
+process forked from one that imported the trainer once.
 
 A fresh process spends about 6 CPU-seconds on the test machines importing torch and transformers
 before the trainer's first line runs. A test process (each pytest-xdist worker) starts one server,
@@ -22,6 +23,7 @@ import json
 import locale
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,6 +75,7 @@ class Server:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def can_warm_start(env: dict, server_env: dict) -> bool:
@@ -141,9 +144,10 @@ def start(script: str, args: list[str], cwd: str, env: dict, server_env: dict, s
     server's import fits `env`, else a fresh `subprocess.Popen`. Its stdout and stderr go to the
     files `stdout` and `stderr` where given, else `communicate` returns them as text. `server_env`:
     the environment the server starts with on first use (the runs' usual one)."""
-    server = Server.get(server_env)
-    if can_warm_start(env, server.env):
-        return WarmProcess(server, script, args, cwd, env, stdout, stderr)
+    if can_warm_start(env, server_env):  # else no server is started for it
+        server = Server.get(server_env)
+        if can_warm_start(env, server.env):
+            return WarmProcess(server, script, args, cwd, env, stdout, stderr)
     return subprocess.Popen([sys.executable, script, *args], cwd=cwd, env=env, stdout=stdout or subprocess.PIPE,
                             stderr=stderr or subprocess.PIPE, text=True, start_new_session=True)
 
