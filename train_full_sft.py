@@ -145,7 +145,7 @@ def run_training(args, preemption: PreemptionFlag) -> int:
     log = print_escaped if ctx.is_main else (lambda message: None)
     warn_flags_without_effect(args, ctx, log)
     dtype = resolve_dtype(args.dtype, ctx.device, log)  # --dtype float16 on a CPU: refused before any data is read
-    sources = check_data_files(args, log)  # a missing data source or held-out file: refused before a previous run is set aside
+    sources = check_data_files(args, log)  # a missing source or held-out file: refused before a run is set aside
     weights = read_initial_weights(args, log)
     tokenizer, tokenizer_path = load_tokenizer_for_weights(args, weights, log)
     config = build_model_config(args, tokenizer, weights, ctx.device)

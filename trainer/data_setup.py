@@ -39,13 +39,13 @@ class TrainData:
 
 
 def check_data_files(args, log=print) -> list:
-    """--data_path's sources, parsed (`parse_data_path`) for `build_train_data`. Every source
-    resolves (files, directories, globs, weights) and every held-out file
-    passes `check_data_file` (missing, empty, a folder, ...): a one-line DataError before a previous
-    run is set aside (--overwrite 1) or any data is tokenized. The training files themselves, maybe
-    thousands of shards, are checked as their caches are built. A held-out file that is also trained
-    on is said (`log`): its figures measure what the model learned of it. A held-out file named twice
-    is refused: it would count twice in eval_loss."""
+    """--data_path's sources, parsed (`parse_data_path`) for `build_train_data`. Every source resolves
+    (files, directories, globs, weights) and every held-out file passes `check_data_file` (missing,
+    empty, a folder, ...): a one-line DataError before a previous run is set aside (--overwrite 1) or
+    any data is tokenized. The training files themselves, maybe thousands of shards, are checked as
+    their caches are built. A held-out file that is also trained on is said (`log`): its figures measure
+    what the model learned of it. A held-out file named twice is refused: it would count twice in
+    eval_loss."""
     sources = parse_data_path(args.data_path)
     trained = {os.path.realpath(path) for source in sources for path in source.files}
     for source in sources:
