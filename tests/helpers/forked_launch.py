@@ -23,6 +23,8 @@ sys.path.insert(0, REPO)
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch  # noqa: E402
 
+from tests.helpers.warm_start import exit_code  # noqa: E402
+
 
 def worker(script: str, args: list[str]) -> None:
     """SCRIPT as `__main__` in this forked worker; a non-zero exit code ends the process with it."""
@@ -30,8 +32,8 @@ def worker(script: str, args: list[str]) -> None:
     try:
         runpy.run_path(script, run_name="__main__")
         code = 0
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except SystemExit as stop:
+        code = exit_code(stop)
     sys.stdout.flush()
     sys.stderr.flush()
     if code:

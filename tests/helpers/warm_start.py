@@ -22,6 +22,7 @@ import io
 import json
 import locale
 import os
+import runpy
 import select
 import shutil
 import signal
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -212,12 +214,18 @@ def supervise(connection: socket.socket) -> None:
     os._exit(0)
 
 
+def exit_code(stop: SystemExit) -> int:
+    """The exit code the interpreter gives an uncaught `stop`; a message (not a number) goes to stderr first."""
+    if stop.code is None:
+        return 0
+    if isinstance(stop.code, int):
+        return stop.code
+    print(stop.code, file=sys.stderr)
+    return 1
+
+
 def run_request(request: dict, fds: list[int]) -> None:
     """In the run's fork: become `python script ARGS` and end as the interpreter would."""
-    import atexit as exit_handlers
-    import runpy
-    import traceback
-
     os.setsid()
     os.chdir(request["cwd"])
     os.environ.clear()
@@ -235,17 +243,12 @@ def run_request(request: dict, fds: list[int]) -> None:
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as stop:
-        code = stop.code
-        if code is None:
-            code = 0
-        elif not isinstance(code, int):
-            print(code, file=sys.stderr)
-            code = 1
+        code = exit_code(stop)
     except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
         traceback.print_exc()
         code = 1
     threading._shutdown()
-    exit_handlers._run_exitfuncs()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
