@@ -43,6 +43,7 @@ from model import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.rope import precompute_rope_tables  # noqa: E402
 from scripts._common import ArgumentParser  # noqa: E402
 from trainer.runtime.distributed import all_gather_objects, DistContext, free_port  # noqa: E402
+from trainer.runtime.groups import close_process_groups  # noqa: E402
 from trainer.parallel.fsdp import FullyShardedParallel  # noqa: E402
 from trainer.loop.loop import agree_on_step, optimizer_step  # noqa: E402
 from trainer.loop.state import Run  # noqa: E402
@@ -167,7 +168,7 @@ def worker(rank: int, world_size: int, port: int, fsdp: bool, config: dict, devi
             largest = [None if None in column else max(column) for column in list(zip(*figures))[2:]]
             results.put((total, block, *largest))
     finally:
-        dist.destroy_process_group()
+        close_process_groups()
 
 
 def run(world_size: int, fsdp: bool, config: dict, device_type: str = "cpu", measure: bool = True) -> tuple:

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.helpers.saved_weights import saved_by, weight_copies  # noqa: E402
 from tests.helpers.tiny_model import tiny_model  # noqa: E402
 from trainer.parallel.fsdp import shard_model  # noqa: E402
+from trainer.runtime.groups import close_process_groups  # noqa: E402
 from trainer.runtime.precision import autocast  # noqa: E402
 
 
@@ -38,4 +39,4 @@ if __name__ == "__main__":
     reports = {kind: check(kind == "moe") for kind in ("dense", "moe")}
     if dist.get_rank() == 0:
         print(json.dumps(reports), flush=True)
-    dist.destroy_process_group()
+    close_process_groups()

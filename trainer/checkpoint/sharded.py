@@ -43,6 +43,7 @@ from trainer.checkpoint.save_dir import (
 )
 from trainer.errors import CheckpointError, first_line
 from trainer.runtime.distributed import barrier
+from trainer.runtime.groups import side_group
 
 META = "meta.pt"
 SHARDED_ENTRIES = ("model", "optimizer")  # in the shards; everything else is in meta.pt
@@ -74,19 +75,12 @@ def failure_line(error: BaseException) -> str:
     return first_line(error, 200)
 
 
-# DCP's collectives of a background write: gloo, apart from the group the training loop uses meanwhile
-# (two threads' collectives on one group would interleave). Its timeout is torch's default for a
-# new group, not --dist_timeout: the ranks wait in it for the slowest rank's disk.
-# Kept with the default group it belongs to: a process group started again gets a new one.
-_CHECKPOINT_GROUP: tuple = (None, None)
-
-
 def checkpoint_group():
-    """The gloo group of the background writes (collective the first time: every rank saves)."""
-    global _CHECKPOINT_GROUP
-    if _CHECKPOINT_GROUP[0] is not dist.group.WORLD:
-        _CHECKPOINT_GROUP = (dist.group.WORLD, dist.new_group(backend="gloo"))
-    return _CHECKPOINT_GROUP[1]
+    """The gloo group of DCP's collectives in a background write, apart from the group the training loop
+    uses meanwhile (two threads' collectives on one group would interleave); collective the first time:
+    every rank saves. Its timeout is torch's default for a new group, not --dist_timeout: the ranks wait
+    in it for the slowest rank's disk."""
+    return side_group("checkpoint")
 
 
 class ShardedSave:

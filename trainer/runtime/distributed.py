@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from dataset.cache import waiting
 from dataset.printable import print_escaped
 from trainer.errors import DistributedError, NodeLaunchError, first_line
+from trainer.runtime.groups import close_process_groups, host_group, open_host_group
 from trainer.runtime.native_log import native_frames_dropped
 from trainer.runtime.launcher import launch_env
 from trainer.runtime.node_lines import LEAVE_AFTER_S, launcher_names
@@ -294,30 +295,18 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# The process group for the loop's per-step figures (host values: token counts, the stop flag): gloo
-# on host memory, so that agreeing on them never makes a rank wait for its GPU. None: the default
-# group, which is gloo already (or there is only one process).
-HOST_GROUP = None
-
-
-def open_host_group(backend: str, timeout: datetime.timedelta) -> None:
-    """Beside an NCCL group, a gloo group of the same processes (collective: every rank calls it)."""
-    global HOST_GROUP
-    HOST_GROUP = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
-
-
 def all_reduce_sum_on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a CPU tensor over the ranks without touching a device (HOST_GROUP)."""
+    """Sum a CPU tensor over the ranks without touching a device (`host_group`)."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=HOST_GROUP)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=host_group())
     return tensor
 
 
 def all_gather_objects(obj, on_host: bool = False) -> list:
-    """Every rank's `obj`, in rank order; `on_host`: through HOST_GROUP, without touching a device."""
+    """Every rank's `obj`, in rank order; `on_host`: through `host_group`, without touching a device."""
     if dist.is_available() and dist.is_initialized():
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj, group=HOST_GROUP if on_host else None)
+        dist.all_gather_object(gathered, obj, group=host_group() if on_host else None)
         return gathered
     return [obj]
 
@@ -351,10 +340,10 @@ def broadcast_object(obj, src: int = 0):
 
 
 def cleanup(ctx: DistContext) -> None:
-    """Step 9: wait for everyone, then tear the process group down."""
+    """Step 9: wait for everyone, then tear the process groups down (`close_process_groups`)."""
     if dist.is_available() and dist.is_initialized():
         barrier(ctx.device)
-        dist.destroy_process_group()
+    close_process_groups()
 
 
 # --------------------------------------------------------------------------- self-spawn

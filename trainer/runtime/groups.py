@@ -1,0 +1,65 @@
+"""The process groups a run opens beside the default one, and the teardown of them all.
+
+Beside the default group, gloo groups of every process, by what they carry:
+- "host": the loop's per-step figures (host values: token counts, the stop flag) beside an NCCL
+  group, so that agreeing on them never makes a rank wait for its GPU;
+- "checkpoint": the collectives of a background sharded write (trainer/checkpoint/sharded.py),
+  apart from the group the training loop uses meanwhile.
+
+Each is made once under the default group it belongs to. `close_process_groups` destroys them all
+and drops every reference that would keep one alive: a gloo group held on to keeps its worker
+threads running into the interpreter's exit, where tearing them down can abort a finished run."""
+
+import datetime
+import gc
+import sys
+
+import torch.distributed as dist
+
+_SIDE_GROUPS: dict[str, tuple] = {}  # purpose -> (the default group it was made under, the group)
+
+
+def side_group(purpose: str, timeout: datetime.timedelta | None = None):
+    """The gloo group of every process for `purpose`, made the first time it is asked for under the
+    current default group (then collective: every rank asks)."""
+    held = _SIDE_GROUPS.get(purpose)
+    if held is None or held[0] is not dist.group.WORLD:
+        options = {} if timeout is None else {"timeout": timeout}
+        held = _SIDE_GROUPS[purpose] = (dist.group.WORLD, dist.new_group(backend="gloo", **options))
+    return held[1]
+
+
+def open_host_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Beside an NCCL group, a gloo group of the same processes (collective: every rank calls it)."""
+    if backend != "gloo":
+        side_group("host", timeout)
+
+
+def host_group():
+    """The group for host values: the "host" group, or None (the default group, which is gloo
+    already, or there is only one process)."""
+    held = _SIDE_GROUPS.get("host")
+    return held[1] if held is not None and held[0] is dist.group.WORLD else None
+
+
+def close_process_groups() -> None:
+    """Destroy every process group, and drop what would keep one alive after that: this module's
+    references, and torch's DTensor caches (`drop_dtensor_caches`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _SIDE_GROUPS.clear()
+    drop_dtensor_caches()
+
+
+def drop_dtensor_caches() -> None:
+    """Empty torch's caches of DTensor layouts (sharding propagation, redistribution plans, a mesh's
+    link costs): their entries hold the device mesh they were made on (FSDP2's), and the mesh holds its
+    process group. A redistribution planner is in a reference cycle of its own: a collection frees it."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import _collective_utils, _redistribute, debug
+    debug._clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    gc.collect()
