@@ -12,7 +12,6 @@ threads running into the interpreter's exit, where tearing them down can abort a
 
 import datetime
 import gc
-import pkgutil
 import sys
 
 import torch.distributed as dist
@@ -45,34 +44,22 @@ def host_group():
 
 def close_process_groups() -> None:
     """Destroy every process group, and drop what would keep one alive after that: this module's
-    references, and torch's DTensor caches (`drop_dtensor_caches`)."""
+    references, and FSDP2's device mesh (`release_device_meshes`)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     _SIDE_GROUPS.clear()
-    drop_dtensor_caches()
+    release_device_meshes()
 
 
-# What empties each of torch's caches of DTensor layouts (sharding propagation, redistribution plans,
-# a mesh's link costs), by its name in torch 2.11 to 2.13. A name a torch lacks is passed over rather
-# than failing a finished run: `test_cleanup_leaves_no_gloo_thread_running` says whether the rest suffice.
-DTENSOR_CACHE_CLEARS = (
-    "torch.distributed.tensor.debug:_clear_sharding_prop_cache",
-    "torch.distributed.tensor._redistribute:_gen_transform_infos.cache_clear",
-    "torch.distributed.tensor._redistribute:clear_redistribute_planner_cache",
-    "torch.distributed.tensor._collective_utils:MeshTopoInfo.build_from_mesh.cache_clear",
-)
-
-
-def drop_dtensor_caches() -> None:
-    """Empty torch's caches of DTensor layouts: their entries hold the device mesh they were made on
-    (FSDP2's), and the mesh holds its process group. A redistribution planner is in a reference cycle
-    of its own: a collection frees it."""
-    if "torch.distributed.tensor" not in sys.modules:
+def release_device_meshes() -> None:
+    """Drop the process groups of every device mesh still alive: torch's DTensor caches keep FSDP2's
+    mesh (their entries hold the mesh their layouts were made on), and a mesh holds its groups by
+    name in `_pg_registry` (torch 2.11 to 2.13). The groups are destroyed already; the mesh is of no
+    use after them."""
+    if "torch.distributed.device_mesh" not in sys.modules:
         return
-    for name in DTENSOR_CACHE_CLEARS:
-        try:
-            clear = pkgutil.resolve_name(name)
-        except (ImportError, AttributeError):
-            continue
-        clear()
+    from torch.distributed.device_mesh import DeviceMesh
     gc.collect()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
+            obj._pg_registry.clear()
