@@ -33,7 +33,7 @@ def test_cleanup_leaves_no_gloo_thread_running(tmp_path):
 @pytest.mark.slow
 def test_a_finished_fsdp_run_exits_with_no_gloo_thread_running(data, tmp_path):
     """Two FSDP2 processes under torchrun, a sharded checkpoint written on the checkpoints' group: at
-    each rank's exit, after every atexit handler, only Python's threads are left. (Launched by torchrun
+    each rank's exit, after every atexit handler, no gloo thread is left. (Launched by torchrun
     itself: the forked launcher's workers end without the interpreter's exit.)"""
     report = tmp_path / "threads"
     run_trainer([str(report), os.path.join(REPO, "train_full_sft.py"),
