@@ -44,11 +44,12 @@ def host_group():
 
 def close_process_groups() -> None:
     """Destroy every process group, and drop what would keep one alive after that: this module's
-    references, and FSDP2's device mesh (`release_device_meshes`)."""
+    references, and FSDP2's device mesh (`release_device_meshes`). Without a process group (one
+    process) there is nothing to drop."""
+    _SIDE_GROUPS.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    _SIDE_GROUPS.clear()
-    release_device_meshes()
+        release_device_meshes()
 
 
 def release_device_meshes() -> None:
