@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, tiny_run  # noqa: E402
 from trainer.loop.loop import take_step  # noqa: E402
 from trainer.parallel.fsdp import FullyShardedParallel  # noqa: E402
-from trainer.runtime.distributed import DistContext, cleanup  # noqa: E402
+from trainer.runtime.distributed import DistContext  # noqa: E402
+from trainer.runtime.groups import close_process_groups  # noqa: E402
 
 
 def held_gradients(model, world_size: int) -> dict:
@@ -91,7 +92,8 @@ def main(report: str) -> None:
     if dist.get_rank() == 0:
         with open(report, "w", encoding="utf-8") as handle:
             json.dump(gathered, handle)
-    cleanup(DistContext(dist.get_rank(), dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo"))
+    dist.barrier()
+    close_process_groups()
 
 
 if __name__ == "__main__":

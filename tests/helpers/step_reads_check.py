@@ -20,7 +20,8 @@ from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, pois
 from trainer.loop.loop import log_interval, take_step  # noqa: E402
 from trainer.parallel.ddp import Replicated  # noqa: E402
 from trainer.parallel.fsdp import FullyShardedParallel  # noqa: E402
-from trainer.runtime.distributed import DistContext, cleanup  # noqa: E402
+from trainer.runtime.distributed import DistContext  # noqa: E402
+from trainer.runtime.groups import close_process_groups  # noqa: E402
 
 
 def local_values(run) -> list[torch.Tensor]:
@@ -62,7 +63,8 @@ def main(kind: str, report: str) -> None:
     if dist.get_rank() == 0:
         with open(report, "w", encoding="utf-8") as handle:
             json.dump(result, handle)
-    cleanup(DistContext(dist.get_rank(), dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "gloo"))
+    dist.barrier()
+    close_process_groups()
 
 
 if __name__ == "__main__":

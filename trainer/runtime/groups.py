@@ -56,11 +56,10 @@ def release_device_meshes() -> None:
     """Drop the process groups of every device mesh still alive: torch's DTensor caches keep FSDP2's
     mesh (their entries hold the mesh their layouts were made on), and a mesh holds its groups by
     name in `_pg_registry` (torch 2.11 to 2.13). The groups are destroyed already; the mesh is of no
-    use after them."""
+    use after them. A mesh in uncollected garbage is listed too, and let go of the same way."""
     if "torch.distributed.device_mesh" not in sys.modules:
         return
     from torch.distributed.device_mesh import DeviceMesh
-    gc.collect()
     for obj in gc.get_objects():
         if issubclass(type(obj), DeviceMesh) and isinstance(getattr(obj, "_pg_registry", None), dict):
             obj._pg_registry.clear()
