@@ -224,3 +224,70 @@ def test_no_half_precision_activation_meets_an_op_cuda_autocast_runs_in_float32(
     with Inputs(), torch.autocast("cpu", dtype=torch.bfloat16):
         model(ids, labels=ids, skip_logits=True, **inputs)
     assert seen == []
+
+
+@pytest.mark.skipif(not torch.cuda._is_compiled(),
+                    reason="a CPU build of torch aborts where autograd records a fake cuda tensor")
+@pytest.mark.parametrize("use_moe, dtype, weights", [
+    (False, torch.bfloat16, torch.float32), (False, torch.float16, torch.float32),
+    (True, torch.bfloat16, torch.float32), (True, torch.bfloat16, torch.bfloat16),
+])
+def test_a_training_forward_on_a_fake_gpu_hands_the_gpu_kernels_the_compute_dtype(monkeypatch, use_moe, dtype,
+                                                                                  weights):
+    """The training forward (gradients recorded) of packed rows traced on a fake cuda device under
+    CUDA autocast, with fp32 weights (a cast) or bf16 ones (FSDP's: none): the model's CUDA branches
+    run, ATen's fused RMSNorm, FlashAttention's varlen kernel (SDPA's flash check answered as an sm80+
+    GPU answers it, asked for a backward) on the collator's layout moved to the device, and the
+    experts' grouped GEMM, each on operands in the compute dtype (the grouped GEMM's fast kernel takes
+    bf16 only; its fallback copies the group ends to the host). The backward needs a GPU
+    (tests/test_cuda.py); a CPU build of torch cannot record a fake cuda tensor."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model import packed_attention
+    from model.loss import loss_positions_of
+    from model.packed_attention import PackedDocuments, document_starts
+
+    asked, calls = [], []
+
+    def sdpa_flash_check(device_index, half, head_dim, backward):
+        asked.append((half, head_dim, backward))
+        return True
+
+    class Kernels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._fused_rms_norm.default, torch.ops.torch_attn._varlen_attn.default,
+                        torch.ops.aten._grouped_mm.default):
+                tensors = [a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+                calls.append((func, {(t.device.type, t.dtype) for t in tensors}))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(packed_attention, "_ask_sdpa_flash", sdpa_flash_check)
+    # pinning needs a GPU: the layout's copy to the device without it
+    monkeypatch.setattr(packed_attention, "to_device", lambda tensor, device: tensor.to(device, non_blocking=True))
+    model = tiny(use_moe, top_k=2).to(weights)
+    ids = torch.randint(3, 120, (2, 16))
+    positions = torch.tensor(PACKED_POSITIONS)
+    layout = PackedDocuments(*document_starts(positions), positions.shape)  # as the collator builds them
+    batch = dict(input_ids=ids, labels=ids, position_ids=positions, loss_positions=loss_positions_of(ids))
+    saved = torch.get_autocast_dtype("cuda")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        gpu_model = model.to("cuda")
+        inputs = {key: value.to("cuda") for key, value in batch.items()}
+        torch.set_autocast_enabled("cuda", True)  # torch.autocast("cuda") turns itself off without a GPU
+        torch.set_autocast_dtype("cuda", dtype)
+        try:
+            with Kernels():
+                out = gpu_model(**inputs, packed_layout=layout, skip_logits=True)
+        finally:
+            torch.set_autocast_enabled("cuda", False)
+            torch.set_autocast_dtype("cuda", saved)
+    assert out.loss.requires_grad and out.loss.device.type == "cuda"
+    assert set(asked) == {(dtype, 16, True)}
+    layers = model.config.num_hidden_layers
+    norms = [kinds for func, kinds in calls if func == torch.ops.aten._fused_rms_norm.default]
+    assert len(norms) == 4 * layers + 1 and all(kinds == {("cuda", dtype)} for kinds in norms)
+    varlen = [kinds for func, kinds in calls if func == torch.ops.torch_attn._varlen_attn.default]
+    assert varlen == [{("cuda", dtype), ("cuda", torch.int32)}] * layers
+    grouped = [kinds for func, kinds in calls if func == torch.ops.aten._grouped_mm.default]
+    assert grouped == ([{("cuda", torch.bfloat16), ("cuda", torch.int32)}] * 2 * layers if use_moe else [])
