@@ -165,18 +165,55 @@ def grouped_mm(tokens: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) 
     with a shape function that takes bf16 operands only, while the kernel runs every float dtype
     (float32 on the CPU, float16 on a V100 or T4): under torch.compile those other dtypes go
     through the custom op `minisft::grouped_mm` (eager's kernel, forward and backward, opaque to
-    inductor), and bf16 stays aten's op, which inductor lowers itself."""
-    if torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16:
+    inductor), and bf16 stays aten's op, which inductor lowers itself. The custom op also takes
+    operands the kernel refuses as they are laid out (`kernel_takes`: e.g. a hidden size that is not
+    a multiple of 8 in bf16) or whose output rows it would refuse as the gradient in aten's backward:
+    it hands the kernel copies it takes (`kernel_operand`), forward and backward."""
+    output_row = weights.shape[-1] * weights.element_size()
+    laid_out = kernel_takes(tokens) and kernel_takes(weights) and output_row % GROUPED_MM_ALIGNMENT == 0
+    if not laid_out or (torch.compiler.is_compiling() and tokens.dtype != torch.bfloat16):
         return grouped_mm_op(tokens, weights, ends)
     return F.grouped_mm(tokens, weights, offs=ends)
+
+
+# Bytes: the grouped GEMM kernels (CPU and CUDA) take an operand whose rows (or columns) lie a multiple
+# of this apart; the CUDA kernel also needs its first element at an address that is a multiple of it.
+GROUPED_MM_ALIGNMENT = 16
+
+
+def kernel_takes(operand: torch.Tensor) -> bool:
+    """Whether the grouped GEMM takes `operand` as it is: one of its last two dimensions contiguous,
+    the other's stride a multiple of GROUPED_MM_ALIGNMENT bytes, and its first element a multiple of
+    that many bytes into its storage (whose own start the allocators align further). Under
+    torch.compile the strides only (a traced tensor's offset is not known): the model's operands start
+    at such a multiple wherever their strides are one, as its cast buffer puts the grouped pieces first."""
+    rows, columns = operand.stride(-2), operand.stride(-1)
+    step = rows if columns == 1 else columns if rows == 1 else None
+    size = operand.element_size()
+    if step is None or (step * size) % GROUPED_MM_ALIGNMENT:
+        return False
+    return torch.compiler.is_compiling() or (operand.storage_offset() * size) % GROUPED_MM_ALIGNMENT == 0
+
+
+def kernel_operand(operand: torch.Tensor) -> torch.Tensor:
+    """`operand` itself where the grouped GEMM takes it, else a copy with the same values and shape
+    whose rows are padded to GROUPED_MM_ALIGNMENT bytes (a view of the padded copy)."""
+    if kernel_takes(operand):
+        return operand
+    width = operand.shape[-1]
+    padding = -width % (GROUPED_MM_ALIGNMENT // operand.element_size())
+    if padding == 0:  # rows already a multiple apart once contiguous, or contiguous at an odd address
+        return operand.clone(memory_format=torch.contiguous_format)
+    return F.pad(operand, (0, padding))[..., :width]
 
 
 @torch.library.custom_op("minisft::grouped_mm", mutates_args=())
 def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """`F.grouped_mm(a, b, offs=ends)` as one op, for a [N, K] with b [G, K, M] (-> [N, M]) or
     b [N, M] (-> [G, K, M], the weights' gradient), contiguous (a CUDA build pads the rows of
-    its output to 16 bytes; the shapes below promise a contiguous one)."""
-    return F.grouped_mm(a, b, offs=ends).contiguous()
+    its output to 16 bytes; the shapes below promise a contiguous one). Operands the kernel does
+    not take as they are laid out go to it as `kernel_operand` copies."""
+    return F.grouped_mm(kernel_operand(a), kernel_operand(b), offs=ends).contiguous()
 
 
 @grouped_mm_op.register_fake

@@ -144,19 +144,22 @@ def moe_outputs_and_gradients(moe, x, dtype):
     return [out.detach(), balance.detach(), x.grad, *(p.grad for p in moe.parameters())]
 
 
-@pytest.mark.parametrize("backend, dtype, op", [("eager", torch.float32, "minisft.grouped_mm"),
-                                                ("aot_eager", torch.float32, "minisft.grouped_mm"),
-                                                ("aot_eager", torch.float16, "minisft.grouped_mm"),
-                                                ("aot_eager", torch.bfloat16, "_grouped_mm")])
-def test_a_compiled_moe_equals_eager_in_one_graph(backend, dtype, op):
+@pytest.mark.parametrize("backend, dtype, op, hidden", [("eager", torch.float32, "minisft.grouped_mm", 64),
+                                                        ("aot_eager", torch.float32, "minisft.grouped_mm", 64),
+                                                        ("aot_eager", torch.float16, "minisft.grouped_mm", 64),
+                                                        ("aot_eager", torch.bfloat16, "_grouped_mm", 64),
+                                                        ("aot_eager", torch.bfloat16, "minisft.grouped_mm", 100)])
+def test_a_compiled_moe_equals_eager_in_one_graph(backend, dtype, op, hidden):
     """torch.compile traces aten._grouped_mm with a shape function that refuses all but bf16: in
     float32 and float16 the experts' GEMMs are the op `minisft::grouped_mm`, in bf16 (autocast)
-    aten's own. Either way one graph without a break, and eager's output, balance loss and
-    gradients bit for bit. Without a cast (float32, float16) the GEMMs run in `ExpertsGemm`, whose
-    backward is the op `minisft::experts_gradients`."""
+    aten's own, but for rows the kernel does not take as they are (a hidden size of 100 in bf16).
+    Either way one graph without a break, and eager's output, balance loss and gradients bit for
+    bit. Without a cast (float32, float16) the GEMMs run in `ExpertsGemm`, whose backward is the op
+    `minisft::experts_gradients`."""
     from torch._dynamo.utils import counters
 
-    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2).train()
+    model = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2, hidden_size=hidden, num_attention_heads=2,
+                       num_key_value_heads=1).train()
     moe = model.model.layers[0].mlp.to(torch.float16 if dtype == torch.float16 else torch.float32)
     x = torch.randn(2, 16, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     expected = moe_outputs_and_gradients(moe, x, dtype)
@@ -316,3 +319,78 @@ def test_compiled_blocks_evaluate_without_grad_as_eager_in_one_graph(use_moe):
         got = torch.compile(model, backend=recording)(**inputs).loss
     assert torch.allclose(got, expected, rtol=1e-6, atol=0)  # the MoE's differs in the last bit
     assert len(graphs) == 1 and dict(counters["graph_break"]) == {}
+
+
+def looped_grouped_mm(a, b, ends):
+    """`grouped_mm` as one matmul per group: a [N, K] by b [G, K, M], or a [M, N] by b [N, K] (the
+    weights' gradient, [G, M, K])."""
+    bounds = list(zip([0, *ends[:-1].tolist()], ends.tolist()))
+    if b.dim() == 3:
+        return torch.cat([a[start:end] @ b[group] for group, (start, end) in enumerate(bounds)])
+    return torch.stack([a[:, start:end] @ b[start:end] for start, end in bounds])
+
+
+class GroupedGemmContract(TorchDispatchMode):
+    """Records every grouped GEMM and fails where the CUDA kernel would refuse an operand: its first
+    element off a 16-byte address, or its rows (columns) a number of bytes apart that 16 does not
+    divide. The CPU kernel checks the strides only. The kernel called from a custom op's
+    implementation runs outside this mode: `F.grouped_mm` is watched as well."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.operands = []
+        grouped_mm = F.grouped_mm
+
+        def watched(a, b, *args, **kwargs):
+            self.check(a, b)
+            return grouped_mm(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(feed_forward.F, "grouped_mm", watched)
+
+    def check(self, *operands):
+        for operand in operands:
+            rows, columns = operand.stride()[-2:]
+            assert 1 in (rows, columns) and operand.data_ptr() % 16 == 0, (operand.shape, operand.stride())
+            assert (rows if columns == 1 else columns) * operand.element_size() % 16 == 0, operand.stride()
+        self.operands.append(operands)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._grouped_mm.default:
+            self.check(*args[:2])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype, hidden", [(torch.bfloat16, 100), (torch.float32, 102), (torch.bfloat16, 64)])
+def test_moe_of_any_hidden_size_hands_the_grouped_gemm_operands_it_takes(monkeypatch, dtype, hidden):
+    """A hidden size whose rows are not a multiple of 16 bytes (100 in bf16, 102 in float32) trains:
+    every grouped GEMM, forward and backward, gets operands the kernel takes (copies padded to 16
+    bytes), and the MoE's output and gradients are the row-by-row products'. Where the rows are
+    aligned (64) the experts' weights go to the kernel as they are, views of the cast buffer."""
+    moe = tiny_model(use_moe=True, num_experts=4, num_experts_per_tok=2, hidden_size=hidden,
+                     num_attention_heads=1, num_key_value_heads=1).train().model.layers[0].mlp
+    x = torch.randn(2, 8, hidden, generator=torch.Generator().manual_seed(0))
+    with GroupedGemmContract(monkeypatch) as contract:
+        results = moe_outputs_and_gradients(moe, x, dtype)
+    assert len(contract.operands) >= 6  # gate/up and down forward, two gradients of each
+    gate_up = contract.operands[0][1]  # the experts' matrices, transposed views of their rows unless copied
+    assert (gate_up.stride(-1) == 1) == (hidden != 64)
+    monkeypatch.setattr(feed_forward, "grouped_mm", looped_grouped_mm)
+    expected = moe_outputs_and_gradients(moe, x, dtype)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for result, reference in zip(results, expected):
+        torch.testing.assert_close(result, reference, **tolerance)
+
+
+def test_an_operand_at_an_address_off_16_bytes_goes_to_the_grouped_gemm_as_an_aligned_copy(monkeypatch):
+    """Rows 16 bytes apart but the first one 2 bytes into its storage (a piece of a cast buffer after
+    a parameter of odd size): the CPU kernel would take it, the CUDA kernel not. It is copied; the
+    product is the same, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(1 + 6 * 8, generator=generator).bfloat16()[1:].view(6, 8)
+    weights = torch.randn(2, 8, 16, generator=generator).bfloat16()
+    ends = torch.tensor([2, 6], dtype=torch.int32)
+    assert tokens.storage_offset() * tokens.element_size() % 16 != 0
+    expected = F.grouped_mm(tokens.clone(), weights, offs=ends)
+    with GroupedGemmContract(monkeypatch) as contract:
+        out = feed_forward.grouped_mm(tokens, weights, ends)
+    assert contract.operands and torch.equal(out, expected)
