@@ -235,8 +235,12 @@ def pth_prefix_problem(prefix: str, folder_flag: str) -> str | None:
 def minimind_settings(config: MiniMindConfig) -> dict:
     """Keyword arguments MiniMind's MiniMindConfig needs besides hidden_size, num_hidden_layers, use_moe.
 
-    Our defaults are MiniMind's, so these are exactly the fields that differ from our defaults."""
-    reference = MiniMindConfig(hidden_size=config.hidden_size, use_moe=config.use_moe)
+    Our defaults are MiniMind's, so these are exactly the fields that differ from our defaults. MiniMind
+    derives head_dim as hidden_size // num_attention_heads without a check, so its default head_dim is
+    that quotient even where the default heads do not divide hidden_size or leave an odd head_dim, which
+    our config refuses: the reference is built with a placeholder head_dim, then given MiniMind's."""
+    reference = MiniMindConfig(hidden_size=config.hidden_size, use_moe=config.use_moe, head_dim=2)
+    reference.head_dim = config.hidden_size // reference.num_attention_heads
     fields = ["vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
               "rms_norm_eps", "rope_theta", "max_position_embeddings"]
     if config.use_moe:

@@ -77,6 +77,22 @@ def test_export_refuses_a_format_that_cannot_express_the_model(qwen3_dirs, tmp_p
                                        "to the embedding (MiniMind always ties them) (use --format remote-code)\n")
 
 
+@pytest.mark.parametrize("layout, settings", [
+    (dict(hidden_size=36, num_attention_heads=1, num_key_value_heads=1),  # MiniMind's 8 heads do not divide 36
+     {"num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 36}),
+    (dict(hidden_size=40, num_attention_heads=20, num_key_value_heads=4),  # MiniMind's head_dim 40 // 8 = 5, odd
+     {"num_attention_heads": 20, "head_dim": 2}),
+    (dict(hidden_size=100, num_attention_heads=5, num_key_value_heads=5, use_moe=True, num_experts=3),
+     {"num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 20, "num_experts": 3}),
+])
+def test_minimind_settings_of_a_width_minimind_s_default_heads_do_not_split(layout, settings):
+    """MiniMind's config derives head_dim = hidden_size // 8 (its default heads) without a check, so the
+    settings of a model whose width its 8 heads do not split evenly are the fields that differ from that."""
+    from trainer.weights.write import minimind_settings
+
+    assert minimind_settings(MiniMindConfig(num_hidden_layers=1, **layout)) == settings
+
+
 def test_the_pth_of_a_model_on_a_gpu_holds_host_tensors(monkeypatch, tmp_path):
     """`--save_weight` and `export_hf.py --format minimind` of a model on a GPU: the file's tensors are
     on the host, fp16, every key (a GPU's tensors would load only where that GPU is)."""
