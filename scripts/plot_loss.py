@@ -179,11 +179,17 @@ def keys_with_prefix(records: list[dict], prefixes: tuple[str, ...]) -> list[str
     return sorted(found, key=lambda key: ("/" in key, key))
 
 
+def loss_keys(records: list[dict], name: str) -> list[str]:
+    """The loss curves' keys: ``name`` and its per-source or per-file ``name/<part>`` variants, not the
+    other keys it begins (``eval_loss_tokens`` is a count of tokens)."""
+    return [key for key in keys_with_prefix(records, (name,)) if key == name or key.startswith(f"{name}/")]
+
+
 def has_a_loss(curves: dict[str, list[dict]]) -> bool:
     """Whether any train or eval loss curve has a finite point to draw."""
-    for kind, prefix in (("train", "loss"), ("eval", "eval_loss")):
+    for kind, name in (("train", "loss"), ("eval", "eval_loss")):
         records = curves.get(kind, [])
-        if any(_series(records, key)[0] for key in keys_with_prefix(records, (prefix,))):
+        if any(_series(records, key)[0] for key in loss_keys(records, name)):
             return True
     return False
 
@@ -202,12 +208,10 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> list[str]:
     rows = 4 if accuracy_keys else 3
     figure, axes = plt.subplots(rows, 1, figsize=(9, 3.2 * rows + 0.4), sharex=True)
     loss_axis, speed_axis = axes[0], axes[-1]
-    for key in keys_with_prefix(train, ("loss",)):
-        if key == "loss" or key.startswith("loss/"):
-            loss_axis.plot(*_series(train, key), label=f"train {key}", linewidth=1.2 if key == "loss" else 0.9)
-    for key in keys_with_prefix(evals, ("eval_loss",)):
-        if key == "eval_loss" or key.startswith("eval_loss/"):
-            loss_axis.plot(*_series(evals, key), "o-", label=key.replace("_", " "), linewidth=1.5, markersize=4)
+    for key in loss_keys(train, "loss"):
+        loss_axis.plot(*_series(train, key), label=f"train {key}", linewidth=1.2 if key == "loss" else 0.9)
+    for key in loss_keys(evals, "eval_loss"):
+        loss_axis.plot(*_series(evals, key), "o-", label=key.replace("_", " "), linewidth=1.5, markersize=4)
     loss_axis.set_ylabel("loss")
     loss_axis.legend(fontsize="small")
     loss_axis.set_title(title)

@@ -141,6 +141,22 @@ def test_metrics_without_a_finite_loss_are_one_line_not_an_empty_plot(tmp_path, 
     assert not (tmp_path / "loss.png").exists()
 
 
+def test_eval_lines_without_a_finite_loss_add_no_loss_to_draw(tmp_path, capsys):
+    # an eval line's "eval_loss_tokens" is a count of tokens, not a loss: with every train and eval
+    # loss null the loss panel has nothing to draw, refused as a file of train lines alone is
+    from scripts.plot_loss import main
+
+    lines = [{**line, "loss": None} for line in metric_lines(range(1, 4))]
+    lines += [{"kind": "eval", "step": 3, "eval_loss": None, "eval_loss_tokens": 90, "eval_token_accuracy": 0.2}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with pytest.raises(SystemExit) as done:
+        main(["--metrics", str(tmp_path), "--out", str(tmp_path / "loss.png")])
+    assert (done.value.code, capsys.readouterr().err) == (
+        2, f"error: {tmp_path / 'metrics.jsonl'}: no finite loss in its 3 train lines (every step skipped?): "
+           "nothing to plot\n")
+    assert not (tmp_path / "loss.png").exists()
+
+
 def test_a_file_without_metrics_lines_is_refused_with_what_it_holds(tmp_path, capsys):
     # one line, exit 2, no warning first: an empty file, or N lines counted by what they are
     from scripts.plot_loss import main
