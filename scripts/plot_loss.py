@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._common import ArgumentParser, fail, run_main  # noqa: E402
+from scripts._common import ArgumentParser, check_output_file, fail, run_main  # noqa: E402
 from trainer.args import path_value  # noqa: E402
 
 
@@ -261,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else path.parent / "loss.png"
     if out.suffix.lower() != ".png":
         fail(f"--out {out}: expected a .png file name")
+    check_output_file(str(out), "--out")
     plot(curves, out, args.title or str(path))
     train = curves["train"]
     print(f"wrote {out}: {len(train)} train steps ({train[0]['step']}..{train[-1]['step']}), "

@@ -157,6 +157,24 @@ def test_eval_lines_without_a_finite_loss_add_no_loss_to_draw(tmp_path, capsys):
     assert not (tmp_path / "loss.png").exists()
 
 
+def test_an_out_file_that_cannot_be_written_is_refused_before_the_plot_with_the_reason(tmp_path, capsys):
+    # a file standing where a folder of --out would be, or a folder named like the PNG: the OSError's
+    # "File exists" or "Is a directory" named no flag and no reason
+    from scripts.plot_loss import main
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metric_lines(range(1, 4))))
+    (tmp_path / "notes").write_text("kept\n")
+    (tmp_path / "old.png").mkdir()
+    for out, reason in ((tmp_path / "notes" / "loss.png", f"{tmp_path / 'notes'} is a file, not a folder"),
+                        (tmp_path / "notes" / "a" / "loss.png", f"{tmp_path / 'notes'} is a file, not a folder"),
+                        (tmp_path / "old.png", "is a directory: give a file name")):
+        with pytest.raises(SystemExit) as done:
+            main(["--metrics", str(tmp_path), "--out", str(out)])
+        separator = " " if reason.startswith("is a") else ": "
+        assert (done.value.code, capsys.readouterr().err) == (2, f"error: --out {out}{separator}{reason}\n"), out
+    assert (tmp_path / "notes").read_text() == "kept\n" and not any((tmp_path / "old.png").iterdir())
+
+
 def test_a_file_without_metrics_lines_is_refused_with_what_it_holds(tmp_path, capsys):
     # one line, exit 2, no warning first: an empty file, or N lines counted by what they are
     from scripts.plot_loss import main
