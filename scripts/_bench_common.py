@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from scripts._common import fail
+from scripts._common import check_output_file, fail
 from trainer.args import DEFAULT_TRAIN_DATA, add_flag, flag_bounds, parse_args
 from trainer.data_setup import build_train_data
 from trainer.loop.loop import agree_on_step, optimizer_step
@@ -82,9 +82,11 @@ def comma_list(parser: argparse.ArgumentParser, text: str, allowed, what: str, f
 
 
 def check_options(parser: argparse.ArgumentParser, options: argparse.Namespace) -> argparse.Namespace:
-    """The shared flags checked and normalised: dtypes as a list, the data path absolute (their
-    ranges are the flags' own, checked when they are parsed: scripts/_common.ArgumentParser)."""
+    """The shared flags checked and normalised: dtypes as a list, the data path absolute, --json_out
+    writable before the run rather than after it (their ranges are the flags' own, checked when they
+    are parsed: scripts/_common.ArgumentParser)."""
     options.dtypes = comma_list(parser, options.dtypes, DTYPE_NAMES, "dtype", "--dtypes")
+    check_output_file(options.json_out, "--json_out")
     options.data_path = str(Path(options.data_path).resolve())
     if not Path(options.data_path).is_file():
         fail(f"{options.data_path}: data file not found")

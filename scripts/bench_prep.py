@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._common import ArgumentParser, fail  # noqa: E402
+from scripts._common import ArgumentParser, check_output_file, fail  # noqa: E402
 from trainer.args import DEFAULT_TRAIN_DATA, add_flag, flag_bounds  # noqa: E402
 
 PREP_SETS = ("plain", "tool")
@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     options = parser.parse_args(argv)  # the ranges: checked by parse_args
+    check_output_file(options.json_out, "--json_out")
     if not Path(options.data_path).is_file():
         fail(f"{options.data_path}: data file not found")
     import torch

@@ -5,6 +5,7 @@ Parsing only: nothing is measured."""
 import pytest
 
 from scripts import bench, bench_prep, bench_save, bench_scaling, profile_step, step_figures
+from tests.helpers.bench_launch import DEMO
 
 CASES = [
     (bench.parse_options, ["--steps", "0"], "--steps must be >= 1 (got 0)"),
@@ -54,3 +55,17 @@ def test_bench_memory_refuses_its_flags_in_one_line(capsys):
             bench_memory.main(argv)
         err = capsys.readouterr().err
         assert stopped.value.code == 2 and err.startswith(f"{line} (see ") and err.count("\n") == 1, err
+
+
+def test_a_json_out_that_cannot_be_written_is_refused_before_anything_is_measured(tmp_path, capsys):
+    # a folder, or a path under a file: found when the flags are read, not as a traceback once the run is done
+    (tmp_path / "notes").write_text("kept\n")
+    under_a_file = tmp_path / "notes" / "bench.json"
+    refusals = ((tmp_path, f"--json_out {tmp_path} is a directory: give a file name"),
+                (under_a_file, f"--json_out {under_a_file}: {tmp_path / 'notes'} is a file, not a folder"))
+    for parse in (bench.parse_options, bench_scaling.parse_options, bench_prep.main):
+        for out, line in refusals:
+            with pytest.raises(SystemExit) as stopped:
+                parse(["--json_out", str(out), "--data_path", str(DEMO)])
+            assert (stopped.value.code, capsys.readouterr().err) == (2, f"error: {line}\n"), (parse, out)
+    assert (tmp_path / "notes").read_text() == "kept\n"
