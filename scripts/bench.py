@@ -34,7 +34,7 @@ from scripts._bench_common import (  # noqa: E402
     trainer_args, write_report,
 )
 from scripts._bench_flops import causal_pairs, mfu, model_flops, peak_flops  # noqa: E402
-from scripts._common import ArgumentParser, fail, resolve_device  # noqa: E402
+from scripts._common import ArgumentParser, fail, resolve_device, run_main  # noqa: E402
 from trainer.data_setup import build_train_data  # noqa: E402
 from trainer.args import add_flag  # noqa: E402
 from trainer.loop.state import Run  # noqa: E402
@@ -407,4 +407,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

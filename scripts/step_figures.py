@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._common import ArgumentParser  # noqa: E402
+from scripts._common import ArgumentParser, run_main  # noqa: E402
 from scripts._dispatch_counts import measure, span  # noqa: E402
 from scripts._step_bytes import measure_bytes, roofline_table  # noqa: E402
 from trainer.args import add_flag, parse_args  # noqa: E402
@@ -101,4 +101,4 @@ def print_bytes(flags: list[str], options) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

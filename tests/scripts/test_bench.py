@@ -5,7 +5,7 @@ import math
 
 from scripts.bench import COLUMNS, build_parser, summarize
 from tests.helpers.bench_launch import demo_head
-from tests.helpers.overfitted import script_in_process
+from tests.helpers.overfitted import script, script_in_process
 
 
 def test_help_lists_the_flags():
@@ -71,3 +71,15 @@ def test_summary_compares_compiled_with_eager_and_bf16_with_fp32():
         "bf16/fp32 loss tok/s: grouped 1.10; compiled/eager loss tok/s: minimind float32 1.50 (warm-up 30 s vs "
         "1 s eager), grouped float32 1.20 (warm-up 40 s vs 1 s eager), grouped bfloat16 1.45 (warm-up 50 s vs 1 s eager)"
     )
+
+
+def test_a_model_shape_the_trainer_refuses_is_one_line_and_exit_2_not_a_traceback(tmp_path):
+    # 7 does not split into the 8 default heads: the trainer's ConfigError, run as `python scripts/bench.py`
+    data = demo_head(tmp_path, 20)
+    for name, args in (("bench.py", ["--steps", "1", "--warmup_steps", "0", "--modes", "dynamic", "--dtypes", "float32",
+                                     "--device", "cpu"]),
+                       ("step_figures.py", [])):
+        done = script(name, "--hidden_size", "7", "--data_path", str(data), "--cache_dir", str(tmp_path / "cache"), *args)
+        assert (done.returncode, done.stderr.splitlines()[-1]) == (
+            2, "error: MiniMindConfig: head_dim must be a positive integer, got 0"), name
+        assert "Traceback" not in done.stderr, name  # before it: the data's progress lines only
