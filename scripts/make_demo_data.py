@@ -277,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("train_size", "eval_size", "tool_train_size", "tool_eval_size"):
         if getattr(args, flag) < 0:
             fail(f"--{flag.replace('_', '-')} must be >= 0 (got {getattr(args, flag)})")
+    # An empty data file is refused where it is read (the trainer, eval_sft.py): it is not written.
+    for kind, user in (("train", "training"), ("eval", "evaluation")):
+        if getattr(args, f"{kind}_size") == getattr(args, f"tool_{kind}_size") == 0:
+            fail(f"--{kind}-size and --tool-{kind}-size are both 0: sft_{kind}.jsonl would be empty, which {user} "
+                 "refuses")
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -85,6 +85,19 @@ def test_make_demo_data_refuses_a_negative_size_or_a_file_as_out_dir_in_one_line
     assert (done.returncode, done.stderr) == (2, f"error: {tmp_path / 'file' / 'sub'}: Not a directory\n")
 
 
+def test_make_demo_data_refuses_sizes_that_leave_a_file_empty_in_one_line(tmp_path):
+    # an empty sft_train.jsonl or sft_eval.jsonl is refused by the trainer and eval_sft.py: not written
+    for sizes, line in ((("--train-size", "0", "--tool-train-size", "0"),
+                         "--train-size and --tool-train-size are both 0: sft_train.jsonl would be empty, which "
+                         "training refuses"),
+                        (("--eval-size", "0", "--tool-eval-size", "0"),
+                         "--eval-size and --tool-eval-size are both 0: sft_eval.jsonl would be empty, which "
+                         "evaluation refuses")):
+        done = script_in_process("make_demo_data.py", *sizes, "--out-dir", str(tmp_path / "new"))
+        assert (done.returncode, done.stderr) == (2, f"error: {line}\n"), sizes
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("name", ["sft_train.jsonl", "sft_eval.jsonl"])
 def test_every_tool_call_is_answered_by_the_demo_tools_with_arguments_from_the_context(name):
     conversations = tool_conversations(name)
