@@ -107,11 +107,16 @@ def export_dir(out_dir: Path, overwrite: bool, write):
     ``out_dir`` itself is kept when it exists (it may be the current directory, ``--out_dir .``):
     its old entries are moved to a second sibling, the new ones moved in, the old ones deleted. A
     second sibling left by an export stopped during that swap holds files that are nowhere else: it
-    is refused, not deleted."""
+    is refused, not deleted. An ``out_dir`` that is a mount point (a container's volume) is a
+    filesystem of its own, into which nothing can be renamed from its parent: the two folders are
+    then inside it."""
     from trainer.checkpoint.files import write_failure
 
-    staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
-    old = out_dir.with_name(f".{out_dir.name}.export-old")
+    if out_dir.is_dir() and os.path.ismount(out_dir):
+        staging, old = out_dir / ".export-tmp", out_dir / ".export-old"
+    else:
+        staging = out_dir.with_name(f".{out_dir.name}.export-tmp")
+        old = out_dir.with_name(f".{out_dir.name}.export-old")
     if old.is_dir() and any(old.iterdir()):
         fail(f"an export to {out_dir} was stopped while it swapped the files there, and the old files "
              f"are in {old}: move back what you want to keep, delete {old}, and export again")
@@ -137,7 +142,8 @@ def export_dir(out_dir: Path, overwrite: bool, write):
         return written
     old.mkdir()
     for entry in out_dir.iterdir():
-        entry.rename(old / entry.name)
+        if entry not in (staging, old):
+            entry.rename(old / entry.name)
     for entry in staging.iterdir():
         entry.rename(out_dir / entry.name)
     staging.rmdir()

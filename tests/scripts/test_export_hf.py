@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
@@ -217,3 +218,32 @@ def test_the_files_an_export_stopped_mid_swap_set_aside_are_refused_not_deleted(
     done = script_in_process(*export)
     assert done.returncode == 0, done.stderr
     assert sorted(os.listdir(tmp_path)) == ["exp"] and "model.safetensors" in os.listdir(out_dir)
+
+
+def mount_namespace_available() -> bool:
+    """Whether this process may mount a tmpfs in a mount namespace of its own (root, or a user namespace)."""
+    try:
+        return subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs tmpfs /mnt"], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_an_export_into_a_mount_point_stages_inside_it(trained, tmp_path):
+    """--out_dir a mount point (a container's volume): nothing renames from its parent into it, so the
+    export stages inside it. A first export fills it; with --overwrite a second replaces what it held;
+    neither leaves a folder of its own there or beside it. Run in a mount namespace with a tmpfs."""
+    if not mount_namespace_available():
+        pytest.skip("no mount namespace here (needs root or user namespaces)")
+    out_dir = tmp_path / "volume"
+    out_dir.mkdir()
+    export = f"{sys.executable} scripts/export_hf.py --model_path {trained['checkpoint']} --out_dir {out_dir}"
+    steps = [f"mount -t tmpfs tmpfs {out_dir}", export, f"ls -A {out_dir} > {tmp_path}/first",
+             f"echo mine > {out_dir}/mine.txt", f"{export} --overwrite", f"ls -A {out_dir} > {tmp_path}/second"]
+    done = subprocess.run(["unshare", "-m", "sh", "-ec", " && ".join(steps)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    first, second = ((tmp_path / name).read_text().split() for name in ("first", "second"))
+    assert first == second and {"config.json", "model.safetensors", "tokenizer.json"} <= set(first)
+    assert not [name for name in first if name.startswith(".")]  # mine.txt replaced, no staging left
+    assert sorted(os.listdir(tmp_path)) == ["first", "second", "volume"]
