@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset import SFTCollator  # noqa: E402
 from model import MiniMindConfig, MiniMindForCausalLM  # noqa: E402
 from model.rope import precompute_rope_tables  # noqa: E402
-from scripts._common import ArgumentParser  # noqa: E402
+from scripts._common import ArgumentParser, run_main  # noqa: E402
 from trainer.runtime.distributed import all_gather_objects, DistContext, free_port  # noqa: E402
 from trainer.runtime.groups import close_process_groups  # noqa: E402
 from trainer.parallel.fsdp import FullyShardedParallel  # noqa: E402
@@ -263,4 +263,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

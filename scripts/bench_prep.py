@@ -46,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scripts._common import ArgumentParser, check_output_file, fail  # noqa: E402
+from scripts._common import ArgumentParser, check_output_file, fail, run_main  # noqa: E402
 from trainer.args import DEFAULT_TRAIN_DATA, add_flag, flag_bounds  # noqa: E402
 
 PREP_SETS = ("plain", "tool")
@@ -270,4 +270,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -31,7 +31,7 @@ from scripts._bench_common import (  # noqa: E402
     MIB, add_model_flags, check_options, first_step_seconds, machine_description, options_record, peak_rss_mib,
     proc_status_kib, single_process_context, trainer_args, write_report,
 )
-from scripts._common import REPO_DIR, ArgumentParser, fail, resolve_device  # noqa: E402
+from scripts._common import REPO_DIR, ArgumentParser, fail, resolve_device, run_main  # noqa: E402
 from trainer.args import add_flag, flag_bounds  # noqa: E402
 
 PROBE_PREFIX = "PROBE "
@@ -260,4 +260,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

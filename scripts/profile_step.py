@@ -31,7 +31,7 @@ from dataset import load_tokenizer  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
     add_model_flags, add_run_flags, optimizer_step_once, single_process_context, synchronize, trainer_argv,
 )
-from scripts._common import ArgumentParser, fail, resolve_device  # noqa: E402
+from scripts._common import ArgumentParser, fail, resolve_device, run_main  # noqa: E402
 from scripts._bench_flops import datasheet_for  # noqa: E402
 from scripts._step_bytes import ESTIMATE_CARD, measure_bytes, profile_key  # noqa: E402
 from scripts.bench import MODES, prepare_mode  # noqa: E402
@@ -218,4 +218,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

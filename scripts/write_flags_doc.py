@@ -9,9 +9,9 @@ docs/flags.md differs from what this writes.
 import sys
 from pathlib import Path
 
-REPO_DIR = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_DIR))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scripts._common import REPO_DIR, run_main  # noqa: E402
 from trainer.args import flags_markdown  # noqa: E402
 
 FLAGS_DOC = REPO_DIR / "docs" / "flags.md"
@@ -23,4 +23,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,4 +1,4 @@
-"""scripts/chat.py, eval_sft.py and plot_loss.py: bad input is one `error:` line and exit 2."""
+"""The scripts: bad input is one `error:` line and exit 2 (chat.py, eval_sft.py, plot_loss.py, inspect_data.py; every entry point)."""
 
 import torch
 
@@ -72,3 +72,20 @@ def test_a_tokenizer_smaller_than_the_weights_vocabulary_is_refused_as_the_train
         assert (done.returncode, done.stderr) == refused, name
     assert not (tmp_path / "export").exists()
     assert len(load_tokenizer_for_model(trained["hf_dir"], vocab_size=tokens + 64)) == tokens
+
+
+def test_every_script_runs_its_main_through_run_main():
+    """`run_main` turns the trainer's user errors (a model shape it refuses, a bad path or file) into one
+    `error:` line and exit 2: every script's entry point goes through it, the benchmarks' included."""
+    import ast
+    from pathlib import Path
+
+    scripts = sorted(path for path in (Path(__file__).resolve().parents[2] / "scripts").glob("*.py")
+                     if not path.name.startswith("_"))
+    entries = {}
+    for path in scripts:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+                entries[path.name] = [ast.unparse(statement) for statement in node.body]
+    assert len(entries) == len(scripts) > 10
+    assert {name: body for name, body in entries.items() if body != ["run_main(main)"]} == {}
