@@ -1,9 +1,11 @@
 """The scripts: bad input is one `error:` line and exit 2 (chat.py, eval_sft.py, plot_loss.py, inspect_data.py; every entry point)."""
 
+import ast
+
 import torch
 
 from model import MiniMindConfig, MiniMindForCausalLM
-from tests.helpers.overfitted import script, script_in_process
+from tests.helpers.overfitted import REPO, script, script_in_process
 from trainer.weights.inference import load_tokenizer_for_model
 
 
@@ -77,11 +79,7 @@ def test_a_tokenizer_smaller_than_the_weights_vocabulary_is_refused_as_the_train
 def test_every_script_runs_its_main_through_run_main():
     """`run_main` turns the trainer's user errors (a model shape it refuses, a bad path or file) into one
     `error:` line and exit 2: every script's entry point goes through it, the benchmarks' included."""
-    import ast
-    from pathlib import Path
-
-    scripts = sorted(path for path in (Path(__file__).resolve().parents[2] / "scripts").glob("*.py")
-                     if not path.name.startswith("_"))
+    scripts = sorted(path for path in (REPO / "scripts").glob("*.py") if not path.name.startswith("_"))
     entries = {}
     for path in scripts:
         for node in ast.parse(path.read_text()).body:
