@@ -142,7 +142,7 @@ def build_cache(path: Path, tokenizer, max_seq_len: int, target: Path, bad_data:
             remove_stale_partials(target.parent, data_file, digest)
             done = partial.resume(target.name, data_file, digest, lambda: count_lines(path))
             total_rows, start_row = done.total_rows, done.rows
-            if start_row:
+            if 0 < start_row < total_rows:  # with every row done, the build's outcome says all there is
                 print_escaped(restart_line(path, data_file, partial.earlier), file=sys.stderr)
             chunks = iter_chunks(path, max_seq_len, start_row, CHUNK_LINES)
             remaining = -(-(total_rows - start_row) // CHUNK_LINES)

@@ -122,6 +122,21 @@ def test_a_restart_says_resuming_only_after_an_interrupted_build(tokenizer, tmp_
                     "interrupted by SIGTERM)"), line
 
 
+def test_a_build_refused_after_its_last_row_is_refused_again_without_a_restart_line(tokenizer, tmp_path, monkeypatch,
+                                                                                      capsys):
+    """A build whose every row was tokenized but which had no usable sample (here: every reply cut
+    off by max_seq_len) fails the same way when run again, with nothing left to tokenize: no
+    "continuing cache build at row 6 of 6" line before the same error."""
+    monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
+    path = write_rows(tmp_path / "n.jsonl", [chat_line(i) for i in range(6)])
+    refusal = f"^{path}: no usable samples \\(0 bad lines skipped, 6 samples without loss tokens after truncation to max_seq_len=4\\)$"
+    for _ in range(2):
+        capsys.readouterr()
+        with pytest.raises(DataError, match=refusal):
+            build_cache_and_open(path, tokenizer, 4, num_proc=1)
+        assert "cache build at row" not in capsys.readouterr().err
+
+
 def test_a_partial_build_of_another_file_version_is_not_reused(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(token_cache, "CHUNK_LINES", 4)
     monkeypatch.setattr(partial_build, "COMMIT_S", 0.0)
