@@ -12,7 +12,7 @@ forward and 10 backward (its backward recomputes the scores: five GEMMs); a caus
 computes the pairs of the lower triangle, per document of a packed row. The
 roofline of one op is max(bytes / memory bandwidth, FLOPs / tensor-core peak), summed over the
 ops: a lower bound on the GPU time of the step, which a kernel reaches only at full bandwidth or
-full tensor-core use. The bandwidth and peak are a card's datasheet figures (scripts/_bench_flops.py):
+full tensor-core use. The bandwidth and peak are a card's datasheet figures (trainer/runtime/datasheets.py):
 the H100 SXM's (`ESTIMATE_CARD`), or on a GPU the profiled card's (scripts/profile_step.py).
 
 The step is traced with fake tensors (no memory, no arithmetic), so a GPU-sized batch costs
@@ -45,7 +45,7 @@ from torch.utils.flop_counter import flop_registry
 import model.packed_attention as packed_attention
 import model.rms_norm as rms_norm_module
 from model.loss import lm_loss_chunks, lm_loss_gradient_chunks
-from scripts._bench_flops import Datasheet, datasheet_for
+from trainer.runtime.datasheets import Datasheet, datasheet_for
 from scripts._dispatch_counts import VIEW_LIKE, grouped_mm_flops, written_arguments
 
 ESTIMATE_CARD = datasheet_for("H100")  # the H100 SXM: HBM3, dense bf16, IEEE fp32 (--dtype float32: no TF32)
@@ -358,7 +358,7 @@ def measure_bytes(trainer_argv: list[str], warmup_steps: int = 1, by_shapes: boo
     module docstring, after `warmup_steps` uncounted ones (the first creates AdamW's moments); the
     roofline of `card`."""
     from scripts._bench_common import endless_batches
-    from scripts._bench_flops import causal_pairs
+    from model.flops import causal_pairs
     from scripts._dispatch_counts import build_step_run
     from trainer.loop.loop import agree_on_step, optimizer_step
     from trainer.model_setup import build_optimizer

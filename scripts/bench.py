@@ -33,7 +33,8 @@ from scripts._bench_common import (  # noqa: E402
     peak_memory_mib, ready_batches, release_memory, reset_peak_memory, single_process_context, synchronize,
     trainer_args, write_report,
 )
-from scripts._bench_flops import causal_pairs, mfu, model_flops, peak_flops  # noqa: E402
+from model.flops import causal_pairs, mfu, model_flops  # noqa: E402
+from scripts._bench_flops import peak_flops  # noqa: E402
 from scripts._common import ArgumentParser, fail, resolve_device, run_main  # noqa: E402
 from trainer.data_setup import build_train_data  # noqa: E402
 from trainer.args import add_flag  # noqa: E402

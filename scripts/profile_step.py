@@ -32,7 +32,7 @@ from scripts._bench_common import (  # noqa: E402
     add_model_flags, add_run_flags, optimizer_step_once, single_process_context, synchronize, trainer_argv,
 )
 from scripts._common import ArgumentParser, fail, resolve_device, run_main  # noqa: E402
-from scripts._bench_flops import datasheet_for  # noqa: E402
+from trainer.runtime.datasheets import datasheet_for  # noqa: E402
 from scripts._step_bytes import ESTIMATE_CARD, measure_bytes, profile_key  # noqa: E402
 from scripts.bench import MODES, prepare_mode  # noqa: E402
 from trainer.args import add_flag  # noqa: E402

@@ -116,8 +116,13 @@ class RunLogger:
         line = (
             f"step {step}/{total_steps} (epoch {epoch + 1}/{epochs}) | loss {format_figure(figures['loss'], '.4f')} | "
             f"lr {figures['lr']:.2e} | grad_norm {format_figure(figures['grad_norm'], '.3f')} | "
-            f"{figures['tokens_per_s']:,.0f} tok/s | eta {format_duration(eta_s)}"
+            f"{figures['tokens_per_s']:,.0f} tok/s"
         )
+        if "mfu" in figures:  # a GPU with a datasheet peak (trainer/loop/throughput.py)
+            line += f" | mfu {100 * figures['mfu']:.1f}%"
+        if "max_memory_gib" in figures:
+            line += f" | mem {figures['max_memory_gib']:.1f} GiB"
+        line += f" | eta {format_duration(eta_s)}"
         if figures.get("skipped_steps"):
             line += f" | skipped {figures['skipped_steps']}"
         by_source = [(key.split("/", 1)[1], value) for key, value in figures.items() if key.startswith("loss/")]

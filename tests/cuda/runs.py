@@ -1,10 +1,13 @@
 """Whole trainer and script runs on the GPU: the tests that start processes or run a script's main, which
 .ci/gpu_check's `slow` selection names (collected by tests/test_cuda.py)."""
 
+import json
+
 import pytest
 import torch
 
 from tests.helpers.trainer_launch import final_weights, flags, run_trainer, torchrun_cmd, train_losses
+from trainer.runtime.datasheets import datasheet_for
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -15,6 +18,13 @@ def test_one_gpu_trains_with_autocast_and_grad_scaler(data, tmp_path, dtype):
     losses = train_losses(tmp_path)
     assert losses[4] < losses[1]
     assert all(torch.isfinite(w).all() for w in final_weights(tmp_path).values())
+    # the log window's model FLOPs/s, peak memory and, on a GPU of the datasheet table, MFU
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    train = [row for row in rows if row["kind"] == "train"]
+    assert train and all(row["model_tflops_per_s"] > 0 and row["max_memory_gib"] > 0 for row in train)
+    in_table = datasheet_for(torch.cuda.get_device_name()) is not None
+    assert all(("mfu" in row) == in_table and 0 < row.get("mfu", 0.5) < 1 for row in train)
+    assert " GiB | eta " in result.stdout
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

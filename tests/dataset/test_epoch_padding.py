@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 
 from dataset import FillerIndex, MarkFillers, ResumableDistributedSampler, SFTCollator, load_tokenizer
 from model import MiniMindConfig, MiniMindForCausalLM
+from model.flops import ModelFlops
 from tests.helpers.trainer_launch import REPO
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
@@ -73,7 +74,7 @@ def test_the_last_step_of_an_odd_epoch_on_two_ranks_equals_one_rank(five, use_mo
         batches = [next(iter(build_train_data(args, tokenizer, DistContext(rank, rank, world_size, CPU, None)).loader))
                    for rank in range(world_size)]
         quiet = SimpleNamespace(preemption=SimpleNamespace(requested=False),
-                                ctx=SimpleNamespace(distributed=False, device=CPU))
+                                ctx=SimpleNamespace(distributed=False, device=CPU), model_flops=ModelFlops(model))
         totals = [sum(figures) for figures in zip(*(agree_on_step(quiet, [batch])[:3] for batch in batches))]
         model.zero_grad()
         for batch in batches:

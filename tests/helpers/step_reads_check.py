@@ -2,7 +2,8 @@
 `step_reads_check.py ddp|fsdp REPORT.json`.
 
 Three optimizer steps of the loop (`take_step`) on a tiny model, DDP or FSDP2, the second with a
-NaN loss, each under `HostReads`; then a log line. Rank 0 writes what it saw to REPORT.json."""
+NaN loss, each under `HostReads`; then a log line. Rank 0 writes what it saw to REPORT.json, with
+the model FLOPs of the log window."""
 
 import datetime
 import gc
@@ -48,9 +49,10 @@ def check(kind: str) -> dict:
         steps.append(guard.during(lambda: take_step(run, micro_batches(2 + rank), interval, 1e-3)))
     unchanged = all(torch.equal(a, b) for a, b in zip(before, local_values(run), strict=True))
     steps.append(guard.during(lambda: take_step(run, micro_batches(4 + rank), interval, 1e-3)))
+    window_flops = interval["throughput"].flops  # both ranks' micro-batches, as the ranks agreed on them
     log_line = guard.during(lambda: log_interval(run, interval, torch.zeros(()), 1e-3, 10))
     return {"steps": steps, "log_line": log_line, "skipped_steps": run.state.skipped_steps,
-            "unchanged_by_skipped_step": unchanged}
+            "unchanged_by_skipped_step": unchanged, "window_flops": window_flops}
 
 
 def main(kind: str, report: str) -> None:

@@ -29,14 +29,16 @@ import torch
 
 from dataset import IGNORE_INDEX, model_inputs
 from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE
-from trainer.errors import CheckpointError, ConfigError, TrainingError, first_line
+from trainer.errors import CheckpointError, ConfigError, TrainingError
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, stopped_early, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
 from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, schedule_change, set_lr
+from trainer.loop.out_of_memory import out_of_memory, ran_out_of_memory, save_out_of_memory
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
+from trainer.loop.throughput import Throughput
 from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, broadcast_object
 from trainer.runtime.precision import autocast, restart_collapsed_scale
 from trainer.loop.saves import finish_saves, raise_on_every_rank, save_in_background
@@ -114,20 +116,25 @@ class StepTotals(NamedTuple):
     sequences: int  # rows with a real token: the MoE balance loss divides by it
     stop: bool  # some rank must stop now (preemption)
     save: bool  # rank 0's clock says a save is due (--save_every_minutes): save at the end of this step
+    flops: int  # model FLOPs of the step's micro-batches on all ranks (model/flops.py)
 
 
 def agree_on_step(run: Run, micro_batches: list[dict], save_due: bool = False) -> StepTotals:
-    """Global loss-token, real-token and row counts, whether any rank must stop now, and whether this
-    step ends with a save (`save_due`: rank 0's decision; the other ranks pass False): counted on the
-    CPU batches (before they move to the device) and summed over the ranks in host memory."""
-    loss_tokens = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    """Global loss-token, real-token and row counts, whether any rank must stop now, whether this
+    step ends with a save (`save_due`: rank 0's decision; the other ranks pass False), and the step's
+    model FLOPs: counted on the CPU batches (before they move to the device) and summed over the
+    ranks in host memory."""
+    each_loss_tokens = [int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches]
+    loss_tokens = sum(each_loss_tokens)
     real_tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
     sequences = sum(int(mb["attention_mask"].any(dim=1).sum()) for mb in micro_batches)
     stop, save = int(run.preemption.requested), int(save_due)
+    # the LM head's logits are computed at the loss positions only (model/loss.py)
+    flops = sum(run.model_flops.of_batch(mb, n) for mb, n in zip(micro_batches, each_loss_tokens))
     if run.ctx.distributed:
-        figures = torch.tensor([loss_tokens, real_tokens, sequences, stop, save], dtype=torch.int64)
-        loss_tokens, real_tokens, sequences, stop, save = all_reduce_sum_on_host(figures).tolist()
-    return StepTotals(loss_tokens, real_tokens, sequences, bool(stop), bool(save))
+        figures = torch.tensor([loss_tokens, real_tokens, sequences, stop, save, flops], dtype=torch.int64)
+        loss_tokens, real_tokens, sequences, stop, save, flops = all_reduce_sum_on_host(figures).tolist()
+    return StepTotals(loss_tokens, real_tokens, sequences, bool(stop), bool(save), flops)
 
 
 class StepResult(NamedTuple):
@@ -280,7 +287,8 @@ def train(run: Run) -> str:
         f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
         f"device {run.ctx.device}{short_last_step(run)}"
     )
-    interval = {"loss": torch.zeros((), device=run.ctx.device), "tokens": 0, "start": time.time(),
+    interval = {"loss": torch.zeros((), device=run.ctx.device), "start": time.time(),
+                "throughput": Throughput(run.ctx.device, run.dtype, run.ctx.world_size),
                 "run_start": time.time(), "run_first_step": state.step,
                 # a resume off the log grid: the first window averages only the steps since then
                 "resumed_at": state.step if state.step % args.log_interval else None,
@@ -362,64 +370,10 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     if state.samples_in_epoch >= len(run.data.dataset):
         state.epoch, state.samples_in_epoch = state.epoch + 1, 0
     interval["loss"] += torch.where(result.finite, result.loss, 0.0)  # a skipped step's loss is left out
-    interval["tokens"] += totals.real_tokens
+    interval["throughput"].add(totals.real_tokens, totals.flops)
     if reads_due(run):
         settle(run, check_weights=False)
     return result
-
-
-# What torch's CPU allocator says when the memory it asks for cannot be had (a plain RuntimeError,
-# where a GPU's caching allocator raises torch.OutOfMemoryError).
-CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
-
-
-def ran_out_of_memory(error: RuntimeError) -> bool:
-    """Whether `error` is a device running out of memory: a GPU's, or the CPU allocator's."""
-    return isinstance(error, torch.OutOfMemoryError) or CPU_ALLOCATOR_FAILURE in str(error)
-
-
-def out_of_memory(run: Run, error: RuntimeError, what: str, training: bool = True) -> str:
-    """`what` (a training step, an evaluation) ran out of device memory: what the allocator asked for
-    and had, and the flags that set the memory of a batch, in one line instead of the allocator's
-    paragraph and a traceback. Gradient checkpointing helps a training step only."""
-    args = run.args
-    checkpointing = ", or give --gradient_checkpointing 1" if training and not args.gradient_checkpointing else ""
-    return (f"{what} ran out of memory on {run.ctx.device} ({allocator_summary(error)}): a batch's activations "
-            f"grow with --batch_size {args.batch_size} x --max_seq_len {args.max_seq_len}; lower --batch_size "
-            f"(raise --accumulation_steps to keep the batch per step){',' if checkpointing else ' or'} lower "
-            f"--max_seq_len{checkpointing}")
-
-
-def save_out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str) -> str:
-    """A save ran out of device memory beside the weights and optimizer state training holds: it
-    holds one weight at a time on the device, cast to --save_dtype (trainer/checkpoint/background.py),
-    or under --fsdp 1 gathered in full. Nothing of this save was written; the files already in
-    --save_dir stay as they are. Activations are freed by then, so no batch flag helps."""
-    args = run.args
-    if run.parallel.checkpoint_kind == "sharded":  # --fsdp 1 on several processes
-        holds, advice = "each weight gathered in full, one at a time", ""
-    else:
-        holds = f"one weight at a time cast to --save_dtype {args.save_dtype}"
-        advice = "" if args.save_dtype == "float32" else "--save_dtype float32 casts none; "
-    return (f"{what} at step {run.state.step} ran out of memory on {run.ctx.device} ({allocator_summary(error)}): "
-            f"a save holds {holds} on the device beside the weights and optimizer state; {advice}"
-            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation. The files already in "
-            f"{args.save_dir} are kept")
-
-
-def allocator_summary(error: RuntimeError) -> str:
-    """The CUDA caching allocator's sentences up to the free memory ("CUDA out of memory. Tried to
-    allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free."), not its
-    breakdown and advice; the CPU allocator's from "DefaultCPUAllocator" on; another message's first
-    sentences within 300 characters."""
-    text = first_line(error, limit=1000)
-    if CPU_ALLOCATOR_FAILURE in text:  # after the allocator's "[enforce fail at alloc_cpu.cpp:N] err == 0."
-        text = text[text.index(CPU_ALLOCATOR_FAILURE):]
-    for tail in (" Including non-PyTorch memory", " Of the allocated memory"):
-        text = text.split(tail)[0]
-    if len(text) > 300:
-        text = text[:300].rsplit(". ", 1)[0] + "."
-    return text
 
 
 def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:
@@ -437,7 +391,7 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
         "loss": loss_sum / steps if steps else None,
         "lr": lr,
         "grad_norm": norm if math.isfinite(norm) else None,
-        "tokens_per_s": interval["tokens"] / elapsed,
+        **interval["throughput"].figures(elapsed),  # tokens_per_s, model_tflops_per_s; on a GPU mfu, max_memory_gib
         "skipped_steps": state.skipped_steps,
         **(interval["sources"].figures(finite) if interval["sources"] else {}),  # loss/<source>, loss_tokens/<source>, ...
     }
@@ -447,4 +401,4 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
     shown_epoch = state.epoch - 1 if state.samples_in_epoch == 0 else state.epoch  # a step that ends an epoch is of it
     run.logger.log_train(state.step, total_steps, shown_epoch, run.args.epochs, figures,
                          eta_s=seconds_per_step * (total_steps - state.step))
-    interval.update(loss=torch.zeros((), device=run.ctx.device), tokens=0, start=time.time())
+    interval.update(loss=torch.zeros((), device=run.ctx.device), start=time.time())

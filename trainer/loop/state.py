@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from model.flops import ModelFlops
 from trainer import run_identity
 from trainer.checkpoint.background import BackgroundWriter
 from trainer.checkpoint.resume import left_by_a_rollback
@@ -94,6 +95,11 @@ class Run:
     @property
     def raw_model(self):
         return unwrap(self.model)
+
+    @functools.cached_property
+    def model_flops(self) -> ModelFlops:
+        """The FLOPs of this model's training work, per token, logit and attention pair (model/flops.py)."""
+        return ModelFlops(self.raw_model)
 
 
 # --------------------------------------------------------------------------- resume

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dataset import SFTCollator
+from model.flops import ModelFlops
 from tests.helpers.host_reads import HostReads
 from tests.helpers.trainer_launch import REPO, clean_env, torchrun_cmd
 from tests.helpers.tiny_model import tiny_model
@@ -22,6 +23,7 @@ from trainer.errors import TrainingError
 from trainer.loop import loop
 from trainer.loop.loop import evaluate_and_select, log_interval, save, settle, take_step
 from trainer.loop.state import Run
+from trainer.loop.throughput import Throughput
 from trainer.model_setup import build_optimizer
 from trainer.parallel.ddp import Replicated
 from trainer.runtime.distributed import DistContext
@@ -69,7 +71,8 @@ def micro_batches(seed: int = 0) -> list[dict]:
 
 
 def new_interval(run: Run) -> dict:
-    return {"loss": torch.zeros((), device=run.ctx.device), "tokens": 0, "start": 0.0, "run_start": 0.0,
+    return {"loss": torch.zeros((), device=run.ctx.device), "start": 0.0, "run_start": 0.0,
+            "throughput": Throughput(run.ctx.device, run.dtype, run.ctx.world_size),
             "run_first_step": 0, "resumed_at": None, "sources": None}
 
 
@@ -189,10 +192,15 @@ def test_a_save_or_an_evaluation_reads_the_pending_checks_before_anything_else(r
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_read_nothing_between_log_lines(parallel, tmp_path):
     """DDP and FSDP2 in two real gloo processes (tests/helpers/step_reads_check.py): three steps, one
-    of them skipped, without a host read of a device value; the log line then reads."""
+    of them skipped, without a host read of a device value; the log line then reads. The window's
+    model FLOPs are both ranks' micro-batches' (rank r takes micro_batches(r), (2 + r), (4 + r)), of
+    the whole model under FSDP too, whose parameters each rank holds a shard of."""
     out = tmp_path / "reads.json"
     subprocess.run([*torchrun_cmd(2), os.path.join(REPO, "tests", "helpers", "step_reads_check.py"), parallel,
                     str(out)], cwd=REPO, env=clean_env(), check=True, timeout=300)
     report = json.loads(out.read_text())
     assert report["steps"] == [[], [], []], report
     assert report["log_line"] and report["skipped_steps"] == 1 and report["unchanged_by_skipped_step"]
+    flops = ModelFlops(tiny_model(num_hidden_layers=2))
+    assert report["window_flops"] == sum(flops.of_batch(batch, int((batch["labels"][:, 1:] != -100).sum()))
+                                         for seed in range(6) for batch in micro_batches(seed))

@@ -33,7 +33,7 @@ def test_a_save_out_of_memory_says_what_this_run_holds_on_the_device():
     from types import SimpleNamespace
 
     from tests.trainer.loop.test_loop_syncs import tiny_run
-    from trainer.loop.loop import save_out_of_memory
+    from trainer.loop.out_of_memory import save_out_of_memory
 
     run = tiny_run(torch.device("cpu"))
     run.args = SimpleNamespace(**vars(run.args), fsdp=1, save_dtype="bfloat16")
