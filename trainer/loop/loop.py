@@ -33,7 +33,7 @@ from trainer.errors import CheckpointError, ConfigError, TrainingError
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, stopped_early, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
-from trainer.loop.lr_schedule import cosine_lr, default_warmup_steps, schedule_change, set_lr
+from trainer.loop.lr_schedule import cosine_lr, run_warmup, schedule_change, set_lr, warmup_too_long
 from trainer.loop.out_of_memory import out_of_memory, ran_out_of_memory, save_out_of_memory
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
@@ -267,19 +267,19 @@ def train(run: Run) -> str:
     Returns "finished", "preempted" or "early_stopped"."""
     args, state, logger = run.args, run.state, run.logger
     logger.run_id = state.run_id
-    total_steps = count_total_steps(run)
-    warmup = args.warmup_steps if args.warmup_steps is not None else default_warmup_steps(total_steps)
-    if warmup > total_steps > 0:
-        logger.print(f"warning: --warmup_steps {warmup} is longer than the run's {total_steps} optimizer steps: the "
-                     f"learning rate ends at {cosine_lr(total_steps - 1, total_steps, args.learning_rate, warmup, 0):.3g}"
-                     f", below --learning_rate {args.learning_rate:g}")
+    total_steps, resumed = count_total_steps(run), state.lr_schedule  # the checkpoint's schedule (None: fresh)
+    warmup, named = run_warmup(args.warmup_steps, resumed, state.step, total_steps)
+    state.lr_schedule = {"total_steps": total_steps, "warmup_steps": warmup}  # what this run's checkpoints record
+    if too_long := warmup_too_long(warmup, named, total_steps, args.learning_rate):
+        logger.print(too_long)
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
         logger.print(f"warning: --max_steps {args.max_steps} is more than the {total_steps} optimizer steps of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
     nothing_left = nothing_left_to_train(run, total_steps)
     if nothing_left:
         logger.print(nothing_left)
-    elif note := schedule_change(state.step, run.resumed_lr, total_steps, args.learning_rate, warmup, args.min_lr_ratio):
+    elif note := schedule_change(state.step, run.resumed_lr, resumed, total_steps, args.learning_rate, warmup,
+                                 args.min_lr_ratio):
         logger.print(note)
     run.model.train()
     logger.print(

@@ -55,6 +55,9 @@ class TrainState:
     best_step: int | None = None
     best_measured_on: list[str] | None = None  # the held-out data's keys (selection.measured_on); None: unknown
     evals_without_improvement: int = 0
+    # The learning rate schedule ({total_steps, warmup_steps}) the run trains on (set by the loop at every start),
+    # whose warmup its resumes keep (lr_schedule.run_warmup); None: not started yet, or a checkpoint without it.
+    lr_schedule: dict | None = None
 
 
 @dataclass
@@ -123,6 +126,7 @@ def resume_state(run: Run) -> dict:
         "best_step": state.best_step,
         "best_measured_on": state.best_measured_on,
         "evals_without_improvement": state.evals_without_improvement,
+        "lr_schedule": state.lr_schedule,
         "rng": rng_states,
         "world_size": run.ctx.world_size,
         "args": {**vars(run.args), "tokenizer_path": run.tokenizer_path},  # the directory it was loaded from
@@ -194,7 +198,7 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         rolled_back_from=None if fork else saved.get("rolled_back_from"),
         best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
         best_measured_on=saved.get("best_measured_on"),
-        evals_without_improvement=saved.get("evals_without_improvement", 0),
+        evals_without_improvement=saved.get("evals_without_improvement", 0), lr_schedule=saved.get("lr_schedule"),
     )
 
 

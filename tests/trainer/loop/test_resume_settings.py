@@ -1,12 +1,14 @@
 """What a resume takes from its flags and what from its checkpoint: the optimizer's settings."""
 
+import json
 import math
 import shutil
 
 import pytest
 import torch
 
-from tests.helpers.trainer_launch import checkpoint_at, flags, run_trainer_in_process
+from tests.helpers.trainer_launch import TINY, checkpoint_at, flags, run_trainer_in_process
+from trainer.loop import loop
 
 
 def test_a_resume_trains_with_its_own_weight_decay(data, tmp_path):
@@ -50,8 +52,42 @@ def test_a_resume_on_another_schedule_says_where_the_learning_rate_goes(data, tm
     assert trained == pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 3)), rel=1e-12)
     there = 3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 7))  # step 3 of 8: a seventh of the way
     next_lr = 3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(2 * math.pi / 7))
-    line = (f"note: this run's learning rate schedule (8 optimizer steps, warmup 1) is not the checkpoint's: its step 3 "
-            f"trained at {trained:.4g}, this schedule gives {there:.4g} there, and the run goes on at {next_lr:.4g}")
+    line = (f"note: this run's learning rate schedule (8 optimizer steps, warmup 1) is not the checkpoint's (4 optimizer "
+            f"steps, warmup 1): its step 3 trained at {trained:.4g}, this schedule gives {there:.4g} there, and the run goes on at {next_lr:.4g}")
     assert line in longer.stdout.splitlines()
     last = torch.load(checkpoint_at(tmp_path / "longer", 8), weights_only=True)["optimizer"]["param_groups"][0]["lr"]
     assert last == pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(6 * math.pi / 7)), rel=1e-12)  # this schedule's
+
+
+def test_a_resume_keeps_the_warmup_its_run_counted_at_its_first_start(data, tmp_path, monkeypatch):
+    """The default warmup (3% of the run's optimizer steps) is counted at the run's first start, recorded in its
+    checkpoints and kept by every resume: a resume whose total is recounted (here --max_steps 4 -> 100; another
+    global batch or --epochs does the same) goes on down the cosine from the peak the checkpoint trained at, not
+    into a warmup of 3 steps counted from the new total (step 2 at 2e-3, then back up to 3e-3). The note names
+    both schedules, also where the rate at the checkpoint's step is the same on both."""
+    default_warmup = [*TINY[:TINY.index("--warmup_steps")], *TINY[TINY.index("--warmup_steps") + 2:]]
+    args = ["--batch_size", "8", "--min_lr_ratio", "0.1", "--epochs", "10"]
+    first, longer = tmp_path / "first", tmp_path / "longer"
+    run_trainer_in_process([*default_warmup, "--data_path", str(data / "train.jsonl"), "--save_dir", str(first), *args,
+                            "--max_steps", "4", "--save_interval", "1", "--keep_last", "4"], check=True)
+    agree = loop.agree_on_step
+
+    def sigterm_after_step_3(run, *rest, **kwargs):
+        if run.state.step == 3:
+            run.preemption.requested, run.preemption.reason = True, "SIGTERM"
+        return agree(run, *rest, **kwargs)
+
+    monkeypatch.setattr(loop, "agree_on_step", sigterm_after_step_3)
+    resumed = run_trainer_in_process([*default_warmup, "--data_path", str(data / "train.jsonl"), "--save_dir",
+                                      str(longer), *args, "--max_steps", "100", "--save_interval", "0",
+                                      "--resume_from", checkpoint_at(first, 1)], check=True)
+    rows = [json.loads(line) for line in open(longer / "metrics.jsonl", encoding="utf-8")]
+    lrs = {row["step"]: row["lr"] for row in rows if row["kind"] == "train"}
+    # one warmup step, then 99 down the cosine from 3e-3 to 3e-4: step 2 is its start, step 3 a 99th of the way
+    assert lrs == {2: 3e-3, 3: pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 99)), rel=1e-12)}
+    line = ("note: this run's learning rate schedule (100 optimizer steps, warmup 1) is not the checkpoint's (4 optimizer "
+            "steps, warmup 1): its step 1 trained at 0.003, this schedule gives 0.003 there, and the run goes on at 0.003")
+    assert line in resumed.stdout.splitlines()
+    for folder, step, schedule in ((first, 1, {"total_steps": 4, "warmup_steps": 1}),
+                                   (longer, 3, {"total_steps": 100, "warmup_steps": 1})):
+        assert torch.load(checkpoint_at(folder, step), weights_only=True)["lr_schedule"] == schedule

@@ -1,0 +1,22 @@
+"""The learning rate schedule of a resume: which warmup it takes and when it says the schedule changed."""
+
+from trainer.loop.lr_schedule import run_warmup, schedule_change
+
+CHECKPOINT = {"total_steps": 4, "warmup_steps": 1}  # the schedule a checkpoint records
+
+
+def test_a_resume_keeps_its_runs_warmup_unless_the_flag_gives_one_or_nothing_was_trained():
+    assert run_warmup(None, CHECKPOINT, 2, 100) == (1, "the warmup of 1 steps its run counted at its first start")
+    assert run_warmup(7, CHECKPOINT, 2, 100) == (7, "--warmup_steps 7")
+    assert run_warmup(None, CHECKPOINT, 0, 100) == (3, "the warmup of 3 steps")  # a step-0 checkpoint trained nothing
+    assert run_warmup(None, None, 2, 100) == (3, "the warmup of 3 steps")  # a checkpoint that records no schedule
+
+
+def test_a_schedule_of_another_total_is_said_also_where_the_rate_at_the_checkpoints_step_is_the_same():
+    # step 1 of warmup 2 trained at half the peak on both schedules; the totals differ
+    line = schedule_change(1, 5e-4, {"total_steps": 4, "warmup_steps": 2}, 50, 1e-3, 2, 0.1)
+    assert line == ("note: this run's learning rate schedule (50 optimizer steps, warmup 2) is not the checkpoint's "
+                    "(4 optimizer steps, warmup 2): its step 1 trained at 0.0005, this schedule gives 0.0005 there, "
+                    "and the run goes on at 0.001")
+    assert schedule_change(1, 5e-4, {"total_steps": 50, "warmup_steps": 2}, 50, 1e-3, 2, 0.1) is None
+    assert schedule_change(1, 5e-4, None, 50, 1e-3, 2, 0.1) is None  # unrecorded: only the rate is compared
