@@ -33,7 +33,7 @@ from trainer.errors import CheckpointError, ConfigError, TrainingError
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, stopped_early, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
-from trainer.loop.lr_schedule import cosine_lr, run_warmup, schedule_change, set_lr, warmup_too_long
+from trainer.loop.lr_schedule import cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_too_long
 from trainer.loop.out_of_memory import out_of_memory, ran_out_of_memory, save_out_of_memory
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
@@ -269,7 +269,7 @@ def train(run: Run) -> str:
     logger.run_id = state.run_id
     total_steps, resumed = count_total_steps(run), state.lr_schedule  # the checkpoint's schedule (None: fresh)
     warmup, named = run_warmup(args.warmup_steps, resumed, state.step, total_steps)
-    state.lr_schedule = {"total_steps": total_steps, "warmup_steps": warmup}  # what this run's checkpoints record
+    state.lr_schedule = schedule_record(total_steps, warmup, args.learning_rate, args.min_lr_ratio)
     if too_long := warmup_too_long(warmup, named, total_steps, args.learning_rate):
         logger.print(too_long)
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
@@ -278,8 +278,7 @@ def train(run: Run) -> str:
     nothing_left = nothing_left_to_train(run, total_steps)
     if nothing_left:
         logger.print(nothing_left)
-    elif note := schedule_change(state.step, run.resumed_lr, resumed, total_steps, args.learning_rate, warmup,
-                                 args.min_lr_ratio):
+    elif note := schedule_change(state.step, run.resumed_lr, resumed, state.lr_schedule):
         logger.print(note)
     run.model.train()
     logger.print(

@@ -17,23 +17,34 @@ def cosine_lr(step: int, total_steps: int, peak_lr: float, warmup_steps: int, mi
     return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def schedule_change(step: int, resumed_lr: float | None, resumed: dict | None, total_steps: int, peak_lr: float,
-                    warmup_steps: int, min_lr_ratio: float) -> str | None:
+def schedule_record(total_steps: int, warmup_steps: int, peak_lr: float, min_lr_ratio: float) -> dict:
+    """The schedule a run trains on, as its checkpoints record it (`lr_schedule`)."""
+    return {"total_steps": total_steps, "warmup_steps": warmup_steps, "peak_lr": peak_lr, "min_lr_ratio": min_lr_ratio}
+
+
+def described(schedule: dict) -> str:
+    """A schedule record in words."""
+    return (f"{schedule['total_steps']} optimizer steps, warmup {schedule['warmup_steps']}, peak "
+            f"{schedule['peak_lr']:.4g}, floor {schedule['peak_lr'] * schedule['min_lr_ratio']:.4g}")
+
+
+def schedule_change(step: int, resumed_lr: float | None, resumed: dict | None, schedule: dict) -> str | None:
     """What to say where a resume at `step` continues on another curve than the checkpoint's run: the
     total counts optimizer steps of the global batch (processes x batch x accumulation), so another
     global batch, --epochs or --max_steps (or another peak, warmup or floor) moves the learning rate.
-    `resumed`: the checkpoint's schedule ({total_steps, warmup_steps}; None where it records none), which
-    differs also where the rate at its last step is the same on both (a step of the warmup, the peak)."""
+    `resumed`: the checkpoint's schedule record (None where it records none), which differs also where
+    the rate at its last step is the same on both (a step of the warmup, which no floor changes; the
+    peak); `schedule`: this run's (`schedule_record`)."""
     if resumed_lr is None or step == 0:
         return None
-    here = cosine_lr(step - 1, total_steps, peak_lr, warmup_steps, min_lr_ratio)
-    ours = {"total_steps": total_steps, "warmup_steps": warmup_steps}
-    if math.isclose(here, resumed_lr, rel_tol=1e-6, abs_tol=1e-12) and resumed in (None, ours):
+    curve = (schedule["total_steps"], schedule["peak_lr"], schedule["warmup_steps"], schedule["min_lr_ratio"])
+    here = cosine_lr(step - 1, *curve)
+    if math.isclose(here, resumed_lr, rel_tol=1e-6, abs_tol=1e-12) and resumed in (None, schedule):
         return None
-    theirs = f" ({resumed['total_steps']} optimizer steps, warmup {resumed['warmup_steps']})" if resumed else ""
-    return (f"note: this run's learning rate schedule ({total_steps} optimizer steps, warmup {warmup_steps}) is not "
-            f"the checkpoint's{theirs}: its step {step} trained at {resumed_lr:.4g}, this schedule gives {here:.4g} "
-            f"there, and the run goes on at {cosine_lr(step, total_steps, peak_lr, warmup_steps, min_lr_ratio):.4g}")
+    theirs = f" ({described(resumed)})" if resumed else ""
+    return (f"note: this run's learning rate schedule ({described(schedule)}) is not the checkpoint's{theirs}: its "
+            f"step {step} trained at {resumed_lr:.4g}, this schedule gives {here:.4g} there, and the run goes on at "
+            f"{cosine_lr(step, *curve):.4g}")
 
 
 def run_warmup(flag: int | None, resumed: dict | None, step: int, total_steps: int) -> tuple[int, str]:

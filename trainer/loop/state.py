@@ -55,7 +55,7 @@ class TrainState:
     best_step: int | None = None
     best_measured_on: list[str] | None = None  # the held-out data's keys (selection.measured_on); None: unknown
     evals_without_improvement: int = 0
-    # The learning rate schedule ({total_steps, warmup_steps}) the run trains on (set by the loop at every start),
+    # The learning rate schedule the run trains on (lr_schedule.schedule_record, set by the loop at every start),
     # whose warmup its resumes keep (lr_schedule.run_warmup); None: not started yet, or a checkpoint without it.
     lr_schedule: dict | None = None
 

@@ -1,8 +1,8 @@
 """The learning rate schedule of a resume: which warmup it takes and when it says the schedule changed."""
 
-from trainer.loop.lr_schedule import run_warmup, schedule_change
+from trainer.loop.lr_schedule import run_warmup, schedule_change, schedule_record
 
-CHECKPOINT = {"total_steps": 4, "warmup_steps": 1}  # the schedule a checkpoint records
+CHECKPOINT = schedule_record(4, 1, 1e-3, 0.1)  # the schedule a checkpoint records
 
 
 def test_a_resume_keeps_its_runs_warmup_unless_the_flag_gives_one_or_nothing_was_trained():
@@ -14,9 +14,9 @@ def test_a_resume_keeps_its_runs_warmup_unless_the_flag_gives_one_or_nothing_was
 
 def test_a_schedule_of_another_total_is_said_also_where_the_rate_at_the_checkpoints_step_is_the_same():
     # step 1 of warmup 2 trained at half the peak on both schedules; the totals differ
-    line = schedule_change(1, 5e-4, {"total_steps": 4, "warmup_steps": 2}, 50, 1e-3, 2, 0.1)
-    assert line == ("note: this run's learning rate schedule (50 optimizer steps, warmup 2) is not the checkpoint's "
-                    "(4 optimizer steps, warmup 2): its step 1 trained at 0.0005, this schedule gives 0.0005 there, "
-                    "and the run goes on at 0.001")
-    assert schedule_change(1, 5e-4, {"total_steps": 50, "warmup_steps": 2}, 50, 1e-3, 2, 0.1) is None
-    assert schedule_change(1, 5e-4, None, 50, 1e-3, 2, 0.1) is None  # unrecorded: only the rate is compared
+    line = schedule_change(1, 5e-4, schedule_record(4, 2, 1e-3, 0.1), schedule_record(50, 2, 1e-3, 0.1))
+    assert line == ("note: this run's learning rate schedule (50 optimizer steps, warmup 2, peak 0.001, floor 0.0001) is "
+                    "not the checkpoint's (4 optimizer steps, warmup 2, peak 0.001, floor 0.0001): its step 1 trained at "
+                    "0.0005, this schedule gives 0.0005 there, and the run goes on at 0.001")
+    assert schedule_change(1, 5e-4, schedule_record(50, 2, 1e-3, 0.1), schedule_record(50, 2, 1e-3, 0.1)) is None
+    assert schedule_change(1, 5e-4, None, schedule_record(50, 2, 1e-3, 0.1)) is None  # unrecorded: the rate alone

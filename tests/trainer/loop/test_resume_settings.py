@@ -52,8 +52,8 @@ def test_a_resume_on_another_schedule_says_where_the_learning_rate_goes(data, tm
     assert trained == pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 3)), rel=1e-12)
     there = 3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 7))  # step 3 of 8: a seventh of the way
     next_lr = 3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(2 * math.pi / 7))
-    line = (f"note: this run's learning rate schedule (8 optimizer steps, warmup 1) is not the checkpoint's (4 optimizer "
-            f"steps, warmup 1): its step 3 trained at {trained:.4g}, this schedule gives {there:.4g} there, and the run goes on at {next_lr:.4g}")
+    line = (f"note: this run's learning rate schedule (8 optimizer steps, warmup 1, peak 0.003, floor 0.0003) is not the "
+            f"checkpoint's (4 optimizer steps, warmup 1, peak 0.003, floor 0.0003): its step 3 trained at {trained:.4g}, this schedule gives {there:.4g} there, and the run goes on at {next_lr:.4g}")
     assert line in longer.stdout.splitlines()
     last = torch.load(checkpoint_at(tmp_path / "longer", 8), weights_only=True)["optimizer"]["param_groups"][0]["lr"]
     assert last == pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(6 * math.pi / 7)), rel=1e-12)  # this schedule's
@@ -85,9 +85,24 @@ def test_a_resume_keeps_the_warmup_its_run_counted_at_its_first_start(data, tmp_
     lrs = {row["step"]: row["lr"] for row in rows if row["kind"] == "train"}
     # one warmup step, then 99 down the cosine from 3e-3 to 3e-4: step 2 is its start, step 3 a 99th of the way
     assert lrs == {2: 3e-3, 3: pytest.approx(3e-4 + 2.7e-3 * 0.5 * (1 + math.cos(math.pi / 99)), rel=1e-12)}
-    line = ("note: this run's learning rate schedule (100 optimizer steps, warmup 1) is not the checkpoint's (4 optimizer "
-            "steps, warmup 1): its step 1 trained at 0.003, this schedule gives 0.003 there, and the run goes on at 0.003")
+    line = ("note: this run's learning rate schedule (100 optimizer steps, warmup 1, peak 0.003, floor 0.0003) is not the "
+            "checkpoint's (4 optimizer steps, warmup 1, peak 0.003, floor 0.0003): its step 1 trained at 0.003, this "
+            "schedule gives 0.003 there, and the run goes on at 0.003")
     assert line in resumed.stdout.splitlines()
-    for folder, step, schedule in ((first, 1, {"total_steps": 4, "warmup_steps": 1}),
-                                   (longer, 3, {"total_steps": 100, "warmup_steps": 1})):
-        assert torch.load(checkpoint_at(folder, step), weights_only=True)["lr_schedule"] == schedule
+    for folder, step, total in ((first, 1, 4), (longer, 3, 100)):
+        assert torch.load(checkpoint_at(folder, step), weights_only=True)["lr_schedule"] == {
+            "total_steps": total, "warmup_steps": 1, "peak_lr": 3e-3, "min_lr_ratio": 0.1}
+
+
+def test_a_resume_with_another_floor_or_peak_during_the_warmup_says_so(data, tmp_path):
+    """In the warmup the rate does not depend on --min_lr_ratio: a resume there with another floor trains at the
+    checkpoint's rate for now, and its cosine ends elsewhere; the note says so, naming both schedules."""
+    first = tmp_path / "first"
+    run_trainer_in_process(flags(data, first, "--batch_size", "8", "--max_steps", "4", "--save_interval", "2"),
+                           check=True)
+    floor = run_trainer_in_process(flags(data, tmp_path / "floor", "--batch_size", "8", "--max_steps", "4",
+                                         "--min_lr_ratio", "0.5", "--resume_from", checkpoint_at(first, 2)), check=True)
+    line = ("note: this run's learning rate schedule (4 optimizer steps, warmup 10, peak 0.003, floor 0.0015) is not the "
+            "checkpoint's (4 optimizer steps, warmup 10, peak 0.003, floor 0.0003): its step 2 trained at 0.0006, this "
+            "schedule gives 0.0006 there, and the run goes on at 0.0009")
+    assert line in floor.stdout.splitlines()
