@@ -1,6 +1,6 @@
 """The log window's throughput: tokens per second over all processes, model FLOPs per second per
 process (model/flops.py) and, on a GPU, MFU against its datasheet peak
-(trainer/runtime/datasheets.py) and the most memory the window's steps had allocated."""
+(trainer/runtime/datasheets.py) and the most memory allocated since the line before."""
 
 from __future__ import annotations
 
