@@ -22,6 +22,16 @@ def schedule_record(total_steps: int, warmup_steps: int, peak_lr: float, min_lr_
     return {"total_steps": total_steps, "warmup_steps": warmup_steps, "peak_lr": peak_lr, "min_lr_ratio": min_lr_ratio}
 
 
+def recorded_schedule(value) -> dict | None:
+    """A checkpoint's `lr_schedule` where it is one (`schedule_record`'s keys, each a number: the
+    warmup a non-negative whole one), else None, as for a checkpoint that records none."""
+    if not isinstance(value, dict) or set(value) != {"total_steps", "warmup_steps", "peak_lr", "min_lr_ratio"}:
+        return None
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value.values())
+    warmup = value.get("warmup_steps")
+    return value if numbers and isinstance(warmup, int) and warmup >= 0 else None
+
+
 def described(schedule: dict) -> str:
     """A schedule record in words."""
     return (f"{schedule['total_steps']} optimizer steps, warmup {schedule['warmup_steps']}, peak "

@@ -24,6 +24,7 @@ from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
 from trainer.evaluation.selection import measured_on, measured_with, same_measurement
 from trainer.loop.health import StepHealth
+from trainer.loop.lr_schedule import recorded_schedule
 from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import group_settings, keep_run_settings
 from trainer.parallel import Parallelism
@@ -198,7 +199,7 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         rolled_back_from=None if fork else saved.get("rolled_back_from"),
         best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
         best_measured_on=saved.get("best_measured_on"),
-        evals_without_improvement=saved.get("evals_without_improvement", 0), lr_schedule=saved.get("lr_schedule"),
+        evals_without_improvement=saved.get("evals_without_improvement", 0), lr_schedule=recorded_schedule(saved.get("lr_schedule")),
     )
 
 

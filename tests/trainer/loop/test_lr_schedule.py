@@ -1,6 +1,6 @@
 """The learning rate schedule of a resume: which warmup it takes and when it says the schedule changed."""
 
-from trainer.loop.lr_schedule import run_warmup, schedule_change, schedule_record
+from trainer.loop.lr_schedule import recorded_schedule, run_warmup, schedule_change, schedule_record
 
 CHECKPOINT = schedule_record(4, 1, 1e-3, 0.1)  # the schedule a checkpoint records
 
@@ -20,3 +20,14 @@ def test_a_schedule_of_another_total_is_said_also_where_the_rate_at_the_checkpoi
                     "0.0005, this schedule gives 0.0005 there, and the run goes on at 0.001")
     assert schedule_change(1, 5e-4, schedule_record(50, 2, 1e-3, 0.1), schedule_record(50, 2, 1e-3, 0.1)) is None
     assert schedule_change(1, 5e-4, None, schedule_record(50, 2, 1e-3, 0.1)) is None  # unrecorded: the rate alone
+
+
+def test_a_checkpoint_s_schedule_is_taken_only_where_it_is_a_schedule_record():
+    """A damaged or foreign `lr_schedule` is read as none (the warmup is counted afresh), not a
+    TypeError at the start of the loop."""
+    assert recorded_schedule(CHECKPOINT) == CHECKPOINT
+    for damaged in (None, "4 steps", [4, 1, 1e-3, 0.1], {**CHECKPOINT, "warmup_steps": 1.5},
+                    {**CHECKPOINT, "warmup_steps": -1}, {**CHECKPOINT, "peak_lr": float("nan")},
+                    {**CHECKPOINT, "total_steps": True}, {**CHECKPOINT, "extra": 1},
+                    {k: v for k, v in CHECKPOINT.items() if k != "min_lr_ratio"}):
+        assert recorded_schedule(damaged) is None, damaged

@@ -10,6 +10,7 @@ import torch
 from tests.helpers.trainer_launch import TINY, checkpoint_at, flags, run_trainer_in_process
 from trainer.loop import loop
 
+DEFAULT_WARMUP = [*TINY[:TINY.index("--warmup_steps")], *TINY[TINY.index("--warmup_steps") + 2:]]  # 3% of the steps
 
 def test_a_resume_trains_with_its_own_weight_decay(data, tmp_path):
     """--weight_decay on a resume acts from the first resumed step, as --learning_rate does; the
@@ -65,7 +66,7 @@ def test_a_resume_keeps_the_warmup_its_run_counted_at_its_first_start(data, tmp_
     global batch or --epochs does the same) goes on down the cosine from the peak the checkpoint trained at, not
     into a warmup of 3 steps counted from the new total (step 2 at 2e-3, then back up to 3e-3). The note names
     both schedules, also where the rate at the checkpoint's step is the same on both."""
-    default_warmup = [*TINY[:TINY.index("--warmup_steps")], *TINY[TINY.index("--warmup_steps") + 2:]]
+    default_warmup = DEFAULT_WARMUP
     args = ["--batch_size", "8", "--min_lr_ratio", "0.1", "--epochs", "10"]
     first, longer = tmp_path / "first", tmp_path / "longer"
     run_trainer_in_process([*default_warmup, "--data_path", str(data / "train.jsonl"), "--save_dir", str(first), *args,
@@ -106,3 +107,29 @@ def test_a_resume_with_another_floor_or_peak_during_the_warmup_says_so(data, tmp
             "checkpoint's (4 optimizer steps, warmup 10, peak 0.003, floor 0.0003): its step 2 trained at 0.0006, this "
             "schedule gives 0.0006 there, and the run goes on at 0.0009")
     assert line in floor.stdout.splitlines()
+
+
+def test_a_checkpoint_whose_schedule_record_is_damaged_resumes_with_the_warmup_counted_afresh(data, tmp_path,
+                                                                                               monkeypatch):
+    """An `lr_schedule` that is no schedule record (here a string) is read as none: the resume of a
+    2-step run to 100 steps counts its warmup from its own total (3 steps), as for a checkpoint that
+    records no schedule, where the record would have kept the first start's (1); stopped after step 3."""
+    common = [*DEFAULT_WARMUP, "--data_path", str(data / "train.jsonl"), "--batch_size", "8", "--epochs", "10"]
+    first = tmp_path / "first"
+    run_trainer_in_process([*common, "--save_dir", str(first), "--max_steps", "2"], check=True)
+    saved = torch.load(checkpoint_at(first, 2), weights_only=True)
+    assert saved["lr_schedule"]["warmup_steps"] == 1
+    saved["lr_schedule"] = "2 steps"
+    torch.save(saved, tmp_path / "damaged.pt")
+    agree = loop.agree_on_step
+
+    def sigterm_after_step_3(run, *rest, **kwargs):
+        if run.state.step == 3:
+            run.preemption.requested, run.preemption.reason = True, "SIGTERM"
+        return agree(run, *rest, **kwargs)
+
+    monkeypatch.setattr(loop, "agree_on_step", sigterm_after_step_3)
+    run_trainer_in_process([*common, "--save_dir", str(tmp_path / "resumed"), "--max_steps", "100",
+                            "--save_interval", "0", "--resume_from", str(tmp_path / "damaged.pt")], check=True)
+    resumed = torch.load(checkpoint_at(tmp_path / "resumed", 3), weights_only=True)
+    assert resumed["lr_schedule"] == {"total_steps": 100, "warmup_steps": 3, "peak_lr": 3e-3, "min_lr_ratio": 0.1}
