@@ -12,6 +12,18 @@ from trainer.loop import loop
 
 DEFAULT_WARMUP = [*TINY[:TINY.index("--warmup_steps")], *TINY[TINY.index("--warmup_steps") + 2:]]  # 3% of the steps
 
+
+def stop_after_step(monkeypatch, step: int) -> None:
+    """The next run in this process stops after `step` as after a SIGTERM, with a resume checkpoint."""
+    agree = loop.agree_on_step
+
+    def sigterm_after(run, *rest, **kwargs):
+        if run.state.step == step:
+            run.preemption.requested, run.preemption.reason = True, "SIGTERM"
+        return agree(run, *rest, **kwargs)
+
+    monkeypatch.setattr(loop, "agree_on_step", sigterm_after)
+
 def test_a_resume_trains_with_its_own_weight_decay(data, tmp_path):
     """--weight_decay on a resume acts from the first resumed step, as --learning_rate does; the
     checkpoint's optimizer groups (the run that wrote it) do not keep theirs."""
@@ -71,14 +83,7 @@ def test_a_resume_keeps_the_warmup_its_run_counted_at_its_first_start(data, tmp_
     first, longer = tmp_path / "first", tmp_path / "longer"
     run_trainer_in_process([*default_warmup, "--data_path", str(data / "train.jsonl"), "--save_dir", str(first), *args,
                             "--max_steps", "4", "--save_interval", "1", "--keep_last", "4"], check=True)
-    agree = loop.agree_on_step
-
-    def sigterm_after_step_3(run, *rest, **kwargs):
-        if run.state.step == 3:
-            run.preemption.requested, run.preemption.reason = True, "SIGTERM"
-        return agree(run, *rest, **kwargs)
-
-    monkeypatch.setattr(loop, "agree_on_step", sigterm_after_step_3)
+    stop_after_step(monkeypatch, 3)
     resumed = run_trainer_in_process([*default_warmup, "--data_path", str(data / "train.jsonl"), "--save_dir",
                                       str(longer), *args, "--max_steps", "100", "--save_interval", "0",
                                       "--resume_from", checkpoint_at(first, 1)], check=True)
@@ -121,14 +126,7 @@ def test_a_checkpoint_whose_schedule_record_is_damaged_resumes_with_the_warmup_c
     assert saved["lr_schedule"]["warmup_steps"] == 1
     saved["lr_schedule"] = "2 steps"
     torch.save(saved, tmp_path / "damaged.pt")
-    agree = loop.agree_on_step
-
-    def sigterm_after_step_3(run, *rest, **kwargs):
-        if run.state.step == 3:
-            run.preemption.requested, run.preemption.reason = True, "SIGTERM"
-        return agree(run, *rest, **kwargs)
-
-    monkeypatch.setattr(loop, "agree_on_step", sigterm_after_step_3)
+    stop_after_step(monkeypatch, 3)
     run_trainer_in_process([*common, "--save_dir", str(tmp_path / "resumed"), "--max_steps", "100",
                             "--save_interval", "0", "--resume_from", str(tmp_path / "damaged.pt")], check=True)
     resumed = torch.load(checkpoint_at(tmp_path / "resumed", 3), weights_only=True)
