@@ -275,17 +275,14 @@ def train(run: Run) -> str:
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
         logger.print(f"warning: --max_steps {args.max_steps} is more than the {total_steps} optimizer steps of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
-    nothing_left = nothing_left_to_train(run, total_steps)
-    if nothing_left:
-        logger.print(nothing_left)
-    elif note := schedule_change(state.step, run.resumed_lr, resumed, state.lr_schedule):
+    nothing_left = nothing_left_to_train(run, total_steps)  # said in place of the line below: nothing is trained
+    if not nothing_left and (note := schedule_change(state.step, run.resumed_lr, resumed, state.lr_schedule)):
         logger.print(note)
     run.model.train()
-    logger.print(
+    logger.print(nothing_left or (
         f"training {total_steps} optimizer steps from step {state.step}: {run.ctx.world_size} process(es) x "
         f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
-        f"device {run.ctx.device}{short_last_step(run)}"
-    )
+        f"device {run.ctx.device}{short_last_step(run)}"))
     interval = {"loss": torch.zeros((), device=run.ctx.device), "start": time.time(),
                 "throughput": Throughput(run.ctx.device, run.dtype, run.ctx.world_size),
                 "run_start": time.time(), "run_first_step": state.step,
