@@ -12,7 +12,7 @@ each process count N, N real processes (gloo on CPU, NCCL on CUDA):
    for FSDP: every block and the root fully_shard-ed; DDP keeps the whole model). "computed": the
    bytes of the weights a rank owns x 4 (weight, gradient, AdamW's two moments; all float32).
 2. allocate and initialise what the rank owns (`to_empty`: under FSDP only its shards), take one
-   real optimizer step with the trainer's `trainer/loop.optimizer_step` (one row of 64 random tokens,
+   real optimizer step with the trainer's `optimizer_step` (`trainer/loop/loop.py`; one row of 64 random tokens,
    float32, clipping) and, right after AdamW's update while the gradients still exist, add up the
    storages behind the parameters, their gradients and the optimizer state (`held_bytes`: a
    DTensor counts its local shard with FSDP's padding, a storage shared by several tensors counts
