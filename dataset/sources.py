@@ -182,9 +182,9 @@ BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some editors write at the sta
 def check_data_file(path: Path) -> None:
     """Raise a one-line ``DataError`` if the data file is missing, a directory, a pipe or device
     (read several times: hashed, counted, tokenized), gzip or parquet under another suffix, UTF-16
-    text, one JSON array or document spread over lines (a ``.json`` file must be JSON Lines too),
-    has no non-blank line (a byte order mark alone is said to be one) or lines ended by carriage
-    returns alone."""
+    text, one JSON array (on one line, as ``json.dump`` writes it, or spread over lines) or document
+    spread over lines (a ``.json`` file must be JSON Lines too), has no non-blank line (a byte order
+    mark alone is said to be one) or lines ended by carriage returns alone."""
     if path.is_dir():
         raise DataError(f"{path}: is a directory; give a .jsonl, .jsonl.gz, .json or .parquet file here (only "
                         "--data_path takes a directory of shards)")
@@ -204,7 +204,7 @@ def check_data_file(path: Path) -> None:
     if b"\r" in first and not _is_json(first) and _is_json(first.split(b"\r")[0]):
         raise DataError(f"{path}: its lines end in a carriage return alone (\\r, no \\n): it reads as one line; "
                         "convert the line endings, e.g. tr '\\r' '\\n' < in.jsonl > out.jsonl")
-    if first.startswith(b"[") and not _is_json(first):
+    if first.startswith(b"[") and (not second or not _is_json(first)):  # the file's only line, or not JSON alone
         raise DataError(
             f"{path}: is one JSON array, not JSON Lines (one conversation object per line); "
             "convert it first, e.g. jq -c '.[]' in.json > out.jsonl"

@@ -58,6 +58,9 @@ def test_data_file_problems_are_named(tokenizer, tmp_path):
     (tmp_path / "array.json").write_text(json.dumps([make_chat(1), make_chat(2)], indent=1), encoding="utf-8")
     with pytest.raises(DataError, match=r"array\.json: is one JSON array, not JSON Lines"):
         build_cache_and_open(tmp_path / "array.json", tokenizer, 128)
+    (tmp_path / "line.json").write_text(json.dumps([make_chat(1), make_chat(2)]), encoding="utf-8")  # json.dump's
+    with pytest.raises(DataError, match=r"line\.json: is one JSON array, not JSON Lines .* jq -c '\.\[\]'"):
+        build_cache_and_open(tmp_path / "line.json", tokenizer, 128, bad_data="skip", num_proc=1)  # not a bad line
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b"\xef\xbb\xbf" + (json.dumps(make_chat(1)) + "\n" + json.dumps(make_chat(2)) + "\n").encode())
     assert len(build_cache_and_open(bom, tokenizer, 128, num_proc=1)) == 2
