@@ -108,7 +108,7 @@ def test_other_launch_styles_train_the_same_as_one_process(data, one_process_bat
 
 def test_srun_tasks_train_the_same_as_one_process(two_ranks_batch_4, one_process_batch_8):
     """The launch style of two_ranks_batch_4: srun's tasks (SLURM_* in their environment)."""
-    assert "2 process(es) x batch 4" in (two_ranks_batch_4 / "rank0.out").read_text(encoding="utf-8")
+    assert "2 processes x batch 4" in (two_ranks_batch_4 / "rank0.out").read_text(encoding="utf-8")
     assert_weights_equal(final_weights(two_ranks_batch_4 / "run"), final_weights(one_process_batch_8), atol=1e-5)
 
 
@@ -182,7 +182,7 @@ def test_two_torchrun_agents_as_two_nodes_train_together(data, one_process_batch
             p.kill()
         raise AssertionError("the two agents did not finish: " + " | ".join(p.communicate()[0][-2000:] for p in procs))
     assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "2 process(es) x batch 4" in outputs[0]
+    assert "2 processes x batch 4" in outputs[0]
     assert_weights_equal(final_weights(tmp_path / "nodes"), final_weights(one_process_batch_8), atol=1e-5)
 
 

@@ -280,7 +280,8 @@ def train(run: Run) -> str:
         logger.print(note)
     run.model.train()
     logger.print(nothing_left or (
-        f"training {total_steps} optimizer steps from step {state.step}: {run.ctx.world_size} process(es) x "
+        f"training {total_steps} optimizer step{'' if total_steps == 1 else 's'} from step {state.step}: "
+        f"{run.ctx.world_size} process{'' if run.ctx.world_size == 1 else 'es'} x "
         f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
         f"device {run.ctx.device}{short_last_step(run)}"))
     interval = {"loss": torch.zeros((), device=run.ctx.device), "start": time.time(),

@@ -186,7 +186,8 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         # Same sample stream, new per-rank randomness (dropout) for the new world size.
         setup_seed(run.args.seed + run.ctx.rank + saved["step"])
         run.logger.print(
-            f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} processes at "
+            f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} "
+            f"process{'' if run.ctx.world_size == 1 else 'es'} at "
             f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
         )
     fork = claim.forked_from
