@@ -302,7 +302,8 @@ def mixture_flags(folder, save_dir, weights=(1, 2), *extra) -> list[str]:
 
 def train_rows(save_dir) -> dict[int, dict]:
     rows = [json.loads(line) for line in open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8")]
-    return {row["step"]: {k: v for k, v in row.items() if k not in ("time", "tokens_per_s")}
+    timed = ("time", "tokens_per_s", "model_tflops_per_s")  # the clock's, which differ between runs
+    return {row["step"]: {k: v for k, v in row.items() if k not in timed}
             for row in rows if row["kind"] == "train"}
 
 
