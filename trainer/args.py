@@ -187,8 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(loop, "--learning_rate", type=float, default=5e-4, above=0, help="peak LR of the cosine schedule")
     add_flag(loop, "--min_lr_ratio", type=float, default=0.1, at_least=0, at_most=1,
              help="cosine floor as a fraction of the peak LR")
-    add_flag(loop, "--warmup_steps", type=int, default=None, at_least=0, help="default: 3%% of all steps, rounded, at least 1 (0 for a one-step run), counted at the run's first start "
-                  "and kept by its resumes")
+    add_flag(loop, "--warmup_steps", type=int, default=None, at_least=0,
+             help="default: 3%% of all steps, rounded, at least 1 (0 for a one-step run), counted at the run's first "
+                  "start; a resume without the flag keeps its checkpoint's")
     add_flag(loop, "--weight_decay", type=float, default=0.01, at_least=0, help="AdamW weight decay (matrices only)")
     add_flag(loop, "--grad_clip", type=float, default=1.0, at_least=0, help="clip the global gradient norm (0 = off)")
     loop.add_argument("--dtype", choices=DTYPES, default="auto",

@@ -191,6 +191,7 @@ def test_flags_that_do_nothing_here_are_said_and_a_run_ends_naming_its_model(dat
     assert ("nothing left to train: the checkpoint is at step 2 and the run ends at step 2 (--epochs 1, --max_steps 2); "
             "raise --epochs or --max_steps to train further") in again.stdout.splitlines()
     assert not [line for line in again.stdout.splitlines() if line.startswith("training ")]  # it says only that
+    assert not [line for line in again.stdout.splitlines() if line.startswith("warning: --warmup_steps")]
     shutil.rmtree(run / "model")  # the last line names no folder that is not there
     gone = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "2", "--from_resume", "1"),
                                   check=True)

@@ -33,7 +33,9 @@ from trainer.errors import CheckpointError, ConfigError, TrainingError
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, stopped_early, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
-from trainer.loop.lr_schedule import cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_too_long
+from trainer.loop.lr_schedule import (
+    cosine_lr, optimizer_steps, run_warmup, schedule_change, schedule_record, set_lr, warmup_too_long,
+)
 from trainer.loop.out_of_memory import out_of_memory, ran_out_of_memory, save_out_of_memory
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
@@ -270,17 +272,17 @@ def train(run: Run) -> str:
     total_steps, resumed = count_total_steps(run), state.lr_schedule  # the checkpoint's schedule (None: fresh)
     warmup, named = run_warmup(args.warmup_steps, resumed, state.step, total_steps)
     state.lr_schedule = schedule_record(total_steps, warmup, args.learning_rate, args.min_lr_ratio)
-    if too_long := warmup_too_long(warmup, named, total_steps, args.learning_rate):
+    nothing_left = nothing_left_to_train(run, total_steps)  # said in place of the lines below: nothing is trained
+    if not nothing_left and (too_long := warmup_too_long(warmup, named, total_steps, args.learning_rate)):
         logger.print(too_long)
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
-        logger.print(f"warning: --max_steps {args.max_steps} is more than the {total_steps} optimizer steps of --epochs "
+        logger.print(f"warning: --max_steps {args.max_steps} is more than the {optimizer_steps(total_steps)} of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
-    nothing_left = nothing_left_to_train(run, total_steps)  # said in place of the line below: nothing is trained
     if not nothing_left and (note := schedule_change(state.step, run.resumed_lr, resumed, state.lr_schedule)):
         logger.print(note)
     run.model.train()
     logger.print(nothing_left or (
-        f"training {total_steps} optimizer step{'' if total_steps == 1 else 's'} from step {state.step}: "
+        f"training {optimizer_steps(total_steps)} from step {state.step}: "
         f"{run.ctx.world_size} process{'' if run.ctx.world_size == 1 else 'es'} x "
         f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
         f"device {run.ctx.device}{short_last_step(run)}"))

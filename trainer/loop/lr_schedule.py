@@ -22,19 +22,35 @@ def schedule_record(total_steps: int, warmup_steps: int, peak_lr: float, min_lr_
     return {"total_steps": total_steps, "warmup_steps": warmup_steps, "peak_lr": peak_lr, "min_lr_ratio": min_lr_ratio}
 
 
+RECORD_KEYS = ("total_steps", "warmup_steps", "peak_lr", "min_lr_ratio")
+
+
 def recorded_schedule(value) -> dict | None:
-    """A checkpoint's `lr_schedule` where it is one (`schedule_record`'s keys, each a number: the
-    warmup a non-negative whole one), else None, as for a checkpoint that records none."""
-    if not isinstance(value, dict) or set(value) != {"total_steps", "warmup_steps", "peak_lr", "min_lr_ratio"}:
+    """A checkpoint's `lr_schedule` where it is one (`schedule_record`'s keys, each a finite number,
+    the warmup a non-negative whole one; other keys are left out), else None, as for a checkpoint
+    that records none."""
+    if not isinstance(value, dict) or not set(RECORD_KEYS) <= set(value):
         return None
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value.values())
-    warmup = value.get("warmup_steps")
-    return value if numbers and isinstance(warmup, int) and warmup >= 0 else None
+    record = {key: value[key] for key in RECORD_KEYS}
+    warmup = record["warmup_steps"]
+    finite = all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in record.values())
+    return record if finite and isinstance(warmup, int) and warmup >= 0 else None
+
+
+def _finite(number: int | float) -> bool:
+    try:
+        return math.isfinite(number)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def optimizer_steps(count: int) -> str:
+    return f"{count} optimizer step{'' if count == 1 else 's'}"
 
 
 def described(schedule: dict) -> str:
     """A schedule record in words."""
-    return (f"{schedule['total_steps']} optimizer steps, warmup {schedule['warmup_steps']}, peak "
+    return (f"{optimizer_steps(schedule['total_steps'])}, warmup {schedule['warmup_steps']}, peak "
             f"{schedule['peak_lr']:.4g}, floor {schedule['peak_lr'] * schedule['min_lr_ratio']:.4g}")
 
 
@@ -59,22 +75,24 @@ def schedule_change(step: int, resumed_lr: float | None, resumed: dict | None, s
 
 def run_warmup(flag: int | None, resumed: dict | None, step: int, total_steps: int) -> tuple[int, str]:
     """The run's warmup and how to name it: --warmup_steps where given; else, on a resume past step 0, the
-    warmup its run counted at its first start (`resumed`, the checkpoint's schedule), so that a recounted
-    total (another global batch, --epochs or --max_steps) moves the cosine but never sends a run past its
-    warmup into a new one, nor ends a warmup early; else 3% of `total_steps`."""
+    checkpoint's (`resumed`, its schedule: the warmup counted at the run's first start, or the flag of the
+    last start that gave one), so that a recounted total (another global batch, --epochs or --max_steps)
+    moves the cosine but never sends a run past its warmup into a new one, nor ends a warmup early; else
+    3% of `total_steps`."""
     if flag is not None:
         return flag, f"--warmup_steps {flag}"
     if resumed and step > 0:
-        return resumed["warmup_steps"], f"the warmup of {resumed['warmup_steps']} steps its run counted at its first start"
+        warmup = resumed["warmup_steps"]
+        return warmup, f"the warmup of {warmup} step{'' if warmup == 1 else 's'} of the checkpoint's schedule"
     warmup = default_warmup_steps(total_steps)
-    return warmup, f"the warmup of {warmup} steps"
+    return warmup, f"the warmup of {warmup} step{'' if warmup == 1 else 's'}"
 
 
 def warmup_too_long(warmup: int, named: str, total_steps: int, peak_lr: float) -> str | None:
     """The warning where the warmup (`named`) is longer than the run: the rate never reaches the peak."""
     if not warmup > total_steps > 0:
         return None
-    return (f"warning: {named} is longer than the run's {total_steps} optimizer steps: the learning rate ends at "
+    return (f"warning: {named} is longer than the run's {optimizer_steps(total_steps)}: the learning rate ends at "
             f"{cosine_lr(total_steps - 1, total_steps, peak_lr, warmup, 0):.3g}, below --learning_rate {peak_lr:g}")
 
 

@@ -18,8 +18,10 @@ class Throughput:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int):
         self.device, self.world_size = device, world_size
-        self.peak = datasheet_peak(device, dtype)  # None: a CPU, or a GPU outside the table
+        self.peak = datasheet_peak(device, dtype)  # None: a CPU, a GPU outside the table, float32 on TF32
         self.tokens = self.flops = 0
+        if device.type == "cuda":  # the first line's peak is of its steps, not of loading the model or checkpoint
+            torch.cuda.reset_peak_memory_stats(device)
 
     def add(self, real_tokens: int, flops: int) -> None:
         """One optimizer step's non-pad tokens and model FLOPs, summed over the processes."""

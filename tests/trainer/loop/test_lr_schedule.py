@@ -1,15 +1,22 @@
 """The learning rate schedule of a resume: which warmup it takes and when it says the schedule changed."""
 
-from trainer.loop.lr_schedule import recorded_schedule, run_warmup, schedule_change, schedule_record
+from trainer.loop.lr_schedule import recorded_schedule, run_warmup, schedule_change, schedule_record, warmup_too_long
 
 CHECKPOINT = schedule_record(4, 1, 1e-3, 0.1)  # the schedule a checkpoint records
 
 
 def test_a_resume_keeps_its_runs_warmup_unless_the_flag_gives_one_or_nothing_was_trained():
-    assert run_warmup(None, CHECKPOINT, 2, 100) == (1, "the warmup of 1 steps its run counted at its first start")
+    assert run_warmup(None, CHECKPOINT, 2, 100) == (1, "the warmup of 1 step of the checkpoint's schedule")
     assert run_warmup(7, CHECKPOINT, 2, 100) == (7, "--warmup_steps 7")
     assert run_warmup(None, CHECKPOINT, 0, 100) == (3, "the warmup of 3 steps")  # a step-0 checkpoint trained nothing
     assert run_warmup(None, None, 2, 100) == (3, "the warmup of 3 steps")  # a checkpoint that records no schedule
+
+
+def test_a_warmup_longer_than_the_run_is_said_in_the_singular_where_it_is_one_step():
+    assert warmup_too_long(5, "--warmup_steps 5", 1, 1e-3) == (
+        "warning: --warmup_steps 5 is longer than the run's 1 optimizer step: the learning rate ends at 0.0002, below "
+        "--learning_rate 0.001")
+    assert warmup_too_long(1, "the warmup of 1 step", 1, 1e-3) is None
 
 
 def test_a_schedule_of_another_total_is_said_also_where_the_rate_at_the_checkpoints_step_is_the_same():
@@ -26,8 +33,9 @@ def test_a_checkpoint_s_schedule_is_taken_only_where_it_is_a_schedule_record():
     """A damaged or foreign `lr_schedule` is read as none (the warmup is counted afresh), not a
     TypeError at the start of the loop."""
     assert recorded_schedule(CHECKPOINT) == CHECKPOINT
+    assert recorded_schedule({**CHECKPOINT, "cycles": 2}) == CHECKPOINT  # a key of another version: left out
     for damaged in (None, "4 steps", [4, 1, 1e-3, 0.1], {**CHECKPOINT, "warmup_steps": 1.5},
                     {**CHECKPOINT, "warmup_steps": -1}, {**CHECKPOINT, "peak_lr": float("nan")},
-                    {**CHECKPOINT, "total_steps": True}, {**CHECKPOINT, "extra": 1},
+                    {**CHECKPOINT, "total_steps": True}, {**CHECKPOINT, "total_steps": 10**400},
                     {k: v for k, v in CHECKPOINT.items() if k != "min_lr_ratio"}):
         assert recorded_schedule(damaged) is None, damaged

@@ -28,10 +28,11 @@ def test_a_gpu_window_adds_mfu_against_the_datasheet_and_the_peak_memory_then_re
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: resets.append(device))
     cuda = torch.device("cuda", 0)
     throughput = Throughput(cuda, torch.bfloat16, world_size=4)
+    assert resets == [cuda]  # the first window's peak is of its steps, not of the model's loading
     throughput.add(real_tokens=1000, flops=int(4 * 494.7e12))  # per process 494.7 TFLOP in 2 s: a quarter of 989.4
     assert throughput.figures(elapsed=2.0) == pytest.approx(
         {"tokens_per_s": 500.0, "model_tflops_per_s": 247.35, "mfu": 0.25, "max_memory_gib": 3.0})
-    assert resets == [cuda]
+    assert resets == [cuda, cuda]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B300")  # no datasheet
     assert "mfu" not in Throughput(cuda, torch.bfloat16, world_size=1).figures(elapsed=1.0)
 

@@ -35,11 +35,27 @@ def test_float32_is_compared_with_the_ieee_fp32_peak_and_unknown_gpus_have_no_da
     assert datasheet_for("NVIDIA GeForce GTX 1080") is None
 
 
-def test_a_run_s_peak_is_its_gpu_s_datasheet_figure_for_its_dtype_and_none_elsewhere(monkeypatch):
+@pytest.fixture
+def tf32_matmuls():
+    """Sets whether float32 matmuls run on TF32 tensor cores (what `apply_tf32_policy` sets; a run in
+    this process may have left it on); restored after the test."""
+    before = torch.backends.cuda.matmul.allow_tf32
+
+    def allow(on: bool) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = on
+
+    yield allow
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_a_run_s_peak_is_its_gpu_s_datasheet_figure_for_its_dtype_and_none_elsewhere(monkeypatch, tf32_matmuls):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda", 0)
+    tf32_matmuls(False)
     assert datasheet_peak(cuda, torch.bfloat16) == datasheet_peak(cuda, torch.float16) == 989.4e12
     assert datasheet_peak(cuda, torch.float32) == 67.0e12
+    tf32_matmuls(True)  # --tf32 1: float32 matmuls at TF32's rate, which the table does not hold
+    assert datasheet_peak(cuda, torch.float32) is None and datasheet_peak(cuda, torch.bfloat16) == 989.4e12
     assert datasheet_peak(torch.device("cpu"), torch.bfloat16) is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B300")
     assert datasheet_peak(cuda, torch.bfloat16) is None
