@@ -290,7 +290,7 @@ def train(run: Run) -> str:
                 "throughput": Throughput(run.ctx.device, run.dtype, run.ctx.world_size),
                 "run_start": time.time(), "run_first_step": state.step,
                 # a resume off the log grid: the first window averages only the steps since then
-                "resumed_at": state.step if state.step % args.log_interval else None,
+                "resumed_at": state.step if state.step % args.log_interval else None, "first_step": True,
                 # several training sources: their losses per log window
                 "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
     last_saved = last_eval = last_logged = state.step
@@ -316,7 +316,10 @@ def train(run: Run) -> str:
                 status = "preempted"
                 break
             taken = (result.grad_norm, lr)  # the last step's: a window that a stop cuts short logs them
-            if state.step % args.log_interval == 0 or state.step == total_steps:
+            log_due = state.step % args.log_interval == 0 or state.step == total_steps
+            if interval.pop("first_step", False) and not log_due:
+                leave_out_first_step(interval)
+            if log_due:
                 log_interval(run, interval, *taken, total_steps)
                 last_logged = state.step
             paused = time.time()  # evaluations and saves are no training: left out of the window's tokens/s
@@ -375,6 +378,18 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     return result
 
 
+def leave_out_first_step(interval: dict) -> None:
+    """The first step of a process also starts the DataLoader's workers, compiles (--use_compile 1),
+    selects kernels and fills the allocator: its time and work are left out of the first window's
+    throughput (tokens/s, model FLOPs/s, MFU) and of the ETA, and reported as `first_step_s`. Not
+    called where it is the window's only step."""
+    now = time.time()
+    interval["first_step_s"] = now - interval["start"]
+    interval["start"] = interval["run_start"] = now
+    interval["run_first_step"] += 1
+    interval["throughput"].clear()
+
+
 def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:
     """Read the window's flags and reduce its loss over ranks (the log line's host reads), then report."""
     state = run.state
@@ -394,6 +409,8 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
         "skipped_steps": state.skipped_steps,
         **(interval["sources"].figures(finite) if interval["sources"] else {}),  # loss/<source>, loss_tokens/<source>, ...
     }
+    if "first_step_s" in interval:
+        figures["first_step_s"] = interval.pop("first_step_s")
     if interval["resumed_at"] is not None:  # a shorter window than --log_interval: said on the line and the row
         figures.update(resumed_at_step=interval["resumed_at"], loss_steps=steps)
         interval["resumed_at"] = None

@@ -19,7 +19,7 @@ class Throughput:
     def __init__(self, device: torch.device, dtype: torch.dtype, world_size: int):
         self.device, self.world_size = device, world_size
         self.peak = datasheet_peak(device, dtype)  # None: a CPU, a GPU outside the table, float32 on TF32
-        self.tokens = self.flops = 0
+        self.clear()
         if device.type == "cuda":  # the first line's peak is of its steps, not of loading the model or checkpoint
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -27,6 +27,10 @@ class Throughput:
         """One optimizer step's non-pad tokens and model FLOPs, summed over the processes."""
         self.tokens += real_tokens
         self.flops += flops
+
+    def clear(self) -> None:
+        """Forget the work added so far (a window that starts again)."""
+        self.tokens = self.flops = 0
 
     def figures(self, elapsed: float) -> dict:
         """The window's figures over `elapsed` seconds of training; the next window starts empty. On a
@@ -38,5 +42,5 @@ class Throughput:
         if self.device.type == "cuda":
             figures["max_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.tokens = self.flops = 0
+        self.clear()
         return figures

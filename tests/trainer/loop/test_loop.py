@@ -84,6 +84,35 @@ def test_tokens_per_s_leaves_out_the_time_of_evaluations_and_saves(data, tmp_pat
     assert sorted(speeds) == [2, 4, 6] and min(speeds.values()) > 100, speeds  # their time counted in: under 0.01 after step 2
 
 
+def test_the_first_step_of_a_process_is_left_out_of_the_first_windows_throughput_and_the_eta(data, tmp_path,
+                                                                                            monkeypatch):
+    """The first step takes a million seconds on the loop's clock (as a compilation can take
+    minutes): the first line's tokens/s and the ETA are of the steps after it, and the row says how
+    long the first step took; a window of the first step alone keeps it (nothing else to count)."""
+    offset = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: time.time() + offset[0]))
+    agree = loop.agree_on_step
+
+    def slow_first_step(run, *args, **kwargs):
+        if run.state.step == 0:
+            offset[0] += 1e6
+        return agree(run, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "agree_on_step", slow_first_step)
+
+    def first_row(name, *extra):
+        done = run_trainer_in_process(flags(data, tmp_path / name, "--batch_size", "8", "--max_steps", "4",
+                                            "--save_interval", "0", *extra), check=True)
+        rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl", encoding="utf-8")]
+        return next(row for row in rows if row["kind"] == "train"), done.stdout
+
+    row, stdout = first_row("windows_of_2", "--log_interval", "2")
+    assert row["step"] == 2 and row["first_step_s"] >= 1e6 and row["tokens_per_s"] > 100, row
+    assert "step 2/4 (epoch 1/1) |" in stdout and "| eta 0m" in stdout.split("step 2/4", 1)[1].splitlines()[0]
+    row, _ = first_row("windows_of_1", "--log_interval", "1")
+    assert row["step"] == 1 and "first_step_s" not in row and row["tokens_per_s"] < 1, row
+
+
 def test_a_stop_between_log_lines_logs_the_steps_since_the_last_one(data, tmp_path, monkeypatch):
     """A SIGTERM during step 5 of --log_interval 4: the run stops after step 5 and saves it; step 5's
     loss is logged (its resume logs from step 6 on), the same as a run of --log_interval 1 logs it."""
