@@ -4,7 +4,9 @@
   tools) gets one of ``SYSTEM_PROMPTS`` in front (MiniMind: 0.2);
 * ``drop_empty_think_ratio``: in that fraction of the samples every empty think block
   (``<think>\\n\\n</think>\\n\\n``) of the assistant turns is removed (MiniMind removes them in 80%),
-  so the model learns to answer both with and without it.
+  so the model learns to answer both with and without it. A turn's block is where its loss span
+  starts; the same characters inside a reply are its text (``docs/data.md``: think tags after the
+  start of the content are trained as written) and stay.
 
 Both act on the token ids of the cache, at ``__getitem__`` time, drawn from a generator seeded by
 ``(seed, epoch, sample index)``: the cache does not depend on them, an epoch sees other draws
@@ -22,7 +24,7 @@ import numpy as np
 
 from .formats import Conversation, DataError
 from .prefix_tokens import encode_text
-from .rendering import render, tokenize_rendered
+from .rendering import loss_spans, render, span_mask, tokenize_rendered
 
 SYSTEM_PROMPTS = [
     "你是一个知识丰富的AI，尽力为用户提供准确的信息。",
@@ -72,8 +74,9 @@ class ChatAugmenter:
             self.system_head) else None
         self.empty_think = np.asarray(encode_text(tokenizer, EMPTY_THINK)[0], dtype=np.int64)
         if drop_empty_think_ratio:
-            text = render(tokenizer, Conversation(PROBE))
-            dropped = self._drop(np.asarray(plain, dtype=np.int64), np.ones(len(plain), dtype=bool))[0]
+            text, spans = loss_spans(tokenizer, Conversation(PROBE))
+            offsets = np.asarray(tokenize_rendered(tokenizer, Conversation(PROBE), text)[1], dtype=np.int64)
+            dropped = self._drop(np.asarray(plain, dtype=np.int64), span_mask(offsets.reshape(-1, 2), spans))[0]
             expected = encode_text(tokenizer, text.replace(EMPTY_THINK, ""))[0]
             if EMPTY_THINK not in text or dropped.tolist() != expected:
                 raise DataError("--drop_empty_think_ratio: the chat template and tokenizer give no separable empty think block")
@@ -147,11 +150,15 @@ class ChatAugmenter:
         return len(ids) >= len(head) and bool(self._open_system(ids[None, : len(head)])[0])
 
     def _drop(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``ids`` and ``mask`` without the empty think blocks that open a run of loss tokens (an
+        assistant turn's span); a block inside the run is reply text."""
         block = self.empty_think
         if len(ids) < len(block):
             return ids, mask
         windows = np.lib.stride_tricks.sliding_window_view(ids, len(block))
-        starts = np.flatnonzero((windows == block).all(axis=1) & mask[: len(windows)])
+        opens = mask.copy()
+        opens[1:] &= ~mask[:-1]
+        starts = np.flatnonzero((windows == block).all(axis=1) & opens[: len(windows)])
         keep = np.ones(len(ids), dtype=bool)
         last_end = -1
         for start in starts.tolist():

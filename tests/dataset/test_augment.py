@@ -88,3 +88,27 @@ def test_a_system_block_whose_text_starts_with_a_newline_gets_no_second_one(toke
     assert ds.prompt_room.tolist()[:len(rows)] == [-1] * len(rows)
     prefix = always.prefixes[always.draw(0, len(rows))[0]].tolist()
     assert ds[len(rows)]["input_ids"].tolist() == prefix + ds.tokens[ds.offsets[len(rows)]:].tolist()
+
+
+def test_dropping_empty_think_blocks_keeps_a_reply_text_that_spells_one(tokenizer, tmp_path):
+    """--drop_empty_think_ratio removes the think block each assistant turn opens with, not the same
+    characters written in a reply (prose about think tags, trained as written): a turn with reasoning
+    keeps its reply whole, and a turn without loses its own empty block only."""
+    from dataset import ChatAugmenter
+
+    spelled = "Thinking off:\n" + EMPTY_THINK + "then reply."
+    rows = [{"conversations": [{"role": "user", "content": "How?"},
+                               {"role": "assistant", "content": spelled, "reasoning_content": "Explain it."}]},
+            {"conversations": [{"role": "user", "content": "How?"}, {"role": "assistant", "content": spelled}]}]
+    path = write_lines(tmp_path / "a.jsonl", rows)
+    ds = build_cache_and_open(path, tokenizer, 256, num_proc=1,
+                              augmenter=ChatAugmenter(tokenizer, seed=0, drop_empty_think_ratio=1.0))
+    trained = [tokenizer.decode([t for t in ds[i]["labels"] if t != -100]) for i in range(2)]
+    assert trained == ["<think>\nExplain it.\n</think>\n\n" + spelled + "<|im_end|>", spelled + "<|im_end|>"]
+    from dataset.formats import parse_row
+    from dataset.rendering import render
+
+    text = render(tokenizer, parse_row(rows[1]))  # reasoning_content "": the template keeps the content whole
+    assert text.count(EMPTY_THINK) == 2
+    assert ds[1]["input_ids"].tolist() == tokenizer(text.replace(EMPTY_THINK, "", 1),
+                                                   add_special_tokens=False)["input_ids"]
