@@ -6,7 +6,8 @@
   (``<think>\\n\\n</think>\\n\\n``) of the assistant turns is removed (MiniMind removes them in 80%),
   so the model learns to answer both with and without it. A turn's block is where its loss span
   starts; the same characters inside a reply are its text (``docs/data.md``: think tags after the
-  start of the content are trained as written) and stay.
+  start of the content are trained as written) and stay. A sample whose only loss tokens are such
+  blocks keeps them (``_drop``).
 
 Both act on the token ids of the cache, at ``__getitem__`` time, drawn from a generator seeded by
 ``(seed, epoch, sample index)``: the cache does not depend on them, an epoch sees other draws
@@ -151,7 +152,9 @@ class ChatAugmenter:
 
     def _drop(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``ids`` and ``mask`` without the empty think blocks that open a run of loss tokens (an
-        assistant turn's span); a block inside the run is reply text."""
+        assistant turn's span); a block inside the run is reply text. A sample whose loss tokens are
+        all in such blocks (cut by ``max_seq_len`` right after one) keeps them: without, it would have
+        no loss token, and such a sample is never trained on."""
         block = self.empty_think
         if len(ids) < len(block):
             return ids, mask
@@ -165,6 +168,8 @@ class ChatAugmenter:
             if start >= last_end:
                 keep[start : start + len(block)] = False
                 last_end = start + len(block)
+        if not mask[keep].any():
+            return ids, mask
         return ids[keep], mask[keep]
 
 

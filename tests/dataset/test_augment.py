@@ -112,3 +112,24 @@ def test_dropping_empty_think_blocks_keeps_a_reply_text_that_spells_one(tokenize
     assert text.count(EMPTY_THINK) == 2
     assert ds[1]["input_ids"].tolist() == tokenizer(text.replace(EMPTY_THINK, "", 1),
                                                    add_special_tokens=False)["input_ids"]
+
+
+def test_a_sample_whose_only_loss_tokens_are_an_empty_think_block_keeps_it(tokenizer, tmp_path):
+    """A sample cut by --max_seq_len right after its first turn's empty think block carries loss on that
+    block alone: --drop_empty_think_ratio keeps it there, as a sample without a loss token is never
+    trained on; a sample with other loss tokens loses its blocks."""
+    from dataset import ChatAugmenter, encode_conversation
+    from dataset.formats import parse_row
+
+    row = {"conversations": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Red"},
+                             {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Blue"}]}
+    ids, mask = encode_conversation(tokenizer, parse_row(row), 1024)
+    cut = int(mask.argmax()) + 5  # the five tokens of <think>\n\n</think>\n\n
+    assert tokenizer.decode(ids[mask.argmax():cut]) == EMPTY_THINK
+    path = write_lines(tmp_path / "a.jsonl", [row])
+    always = ChatAugmenter(tokenizer, seed=0, drop_empty_think_ratio=1.0)
+    short = build_cache_and_open(path, tokenizer, cut, num_proc=1, augmenter=always, cache_dir=tmp_path / "c1")
+    assert short[0]["input_ids"].tolist() == ids[:cut].tolist()
+    assert tokenizer.decode([t for t in short[0]["labels"] if t != -100]) == EMPTY_THINK
+    longer = build_cache_and_open(path, tokenizer, cut + 2, num_proc=1, augmenter=always, cache_dir=tmp_path / "c2")
+    assert tokenizer.decode([t for t in longer[0]["labels"] if t != -100]) == "Red"
