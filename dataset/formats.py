@@ -18,7 +18,8 @@ messages may add ``reasoning_content`` (non-empty str, also split out of a leadi
 see ``_split_think``) and ``tool_calls`` (OpenAI form, ``arguments`` always a JSON object); tool
 messages may add ``name`` / ``tool_call_id``. Nothing the data carries is dropped silently: a
 message key we would not render is an error (``LineError``), unless its value is empty/null or it
-is pure metadata (``id``). A line holds one conversation and a tool call one form: both
+is metadata (``id``; a tool message's ``name`` and ``tool_call_id``, handed to the template, which
+may pair results with calls by order instead, as the shipped one does). A line holds one conversation and a tool call one form: both
 ``conversations`` and ``messages`` in a line, or a call's flat ``name``/``arguments`` beside its
 nested ``function``, is an error, since either could be the one meant (a null or empty one counts
 as absent, as pandas and HF exports write a key a row lacks). A tool call is rendered as
