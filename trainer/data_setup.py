@@ -220,7 +220,7 @@ def build_eval_sets(args, tokenizer, ctx, context: int) -> list[EvalSet]:
             num_workers=0,
             pin_memory=ctx.device.type == "cuda",  # as in training: the copy to the GPU waits for nothing
         )
-        examples = generation_examples(samples, args.eval_generate_samples, tokenizer)
+        examples = generation_examples(samples, args.eval_generate_samples, tokenizer, args.max_seq_len)
         if len(examples) < args.eval_generate_samples and ctx.rank == 0:
             why = (f"the file has only {len(samples)} conversations" if len(examples) == len(samples) else
                    f"only {len(examples)} of its {len(samples)} conversations end with a whole assistant turn "

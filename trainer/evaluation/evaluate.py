@@ -119,14 +119,21 @@ def generation_example(input_ids: np.ndarray, labels: np.ndarray, tokenizer, sto
     return GenerationExample(ids[:start], reference.content, reference.calls)
 
 
-def generation_examples(dataset, count: int, tokenizer) -> list[GenerationExample]:
-    """The first `count` usable samples of an (unpacked) SFT dataset as prompts and references."""
+def generation_examples(dataset, count: int, tokenizer, max_seq_len: int) -> list[GenerationExample]:
+    """The first `count` usable samples of an (unpacked) SFT dataset as prompts and references.
+
+    A sample of `max_seq_len` tokens gives none: the cache's truncation may have cut its later turns
+    away and left an earlier answer whole, which is not the conversation's last turn (the one
+    `scripts/eval_sft.py` judges, and whose kind sorts it into exact match or tool-call accuracy); the
+    tokens cannot tell that from a conversation that fills `max_seq_len` exactly."""
     stop_ids = stop_token_ids(tokenizer) if count else []
     examples = []
     for index in range(len(dataset)):
         if len(examples) >= count:
             break
         sample = dataset[index]
+        if len(sample["input_ids"]) >= max_seq_len:
+            continue
         example = generation_example(sample["input_ids"], sample["labels"], tokenizer, stop_ids)
         if example is not None:
             examples.append(example)

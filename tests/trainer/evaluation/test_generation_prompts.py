@@ -104,3 +104,33 @@ def test_generation_runs_compiled_blocks_eagerly_and_compiles_nothing():
     compile_model(model, torch.device("cpu"), backend=counter)
     assert greedy_generate(model, [[1, 5, 9], [1, 6]], 0, [2], 2, 5) == expected
     assert counter.frame_count == 0
+
+
+def test_a_conversation_whose_later_turns_max_seq_len_cut_gives_no_prompt_of_an_earlier_turn(tmp_path, capsys):
+    """--max_seq_len cuts the second question of a two-question conversation: its first answer is
+    whole in the sample, but it is not the conversation's last turn (which eval_sft.py judges, and
+    which decides whether a turn counts for exact match or tool-call accuracy): skipped, said in the
+    line, as a last turn cut in its middle is. The conversation that fits gives its last turn."""
+    import json
+    from types import SimpleNamespace
+
+    from dataset import load_tokenizer
+    from trainer.data_setup import build_eval_sets
+
+    tokenizer = load_tokenizer(None)
+    two = [{"role": "user", "content": "Capital of Lumbria?"}, {"role": "assistant", "content": "Velm"},
+           {"role": "user", "content": "And its flag colour? " + "Please answer in one word. " * 8},
+           {"role": "assistant", "content": "blue"}]
+    one = [{"role": "user", "content": "Sum of 2 and 3?"}, {"role": "assistant", "content": "5"}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"conversations": c}) + "\n" for c in (two, one)),
+                                         encoding="utf-8")
+    args = SimpleNamespace(eval_data_path=str(tmp_path / "eval.jsonl"), max_seq_len=48, bad_data="error",
+                           cache_dir=str(tmp_path / "cache"), packing=0, batch_size=2, eval_generate_samples=2,
+                           eval_max_new_tokens=4)
+    ctx = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    (eval_set,) = build_eval_sets(args, tokenizer, ctx, 512)
+    assert len(eval_set.loader.dataset) == 2  # both are samples: the loss counts the first answer
+    assert [(e.reference, e.reference_calls) for e in eval_set.examples] == [("5", [])]
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "[eval] eval: 1 generation prompts of the 2 asked for (--eval_generate_samples): only 1 of its 2 "
+        "conversations end with a whole assistant turn (the others were cut by --max_seq_len)")
