@@ -275,8 +275,9 @@ def format_table(result: dict) -> str:
         ("loss tokens", f"{result['num_loss_tokens']}"),
         ("loss", f"{result['loss']:.4f}"),
         ("perplexity", f"{result['perplexity']:.4f}"),
-        ("exact match", f"{result['exact_match']:.4f} ({result['num_correct']}/{result['num_replies']})"),
     ]
+    if result["num_replies"]:  # a figure of no reply turn is null in the JSON, and no row here
+        rows.append(("exact match", f"{result['exact_match']:.4f} ({result['num_correct']}/{result['num_replies']})"))
     if result["num_tool_call_turns"]:
         rows.append(("tool calls", f"{result['tool_call_accuracy']:.4f} "
                                    f"({result['num_tool_calls_correct']}/{result['num_tool_call_turns']})"))

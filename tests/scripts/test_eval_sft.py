@@ -96,6 +96,17 @@ def test_eval_table_escapes_control_characters_of_task_names():
     assert format_table(result).splitlines()[-2:] == ["by task           right/total", "  x\\ry\\x1b[2J\\x07 1/1"]
 
 
+def test_eval_table_of_a_file_without_reply_turns_has_no_exact_match_row_as_json_has_null():
+    from scripts.eval_sft import format_table
+
+    result = {"num_conversations": 1, "num_loss_tokens": 3, "loss": 0.5, "perplexity": 1.6487,
+              "exact_match": float("nan"), "num_correct": 0, "num_replies": 0, "tool_call_accuracy": 1.0,
+              "num_tool_calls_correct": 1, "num_tool_call_turns": 1, "by_task": {}}
+    assert format_table(result).splitlines() == [
+        "conversations  1", "loss tokens    3", "loss           0.5000", "perplexity     1.6487",
+        "tool calls     1.0000 (1/1)"]
+
+
 def test_batched_left_padded_greedy_equals_one_by_one(trained):
     from scripts.eval_sft import greedy_answers, read_examples
 
