@@ -224,7 +224,7 @@ def build_eval_sets(args, tokenizer, ctx, context: int) -> list[EvalSet]:
         if len(examples) < args.eval_generate_samples and ctx.rank == 0:
             why = (f"the file has only {len(samples)} conversations" if len(examples) == len(samples) else
                    f"only {len(examples)} of its {len(samples)} conversations end with a whole assistant turn "
-                   "(the others were cut by --max_seq_len)")
+                   "within --max_seq_len (the others reach it: it may have cut them)")
             print_escaped(f"[eval] {name}: {len(examples)} generation prompts of the {args.eval_generate_samples} "
                           f"asked for (--eval_generate_samples): {why}")
         cut = long_prompts([e.prompt_ids for e in examples], context, args.eval_max_new_tokens,

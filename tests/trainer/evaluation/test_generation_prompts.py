@@ -133,4 +133,5 @@ def test_a_conversation_whose_later_turns_max_seq_len_cut_gives_no_prompt_of_an_
     assert [(e.reference, e.reference_calls) for e in eval_set.examples] == [("5", [])]
     assert capsys.readouterr().out.splitlines()[-1] == (
         "[eval] eval: 1 generation prompts of the 2 asked for (--eval_generate_samples): only 1 of its 2 "
-        "conversations end with a whole assistant turn (the others were cut by --max_seq_len)")
+        "conversations end with a whole assistant turn within --max_seq_len (the others reach it: it may have cut "
+        "them)")
