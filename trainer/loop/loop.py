@@ -237,8 +237,10 @@ def save_best(run: Run) -> None:
     raise_on_every_rank(error, f"writing {BEST_DIR}/")
 
 
-def evaluate_and_select(run: Run) -> bool:
-    """Evaluate, log, keep the best model; True when early stopping says the run should end."""
+def evaluate_and_select(run: Run, steps_left: bool = True) -> bool:
+    """Evaluate, log, keep the best model; True when early stopping says the run should end, which
+    it says only where the run has `steps_left` (the last evaluation of a run that ends anyway stops
+    nothing)."""
     state, args = run.state, run.args
     settle(run)
     # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
@@ -252,6 +254,7 @@ def evaluate_and_select(run: Run) -> bool:
     new_best = stop = False
     if args.keep_best:
         new_best, stop = update_selection(state, args.keep_best, figures, args.early_stop_patience, run.measured_on)
+        stop = stop and steps_left
         if new_best:
             save_best(run)
     run.logger.log_eval(state.step, figures, args.keep_best, state.best_value, state.best_step, new_best)
@@ -325,7 +328,7 @@ def train(run: Run) -> str:
             paused = time.time()  # evaluations and saves are no training: left out of the window's tokens/s
             if run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0:
                 last_eval = state.step
-                if evaluate_and_select(run):
+                if evaluate_and_select(run, steps_left=state.step < total_steps):
                     status = "early_stopped"
                     interval["start"] += time.time() - paused
                     break
@@ -343,7 +346,7 @@ def train(run: Run) -> str:
     if status == "preempted":
         logger.print(f"{run.preemption.reason or 'a stop signal (on another rank)'} received: stopping at step {state.step} and saving a resume checkpoint")
     elif run.eval_sets and last_eval != state.step:
-        evaluate_and_select(run)
+        evaluate_and_select(run, steps_left=False)
     if last_saved != state.step or status == "preempted" or state.step == 0:
         save(run)
     finish_saves(run)

@@ -158,3 +158,26 @@ def test_an_early_stop_between_log_lines_logs_its_steps_without_the_evaluations_
     rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
     assert [(row["kind"], row["step"]) for row in rows] == [("eval", 3), ("early_stop", 3), ("train", 3)]
     assert rows[-1]["tokens_per_s"] > 100
+
+
+@pytest.mark.parametrize("max_steps", [4, 5], ids=["evaluation at the last step", "evaluation after the loop"])
+def test_patience_spent_at_the_last_evaluation_of_a_finished_run_stops_nothing(data, tmp_path, monkeypatch, max_steps):
+    """--early_stop_patience is spent at the run's last evaluation (step 4 of 4: in the loop; step 5
+    of 5: the evaluation after it): the run ends as finished, without an early-stop line or row."""
+    select = loop.update_selection
+
+    def spent_at_the_end(state, *args):
+        new_best, _ = select(state, *args)
+        return new_best, state.step == max_steps
+
+    monkeypatch.setattr(loop, "update_selection", spent_at_the_end)
+    run = tmp_path / "run"
+    done = run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", str(max_steps), "--log_interval",
+                                        "2", "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "2",
+                                        "--keep_best", "eval_loss", "--early_stop_patience", "3",
+                                        "--save_interval", "0"), check=True)
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
+    assert [row["step"] for row in rows if row["kind"] == "eval"][-1] == max_steps
+    assert not [row for row in rows if row["kind"] == "early_stop"]
+    assert "early stop" not in done.stdout and "stopped early" not in done.stdout
+    assert done.stdout.splitlines()[-1].startswith("done: the model is in ")
