@@ -125,7 +125,8 @@ def generation_examples(dataset, count: int, tokenizer, max_seq_len: int) -> lis
     A sample of `max_seq_len` tokens gives none: the cache's truncation may have cut its later turns
     away and left an earlier answer whole, which is not the conversation's last turn (the one
     `scripts/eval_sft.py` judges, and whose kind sorts it into exact match or tool-call accuracy); the
-    tokens cannot tell that from a conversation that fills `max_seq_len` exactly."""
+    tokens cannot tell that from a conversation that fills `max_seq_len` exactly. A change of this
+    rule is a new `selection.PROMPT_RULE`."""
     stop_ids = stop_token_ids(tokenizer) if count else []
     examples = []
     for index in range(len(dataset)):

@@ -29,6 +29,10 @@ from trainer.errors import SelectionError
 # The figures an evaluation reports, and whether a smaller value is better.
 METRICS = {"eval_loss": "min", "eval_token_accuracy": "max", "eval_exact_match": "max", "eval_tool_call_accuracy": "max"}
 GENERATED = ("eval_exact_match", "eval_tool_call_accuracy")  # reported only with --eval_generate_samples
+# The rule by which `evaluate.generation_examples` picks a held-out file's generation prompts (2: none
+# from a sample of --max_seq_len tokens), in `measured_on`: a best judged on prompts another rule
+# picked is not compared with this run's scores.
+PROMPT_RULE = 2
 
 
 def eval_set_names(paths: list[str]) -> list[str]:
@@ -95,8 +99,8 @@ def measured_on(eval_sets, metric: str, max_new_tokens: int) -> list[str]:
     the file NAME alone, else all of them, sorted: their sums do not depend on the order) its key
     (`EvalSet.data_key`) and how many of its rows are samples (another rule of bad rows may accept
     others), as "KEY of N samples"; for a metric of generated answers (GENERATED), also how many
-    answers (the first of each file, --eval_generate_samples) of at most how many tokens
-    (--eval_max_new_tokens) were judged. Values measured on other data cannot be compared
+    answers (the first of each file, --eval_generate_samples, picked by `PROMPT_RULE`) of at most how
+    many tokens (--eval_max_new_tokens) were judged. Values measured on other data cannot be compared
     (`same_measurement`)."""
     key, _, name = metric.partition("/")
     covered = [eval_set for eval_set in eval_sets if not name or eval_set.name == name]
@@ -104,7 +108,7 @@ def measured_on(eval_sets, metric: str, max_new_tokens: int) -> list[str]:
     if key not in GENERATED:
         return data
     answers = sum(eval_set.num_replies + eval_set.num_tool_turns for eval_set in covered)
-    return [*data, f"{answers} generated answers of at most {max_new_tokens} tokens"]
+    return [*data, f"{answers} generated answers (prompt rule {PROMPT_RULE}) of at most {max_new_tokens} tokens"]
 
 
 def same_measurement(recorded: list, current: list[str]) -> bool:

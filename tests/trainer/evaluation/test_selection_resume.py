@@ -22,9 +22,9 @@ def test_a_metric_is_measured_on_the_files_it_covers_and_a_generated_one_on_its_
     assert measured_on(eval_sets, "eval_loss", 64) == ["ka of 12 samples", "kb of 9 samples"]  # no answer generated
     assert measured_on(eval_sets, "eval_token_accuracy/b", 64) == ["kb of 9 samples"]
     assert measured_on(eval_sets, "eval_exact_match", 64) == [
-        "ka of 12 samples", "kb of 9 samples", "6 generated answers of at most 64 tokens"]
+        "ka of 12 samples", "kb of 9 samples", "6 generated answers (prompt rule 2) of at most 64 tokens"]
     assert measured_on(eval_sets, "eval_tool_call_accuracy/b", 8) == [
-        "kb of 9 samples", "4 generated answers of at most 8 tokens"]
+        "kb of 9 samples", "4 generated answers (prompt rule 2) of at most 8 tokens"]
 
 
 def test_a_record_of_keys_alone_is_compared_on_its_keys():
@@ -34,8 +34,11 @@ def test_a_record_of_keys_alone_is_compared_on_its_keys():
     assert not same_measurement(["ka of 11 samples"], ["ka of 12 samples"])
     assert not same_measurement(["kc"], ["ka of 12 samples"])
     assert not same_measurement(["ka"], ["ka of 12 samples", "kb of 9 samples"])
-    assert not same_measurement(["ka", "2 generated answers of at most 64 tokens"],
-                                ["ka of 12 samples", "2 generated answers of at most 8 tokens"])
+    assert not same_measurement(["ka", "2 generated answers (prompt rule 2) of at most 64 tokens"],
+                                ["ka of 12 samples", "2 generated answers (prompt rule 2) of at most 8 tokens"])
+    # a record of answers picked by the rule before PROMPT_RULE 2 (no rule named): other prompts
+    assert not same_measurement(["ka of 12 samples", "2 generated answers of at most 64 tokens"],
+                                ["ka of 12 samples", "2 generated answers (prompt rule 2) of at most 64 tokens"])
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +144,8 @@ def test_a_resume_with_other_generation_settings_starts_the_selection_of_a_gener
                  "--eval_generate_samples", "2", "--eval_data_path", str(data / "eval.jsonl")]
     run_trainer_in_process(flags(data, run, *generated, "--max_steps", "2"), check=True)
     old = json.loads((run / "best" / "best.json").read_text())
-    assert old["measured_on"] == [held_out_entry(data / "eval.jsonl", 16), "2 generated answers of at most 64 tokens"]
+    assert old["measured_on"] == [held_out_entry(data / "eval.jsonl", 16),
+                                  "2 generated answers (prompt rule 2) of at most 64 tokens"]
     resumed = run_trainer_in_process(flags(data, run, *generated, "--max_steps", "3", "--from_resume", "1",
                                            "--eval_max_new_tokens", "8"), check=True)
     [folder] = os.listdir(run / "set_aside")
@@ -154,7 +158,7 @@ def test_a_resume_with_other_generation_settings_starts_the_selection_of_a_gener
     [row] = [row for row in eval_rows(run)[0] if row["step"] == 3]
     assert (row["new_best"], row["best_step"], row["best_value"]) == (True, 3, row["eval_exact_match"])
     assert json.loads((run / "best" / "best.json").read_text())["measured_on"] == [
-        held_out_entry(data / "eval.jsonl", 16), "2 generated answers of at most 8 tokens"]
+        held_out_entry(data / "eval.jsonl", 16), "2 generated answers (prompt rule 2) of at most 8 tokens"]
 
 
 def stopping_early(data, save_dir, save_interval: int) -> list[str]:
