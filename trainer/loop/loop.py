@@ -293,7 +293,7 @@ def train(run: Run) -> str:
                 "throughput": Throughput(run.ctx.device, run.dtype, run.ctx.world_size),
                 "run_start": time.time(), "run_first_step": state.step,
                 # a resume off the log grid: the first window averages only the steps since then
-                "resumed_at": state.step if state.step % args.log_interval else None, "first_step": True,
+                "resumed_at": state.step if state.step % args.log_interval else None,
                 # several training sources: their losses per log window
                 "sources": SourceLosses(run.data.source_names, run.ctx.device) if len(run.data.source_names) > 1 else None}
     last_saved = last_eval = last_logged = state.step
@@ -320,8 +320,8 @@ def train(run: Run) -> str:
                 break
             taken = (result.grad_norm, lr)  # the last step's: a window that a stop cuts short logs them
             log_due = state.step % args.log_interval == 0 or state.step == total_steps
-            if interval.pop("first_step", False) and not log_due:
-                leave_out_first_step(interval)
+            if state.step == interval["run_first_step"] + 1:
+                first_step_done(run, interval)
             if log_due:
                 log_interval(run, interval, *taken, total_steps)
                 last_logged = state.step
@@ -381,16 +381,12 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     return result
 
 
-def leave_out_first_step(interval: dict) -> None:
-    """The first step of a process also starts the DataLoader's workers, compiles (--use_compile 1),
-    selects kernels and fills the allocator: its time and work are left out of the first window's
-    throughput (tokens/s, model FLOPs/s, MFU) and of the ETA, and reported as `first_step_s`. Not
-    called where it is the window's only step."""
-    now = time.time()
-    interval["first_step_s"] = now - interval["start"]
-    interval["start"] = interval["run_start"] = now
-    interval["run_first_step"] += 1
-    interval["throughput"].clear()
+def first_step_done(run: Run, interval: dict) -> None:
+    """Record the process's first step, which the throughput and the ETA leave out (throughput.py),
+    once the device has done it: on a GPU the one wait for the device outside log lines."""
+    if run.ctx.device.type == "cuda":
+        torch.cuda.synchronize(run.ctx.device)
+    interval["throughput"].first_step_done(time.time() - interval["start"])
 
 
 def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:
@@ -401,19 +397,18 @@ def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, t
     steps = sum(finite)
     loss_sum = all_reduce_sum(interval["loss"].clone()).item()
     elapsed = max(time.time() - interval["start"], 1e-9)
-    steps_this_run = max(state.step - interval["run_first_step"], 1)
-    seconds_per_step = (time.time() - interval["run_start"]) / steps_this_run  # ETA from the run's average
+    seconds_per_step = interval["throughput"].seconds_per_step(  # ETA from the run's average
+        time.time() - interval["run_start"], state.step - interval["run_first_step"])
     norm = float(grad_norm)
     figures = {  # None (JSON null) rather than NaN: every step was skipped / the last norm was not finite
         "loss": loss_sum / steps if steps else None,
         "lr": lr,
         "grad_norm": norm if math.isfinite(norm) else None,
-        **interval["throughput"].figures(elapsed),  # tokens_per_s, model_tflops_per_s; on a GPU mfu, max_memory_gib
+        # tokens_per_s, model_tflops_per_s, first_step_s where it is left out; on a GPU mfu, max_memory_gib
+        **interval["throughput"].figures(elapsed, len(finite)),
         "skipped_steps": state.skipped_steps,
         **(interval["sources"].figures(finite) if interval["sources"] else {}),  # loss/<source>, loss_tokens/<source>, ...
     }
-    if "first_step_s" in interval:
-        figures["first_step_s"] = interval.pop("first_step_s")
     if interval["resumed_at"] is not None:  # a shorter window than --log_interval: said on the line and the row
         figures.update(resumed_at_step=interval["resumed_at"], loss_steps=steps)
         interval["resumed_at"] = None

@@ -109,8 +109,18 @@ def test_the_first_step_of_a_process_is_left_out_of_the_first_windows_throughput
     row, stdout = first_row("windows_of_2", "--log_interval", "2")
     assert row["step"] == 2 and row["first_step_s"] >= 1e6 and row["tokens_per_s"] > 100, row
     assert "step 2/4 (epoch 1/1) |" in stdout and "| eta 0m" in stdout.split("step 2/4", 1)[1].splitlines()[0]
-    row, _ = first_row("windows_of_1", "--log_interval", "1")
-    assert row["step"] == 1 and "first_step_s" not in row and row["tokens_per_s"] < 1, row
+    row, stdout = first_row("windows_of_1", "--log_interval", "1")
+    assert row["step"] == 1 and "first_step_s" not in row and 0 < row["tokens_per_s"] < 1, row
+    assert "| eta 0m" in stdout.split("step 2/4", 1)[1].splitlines()[0]  # the ETAs after it leave it out
+
+    def sigterm_during_step_2(run, *args, **kwargs):
+        if run.state.step == 1:
+            run.preemption.requested, run.preemption.reason = True, "SIGTERM"
+        return slow_first_step(run, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "agree_on_step", sigterm_during_step_2)  # the window of --log_interval 2 cut at 1
+    row, _ = first_row("stopped_after_1", "--log_interval", "2")
+    assert row["step"] == 1 and "first_step_s" not in row and 0 < row["tokens_per_s"] < 1, row
 
 
 def test_a_stop_between_log_lines_logs_the_steps_since_the_last_one(data, tmp_path, monkeypatch):

@@ -17,8 +17,8 @@ def test_a_cpu_window_gives_tokens_and_model_flops_per_second_and_starts_the_nex
     throughput = Throughput(torch.device("cpu"), torch.bfloat16, world_size=2)
     throughput.add(real_tokens=300, flops=6 * 10**12)
     throughput.add(real_tokens=100, flops=2 * 10**12)
-    assert throughput.figures(elapsed=2.0) == {"tokens_per_s": 200.0, "model_tflops_per_s": 2.0}  # 8 TFLOP / 2 processes / 2 s
-    assert throughput.figures(elapsed=1.0) == {"tokens_per_s": 0.0, "model_tflops_per_s": 0.0}
+    assert throughput.figures(elapsed=2.0, steps=2) == {"tokens_per_s": 200.0, "model_tflops_per_s": 2.0}  # 8 TFLOP / 2 processes / 2 s
+    assert throughput.figures(elapsed=1.0, steps=0) == {"tokens_per_s": 0.0, "model_tflops_per_s": 0.0}
 
 
 def test_a_gpu_window_adds_mfu_against_the_datasheet_and_the_peak_memory_then_resets_it(monkeypatch):
@@ -30,11 +30,39 @@ def test_a_gpu_window_adds_mfu_against_the_datasheet_and_the_peak_memory_then_re
     throughput = Throughput(cuda, torch.bfloat16, world_size=4)
     assert resets == [cuda]  # the first window's peak is of its steps, not of the model's loading
     throughput.add(real_tokens=1000, flops=int(4 * 494.7e12))  # per process 494.7 TFLOP in 2 s: a quarter of 989.4
-    assert throughput.figures(elapsed=2.0) == pytest.approx(
+    assert throughput.figures(elapsed=2.0, steps=1) == pytest.approx(
         {"tokens_per_s": 500.0, "model_tflops_per_s": 247.35, "mfu": 0.25, "max_memory_gib": 3.0})
     assert resets == [cuda, cuda]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B300")  # no datasheet
-    assert "mfu" not in Throughput(cuda, torch.bfloat16, world_size=1).figures(elapsed=1.0)
+    assert "mfu" not in Throughput(cuda, torch.bfloat16, world_size=1).figures(elapsed=1.0, steps=1)
+
+
+def test_the_first_step_is_left_out_of_a_window_with_later_steps_and_of_every_eta_after_it():
+    throughput = Throughput(torch.device("cpu"), torch.float32, world_size=1)
+    throughput.add(real_tokens=10, flops=10**12)
+    throughput.first_step_done(seconds=100.0)  # loader start, compilation
+    throughput.add(real_tokens=30, flops=3 * 10**12)
+    throughput.add(real_tokens=30, flops=3 * 10**12)
+    assert throughput.seconds_per_step(106.0, steps=3) == 3.0  # (106 - 100) / 2
+    assert throughput.figures(elapsed=106.0, steps=3) == {
+        "tokens_per_s": 10.0, "model_tflops_per_s": 1.0, "first_step_s": 100.0}
+    throughput.add(real_tokens=30, flops=3 * 10**12)
+    assert throughput.figures(elapsed=3.0, steps=1) == {"tokens_per_s": 10.0, "model_tflops_per_s": 1.0}
+    assert throughput.seconds_per_step(109.0, steps=4) == 3.0
+
+
+def test_a_window_of_the_first_step_alone_keeps_it_and_later_etas_still_leave_it_out():
+    """--log_interval 1, or a stop right after the first step: that window's figures are of the first
+    step, not of no work at all; the ETAs after it leave it out all the same."""
+    throughput = Throughput(torch.device("cpu"), torch.float32, world_size=1)
+    assert throughput.seconds_per_step(50.0, steps=1) == 50.0
+    throughput.add(real_tokens=10, flops=10**12)
+    throughput.first_step_done(seconds=100.0)
+    assert throughput.seconds_per_step(100.0, steps=1) == 100.0
+    assert throughput.figures(elapsed=100.0, steps=1) == {"tokens_per_s": 0.1, "model_tflops_per_s": 0.01}
+    throughput.add(real_tokens=30, flops=3 * 10**12)
+    assert throughput.figures(elapsed=3.0, steps=1) == {"tokens_per_s": 10.0, "model_tflops_per_s": 1.0}
+    assert throughput.seconds_per_step(103.0, steps=2) == 3.0
 
 
 def test_the_step_agreement_counts_the_model_flops_of_its_micro_batches():
