@@ -140,10 +140,11 @@ class RunLogger:
 
     def log_eval(self, step: int, figures: dict, metric: str | None = None, best_value: float | None = None,
                  best_step: int | None = None, new_best: bool = False) -> None:
-        """One evaluation: a line per held-out file (the overall one first), one metrics.jsonl row."""
+        """One evaluation: a line per held-out file (the overall one first, then the files in the order
+        of `figures`: --eval_data_path's), one metrics.jsonl row."""
         if not self.enabled:
             return
-        for name in [None, *sorted({key.split("/", 1)[1] for key in figures if "/" in key})]:
+        for name in [None, *dict.fromkeys(key.split("/", 1)[1] for key in figures if "/" in key)]:
             suffix = f"/{name}" if name else ""
             parts = [f"eval step {step}" + (f" [{name}]" if name else "")]
             for key, label, spec in EVAL_FIGURES:

@@ -93,3 +93,12 @@ def test_use_wandb_without_wandb_installed_is_one_line_before_the_data_is_read(d
     result = run_trainer_in_process(flags(tmp_path, tmp_path / "run", "--max_steps", "1", "--use_wandb", "1"))
     assert (result.returncode, result.stderr) == (2, "error: --use_wandb 1: wandb is not installed (pip install wandb)\n")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run", "train.jsonl"]  # nothing tokenized
+
+
+def test_the_eval_lines_follow_the_held_out_files_in_the_order_given(tmp_path, capsys):
+    """--eval_data_path zeta.jsonl,alpha.jsonl: the overall line, then zeta's, then alpha's (the order of
+    the evaluation's figures), not sorted by name."""
+    logger = RunLogger(SimpleNamespace(save_dir=str(tmp_path), use_wandb=0), is_main=True)
+    logger.log_eval(4, {"eval_loss": 2.0, "eval_loss/zeta": 1.5, "eval_loss/alpha": 2.5})
+    assert capsys.readouterr().out.splitlines() == [
+        "eval step 4 | eval_loss 2.0000", "eval step 4 [zeta] | eval_loss 1.5000", "eval step 4 [alpha] | eval_loss 2.5000"]
