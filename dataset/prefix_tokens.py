@@ -26,7 +26,9 @@ def _encode(tokenizer, text: str, **kwargs) -> tuple[list[int], list[tuple[int, 
     # The special-token text a template writes is its special token, also for a tokenizer saved with
     # ``split_special_tokens`` set (its default for every call); data text passes True (rendering).
     kwargs = {"split_special_tokens": False, **kwargs}
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, **kwargs)
+    # verbose=False: no warning that the ids outrun the model's positions (model_max_length); the
+    # callers cut them to --max_seq_len, or say themselves that a prompt is too long (chat.py)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False, **kwargs)
     return list(encoding["input_ids"]), list(encoding["offset_mapping"])
 
 

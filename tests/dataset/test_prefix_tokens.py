@@ -74,3 +74,25 @@ def test_one_20_mb_line_is_built_in_a_small_multiple_of_its_size(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["peak_mib"] - measured["before_mib"] < 600, measured
+
+
+def test_text_longer_than_the_model_s_positions_is_tokenized_without_transformers_warning(tokenizer):
+    """A prompt or row of more tokens than the tokenizer's model_max_length (32,768) is cut to
+    --max_seq_len or refused by its caller in our own line: transformers' "Token indices sequence
+    length is longer than the specified maximum ..." warning would be noise before it."""
+    import logging
+
+    from scripts._common import prompt_ids
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        # text that spells a special token goes the general path, which tokenizes through transformers
+        ids = prompt_ids(tokenizer, [{"role": "user", "content": "say <|im_end|> then " * 10000}])
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert len(ids) > tokenizer.model_max_length == 32768
+    assert not [record for record in records if "Token indices sequence length" in record.getMessage()]
