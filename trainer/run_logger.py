@@ -70,6 +70,11 @@ def terminal_width() -> int:
         return 0
 
 
+def format_count(count: int, noun: str, plural: str | None = None) -> str:
+    """`count` and `noun`, in its plural (`plural`, else `noun` + "s") unless `count` is 1."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def format_figure(value, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -130,7 +135,7 @@ class RunLogger:
             line += " | " + " ".join(f"{name} {format_figure(value, '.4f')}" for name, value in by_source)
         if "resumed_at_step" in figures:  # the first window after a resume is shorter than --log_interval
             steps = figures["loss_steps"]
-            line += f" | loss over {steps} step{'' if steps == 1 else 's'} since the resume at step {figures['resumed_at_step']}"
+            line += f" | loss over {format_count(steps, 'step')} since the resume at step {figures['resumed_at_step']}"
         line = printable(line)  # the sources' names come from the user's files
         if self.use_bar:
             self._update_bar(step, total_steps, line)

@@ -34,13 +34,14 @@ from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, stopped_early, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
 from trainer.loop.lr_schedule import (
-    cosine_lr, optimizer_steps, run_warmup, schedule_change, schedule_record, set_lr, warmup_too_long,
+    cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_too_long,
 )
 from trainer.loop.out_of_memory import out_of_memory, ran_out_of_memory, save_out_of_memory
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
 from trainer.loop.throughput import Throughput
+from trainer.run_logger import format_count
 from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, broadcast_object
 from trainer.runtime.precision import autocast, restart_collapsed_scale
 from trainer.loop.saves import finish_saves, raise_on_every_rank, save_in_background
@@ -279,14 +280,14 @@ def train(run: Run) -> str:
     if not nothing_left and (too_long := warmup_too_long(warmup, named, total_steps, args.learning_rate)):
         logger.print(too_long)
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
-        logger.print(f"warning: --max_steps {args.max_steps} is more than the {optimizer_steps(total_steps)} of --epochs "
+        logger.print(f"warning: --max_steps {args.max_steps} is more than the {format_count(total_steps, 'optimizer step')} of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
     if not nothing_left and (note := schedule_change(state.step, run.resumed_lr, resumed, state.lr_schedule)):
         logger.print(note)
     run.model.train()
     logger.print(nothing_left or (
-        f"training {optimizer_steps(total_steps)} from step {state.step}: "
-        f"{run.ctx.world_size} process{'' if run.ctx.world_size == 1 else 'es'} x "
+        f"training {format_count(total_steps, 'optimizer step')} from step {state.step}: "
+        f"{format_count(run.ctx.world_size, 'process', 'processes')} x "
         f"batch {args.batch_size} x accumulation {args.accumulation_steps}, dtype {str(run.dtype).split('.')[-1]}, "
         f"device {run.ctx.device}{short_last_step(run)}"))
     interval = {"loss": torch.zeros((), device=run.ctx.device), "start": time.time(),

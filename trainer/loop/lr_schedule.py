@@ -6,6 +6,8 @@ checkpoint's step is the schedule's position.
 
 import math
 
+from trainer.run_logger import format_count
+
 
 def cosine_lr(step: int, total_steps: int, peak_lr: float, warmup_steps: int, min_lr_ratio: float) -> float:
     """LR for optimizer step `step` (0-based) of `total_steps`."""
@@ -17,12 +19,12 @@ def cosine_lr(step: int, total_steps: int, peak_lr: float, warmup_steps: int, mi
     return floor + (peak_lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+RECORD_KEYS = ("total_steps", "warmup_steps", "peak_lr", "min_lr_ratio")
+
+
 def schedule_record(total_steps: int, warmup_steps: int, peak_lr: float, min_lr_ratio: float) -> dict:
     """The schedule a run trains on, as its checkpoints record it (`lr_schedule`)."""
-    return {"total_steps": total_steps, "warmup_steps": warmup_steps, "peak_lr": peak_lr, "min_lr_ratio": min_lr_ratio}
-
-
-RECORD_KEYS = ("total_steps", "warmup_steps", "peak_lr", "min_lr_ratio")
+    return dict(zip(RECORD_KEYS, (total_steps, warmup_steps, peak_lr, min_lr_ratio)))
 
 
 def recorded_schedule(value) -> dict | None:
@@ -44,13 +46,9 @@ def _finite(number: int | float) -> bool:
         return False
 
 
-def optimizer_steps(count: int) -> str:
-    return f"{count} optimizer step{'' if count == 1 else 's'}"
-
-
 def described(schedule: dict) -> str:
     """A schedule record in words."""
-    return (f"{optimizer_steps(schedule['total_steps'])}, warmup {schedule['warmup_steps']}, peak "
+    return (f"{format_count(schedule['total_steps'], 'optimizer step')}, warmup {schedule['warmup_steps']}, peak "
             f"{schedule['peak_lr']:.4g}, floor {schedule['peak_lr'] * schedule['min_lr_ratio']:.4g}")
 
 
@@ -81,18 +79,16 @@ def run_warmup(flag: int | None, resumed: dict | None, step: int, total_steps: i
     3% of `total_steps`."""
     if flag is not None:
         return flag, f"--warmup_steps {flag}"
-    if resumed and step > 0:
-        warmup = resumed["warmup_steps"]
-        return warmup, f"the warmup of {warmup} step{'' if warmup == 1 else 's'} of the checkpoint's schedule"
-    warmup = default_warmup_steps(total_steps)
-    return warmup, f"the warmup of {warmup} step{'' if warmup == 1 else 's'}"
+    kept = bool(resumed) and step > 0
+    warmup = resumed["warmup_steps"] if kept else default_warmup_steps(total_steps)
+    return warmup, f"the warmup of {format_count(warmup, 'step')}" + (" of the checkpoint's schedule" if kept else "")
 
 
 def warmup_too_long(warmup: int, named: str, total_steps: int, peak_lr: float) -> str | None:
     """The warning where the warmup (`named`) is longer than the run: the rate never reaches the peak."""
     if not warmup > total_steps > 0:
         return None
-    return (f"warning: {named} is longer than the run's {optimizer_steps(total_steps)}: the learning rate ends at "
+    return (f"warning: {named} is longer than the run's {format_count(total_steps, 'optimizer step')}: the learning rate ends at "
             f"{cosine_lr(total_steps - 1, total_steps, peak_lr, warmup, 0):.3g}, below --learning_rate {peak_lr:g}")
 
 

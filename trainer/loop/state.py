@@ -29,7 +29,7 @@ from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import group_settings, keep_run_settings
 from trainer.parallel import Parallelism
 from trainer.parallel.ddp import unwrap
-from trainer.run_logger import RunLogger
+from trainer.run_logger import RunLogger, format_count
 from trainer.runtime.distributed import DistContext, all_gather_objects, rank0_value
 from trainer.runtime.precision import scaler_state_for_resume
 from trainer.runtime.preemption import PreemptionFlag
@@ -186,8 +186,7 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         # Same sample stream, new per-rank randomness (dropout) for the new world size.
         setup_seed(run.args.seed + run.ctx.rank + saved["step"])
         run.logger.print(
-            f"resuming a {saved['world_size']}-process run on {run.ctx.world_size} "
-            f"process{'' if run.ctx.world_size == 1 else 'es'} at "
+            f"resuming a {saved['world_size']}-process run on {format_count(run.ctx.world_size, 'process', 'processes')} at "
             f"epoch {saved['epoch'] + 1}, sample {saved['samples_in_epoch']}"
         )
     fork = claim.forked_from
@@ -200,7 +199,8 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         rolled_back_from=None if fork else saved.get("rolled_back_from"),
         best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
         best_measured_on=saved.get("best_measured_on"),
-        evals_without_improvement=saved.get("evals_without_improvement", 0), lr_schedule=recorded_schedule(saved.get("lr_schedule")),
+        evals_without_improvement=saved.get("evals_without_improvement", 0),
+        lr_schedule=recorded_schedule(saved.get("lr_schedule")),
     )
 
 
