@@ -36,7 +36,7 @@ def test_a_record_of_keys_alone_is_compared_on_its_keys():
     assert not same_measurement(["ka"], ["ka of 12 samples", "kb of 9 samples"])
     assert not same_measurement(["ka", "2 generated answers (prompt rule 2) of at most 64 tokens"],
                                 ["ka of 12 samples", "2 generated answers (prompt rule 2) of at most 8 tokens"])
-    # a record of answers picked by the rule before PROMPT_RULE 2 (no rule named): other prompts
+    # a record that names no prompt rule: answers picked by another rule, other prompts
     assert not same_measurement(["ka of 12 samples", "2 generated answers of at most 64 tokens"],
                                 ["ka of 12 samples", "2 generated answers (prompt rule 2) of at most 64 tokens"])
 

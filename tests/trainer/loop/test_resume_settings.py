@@ -102,7 +102,7 @@ def test_a_resume_keeps_the_warmup_its_run_counted_at_its_first_start(data, tmp_
 
 def test_a_resume_with_another_floor_or_peak_during_the_warmup_says_so(data, tmp_path):
     """In the warmup the rate does not depend on --min_lr_ratio: a resume there with another floor trains at the
-    checkpoint's rate for now, and its cosine ends elsewhere; the note says so, naming both schedules."""
+    checkpoint's rate for the rest of the warmup, and its cosine ends elsewhere; the note says so, naming both schedules."""
     first = tmp_path / "first"
     run_trainer_in_process(flags(data, first, "--batch_size", "8", "--max_steps", "4", "--save_interval", "2"),
                            check=True)
