@@ -144,12 +144,19 @@ class PackedDocuments:
 def causal_varlen_attn(q, k, v, cu_seqlens: torch.Tensor, max_length: int) -> torch.Tensor:
     """varlen_attn, causal within each document, on flat q [N, H, D] and k/v [N, H_kv, D], in the
     keywords this torch's varlen_attn takes: causality as `window_size=(-1, 0)` (or the older
-    `is_causal=True`); without `enable_gqa` the k/v heads are repeated up to q's."""
-    options = {"window_size": (-1, 0)} if _varlen_takes("window_size") else {"is_causal": True}
-    if _varlen_takes("enable_gqa"):
-        options["enable_gqa"] = True
-    elif k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    `is_causal=True`). The k/v heads go to the kernel as they are (FlashAttention 2 takes fewer
+    k/v heads than q heads and sums their gradients itself), with `enable_gqa` where the signature
+    has it; a signature with `window_size` and without `enable_gqa` checks no head count and runs
+    FlashAttention only. The oldest signature, which may run cuDNN's kernel (no GQA), gets the k/v
+    heads repeated up to q's."""
+    if _varlen_takes("window_size"):
+        options = {"window_size": (-1, 0)}
+        if _varlen_takes("enable_gqa"):
+            options["enable_gqa"] = True
+    else:
+        options = {"is_causal": True}
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, **options)
 
 

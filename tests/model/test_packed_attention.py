@@ -2,9 +2,11 @@
 in the keywords of the installed torch.
 
 torch's `varlen_attn` changed its signature between releases (2.10: `is_causal`; 2.11: keyword
-`window_size`, no GQA; later: `window_size` and `enable_gqa`). Each signature is stood in for by
-a CPU function of that signature that computes causal attention document by document, so the
-call is checked here against the bucketed SDPA path; tests/test_cuda.py runs the real kernel."""
+`window_size`, no `enable_gqa` keyword; later: `window_size` and `enable_gqa`). Each signature is
+stood in for by a CPU function of that signature that computes causal attention document by
+document, so the call is checked here against the bucketed SDPA path; tests/test_cuda.py runs the
+real kernel. 2.10 may run cuDNN's kernel, which takes no GQA; 2.11's runs FlashAttention 2 only,
+which takes fewer k/v heads than q heads without a keyword saying so."""
 
 import pytest
 import torch
@@ -32,7 +34,8 @@ def varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=F
 
 def varlen_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                 window_size=(-1, -1)):
-    return reference(query, key, value, cu_seq_q, window_size == (-1, 0), gqa=False)
+    assert key.shape[1] < query.shape[1], "2.11's FlashAttention takes the k/v heads unrepeated"
+    return reference(query, key, value, cu_seq_q, window_size == (-1, 0), gqa=True)
 
 
 def varlen_newer(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
