@@ -5,7 +5,10 @@ The shipped chat template (MiniMind's layout) renders an assistant turn as::
     <think>\\n{reasoning}\\n</think>\\n\\n{reply}\\n<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>...
 
 ``parse_reply`` splits generated text (what follows the generation prompt, which may already hold
-the opening ``<think>``) into reasoning, reply and calls. A call is right when its name is equal
+the opening ``<think>``) into reasoning, reply and calls. After a prompt whose think block is closed
+already (``prompt_closes_think``: the shipped template's generation prompt, thinking off, ends with
+``<think>\\n\\n</think>\\n\\n``) all of the text is the answer: a ``</think>`` the model writes
+there is answer text, and what precedes it is no reasoning. A call is right when its name is equal
 and its arguments are JSON-equal to the reference (``calls_match``: ``1`` equals ``1.0`` but not
 ``true``; the order of parallel calls does not matter). Used by ``scripts/eval_sft.py`` and
 ``scripts/chat.py``.
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from .formats import THINK_CLOSE, THINK_OPEN, loads
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+PROBE = "\ue000"  # a private-use character no template emits: marks where the user's text ends
 
 
 @dataclass
@@ -50,13 +54,23 @@ def parse_call(block: str) -> dict | None:
     return {"name": value["name"], "arguments": arguments}
 
 
-def parse_reply(text: str) -> Reply:
-    """Split generated assistant text into reasoning, reply text and tool calls."""
+def prompt_closes_think(tokenizer) -> bool:
+    """Whether the chat template's generation prompt ends with a closed think block (its last
+    ``</think>`` after its last ``<think>``), so that the model's text after it is all answer."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PROBE}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt = text[text.rindex(PROBE) + len(PROBE):]
+    return prompt.rfind(THINK_CLOSE) > prompt.rfind(THINK_OPEN)
+
+
+def parse_reply(text: str, think_closed: bool = False) -> Reply:
+    """Split generated assistant text into reasoning, reply text and tool calls; with
+    ``think_closed`` (the prompt closed the think block) all of it is reply and calls."""
     reasoning = ""
-    if THINK_CLOSE in text:
+    if not think_closed and THINK_CLOSE in text:
         head, _, text = text.partition(THINK_CLOSE)
         reasoning = head.split(THINK_OPEN)[-1].strip("\n")
-    elif text.lstrip().startswith(THINK_OPEN):  # an unclosed think block: all reasoning
+    elif not think_closed and text.lstrip().startswith(THINK_OPEN):  # an unclosed think block: all reasoning
         return Reply(text.lstrip()[len(THINK_OPEN):].strip("\n"), "")
     reply = Reply(reasoning, "")
     first = text.find("<tool_call>")

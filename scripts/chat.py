@@ -6,6 +6,8 @@
 
 The conversation is rendered with the tokenizer's chat template (``add_generation_prompt=True``)
 and generation stops at the eos token (``<|im_end|>``). ``--temperature 0`` is greedy decoding.
+After a generation prompt that closes the think block (the shipped template's: thinking off) all of
+the generated text is the answer, a ``</think>`` in it included.
 
 Tool calls the model writes (``<tool_call>`` blocks) are shown as ``tool call: NAME ARGUMENTS``
 lines. With ``--tools demo`` the demo tools (``dataset/demo_tools.py``: ``lookup_country``,
@@ -95,13 +97,17 @@ def generate_answer(model, tokenizer, messages: list[dict], args, streamer=None,
     return answer.strip(), messages
 
 
-def answer_with_tools(generate, messages: list[dict], run_tool, show) -> tuple[str, list[dict]]:
+def answer_with_tools(generate, messages: list[dict], run_tool, show,
+                      think_closed: bool = False) -> tuple[str, list[dict]]:
     """Generate until the model answers in text, running its tool calls in between.
 
     ``generate(messages)`` returns ``(generated text, the history it was given)``; ``run_tool(name,
     arguments)`` returns a tool message's text, or is ``None`` (calls are shown, not run); ``show``
-    prints one transcript line. Returns the answer and the history with the assistant's calls, the
-    tool results and the answer appended."""
+    prints one transcript line; ``think_closed``: the generation prompt closes the think block
+    (``dataset.tool_calls.prompt_closes_think``), so all of the generated text is answer and calls.
+    Returns the answer and the history with the assistant's calls, the tool results and the answer
+    appended."""
+    from dataset.formats import THINK_CLOSE
     from dataset.printable import printable
     from dataset.tool_calls import parse_reply
 
@@ -110,9 +116,10 @@ def answer_with_tools(generate, messages: list[dict], run_tool, show) -> tuple[s
 
     for _ in range(MAX_TOOL_ROUNDS):
         text, messages = generate(messages)
-        reply = parse_reply(text)
+        reply = parse_reply(text, think_closed)
         message = {"role": "assistant", "content": reply.content}
-        if reply.reasoning:
+        # an empty reasoning keeps a </think> of the answer as text (the template splits a content holding one)
+        if reply.reasoning or THINK_CLOSE in reply.content:
             message["reasoning_content"] = reply.reasoning
         for block in reply.bad_calls:
             say(f"tool call not understood (not a JSON name and arguments): {block}")
@@ -144,7 +151,10 @@ def demo_tools(args) -> tuple[list | None, object]:
 def interactive(model, tokenizer, args) -> None:
     from transformers import TextStreamer
 
+    from dataset.tool_calls import prompt_closes_think
+
     tools, run_tool = demo_tools(args)
+    think_closed = prompt_closes_think(tokenizer)
     system = [{"role": "system", "content": args.system or ""}] if args.system or tools else []
     history = list(system)
     # With tools the answer is printed after the calls are run, not streamed
@@ -172,7 +182,7 @@ def interactive(model, tokenizer, args) -> None:
             print("assistant> ", end="", flush=True)
         try:
             answer, history = answer_with_tools(generate, history + [{"role": "user", "content": text}], run_tool,
-                                                print)
+                                                print, think_closed)
         except ValueError as error:
             print(f"\nerror: {error}", file=sys.stderr)
             continue
@@ -187,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
+    from dataset.tool_calls import prompt_closes_think
+
     model, tokenizer = load_model_and_tokenizer(args)
     if args.prompt is None:
         interactive(model, tokenizer, args)
@@ -199,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         return generate_answer(model, tokenizer, history, args, tools=tools)
 
     try:
-        answer, _ = answer_with_tools(generate, messages, run_tool, lambda line: print(line, file=sys.stderr))
+        answer, _ = answer_with_tools(generate, messages, run_tool, lambda line: print(line, file=sys.stderr),
+                                      prompt_closes_think(tokenizer))
     except ValueError as error:
         fail(str(error))
     print(answer)

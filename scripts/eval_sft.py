@@ -11,7 +11,8 @@
   a call whether it is a ``tool_calls`` entry or ``<tool_call>`` text in the content. The trainer's
   ``--eval_generate_samples`` prompts end at the assistant header instead, so the model writes its
   own think block there (docs/evaluation.md). The greedy answer up to the end-of-turn token and the
-  reference are split into reasoning, reply and tool calls (``dataset.tool_calls``);
+  reference are split into reasoning, reply and tool calls (``dataset.tool_calls``); after a prompt
+  whose think block is closed (the shipped template's) the answer is all reply and calls;
 * exact match (conversations whose final turn is a reply): the reply must equal the reference
   after stripping whitespace, and the model must not call a tool;
 * tool-call accuracy (conversations whose final turn calls tools): the calls must be the
@@ -210,14 +211,16 @@ def greedy_answers(model, tokenizer, examples: list[Example], batch_size: int, m
     return [tokenizer.decode(answer, skip_special_tokens=True) for answer in answers]
 
 
-def score(answers: list[str], examples: list[Example]) -> dict:
-    """Exact match over the reply references, tool-call accuracy over the tool-call references."""
+def score(answers: list[str], examples: list[Example], think_closed: bool = False) -> dict:
+    """Exact match over the reply references, tool-call accuracy over the tool-call references;
+    `think_closed`: the prompts closed the think block (``dataset.tool_calls.prompt_closes_think``),
+    so all of an answer is reply and calls."""
     from trainer.evaluation.evaluate import answer_is_right  # the same judgement as the trainer's evaluation
 
     correct = calls_correct = num_calls = 0
     by_task: dict[str, list[int]] = {}
     for answer, example in zip(answers, examples):
-        right = answer_is_right(answer, example.reference, example.reference_calls)
+        right = answer_is_right(answer, example.reference, example.reference_calls, think_closed)
         if example.task is not None:
             counts = by_task.setdefault(example.task, [0, 0])
             counts[0] += right
@@ -242,6 +245,8 @@ def score(answers: list[str], examples: list[Example]) -> dict:
 def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new_tokens: int) -> dict:
     """The command's result for ``examples``: loss, perplexity, exact match, tool calls, per task.
     Examples without a loss token raise ``DataError`` (``assistant_loss``), before anything is generated."""
+    from dataset.tool_calls import prompt_closes_think
+
     loss, num_tokens = assistant_loss(model, examples, tokenizer.pad_token_id, batch_size)
     answers = greedy_answers(model, tokenizer, examples, batch_size, max_new_tokens)
     try:
@@ -251,7 +256,7 @@ def evaluate(model, tokenizer, examples: list[Example], batch_size: int, max_new
     return {
         "loss": loss,
         "perplexity": perplexity,
-        **score(answers, examples),
+        **score(answers, examples, prompt_closes_think(tokenizer)),  # the prompts are the template's
         "num_conversations": len(examples),
         "num_loss_tokens": num_tokens,
     }

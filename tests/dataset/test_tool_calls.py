@@ -1,6 +1,6 @@
 """dataset/tool_calls.py: generated text split into reasoning, reply and calls; calls compared."""
 
-from dataset.tool_calls import Reply, calls_match, json_equal, parse_reply
+from dataset.tool_calls import Reply, calls_match, json_equal, parse_reply, prompt_closes_think
 
 
 def test_a_reply_splits_into_reasoning_text_and_calls():
@@ -52,3 +52,25 @@ def test_a_bool_equals_only_a_bool_at_any_depth_in_any_order():
     for _ in range(5000):  # deeper than Python's recursion limit: walked, not recursed
         deep, deeper = [deep], [deeper]
     assert json_equal(deep, deeper)
+
+
+def test_after_a_closed_think_block_a_think_tag_is_answer_text():
+    # the shipped template's generation prompt (thinking off) closes the think block: a </think> the model
+    # writes after it is part of the answer, and what precedes it no reasoning
+    text = "I weigh it.</think>\n\nSable\n" + '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert parse_reply(text) == Reply("I weigh it.", "Sable", [{"name": "f", "arguments": {}}])
+    assert parse_reply(text, think_closed=True) == Reply("", "I weigh it.</think>\n\nSable",
+                                                         [{"name": "f", "arguments": {}}])
+    assert parse_reply("<think>\nstill", think_closed=True) == Reply("", "<think>\nstill")
+
+
+def test_a_prompt_closes_the_think_block_where_its_template_writes_an_empty_one():
+    from dataset import load_tokenizer
+    from tests.helpers.templates import PLAIN_CHATML, QWEN3_TEMPLATE, with_template
+
+    tokenizer = load_tokenizer(None)
+    assert prompt_closes_think(tokenizer)  # thinking off: <think>\n\n</think>\n\n
+    assert not prompt_closes_think(with_template(tokenizer, QWEN3_TEMPLATE))  # the model opens its own
+    assert not prompt_closes_think(with_template(tokenizer, PLAIN_CHATML))
+    opened = tokenizer.chat_template.replace("open_thinking is defined and open_thinking", "true")
+    assert not prompt_closes_think(with_template(tokenizer, opened))  # <think>\n: the model's reasoning follows

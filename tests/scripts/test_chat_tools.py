@@ -151,6 +151,32 @@ def test_chat_prompt_with_demo_tools_prints_calls_to_stderr_and_the_answer_to_st
                             'tool result: {"country": "Lumbria", "capital": "Sable"}\n')
 
 
+def test_after_the_templates_closed_think_block_the_answer_is_all_the_generated_text(tiny_model, monkeypatch, capsys):
+    # thinking off: the prompt ends with an empty think block, so a </think> the model writes is answer text,
+    # printed, and kept as text in the history (an empty reasoning_content: the template splits such a content)
+    import scripts.chat as chat
+
+    outputs = iter(["I weigh it.</think>\n\nSable", "6"])
+    histories = []
+
+    def scripted_generate(model, tokenizer, messages, args, streamer=None, tools=None):
+        histories.append(list(messages))
+        return next(outputs), messages
+
+    monkeypatch.setattr(chat, "generate_answer", scripted_generate)
+    assert chat.main(["--model_path", str(tiny_model), "--prompt", "Capital of Lumbria?", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == "I weigh it.</think>\n\nSable\n"
+    typed = iter(["Capital of Lumbria?", "2 times 3?", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt: next(typed))
+    monkeypatch.setattr(chat, "generate_answer", scripted_generate)
+    outputs = iter(["I weigh it.</think>\n\nSable", "6"])
+    assert chat.main(["--model_path", str(tiny_model), "--tools", "demo", "--device", "cpu"]) == 0
+    assert histories[-1][-2] == {"role": "assistant", "content": "I weigh it.</think>\n\nSable", "reasoning_content": ""}
+    tokenizer = load_tokenizer(None)
+    assert ("<|im_start|>assistant\n<think>\n\n</think>\n\nI weigh it.</think>\n\nSable<|im_end|>\n"
+            in tokenizer.decode(prompt_ids(tokenizer, histories[-1])))  # as the model saw and wrote it
+
+
 def test_chat_rejects_an_unknown_tool_set():
     result = subprocess.run([sys.executable, str(REPO / "scripts" / "chat.py"), "--model_path", "x", "--tools", "web"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -276,6 +276,24 @@ def test_a_tool_call_written_as_text_in_the_reference_is_scored_as_a_call(tmp_pa
             result["num_replies"]) == (2, 2, 1, 1)
 
 
+def test_after_the_templates_closed_think_block_an_answer_holding_a_think_tag_is_judged_whole(tmp_path, monkeypatch):
+    # the prompt ends with the empty think block (thinking off): "I add.</think>\n\n5" is all answer, not the
+    # reply "5" after reasoning; calls are read out of it as out of any answer
+    import scripts.eval_sft as eval_sft
+    from dataset import load_tokenizer
+
+    data = tmp_path / "calls.jsonl"
+    data.write_text("".join(json.dumps({"conversations": row}) + "\n" for row in CALL_ROWS), encoding="utf-8")
+    tokenizer = load_tokenizer(None)
+    examples = eval_sft.read_examples(data, tokenizer, 512)
+    answers = ["x</think>\n\n<tool_call>\n" + json.dumps(CALL) + "\n</tool_call>"] * 2 + ["I add.</think>\n\n5"]
+    monkeypatch.setattr(eval_sft, "assistant_loss", lambda *args: (1.0, 3))
+    monkeypatch.setattr(eval_sft, "greedy_answers", lambda *args: answers)
+    result = eval_sft.evaluate(None, tokenizer, examples, 2, 8)
+    assert (result["num_tool_calls_correct"], result["num_correct"]) == (2, 0)
+    assert eval_sft.score(answers, examples)["num_correct"] == 1  # after a prompt that leaves the block open
+
+
 def test_the_references_are_the_trainers_evaluation_ones_and_the_prompts_chats(tmp_path):
     # eval_sft.py judges by the trainer's references; its prompts are chat.py's (thinking off: the trainer's
     # prompt, which ends at the assistant header, and the template's empty think block)

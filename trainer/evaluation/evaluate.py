@@ -231,12 +231,13 @@ def exact_match(answer: str, reference: str) -> bool:
     return answer.strip() == reference.strip()
 
 
-def answer_is_right(answer: str, reference: str, reference_calls: list[dict]) -> bool:
-    """Judge one generated answer (text after the generation prompt; reasoning is split off).
+def answer_is_right(answer: str, reference: str, reference_calls: list[dict], think_closed: bool = False) -> bool:
+    """Judge one generated answer (text after the generation prompt; reasoning is split off, unless
+    `think_closed`: the prompt closed the think block, so all of the answer is reply and calls).
     A reference with tool calls: the answer makes the same calls (names equal, arguments
     JSON-equal, any order) and no malformed call. Otherwise: the reply equals the reference
     (exact match) and calls no tool."""
-    reply = parse_reply(answer)
+    reply = parse_reply(answer, think_closed)
     if reference_calls:
         return calls_match(reply.calls, reference_calls) and not reply.bad_calls
     return exact_match(reply.content, reference) and not (reply.calls or reply.bad_calls)
