@@ -8,7 +8,9 @@ The shipped chat template (MiniMind's layout) renders an assistant turn as::
 the opening ``<think>``) into reasoning, reply and calls. After a prompt whose think block is closed
 already (``prompt_closes_think``: the shipped template's generation prompt, thinking off, ends with
 ``<think>\\n\\n</think>\\n\\n``) all of the text is the answer: a ``</think>`` the model writes
-there is answer text, and what precedes it is no reasoning. A call is right when its name is equal
+there is answer text, and what precedes it is no reasoning. A call block left unclosed at the end
+(generation stopped) is a call where its JSON is whole and a malformed one where it was cut
+(``call_blocks``). A call is right when its name is equal
 and its arguments are JSON-equal to the reference (``calls_match``: ``1`` equals ``1.0`` but not
 ``true``; the order of parallel calls does not matter). Used by ``scripts/eval_sft.py`` and
 ``scripts/chat.py``.
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from .formats import THINK_CLOSE, THINK_OPEN, loads
 
+TOOL_CALL_CLOSE = "</tool_call>"
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 PROBE = "\ue000"  # a private-use character no template emits: marks where the user's text ends
 
@@ -63,6 +66,22 @@ def prompt_closes_think(tokenizer) -> bool:
     return prompt.rfind(THINK_CLOSE) > prompt.rfind(THINK_OPEN)
 
 
+def call_blocks(text: str) -> list[str]:
+    """The text inside each ``<tool_call>`` block of ``text``. The last one may be unclosed: generation
+    stopped (at the end-of-turn token, or at the token limit) before its ``</tool_call>`` or inside
+    it; what of the tag was written is left out, so that its JSON is read as a call where it is whole,
+    and as a malformed call where the stop cut it."""
+    blocks = []
+    for match in TOOL_CALL_RE.finditer(text):
+        block = match.group(1)
+        if not match.group(0).endswith(TOOL_CALL_CLOSE):
+            cut = next((size for size in range(len(TOOL_CALL_CLOSE) - 1, 0, -1)
+                        if block.endswith(TOOL_CALL_CLOSE[:size])), 0)
+            block = block[:len(block) - cut].rstrip()
+        blocks.append(block)
+    return blocks
+
+
 def parse_reply(text: str, think_closed: bool = False) -> Reply:
     """Split generated assistant text into reasoning, reply text and tool calls; with
     ``think_closed`` (the prompt closed the think block) all of it is reply and calls."""
@@ -76,7 +95,7 @@ def parse_reply(text: str, think_closed: bool = False) -> Reply:
     first = text.find("<tool_call>")
     reply.content = (text if first < 0 else text[:first]).strip()
     if first >= 0:
-        for block in TOOL_CALL_RE.findall(text[first:]):
+        for block in call_blocks(text[first:]):
             call = parse_call(block)
             if call is None:
                 reply.bad_calls.append(block)

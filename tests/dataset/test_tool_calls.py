@@ -74,3 +74,18 @@ def test_a_prompt_closes_the_think_block_where_its_template_writes_an_empty_one(
     assert not prompt_closes_think(with_template(tokenizer, PLAIN_CHATML))
     opened = tokenizer.chat_template.replace("open_thinking is defined and open_thinking", "true")
     assert not prompt_closes_think(with_template(tokenizer, opened))  # <think>\n: the model's reasoning follows
+
+
+def test_a_call_cut_off_at_the_end_is_a_call_where_its_json_is_whole_else_a_malformed_one():
+    # generation stopped at the token limit (anywhere) or at the end-of-turn token (after the JSON, no
+    # </tool_call>): a cut inside the JSON is a malformed call, one after it (in the tag too) the call
+    call = {"name": "f", "arguments": {"x": [1, "}"]}}
+    head, json_text = "Let me look.\n<tool_call>\n", '{"name": "f", "arguments": {"x": [1, "}"]}}'
+    whole = head + json_text + "\n</tool_call>"
+    for end in range(len(head), len(whole) + 1):
+        reply = parse_reply(whole[:end])
+        if end < len(head) + len(json_text):
+            assert reply.calls == [] and len(reply.bad_calls) == 1, whole[:end]
+        else:
+            assert (reply.calls, reply.bad_calls) == ([call], []), whole[:end]
+        assert reply.content == "Let me look."
