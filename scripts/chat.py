@@ -7,7 +7,10 @@
 The conversation is rendered with the tokenizer's chat template (``add_generation_prompt=True``)
 and generation stops at the eos token (``<|im_end|>``). ``--temperature 0`` is greedy decoding.
 After a generation prompt that closes the think block (the shipped template's: thinking off) all of
-the generated text is the answer, a ``</think>`` in it included.
+the generated text is the answer, a ``</think>`` in it included. The model's text is printed, streamed
+or not, with its control characters escaped as the transcript lines are (``dataset/printable.py``:
+``\\x1b[2J``, ``\\x07``, ``\\r`` shown as such; newlines and tabs kept), so that it cannot clear the
+screen, write the clipboard (OSC 52), ring the bell or overwrite a line.
 
 Tool calls the model writes (``<tool_call>`` blocks) are shown as ``tool call: NAME ARGUMENTS``
 lines. With ``--tools demo`` the demo tools (``dataset/demo_tools.py``: ``lookup_country``,
@@ -139,6 +142,20 @@ def answer_with_tools(generate, messages: list[dict], run_tool, show,
     return "", messages
 
 
+def escaped_streamer(tokenizer):
+    """A ``TextStreamer`` of the generated text (not the prompt) that prints it escaped (``printable``):
+    each character is escaped on its own, so a sequence the streamer prints in pieces is escaped whole."""
+    from transformers import TextStreamer
+
+    from dataset.printable import printable
+
+    class EscapedStreamer(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            super().on_finalized_text(printable(text), stream_end)
+
+    return EscapedStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
 def demo_tools(args) -> tuple[list | None, object]:
     """(the tools offered in the prompt, the function that runs a call) for ``--tools``."""
     if args.tools == "demo":
@@ -149,8 +166,7 @@ def demo_tools(args) -> tuple[list | None, object]:
 
 
 def interactive(model, tokenizer, args) -> None:
-    from transformers import TextStreamer
-
+    from dataset.printable import printable
     from dataset.tool_calls import prompt_closes_think
 
     tools, run_tool = demo_tools(args)
@@ -158,7 +174,7 @@ def interactive(model, tokenizer, args) -> None:
     system = [{"role": "system", "content": args.system or ""}] if args.system or tools else []
     history = list(system)
     # With tools the answer is printed after the calls are run, not streamed
-    streamer = None if tools else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    streamer = None if tools else escaped_streamer(tokenizer)
 
     def generate(messages):
         return generate_answer(model, tokenizer, messages, args, streamer, tools)
@@ -187,7 +203,7 @@ def interactive(model, tokenizer, args) -> None:
             print(f"\nerror: {error}", file=sys.stderr)
             continue
         if streamer is None:
-            print(f"assistant> {answer}")
+            print(f"assistant> {printable(answer)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.seed is not None:
         torch.manual_seed(args.seed)
+    from dataset.printable import printable
     from dataset.tool_calls import prompt_closes_think
 
     model, tokenizer = load_model_and_tokenizer(args)
@@ -215,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                                       prompt_closes_think(tokenizer))
     except ValueError as error:
         fail(str(error))
-    print(answer)
+    print(printable(answer))
     return 0
 
 

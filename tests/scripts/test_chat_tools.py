@@ -239,3 +239,30 @@ def test_control_characters_in_the_transcript_are_escaped():
     answer_with_tools(generate, [{"role": "user", "content": "x"}], lambda name, arguments: "r\r\x1b[0m\x07", lines.append)
     assert lines == ['tool call: calc\\ru\\x1b[2J\\x07 {"x": 1}', "tool result: r\\r\\x1b[0m\\x07",
                      "tool call not understood (not a JSON name and arguments): {bad\\r\\x1b[31m\\x07}"]
+
+
+def test_the_models_text_is_printed_with_its_control_characters_escaped(tiny_model, monkeypatch, capsys):
+    # a clear-screen, an OSC 52 clipboard write, a bell, a carriage return and a C1 CSI, streamed or not;
+    # newlines and tabs are kept
+    import scripts.chat as chat
+
+    text = "Hi\x1b[2J\x1b]52;c;aGk=\x07\rthere\n\tend\x9b"
+    shown = "Hi\\x1b[2J\\x1b]52;c;aGk=\\x07\\rthere\n\tend\\x9b"
+    tokenizer = load_tokenizer(None)
+
+    def scripted_generate(model, tokenizer, messages, args, streamer=None, tools=None):
+        if streamer is not None:  # fed as model.generate feeds it: the prompt, then one token at a time
+            streamer.put(torch.tensor([prompt_ids(tokenizer, messages)]))
+            for token in tokenizer.encode(text, add_special_tokens=False):
+                streamer.put(torch.tensor([token]))
+            streamer.end()
+        return text, messages
+
+    monkeypatch.setattr(chat, "generate_answer", scripted_generate)
+    assert chat.main(["--model_path", str(tiny_model), "--prompt", "hi", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == shown + "\n"
+    for tools in ([], ["--tools", "demo"]):  # streamed; answered after the calls are run
+        typed = iter(["hi", "/exit"])
+        monkeypatch.setattr("builtins.input", lambda prompt: next(typed))
+        assert chat.main(["--model_path", str(tiny_model), "--device", "cpu", *tools]) == 0
+        assert capsys.readouterr().out == "assistant> " + shown + "\n", tools
