@@ -34,7 +34,7 @@ from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, stopped_early, update_selection
 from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
 from trainer.loop.lr_schedule import (
-    cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_too_long,
+    cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_afresh, warmup_too_long,
 )
 from trainer.loop.out_of_memory import out_of_memory, ran_out_of_memory, save_out_of_memory
 from trainer.loop.save_clock import SaveClock
@@ -282,6 +282,8 @@ def train(run: Run) -> str:
     if args.max_steps > total_steps > state.step:  # the epochs end first: --max_steps is capped, said
         logger.print(f"warning: --max_steps {args.max_steps} is more than the {format_count(total_steps, 'optimizer step')} of --epochs "
                      f"{args.epochs}: the run ends at step {total_steps} (raise --epochs to train longer)")
+    if not nothing_left and (note := warmup_afresh(args.warmup_steps, resumed, state.step, named, total_steps)):
+        logger.print(note)
     if not nothing_left and (note := schedule_change(state.step, run.resumed_lr, resumed, state.lr_schedule)):
         logger.print(note)
     run.model.train()

@@ -39,6 +39,67 @@ def recorded_schedule(value) -> dict | None:
     return record if finite and isinstance(warmup, int) and warmup >= 0 else None
 
 
+def unrecorded_schedule(saved: dict, dataset_len: int, trained_lr: float | None) -> dict | None:
+    """The schedule of a checkpoint that records none (written before checkpoints recorded it, or with
+    a damaged record), from its own flags (`saved["args"]`): the run that wrote it counted at its start
+    its total of optimizer steps (those done and those left in its epochs at its global batch of
+    `saved["world_size"]` x --batch_size x --accumulation_steps samples, capped by --max_steps) and its
+    warmup (--warmup_steps, else 3% of that total). Counted from the checkpoint's position with those
+    flags, the total is that start's again: each step since then took one global batch (`_steps_left`
+    counts as `ResumableDistributedSampler` and the loop do). Taken only where it gives the rate the
+    checkpoint's last step trained at (`trained_lr`), else None: the warmup is then counted afresh."""
+    flags = saved.get("args")
+    if trained_lr is None or not isinstance(flags, dict):
+        return None
+    try:
+        world, batch, accumulation = saved["world_size"], flags["batch_size"], flags.get("accumulation_steps", 1)
+        step, epoch, start, epochs = saved["step"], saved["epoch"], saved["samples_in_epoch"], flags["epochs"]
+        max_steps, warmup = flags.get("max_steps") or 0, flags.get("warmup_steps")
+        peak, floor_ratio = flags["learning_rate"], flags["min_lr_ratio"]
+    except KeyError:
+        return None
+    counts = (world, batch, accumulation, step, epoch, start, epochs, max_steps)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) or min(
+            world, batch, accumulation) < 1 or step < 1:
+        return None
+    total = step
+    if epoch < epochs:
+        total += _steps_left(max(dataset_len - start, 0), world, batch, accumulation)
+        total += (epochs - epoch - 1) * _steps_left(dataset_len, world, batch, accumulation)
+    total = min(total, max_steps) if max_steps else total
+    record = recorded_schedule(schedule_record(total, default_warmup_steps(total) if warmup is None else warmup,
+                                               peak, floor_ratio))
+    if record is None or not math.isclose(cosine_lr(step - 1, *_curve(record)), trained_lr, rel_tol=1e-6,
+                                          abs_tol=1e-12):
+        return None
+    return record
+
+
+def _steps_left(samples: int, world: int, batch: int, accumulation: int) -> int:
+    """Optimizer steps over `samples` samples of an epoch: each process takes every world-th (the last
+    ones padded), in micro-batches of `batch`, `accumulation` of them a step (the last step the rest)."""
+    return _ceil(_ceil(_ceil(samples, world), batch), accumulation)
+
+
+def _ceil(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
+
+
+def _curve(schedule: dict) -> tuple:
+    """`cosine_lr`'s arguments after the step, from a schedule record."""
+    return schedule["total_steps"], schedule["peak_lr"], schedule["warmup_steps"], schedule["min_lr_ratio"]
+
+
+def warmup_afresh(flag: int | None, resumed: dict | None, step: int, named: str, total_steps: int) -> str | None:
+    """The note of a resume past step 0 whose checkpoint gives no schedule (`unrecorded_schedule` found
+    none its flags reproduce) and no --warmup_steps: its warmup (`named`) is 3% of this run's total,
+    which need not be the one the checkpoint's run counted."""
+    if flag is not None or resumed is not None or step == 0:
+        return None
+    return (f"note: the checkpoint records no learning rate schedule, nor one its flags reproduce: {named} is counted "
+            f"afresh, from this run's {format_count(total_steps, 'optimizer step')}")
+
+
 def _finite(number: int | float) -> bool:
     try:
         return math.isfinite(number)

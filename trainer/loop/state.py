@@ -24,7 +24,7 @@ from trainer.errors import CheckpointError, first_line
 from trainer.evaluation.evaluate import EvalSet
 from trainer.evaluation.selection import measured_on, measured_with, same_measurement
 from trainer.loop.health import StepHealth
-from trainer.loop.lr_schedule import recorded_schedule
+from trainer.loop.lr_schedule import recorded_schedule, unrecorded_schedule
 from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import group_settings, keep_run_settings
 from trainer.parallel import Parallelism
@@ -57,7 +57,8 @@ class TrainState:
     best_measured_on: list[str] | None = None  # the held-out data's keys (selection.measured_on); None: unknown
     evals_without_improvement: int = 0
     # The learning rate schedule the run trains on (lr_schedule.schedule_record, set by the loop at every start),
-    # whose warmup its resumes keep (lr_schedule.run_warmup); None: not started yet, or a checkpoint without it.
+    # whose warmup its resumes keep (lr_schedule.run_warmup); a checkpoint without it: the one its flags give
+    # (lr_schedule.unrecorded_schedule); None: not started yet, or a checkpoint whose flags give none.
     lr_schedule: dict | None = None
 
 
@@ -200,7 +201,8 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
         best_metric=saved_best_metric(saved), best_value=saved.get("best_value"), best_step=saved.get("best_step"),
         best_measured_on=saved.get("best_measured_on"),
         evals_without_improvement=saved.get("evals_without_improvement", 0),
-        lr_schedule=recorded_schedule(saved.get("lr_schedule")),
+        lr_schedule=recorded_schedule(saved.get("lr_schedule"))
+        or unrecorded_schedule(saved, run.data.sampler.dataset_len, run.resumed_lr),
     )
 
 

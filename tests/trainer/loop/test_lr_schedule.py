@@ -1,6 +1,12 @@
 """The learning rate schedule of a resume: which warmup it takes and when it says the schedule changed."""
 
-from trainer.loop.lr_schedule import recorded_schedule, run_warmup, schedule_change, schedule_record, warmup_too_long
+import itertools
+import math
+
+from trainer.loop.lr_schedule import (
+    cosine_lr, recorded_schedule, run_warmup, schedule_change, schedule_record, unrecorded_schedule, warmup_afresh,
+    warmup_too_long,
+)
 
 CHECKPOINT = schedule_record(4, 1, 1e-3, 0.1)  # the schedule a checkpoint records
 
@@ -39,3 +45,35 @@ def test_a_checkpoint_s_schedule_is_taken_only_where_it_is_a_schedule_record():
                     {**CHECKPOINT, "total_steps": True}, {**CHECKPOINT, "total_steps": 10**400},
                     {k: v for k, v in CHECKPOINT.items() if k != "min_lr_ratio"}):
         assert recorded_schedule(damaged) is None, damaged
+
+
+def test_a_checkpoint_without_a_record_gives_the_total_its_flags_counted_as_the_sampler_counts():
+    """`unrecorded_schedule` counts the steps left as the loop counts them on the sampler (each process
+    every world-th sample, padded; micro-batches; accumulation), for any processes and position."""
+    from dataset.sampler import ResumableDistributedSampler
+
+    for samples, world, batch, accumulation, start, epoch, epochs in itertools.product(
+            (1, 7, 50), (1, 2, 3), (1, 4), (1, 3), (0, 5), (0, 1), (2, 3)):
+        sampler = ResumableDistributedSampler(samples, num_replicas=world, rank=0)
+        sampler.set_start_index(start)
+        left = math.ceil(math.ceil(len(sampler) / batch) / accumulation)
+        sampler.set_start_index(0)
+        whole = math.ceil(math.ceil(len(sampler) / batch) / accumulation)
+        saved = {"world_size": world, "step": 3, "epoch": epoch, "samples_in_epoch": start,
+                 "args": {"batch_size": batch, "accumulation_steps": accumulation, "epochs": epochs, "max_steps": 0,
+                          "warmup_steps": 0, "learning_rate": 1e-3, "min_lr_ratio": 0.1}}
+        total = 3 + left + (epochs - epoch - 1) * whole
+        trained = cosine_lr(2, total, 1e-3, 0, 0.1)
+        assert unrecorded_schedule(saved, samples, trained) == schedule_record(total, 0, 1e-3, 0.1), saved
+        saved["args"]["max_steps"] = 4  # caps the total
+        capped = min(total, 4)
+        assert unrecorded_schedule(saved, samples, cosine_lr(2, capped, 1e-3, 0, 0.1))["total_steps"] == capped
+        assert unrecorded_schedule(saved, samples, 5e-4) is None  # the flags do not give the rate it trained at
+
+
+def test_a_resume_that_counts_its_warmup_afresh_says_so_in_one_line():
+    assert warmup_afresh(None, None, 2, "the warmup of 3 steps", 100) == (
+        "note: the checkpoint records no learning rate schedule, nor one its flags reproduce: the warmup of 3 steps "
+        "is counted afresh, from this run's 100 optimizer steps")
+    for flag, resumed, step in ((7, None, 2), (None, CHECKPOINT, 2), (None, None, 0)):  # a flag, a record, no step
+        assert warmup_afresh(flag, resumed, step, "the warmup of 3 steps", 100) is None

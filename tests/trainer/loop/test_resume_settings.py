@@ -114,20 +114,47 @@ def test_a_resume_with_another_floor_or_peak_during_the_warmup_says_so(data, tmp
     assert line in floor.stdout.splitlines()
 
 
-def test_a_checkpoint_whose_schedule_record_is_damaged_resumes_with_the_warmup_counted_afresh(data, tmp_path,
-                                                                                               monkeypatch):
-    """An `lr_schedule` that is no schedule record (here a string) is read as none: the resume of a
-    2-step run to 100 steps counts its warmup from its own total (3 steps), as for a checkpoint that
-    records no schedule, where the record would have kept the first start's (1); stopped after step 3."""
+def resume_without_the_record(data, tmp_path, monkeypatch, change, name: str):
+    """Resume to 100 steps, stopped after step 3, from the step-2 checkpoint of a 2-step run (default warmup: 1 step)
+    that `change` has edited; returns the trainer's output and the schedule its step-3 checkpoint records."""
     common = [*DEFAULT_WARMUP, "--data_path", str(data / "train.jsonl"), "--batch_size", "8", "--epochs", "10"]
     first = tmp_path / "first"
-    run_trainer_in_process([*common, "--save_dir", str(first), "--max_steps", "2"], check=True)
+    if not first.exists():
+        run_trainer_in_process([*common, "--save_dir", str(first), "--max_steps", "2"], check=True)
     saved = torch.load(checkpoint_at(first, 2), weights_only=True)
     assert saved["lr_schedule"]["warmup_steps"] == 1
-    saved["lr_schedule"] = "2 steps"
-    torch.save(saved, tmp_path / "damaged.pt")
+    change(saved)
+    torch.save(saved, tmp_path / f"{name}.pt")
     stop_after_step(monkeypatch, 3)
-    run_trainer_in_process([*common, "--save_dir", str(tmp_path / "resumed"), "--max_steps", "100",
-                            "--save_interval", "0", "--resume_from", str(tmp_path / "damaged.pt")], check=True)
-    resumed = torch.load(checkpoint_at(tmp_path / "resumed", 3), weights_only=True)
-    assert resumed["lr_schedule"] == {"total_steps": 100, "warmup_steps": 3, "peak_lr": 3e-3, "min_lr_ratio": 0.1}
+    done = run_trainer_in_process([*common, "--save_dir", str(tmp_path / name), "--max_steps", "100",
+                                   "--save_interval", "0", "--resume_from", str(tmp_path / f"{name}.pt")], check=True)
+    return done.stdout, torch.load(checkpoint_at(tmp_path / name, 3), weights_only=True)["lr_schedule"]
+
+
+def test_a_checkpoint_without_a_schedule_record_keeps_the_warmup_its_flags_counted(data, tmp_path, monkeypatch):
+    """A checkpoint that records no schedule (written before checkpoints recorded it, or whose `lr_schedule` is
+    damaged: read as none) gives the one its run trained on from its flags (--max_steps 2, the default warmup
+    of 1 step), which reproduce the rate its last step trained at: the resume to 100 steps keeps that warmup, as
+    it keeps a recorded one, where counting afresh would give 3 steps."""
+    for name, change in (("unrecorded", lambda saved: saved.pop("lr_schedule")),
+                         ("damaged", lambda saved: saved.update(lr_schedule="2 steps"))):
+        stdout, schedule = resume_without_the_record(data, tmp_path, monkeypatch, change, name)
+        assert schedule == {"total_steps": 100, "warmup_steps": 1, "peak_lr": 3e-3, "min_lr_ratio": 0.1}, name
+        assert "counted afresh" not in stdout
+        assert ("note: this run's learning rate schedule (100 optimizer steps, warmup 1, peak 0.003, floor 0.0003) is "
+                "not the checkpoint's (2 optimizer steps, warmup 1, peak 0.003, floor 0.0003)") in stdout, name
+
+
+def test_a_checkpoint_whose_flags_give_no_schedule_resumes_with_the_warmup_counted_afresh_and_says_so(
+        data, tmp_path, monkeypatch):
+    """No record, and flags whose schedule is not the one the checkpoint's last step trained at (here its rate is
+    edited): the warmup is 3% of this run's 100 steps, said in one line."""
+    def change(saved):
+        del saved["lr_schedule"]
+        for group in saved["optimizer"]["param_groups"]:
+            group["lr"] = 1e-3
+
+    stdout, schedule = resume_without_the_record(data, tmp_path, monkeypatch, change, "afresh")
+    assert schedule == {"total_steps": 100, "warmup_steps": 3, "peak_lr": 3e-3, "min_lr_ratio": 0.1}
+    assert ("note: the checkpoint records no learning rate schedule, nor one its flags reproduce: the warmup of 3 "
+            "steps is counted afresh, from this run's 100 optimizer steps") in stdout.splitlines()
