@@ -169,7 +169,10 @@ class ResumableDistributedSampler(Sampler[int]):
         return iter([remaining[p] if p < real else FillerIndex(remaining[p]) for p in positions])
 
     def __len__(self) -> int:
-        remaining = max(self.dataset_len - self.start_index, 0)
-        if self.drop_last:
-            return remaining // self.num_replicas
-        return -(-remaining // self.num_replicas)
+        return samples_per_replica(max(self.dataset_len - self.start_index, 0), self.num_replicas, self.drop_last)
+
+
+def samples_per_replica(samples: int, num_replicas: int, drop_last: bool = False) -> int:
+    """Each rank's share of `samples` samples: padded up to a multiple of `num_replicas`, or truncated
+    down with `drop_last`."""
+    return samples // num_replicas if drop_last else -(-samples // num_replicas)

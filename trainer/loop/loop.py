@@ -40,6 +40,7 @@ from trainer.loop.out_of_memory import out_of_memory, ran_out_of_memory, save_ou
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
+from trainer.loop.step_count import micro_batches, run_steps
 from trainer.loop.throughput import Throughput
 from trainer.run_logger import format_count
 from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, broadcast_object
@@ -60,36 +61,19 @@ def save(run: Run) -> None:
 # --------------------------------------------------------------------------- steps
 
 
-def micro_batches_in_epoch(run: Run, epoch: int, start: int) -> int:
-    """Each process's micro-batches in epoch `epoch` from sample `start` on."""
-    sampler = run.data.sampler
-    sampler.set_epoch(epoch)
-    sampler.set_start_index(start)
-    return math.ceil(len(sampler) / run.args.batch_size)
-
-
-def steps_in_epoch(run: Run, epoch: int, start: int) -> int:
-    return math.ceil(micro_batches_in_epoch(run, epoch, start) / run.args.accumulation_steps)
-
-
 def short_last_step(run: Run) -> str:
     """Where an epoch's micro-batches are no multiple of --accumulation_steps, its last optimizer step
     takes the rest, fewer rows, its loss the mean over its own tokens: said at the start, in words."""
-    accumulation = run.args.accumulation_steps
-    rest = micro_batches_in_epoch(run, run.state.epoch, 0) % accumulation
-    return f"; each epoch's last step accumulates {rest} of {accumulation} micro-batches" if rest else ""
+    args, sampler = run.args, run.data.sampler
+    rest = micro_batches(sampler.dataset_len, sampler.num_replicas, args.batch_size) % args.accumulation_steps
+    return f"; each epoch's last step accumulates {rest} of {args.accumulation_steps} micro-batches" if rest else ""
 
 
 def count_total_steps(run: Run) -> int:
-    """The steps left in this epoch (from its start index) and in every later one: an epoch's length
-    is the sampler's whole dataset, the same every epoch, so the later ones are counted once and
-    multiplied (a count per epoch would take hours at --epochs 10000000000)."""
-    state, args = run.state, run.args
-    natural = state.step
-    if state.epoch < args.epochs:
-        natural += steps_in_epoch(run, state.epoch, state.samples_in_epoch)
-        natural += (args.epochs - state.epoch - 1) * steps_in_epoch(run, state.epoch + 1, 0)
-    return min(natural, args.max_steps) if args.max_steps else natural
+    """The run's total of optimizer steps, from where it stands (trainer/loop/step_count.py)."""
+    state, args, sampler = run.state, run.args, run.data.sampler
+    return run_steps(sampler.dataset_len, sampler.num_replicas, args.batch_size, args.accumulation_steps,
+                     args.epochs, args.max_steps, state.step, state.epoch, state.samples_in_epoch)
 
 
 def nothing_left_to_train(run: Run, total_steps: int) -> str | None:

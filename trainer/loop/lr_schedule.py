@@ -6,6 +6,7 @@ checkpoint's step is the schedule's position.
 
 import math
 
+from trainer.loop.step_count import run_steps
 from trainer.run_logger import format_count
 
 
@@ -45,8 +46,8 @@ def unrecorded_schedule(saved: dict, dataset_len: int, trained_lr: float | None)
     its total of optimizer steps (those done and those left in its epochs at its global batch of
     `saved["world_size"]` x --batch_size x --accumulation_steps samples, capped by --max_steps) and its
     warmup (--warmup_steps, else 3% of that total). Counted from the checkpoint's position with those
-    flags, the total is that start's again: each step since then took one global batch (`_steps_left`
-    counts as `ResumableDistributedSampler` and the loop do). Taken only where it gives the rate the
+    flags, the total is that start's again: each step since then took one global batch (counted by
+    trainer/loop/step_count.py, as the loop counts). Taken only where it gives the rate the
     checkpoint's last step trained at (`trained_lr`), else None: the warmup is then counted afresh."""
     flags = saved.get("args")
     if trained_lr is None or not isinstance(flags, dict):
@@ -62,27 +63,13 @@ def unrecorded_schedule(saved: dict, dataset_len: int, trained_lr: float | None)
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts) or min(
             world, batch, accumulation) < 1 or step < 1:
         return None
-    total = step
-    if epoch < epochs:
-        total += _steps_left(max(dataset_len - start, 0), world, batch, accumulation)
-        total += (epochs - epoch - 1) * _steps_left(dataset_len, world, batch, accumulation)
-    total = min(total, max_steps) if max_steps else total
+    total = run_steps(dataset_len, world, batch, accumulation, epochs, max_steps, step, epoch, start)
     record = recorded_schedule(schedule_record(total, default_warmup_steps(total) if warmup is None else warmup,
                                                peak, floor_ratio))
     if record is None or not math.isclose(cosine_lr(step - 1, *_curve(record)), trained_lr, rel_tol=1e-6,
                                           abs_tol=1e-12):
         return None
     return record
-
-
-def _steps_left(samples: int, world: int, batch: int, accumulation: int) -> int:
-    """Optimizer steps over `samples` samples of an epoch: each process takes every world-th (the last
-    ones padded), in micro-batches of `batch`, `accumulation` of them a step (the last step the rest)."""
-    return _ceil(_ceil(_ceil(samples, world), batch), accumulation)
-
-
-def _ceil(numerator: int, denominator: int) -> int:
-    return -(-numerator // denominator)
 
 
 def _curve(schedule: dict) -> tuple:
