@@ -312,14 +312,18 @@ def train(run: Run) -> str:
             if log_due:
                 log_interval(run, interval, *taken, total_steps)
                 last_logged = state.step
+            eval_due = bool(run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0)
+            save_due = bool(args.save_interval and state.step % args.save_interval == 0) or run.save_clock.agreed
+            if eval_due or save_due:  # the steps queued on a GPU are training: the pause starts once they are done
+                wait_for_device(run.ctx.device)
             paused = time.time()  # evaluations and saves are no training: left out of the window's tokens/s
-            if run.eval_sets and args.eval_interval and state.step % args.eval_interval == 0:
+            if eval_due:
                 last_eval = state.step
                 if evaluate_and_select(run, steps_left=state.step < total_steps):
                     status = "early_stopped"
                     interval["start"] += time.time() - paused
                     break
-            if (args.save_interval and state.step % args.save_interval == 0) or run.save_clock.agreed:
+            if save_due:
                 save(run)
                 run.save_clock.saved()
                 last_saved = state.step
@@ -370,10 +374,18 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
 
 def first_step_done(run: Run, interval: dict) -> None:
     """Record the process's first step, which the throughput and the ETA leave out (throughput.py),
-    once the device has done it: on a GPU the one wait for the device outside log lines."""
-    if run.ctx.device.type == "cuda":
-        torch.cuda.synchronize(run.ctx.device)
+    once the device has done it."""
+    wait_for_device(run.ctx.device)
     interval["throughput"].first_step_done(time.time() - interval["start"])
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Wait until `device` has done the work queued on it, where the loop's clock must stop at the end
+    of the training work (the first step; before an evaluation or a save, whose time is left out of the
+    window's): a GPU runs the steps the host has queued after the host has moved on, a CPU's step is
+    done when its call returns."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def log_interval(run: Run, interval: dict, grad_norm: torch.Tensor, lr: float, total_steps: int) -> None:

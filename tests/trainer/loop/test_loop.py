@@ -84,6 +84,43 @@ def test_tokens_per_s_leaves_out_the_time_of_evaluations_and_saves(data, tmp_pat
     assert sorted(speeds) == [2, 4, 6] and min(speeds.values()) > 100, speeds  # their time counted in: under 0.01 after step 2
 
 
+@pytest.mark.parametrize("pause", [("--save_interval", "3"), ("--eval_interval", "3", "--save_interval", "0")],
+                         ids=["save", "evaluation"])
+def test_the_steps_a_gpu_still_runs_when_a_pause_starts_count_as_training(data, tmp_path, monkeypatch, pause):
+    """A GPU as the loop's clock sees one: the host queues a step and moves on, and the device's work
+    is done at the next wait for it (`wait_for_device`, or a host read of a device value: `settle`).
+    Step 3 queues a million seconds of work, and a save or an evaluation follows it between the log
+    lines of steps 2 and 4: those seconds are training, in the window of step 4, not the pause's."""
+    offset, queued = [0.0], [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(time=lambda: time.time() + offset[0]))
+
+    def device_done(*_):
+        offset[0], queued[0] = offset[0] + queued[0], 0.0
+
+    step, settle = loop.optimizer_step, loop.settle
+
+    def queued_step(run, *args, **kwargs):
+        result = step(run, *args, **kwargs)
+        queued[0] += 1e6 if run.state.step == 2 else 0.0  # step 3 (the count goes up after the step)
+        return result
+
+    def settle_after_the_device(run, *args, **kwargs):
+        device_done()
+        return settle(run, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "optimizer_step", queued_step)
+    monkeypatch.setattr(loop, "settle", settle_after_the_device)
+    monkeypatch.setattr(loop, "wait_for_device", device_done, raising=False)
+    run = tmp_path / "run"
+    run_trainer_in_process(flags(data, run, "--batch_size", "8", "--max_steps", "4", "--log_interval", "2",
+                                 "--eval_data_path", str(data / "eval.jsonl"), "--eval_interval", "0", *pause),
+                           check=True)
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl", encoding="utf-8")]
+    speeds = {row["step"]: row["tokens_per_s"] for row in rows if row["kind"] == "train"}
+    assert sorted(speeds) == [2, 4] and speeds[2] > 100, speeds
+    assert speeds[4] < 0.01, speeds  # 2 steps of 8 rows, under 1,600 real tokens, over more than a million seconds
+
+
 def test_the_first_step_of_a_process_is_left_out_of_the_first_windows_throughput_and_the_eta(data, tmp_path,
                                                                                             monkeypatch):
     """The first step takes a million seconds on the loop's clock (as a compilation can take
