@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.helpers.trainer_launch import REPO, clean_env, flags, run_trainer
 from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, tiny_run
-from trainer.checkpoint.background import BackgroundWriter, host_model, same_memory_key, to_host
+from trainer.checkpoint.background import BackgroundWriter, copies_done, host_model, same_memory_key, to_host
 from trainer.checkpoint.save_dir import checkpoint_path
 from trainer.errors import CheckpointError
 from trainer.loop import saves
@@ -81,6 +81,34 @@ def test_the_writer_thread_works_on_the_device_of_the_thread_that_submits(monkey
     assert writer.submit(lambda: calls.append(("job", threading.current_thread().name))) is None
     assert writer.wait() is None
     assert calls == [("set_device", 3, "minisft-checkpoint-writer"), ("job", "minisft-checkpoint-writer")]
+
+
+def test_on_a_gpu_the_writer_reads_the_host_copies_once_the_copies_queued_before_the_save_are_done(monkeypatch):
+    """The host copies are queued on the GPU (`to_host`): `copies_done` records an event on the
+    submitting thread's stream after them, and the writer thread waits on it before its job reads
+    them. A process that has not used CUDA (a CPU run) has nothing to wait for."""
+    calls = []
+
+    class Event:
+        def record(self):
+            calls.append(("record", threading.current_thread().name))
+
+        def synchronize(self):
+            calls.append(("synchronize", threading.current_thread().name))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert copies_done() is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+    writer = BackgroundWriter()
+    assert writer.submit(lambda: calls.append(("job", threading.current_thread().name)), copies_done()) is None
+    assert writer.wait() is None
+    here = threading.current_thread().name  # the training thread's
+    assert calls == [("record", here), ("set_device", 1), ("synchronize", "minisft-checkpoint-writer"),
+                     ("job", "minisft-checkpoint-writer")]
 
 
 class Gate:

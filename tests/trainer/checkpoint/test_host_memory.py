@@ -2,13 +2,16 @@
 exact sum of their sizes, each copy a storage of its own, so files written from them hold each
 tensor once."""
 
+import gc
 import io
 
+import pytest
 import torch
 from safetensors.torch import load, save
 
 from trainer.checkpoint.background import to_host
-from trainer.checkpoint.host_memory import ALIGN
+from trainer.checkpoint.host_memory import ALIGN, host_tensors
+from trainer.errors import TrainingError
 
 
 def _tree():
@@ -49,3 +52,50 @@ def test_a_cast_copy_is_laid_out_at_its_cast_size():
     copy = to_host({"a": torch.randn(40), "b": torch.randn(40)}, dtype=torch.bfloat16)
     assert copy["a"].dtype == torch.bfloat16 and copy["a"].untyped_storage().nbytes() == 80
     assert copy["b"].untyped_storage().data_ptr() - copy["a"].untyped_storage().data_ptr() == 128
+
+
+class FakeCudart:
+    """torch.cuda.cudart() as on a GPU machine: records what is page-locked and unlocked, and answers
+    `error` (a CUDA error code, 0 = success) to cudaHostRegister."""
+
+    def __init__(self, error: int = 0):
+        self.calls, self.error = [], error
+
+    def cudaHostRegister(self, address, size, flags):  # noqa: N802 - the CUDA runtime's name
+        self.calls.append(("register", address, size, flags))
+        return self.error
+
+    def cudaHostUnregister(self, address):  # noqa: N802
+        self.calls.append(("unregister", address))
+        return 0
+
+
+def test_the_block_of_gpu_copies_is_page_locked_once_and_unlocked_when_its_copies_are_freed(monkeypatch):
+    """The copies of a GPU's tensors: one cudaHostRegister of the whole block (4000 and 42 bytes,
+    each rounded to 64: 4096), at the first copy's address, default flags; one cudaHostUnregister
+    of that address once the last copy is freed, not before."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    first, second = host_tensors([(torch.Size([1000]), torch.float32), (torch.Size([3, 7]), torch.bfloat16)], pin=True)
+    address = first.data_ptr()
+    assert cudart.calls == [("register", address, 4096, 0)]
+    assert second.data_ptr() - address == 4032 and (first.shape, second.shape) == ((1000,), (3, 7))
+    del first
+    gc.collect()
+    assert cudart.calls == [("register", address, 4096, 0)]  # the block lives while one of its copies does
+    del second
+    gc.collect()
+    assert cudart.calls == [("register", address, 4096, 0), ("unregister", address)]
+    host_tensors([(torch.Size([1000]), torch.float32)], pin=False)  # a CPU run's copies: nothing locked
+    host_tensors([(torch.Size([0]), torch.float32)], pin=True)  # nothing to lock
+    assert len(cudart.calls) == 2
+
+
+def test_host_memory_that_cannot_be_page_locked_is_one_line_naming_the_size_and_the_cuda_error(monkeypatch):
+    cudart = FakeCudart(error=2)  # cudaErrorMemoryAllocation
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with pytest.raises(TrainingError) as failure:
+        host_tensors([(torch.Size([2**28]), torch.float32)], pin=True)
+    assert str(failure.value) == ("could not page-lock 1.00 GiB of host memory for the save's copies "
+                                  "(cudaHostRegister returned CUDA error 2)")
+    assert [call[0] for call in cudart.calls] == ["register"]  # nothing registered: nothing to unlock
