@@ -125,6 +125,20 @@ def test_an_evaluation_out_of_gpu_memory_is_one_line_too(data, tmp_path):
     )
 
 
+def test_several_processes_out_of_memory_in_their_first_forward_and_backward_say_it_in_one_line(data, tmp_path):
+    """With several processes the run's first forward and backward is DDP's, which settles its
+    gradient layout before step 1: a batch too large for the device runs out of memory there first.
+    Each rank stops with exit 1 and the one line of a step out of memory, no traceback."""
+    ranks = run_ranks_apart(FAULTY_TRAINER, flags(data, tmp_path / "run", "--batch_size", "2", "--max_steps", "4"),
+                            local_ranks=(0, 1), MINISFT_FAULT_OOM_LAYOUT="1")
+    stderr = "".join(rank.stderr for rank in ranks)
+    assert [rank.returncode for rank in ranks] == [1, 1] and "Traceback" not in stderr, stderr[-3000:]
+    line = (f"error: step 1 ran out of memory on cpu ({ALLOCATOR}): a batch's activations grow with --batch_size 2 x "
+            "--max_seq_len 512; lower --batch_size (raise --accumulation_steps to keep the batch per step), lower "
+            "--max_seq_len, or give --gradient_checkpointing 1")
+    assert [text for text in stderr.splitlines() if text.startswith("error")] == [line, line]
+
+
 @pytest.mark.parametrize("fault, line", [
     ({"MINISFT_FAULT_NAN_STEPS": "3,4"}, "error: 2 optimizer steps in a row had a non-finite loss or gradient norm "
                                          "(last at step 4); stopped. The last good weights are saved in {save_dir}"),

@@ -11,8 +11,9 @@ The faults come from the environment (torchrun's workers and the equivalence too
 - MINISFT_FAULT_OOM_STEP=3: that optimizer step runs out of GPU memory (`torch.OutOfMemoryError`
   with the CUDA caching allocator's message), as a batch too large for the GPU does; with
   MINISFT_FAULT_OOM_EVAL_STEP=2 the evaluation at that step does, with MINISFT_FAULT_OOM_SAVE_STEP=4
-  the save at that step, with MINISFT_FAULT_OOM_BEST=1 the first write of best/
-  (tests/e2e/test_non_finite_loss.py);
+  the save at that step, with MINISFT_FAULT_OOM_BEST=1 the first write of best/, with
+  MINISFT_FAULT_OOM_LAYOUT=1 the model's forward in the first forward and backward of several
+  processes, which settles DDP's gradient layout before step 1 (tests/e2e/test_non_finite_loss.py);
 - MINISFT_FAULT_CPU_OOM_STEP=3: that optimizer step asks torch's CPU allocator for more memory than
   any machine has (a real allocation, which fails as a batch too large for the host's memory does);
 - MINISFT_FAULT_FILE_LIMIT="4:262144": from the save at that optimizer step on, once the saves
@@ -41,6 +42,7 @@ OOM_STEP_ENV = "MINISFT_FAULT_OOM_STEP"
 OOM_EVAL_STEP_ENV = "MINISFT_FAULT_OOM_EVAL_STEP"
 OOM_SAVE_STEP_ENV = "MINISFT_FAULT_OOM_SAVE_STEP"
 OOM_BEST_ENV = "MINISFT_FAULT_OOM_BEST"
+OOM_LAYOUT_ENV = "MINISFT_FAULT_OOM_LAYOUT"
 CPU_OOM_STEP_ENV = "MINISFT_FAULT_CPU_OOM_STEP"
 GPU_MEMORY_ENV = "MINISFT_FAULT_GPU_MEMORY_MIB"
 FILE_LIMIT_ENV = "MINISFT_FAULT_FILE_LIMIT"
@@ -73,8 +75,8 @@ def out_of_memory() -> None:
 
 def install() -> None:
     """Wrap trainer/loop/loop.py's `optimizer_step` (NaN steps, out of memory), `evaluate`,
-    `save_in_background` (out of memory, a file size limit) and `publish_inference_weights` (out of
-    memory) and `agree_on_step` (local mean); cap GPU 0's memory."""
+    `save_in_background` (out of memory, a file size limit), `publish_inference_weights` and
+    `settle_gradient_layout` (out of memory) and `agree_on_step` (local mean); cap GPU 0's memory."""
     from trainer.loop import loop
     from trainer.loop.saves import wait_for_last_write
 
@@ -88,6 +90,7 @@ def install() -> None:
     real_step, real_agree, real_evaluate = loop.optimizer_step, loop.agree_on_step, loop.evaluate
     oom_best = os.environ.get(OOM_BEST_ENV) == "1"
     real_save, real_publish = loop.save_in_background, loop.publish_inference_weights
+    real_settle = loop.settle_gradient_layout
 
     def optimizer_step(run, *args, **kwargs):
         if run.state.step + 1 == oom_step:
@@ -122,6 +125,13 @@ def install() -> None:
             out_of_memory()
         return real_publish(model, tokenizer, save_dir, dtype, **kwargs)
 
+    def settle_gradient_layout(run, batch):  # a forward there runs only with several processes (DDP)
+        handle = run.raw_model.register_forward_pre_hook(lambda *_: out_of_memory())
+        try:
+            return real_settle(run, batch)
+        finally:
+            handle.remove()
+
     def agree_on_step(run, micro_batches, *args, **kwargs):
         totals = real_agree(run, micro_batches, *args, **kwargs)
         # x world_size (the loop's undoing of DDP's average) then gives sum / local count
@@ -143,10 +153,14 @@ def install() -> None:
         loop.save_in_background = save_in_background
     if oom_best:
         loop.publish_inference_weights = publish_inference_weights
+    if os.environ.get(OOM_LAYOUT_ENV) == "1":
+        loop.settle_gradient_layout = settle_gradient_layout
 
 
-IN_PROCESS = (NAN_STEPS_ENV, OOM_STEP_ENV, OOM_EVAL_STEP_ENV, OOM_SAVE_STEP_ENV, OOM_BEST_ENV, CPU_OOM_STEP_ENV)
-WRAPPED = ("optimizer_step", "agree_on_step", "evaluate", "save_in_background", "publish_inference_weights")
+IN_PROCESS = (NAN_STEPS_ENV, OOM_STEP_ENV, OOM_EVAL_STEP_ENV, OOM_SAVE_STEP_ENV, OOM_BEST_ENV, CPU_OOM_STEP_ENV,
+              OOM_LAYOUT_ENV)
+WRAPPED = ("optimizer_step", "agree_on_step", "evaluate", "save_in_background", "publish_inference_weights",
+           "settle_gradient_layout")
 
 
 def run_in_this_process(args: list[str], **faults: str):

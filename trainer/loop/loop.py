@@ -36,7 +36,7 @@ from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_du
 from trainer.loop.lr_schedule import (
     cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_afresh, warmup_too_long,
 )
-from trainer.loop.out_of_memory import out_of_memory, ran_out_of_memory, save_out_of_memory
+from trainer.loop.out_of_memory import one_line_if_out_of_memory, out_of_memory, ran_out_of_memory, save_out_of_memory
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
@@ -297,8 +297,9 @@ def train(run: Run) -> str:
             if not micro_batches:  # defensive: the sampler always covers the epoch
                 state.epoch, state.samples_in_epoch = state.epoch + 1, 0
                 break
-            if not layout_settled:
-                settle_gradient_layout(run, micro_batches[0])
+            if not layout_settled:  # several processes: the first forward and backward of the run's batches
+                with one_line_if_out_of_memory(run, f"step {state.step + 1}"):
+                    settle_gradient_layout(run, micro_batches[0])
                 layout_settled = True
             lr = cosine_lr(state.step, total_steps, args.learning_rate, warmup, args.min_lr_ratio)
             result = take_step(run, micro_batches, interval, lr)
@@ -352,12 +353,8 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     run.save_clock.agreed = totals.save
     if totals.stop:
         return None
-    try:
+    with one_line_if_out_of_memory(run, f"step {state.step + 1}"):
         result = optimizer_step(run, micro_batches, totals, lr, source_losses=interval["sources"])
-    except RuntimeError as error:
-        if not ran_out_of_memory(error):
-            raise
-        raise TrainingError(out_of_memory(run, error, f"step {state.step + 1}")) from None
     if interval["sources"]:
         interval["sources"].end_step(totals.loss_tokens, result.finite)
     state.step += 1

@@ -1,9 +1,11 @@
 """A device that runs out of memory during a step, an evaluation or a save: told apart from other
 errors, and said in one line with what the run holds and the flags that change it."""
 
+import contextlib
+
 import torch
 
-from trainer.errors import first_line
+from trainer.errors import TrainingError, first_line
 from trainer.loop.state import Run
 
 
@@ -15,6 +17,18 @@ CPU_ALLOCATOR_FAILURE = "DefaultCPUAllocator: can't allocate memory"
 def ran_out_of_memory(error: RuntimeError) -> bool:
     """Whether `error` is a device running out of memory: a GPU's, or the CPU allocator's."""
     return isinstance(error, torch.OutOfMemoryError) or CPU_ALLOCATOR_FAILURE in str(error)
+
+
+@contextlib.contextmanager
+def one_line_if_out_of_memory(run: Run, what: str):
+    """Training work on a batch (`what`: "step N"): where the device runs out of memory inside, the
+    one-line TrainingError of `out_of_memory`; any other error goes on as it is."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not ran_out_of_memory(error):
+            raise
+        raise TrainingError(out_of_memory(run, error, what)) from None
 
 
 def out_of_memory(run: Run, error: RuntimeError, what: str, training: bool = True) -> str:
