@@ -5,6 +5,7 @@ model config (from the weights, else from the flags), the model, its optimizer, 
 import os
 
 import torch
+import torch.distributed as dist
 
 from model import MiniMindConfig, MiniMindForCausalLM, count_config_parameters
 from model.modeling_minimind import MiniMindBlock
@@ -70,6 +71,7 @@ def build_model_config(args, tokenizer, weights: Weights | None = None,
     own_positions = weights.config.get("max_position_embeddings", CONFIG_POSITIONS) if weights else CONFIG_POSITIONS
     config = _model_config(args, tokenizer, weights, own_positions)
     check_host_memory(config, device, sharded=bool(getattr(args, "fsdp", 0)))
+    check_gpu_memory(config, device, sharded=bool(getattr(args, "fsdp", 0)))
     check_moe_flags_act(args, config, from_weights=weights is not None)
     prefix = getattr(args, "save_weight", None)
     problem = pth_prefix_problem(prefix, "--save_dir") if prefix else None  # no prefix: no .pth
@@ -133,6 +135,35 @@ def check_host_memory(config: MiniMindConfig, device: torch.device | None, shard
              f"{parameters / 1e9:.2f} B parameters")
     raise ConfigError(f"the model ({model}) needs at least {needed}, more than this machine's "
                       f"{memory / 2**30:.1f} GiB")
+
+
+def check_gpu_memory(config: MiniMindConfig, device: torch.device | None, sharded: bool) -> None:
+    """Training on a GPU holds the fp32 weights, their gradients and AdamW's two moments there (16
+    bytes a parameter) before any activation; under --fsdp 1 each of N processes a 1/N share, but
+    each first builds the whole fp32 model on its GPU (4 bytes a parameter). A model past that lower
+    bound runs out of memory where it moves to the GPU (a traceback), or at the first step, where the
+    moments are allocated and the one line blames the batch: refused in one line, before the data is
+    tokenized. A device torch cannot ask (no CUDA here) is left to the device check that refuses it."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return
+    parameters = count_config_parameters(config)
+    processes = dist.get_world_size() if sharded and dist.is_available() and dist.is_initialized() else 1
+    needed = max(4 * parameters, 16 * parameters // processes)
+    memory = torch.cuda.get_device_properties(device).total_memory
+    if needed <= memory:
+        return
+    model = (f"hidden {config.hidden_size} x {config.num_hidden_layers} layers, vocabulary {config.vocab_size}: "
+             f"{parameters / 1e9:.2f} B parameters")
+    if processes == 1:
+        held = ("fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter; with several GPUs "
+                "--fsdp 1 shards them")
+    elif 16 * parameters // processes > 4 * parameters:
+        held = (f"its share of the fp32 weights, gradients and AdamW's two moments over {processes} processes "
+                "(--fsdp 1); more processes shard them further")
+    else:
+        held = "the whole fp32 model that each process builds before --fsdp 1 shards it: 4 bytes a parameter"
+    raise ConfigError(f"the model ({model}) needs at least {needed / 2**30:.1f} GiB of GPU memory to train ({held}), "
+                      f"more than the {memory / 2**30:.1f} GiB of {device}")
 
 
 # Positions a config made from the flags covers at least (--max_seq_len sets more).

@@ -382,3 +382,52 @@ def test_a_model_too_large_for_host_memory_is_one_line_before_tokenizing(data, t
     assert huge.stderr.strip().splitlines()[-1].startswith("error: the model (hidden 1048576 x 2 layers")
     assert "GiB of host memory to train on the CPU" in huge.stderr
     assert not os.path.exists(tmp_path / "cache") and not os.path.exists(tmp_path / "run" / "model")
+
+
+def test_a_model_too_large_for_the_gpu_to_train_is_one_line_before_tokenizing(monkeypatch):
+    """A GPU of 16 GiB (torch.cuda as on a GPU machine): the 1.63 B-parameter model needs 24.3 GiB for
+    its fp32 weights, gradients and AdamW's moments in one process; under --fsdp 1 over 2 processes
+    12.2 GiB each fits; on a 4 GiB GPU over 8 processes the share (3.0 GiB) fits, the whole fp32 model
+    each builds first (6.1 GiB) does not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import trainer.model_setup as model_setup
+    from dataset import load_tokenizer
+    from trainer.args import parse_args
+    from trainer.errors import ConfigError
+
+    gpu, processes = SimpleNamespace(total_memory=16 << 30), [1]
+    monkeypatch.setattr(model_setup, "host_memory_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: processes[0] > 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: processes[0])
+    tokenizer, cuda = load_tokenizer(None), torch.device("cuda", 1)
+    wide = ["--hidden_size", "4096", "--num_attention_heads", "32", "--num_key_value_heads", "8"]  # 1.63 B
+    model = "the model (hidden 4096 x 8 layers, vocabulary 6400: 1.63 B parameters) needs at least"
+    assert model_setup.build_model_config(parse_args([]), tokenizer, device=cuda).hidden_size == 768
+    for flags in (wide, [*wide, "--fsdp", "1"]):  # --fsdp 1 in one process shards nothing
+        with pytest.raises(ConfigError) as refused:
+            model_setup.build_model_config(parse_args(flags), tokenizer, device=cuda)
+        assert str(refused.value) == (
+            f"{model} 24.3 GiB of GPU memory to train (fp32 weights, gradients and AdamW's two moments: 16 bytes a "
+            "parameter; with several GPUs --fsdp 1 shards them), more than the 16.0 GiB of cuda:1")
+    processes[0] = 2
+    assert model_setup.build_model_config(parse_args([*wide, "--fsdp", "1"]), tokenizer, device=cuda).hidden_size == 4096
+    with pytest.raises(ConfigError):  # DDP: every process holds all of it
+        model_setup.build_model_config(parse_args(wide), tokenizer, device=cuda)
+    gpu.total_memory, processes[0] = 8 << 30, 2
+    with pytest.raises(ConfigError) as refused:
+        model_setup.build_model_config(parse_args([*wide, "--fsdp", "1"]), tokenizer, device=cuda)
+    assert str(refused.value) == (
+        f"{model} 12.2 GiB of GPU memory to train (its share of the fp32 weights, gradients and AdamW's two moments "
+        "over 2 processes (--fsdp 1); more processes shard them further), more than the 8.0 GiB of cuda:1")
+    gpu.total_memory, processes[0] = 4 << 30, 8
+    with pytest.raises(ConfigError) as refused:
+        model_setup.build_model_config(parse_args([*wide, "--fsdp", "1"]), tokenizer, device=cuda)
+    assert str(refused.value) == (
+        f"{model} 6.1 GiB of GPU memory to train (the whole fp32 model that each process builds before --fsdp 1 "
+        "shards it: 4 bytes a parameter), more than the 4.0 GiB of cuda:1")
+    assert model_setup.build_model_config(parse_args(wide), tokenizer, device=torch.device("cpu")).hidden_size == 4096
