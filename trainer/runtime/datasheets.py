@@ -32,7 +32,9 @@ class Datasheet:
         return self.memory * TERA
 
 
-# Searched in order, first match wins (an H100 NVL before the H100 SXM; the L40S before the L4).
+# Searched in order, first match wins (an H100 NVL before the H100 SXM; the L40S before the L4). The
+# RTX 4090 D, a 4090 of fewer cores, and the A10G, whose figures NVIDIA publishes no datasheet of,
+# have none.
 # Dense figures: NVIDIA's datasheets give bf16 with sparsity, twice these. Where a name covers cards
 # of several memories (GH200 of HBM3 or HBM3e, A100 of 40 or 80 GB) the bandwidth is the first's.
 DATASHEETS = (
@@ -42,13 +44,16 @@ DATASHEETS = (
     (r"\bH100 NVL\b", Datasheet("H100 NVL", 835.5, 60.0, 3.9)),
     (r"\bH100\b.*\bPCIe\b", Datasheet("H100 PCIe", 756.0, 51.0, 2.0)),
     (r"\bH100\b", Datasheet("H100 SXM", 989.4, 67.0, 3.35)),
+    (r"\bH800\b.*\bPCIe\b", Datasheet("H800 PCIe", 756.0, 51.0, 2.0)),
+    (r"\bH800\b", Datasheet("H800 SXM", 989.4, 67.0, 3.35)),
+    (r"\bH20\b", Datasheet("H20", 148.0, 44.0, 4.0)),
     (r"\bA100\b", Datasheet("A100", 312.0, 19.5, 1.555)),
     (r"\bL40S\b", Datasheet("L40S", 362.1, 91.6, 0.864)),
     (r"\bL40\b", Datasheet("L40", 181.0, 90.5, 0.864)),
     (r"\bL4\b", Datasheet("L4", 121.0, 30.3, 0.3)),
     (r"\bA10\b", Datasheet("A10", 125.0, 31.2, 0.6)),
     (r"\bRTX A6000\b", Datasheet("RTX A6000", 154.8, 38.7, 0.768)),
-    (r"\bRTX 4090\b", Datasheet("GeForce RTX 4090", 165.2, 82.6, 1.008)),
+    (r"\bRTX 4090\b(?! D\b)", Datasheet("GeForce RTX 4090", 165.2, 82.6, 1.008)),
     (r"\bRTX 3090\b", Datasheet("GeForce RTX 3090", 71.0, 35.6, 0.936)),
 )
 

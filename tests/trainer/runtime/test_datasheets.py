@@ -13,6 +13,9 @@ from trainer.runtime.datasheets import datasheet_for, datasheet_peak
     ("NVIDIA H200", "H200 SXM", 989.4),
     ("NVIDIA H200 NVL", "H200 NVL", 835.5),
     ("NVIDIA GH200 480GB", "GH200", 989.4),
+    ("NVIDIA H800", "H800 SXM", 989.4),
+    ("NVIDIA H800 PCIe", "H800 PCIe", 756.0),
+    ("NVIDIA H20", "H20", 148.0),
     ("NVIDIA A100-SXM4-80GB", "A100", 312.0),
     ("NVIDIA A100 80GB PCIe", "A100", 312.0),
     ("NVIDIA L4", "L4", 121.0),
@@ -33,6 +36,7 @@ def test_float32_is_compared_with_the_ieee_fp32_peak_and_unknown_gpus_have_no_da
     assert datasheet_for("NVIDIA H100 80GB HBM3").peak("float32") == 67.0e12  # not TF32's tensor-core figure
     assert datasheet_for("NVIDIA A10G") is None and datasheet_for("Tesla V100-SXM2-32GB") is None
     assert datasheet_for("NVIDIA GeForce GTX 1080") is None
+    assert datasheet_for("NVIDIA GeForce RTX 4090 D") is None  # fewer cores than the 4090: not its figures
 
 
 @pytest.fixture
