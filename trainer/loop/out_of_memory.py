@@ -1,12 +1,17 @@
 """A device that runs out of memory during a step, an evaluation or a save: told apart from other
 errors, and said in one line with what the run holds and the flags that change it."""
 
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.errors import TrainingError, first_line
-from trainer.loop.state import Run
+
+if TYPE_CHECKING:  # trainer/loop/state.py reads this module's messages
+    from trainer.loop.state import Run
 
 
 # What torch's CPU allocator says when the memory it asks for cannot be had (a plain RuntimeError,
@@ -58,6 +63,16 @@ def save_out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str) -> st
             f"a save holds {holds} on the device beside the weights and optimizer state; {advice}"
             f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation. The files already in "
             f"{args.save_dir} are kept")
+
+
+def resume_out_of_memory(device: torch.device, error: RuntimeError) -> str:
+    """Loading a resume checkpoint's optimizer state (AdamW's two moments, 8 bytes a parameter) onto
+    the device ran out of its memory beside the weights and gradients already there: the model fits the
+    device's whole memory (`check_gpu_memory`), so something else holds the rest."""
+    return (f"loading the resume checkpoint's optimizer state ran out of memory on {device} "
+            f"({allocator_summary(error)}): the weights, their gradients and AdamW's moments need about 16 bytes "
+            "a parameter there; another process may hold the rest of its memory (nvidia-smi shows which), "
+            "or train with more processes and --fsdp 1 to shard them")
 
 
 def allocator_summary(error: RuntimeError) -> str:

@@ -20,11 +20,12 @@ from trainer.checkpoint.save_dir import (
     BEST_DIR, Claim, best_record_on_disk, new_run_id, run_label, set_aside, set_aside_later_checkpoints,
 )
 from trainer.data_setup import TrainData
-from trainer.errors import CheckpointError, first_line
+from trainer.errors import CheckpointError, TrainingError, first_line
 from trainer.evaluation.evaluate import EvalSet
 from trainer.evaluation.selection import measured_on, measured_with, same_measurement
 from trainer.loop.health import StepHealth
 from trainer.loop.lr_schedule import recorded_schedule, unrecorded_schedule
+from trainer.loop.out_of_memory import ran_out_of_memory, resume_out_of_memory
 from trainer.loop.save_clock import SaveClock
 from trainer.model_setup import group_settings, keep_run_settings
 from trainer.parallel import Parallelism
@@ -169,6 +170,8 @@ def restore(run: Run, saved: dict, claim: Claim) -> None:
     except CheckpointError:
         raise  # one line naming the checkpoint already
     except (RuntimeError, ValueError, KeyError) as error:
+        if isinstance(error, RuntimeError) and ran_out_of_memory(error):  # the device, not the checkpoint
+            raise TrainingError(resume_out_of_memory(run.ctx.device, error)) from None
         raise CheckpointError(f"resume checkpoint does not fit this run: {first_line(error)}") from error
     if saved["step"] == 0:
         # No optimizer step has been taken: the optimizer goes on without state, as in the run that wrote
