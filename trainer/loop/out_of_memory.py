@@ -1,17 +1,14 @@
 """A device that runs out of memory during a step, an evaluation or a save: told apart from other
-errors, and said in one line with what the run holds and the flags that change it."""
+errors, and said in one line with what the run holds and the flags that change it.
 
-from __future__ import annotations
+`run` is the loop's Run (trainer/loop/state.py), left unannotated: state.py reads this module's
+messages, and the imports point one way."""
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 
 from trainer.errors import TrainingError, first_line
-
-if TYPE_CHECKING:  # trainer/loop/state.py reads this module's messages
-    from trainer.loop.state import Run
 
 
 # What torch's CPU allocator says when the memory it asks for cannot be had (a plain RuntimeError,
@@ -25,7 +22,7 @@ def ran_out_of_memory(error: RuntimeError) -> bool:
 
 
 @contextlib.contextmanager
-def one_line_if_out_of_memory(run: Run, what: str):
+def one_line_if_out_of_memory(run, what: str):
     """Training work on a batch (`what`: "step N"): where the device runs out of memory inside, the
     one-line TrainingError of `out_of_memory`; any other error goes on as it is."""
     try:
@@ -36,7 +33,7 @@ def one_line_if_out_of_memory(run: Run, what: str):
         raise TrainingError(out_of_memory(run, error, what)) from None
 
 
-def out_of_memory(run: Run, error: RuntimeError, what: str, training: bool = True) -> str:
+def out_of_memory(run, error: RuntimeError, what: str, training: bool = True) -> str:
     """`what` (a training step, an evaluation) ran out of device memory: what the allocator asked for
     and had, and the flags that set the memory of a batch, in one line instead of the allocator's
     paragraph and a traceback. Gradient checkpointing helps a training step only."""
@@ -48,7 +45,7 @@ def out_of_memory(run: Run, error: RuntimeError, what: str, training: bool = Tru
             f"--max_seq_len{checkpointing}")
 
 
-def save_out_of_memory(run: Run, error: torch.OutOfMemoryError, what: str) -> str:
+def save_out_of_memory(run, error: torch.OutOfMemoryError, what: str) -> str:
     """A save ran out of device memory beside the weights and optimizer state training holds: it
     holds one weight at a time on the device, cast to --save_dtype (trainer/checkpoint/background.py),
     or under --fsdp 1 gathered in full. Nothing of this save was written; the files already in
