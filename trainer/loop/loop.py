@@ -36,7 +36,7 @@ from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_du
 from trainer.loop.lr_schedule import (
     cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_afresh, warmup_too_long,
 )
-from trainer.loop.out_of_memory import one_line_if_out_of_memory, out_of_memory, ran_out_of_memory, save_out_of_memory
+from trainer.loop.out_of_memory import one_line_if_out_of_memory, save_out_of_memory
 from trainer.loop.save_clock import SaveClock
 from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
@@ -229,13 +229,8 @@ def evaluate_and_select(run: Run, steps_left: bool = True) -> bool:
     state, args = run.state, run.args
     settle(run)
     # Rank 0's figures everywhere: every rank then takes the same keep/stop decision, bit for bit.
-    try:
+    with one_line_if_out_of_memory(run, f"the evaluation at step {state.step}", training=False):
         figures = broadcast_object(evaluate(run))
-    except RuntimeError as error:
-        if not ran_out_of_memory(error):
-            raise
-        what = f"the evaluation at step {state.step}"
-        raise TrainingError(out_of_memory(run, error, what, training=False)) from None
     new_best = stop = False
     if args.keep_best:
         new_best, stop = update_selection(state, args.keep_best, figures, args.early_stop_patience, run.measured_on)

@@ -22,15 +22,16 @@ def ran_out_of_memory(error: RuntimeError) -> bool:
 
 
 @contextlib.contextmanager
-def one_line_if_out_of_memory(run, what: str):
-    """Training work on a batch (`what`: "step N"): where the device runs out of memory inside, the
-    one-line TrainingError of `out_of_memory`; any other error goes on as it is."""
+def one_line_if_out_of_memory(run, what: str, training: bool = True):
+    """Work on a batch (`what`: "step N", or "the evaluation at step N" with `training` False): where
+    the device runs out of memory inside, the one-line TrainingError of `out_of_memory`; any other
+    error goes on as it is."""
     try:
         yield
     except RuntimeError as error:
         if not ran_out_of_memory(error):
             raise
-        raise TrainingError(out_of_memory(run, error, what)) from None
+        raise TrainingError(out_of_memory(run, error, what, training)) from None
 
 
 def out_of_memory(run, error: RuntimeError, what: str, training: bool = True) -> str:
