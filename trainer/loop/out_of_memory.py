@@ -65,12 +65,15 @@ def save_out_of_memory(run, error: torch.OutOfMemoryError, what: str) -> str:
 
 def resume_out_of_memory(device: torch.device, error: RuntimeError) -> str:
     """Loading a resume checkpoint's optimizer state (AdamW's two moments, 8 bytes a parameter) onto
-    the device ran out of its memory beside the weights and gradients already there: the model fits the
-    device's whole memory (`check_gpu_memory`), so something else holds the rest."""
+    the device ran out of its memory beside the weights already there: the model fits the device's
+    whole memory (`check_gpu_memory`, `check_host_memory`), so something else holds the rest. A GPU's
+    holder shows in nvidia-smi, and --fsdp 1 over more GPUs shards the state; a CPU's processes share
+    the host's memory, so more of them on it shard nothing."""
+    gpu = device.type == "cuda"
+    viewer, shard = ("nvidia-smi", ", or train with more processes and --fsdp 1 to shard them") if gpu else ("top", "")
     return (f"loading the resume checkpoint's optimizer state ran out of memory on {device} "
             f"({allocator_summary(error)}): the weights, their gradients and AdamW's moments need about 16 bytes "
-            "a parameter there; another process may hold the rest of its memory (nvidia-smi shows which), "
-            "or train with more processes and --fsdp 1 to shard them")
+            f"a parameter there; another process may hold the rest of its memory ({viewer} shows which){shard}")
 
 
 def allocator_summary(error: RuntimeError) -> str:

@@ -70,22 +70,35 @@ def test_a_tied_checkpoint_resumes_into_a_tied_model_and_a_tie_that_the_tensors_
 def test_a_resume_whose_optimizer_state_runs_out_of_device_memory_says_so_not_that_it_does_not_fit(
         data, tmp_path, monkeypatch):
     """The moments move to the device last, where another process may hold the memory they need: the
-    one line of a device out of memory (exit 1), not a checkpoint that does not fit (exit 2)."""
+    one line of a device out of memory (exit 1), not a checkpoint that does not fit (exit 2). On the CPU
+    (torch's CPU allocator's error) it names no GPU tool and no sharding over processes that share the host."""
     from trainer.parallel.ddp import Replicated
 
     run_trainer_in_process(flags(data, tmp_path / "run", "--batch_size", "8", "--max_steps", "1"), check=True)
 
     def out_of_memory(self, optimizer, saved):
-        raise torch.OutOfMemoryError(
-            "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
-            "1.06 GiB is free. Including non-PyTorch memory, this process has 12.00 GiB memory in use.")
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)")
 
     monkeypatch.setattr(Replicated, "load_training_state", out_of_memory)
     refused = run_trainer_in_process(flags(data, tmp_path / "resumed", "--batch_size", "8", "--max_steps", "2",
                                            "--resume_from", checkpoint_at(tmp_path / "run", 1)))
     assert (refused.returncode, refused.stderr.splitlines()) == (1, [
-        "error: loading the resume checkpoint's optimizer state ran out of memory on cpu (CUDA out of memory. "
+        "error: loading the resume checkpoint's optimizer state ran out of memory on cpu (DefaultCPUAllocator: can't "
+        "allocate memory: you tried to allocate 8589934592 bytes. Error code 12 (Cannot allocate memory)): the "
+        "weights, their gradients and AdamW's moments need about 16 bytes a parameter there; another process may "
+        "hold the rest of its memory (top shows which)"])
+
+
+def test_a_resume_out_of_gpu_memory_names_nvidia_smi_and_sharding_over_more_gpus():
+    from trainer.loop.out_of_memory import resume_out_of_memory
+
+    error = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "1.06 GiB is free. Including non-PyTorch memory, this process has 12.00 GiB memory in use.")
+    assert resume_out_of_memory(torch.device("cuda", 0), error) == (
+        "loading the resume checkpoint's optimizer state ran out of memory on cuda:0 (CUDA out of memory. "
         "Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free.): the "
         "weights, their gradients and AdamW's moments need about 16 bytes a parameter there; another process may "
         "hold the rest of its memory (nvidia-smi shows which), or train with more processes and --fsdp 1 to shard "
-        "them"])
+        "them")
