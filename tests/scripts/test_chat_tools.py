@@ -266,3 +266,14 @@ def test_the_models_text_is_printed_with_its_control_characters_escaped(tiny_mod
         monkeypatch.setattr("builtins.input", lambda prompt: next(typed))
         assert chat.main(["--model_path", str(tiny_model), "--device", "cpu", *tools]) == 0
         assert capsys.readouterr().out == "assistant> " + shown + "\n", tools
+
+
+def test_a_call_the_token_limit_cut_inside_its_closing_tag_is_run():
+    # the stop fell inside "</tool_call>": the JSON is whole, so the call is shown and run, as one stopped before the tag
+    cut = call_block("calculator", a=2, op="*", b=3)[:-len("_call>")]
+    generate, seen = scripted([cut, "6"])
+    lines, runs = [], []
+    answer = answer_with_tools(generate, [{"role": "user", "content": "2 times 3?"}],
+                               lambda name, arguments: runs.append((name, arguments)) or '{"result": 6}', lines.append)
+    assert answer[0] == "6" and runs == [("calculator", {"a": 2, "op": "*", "b": 3})]
+    assert lines == ['tool call: calculator {"a": 2, "op": "*", "b": 3}', 'tool result: {"result": 6}']
