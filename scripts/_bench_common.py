@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from scripts._common import check_output_file, fail
+from scripts._common import check_output_file, fail, write_output
 from trainer.args import DEFAULT_TRAIN_DATA, add_flag, flag_bounds, parse_args
 from trainer.data_setup import build_train_data
 from trainer.loop.loop import agree_on_step, optimizer_step
@@ -94,8 +94,10 @@ def check_options(parser: argparse.ArgumentParser, options: argparse.Namespace) 
 
 
 def write_report(options: argparse.Namespace, report: dict) -> None:
+    """The report as JSON in `--json_out`, its missing folders created (as check_output_file
+    promised at the start)."""
     if options.json_out:
-        Path(options.json_out).write_text(json.dumps(report, indent=1), encoding="utf-8")
+        write_output(options.json_out, json.dumps(report, indent=1))
 
 
 def options_record(options: argparse.Namespace) -> dict:

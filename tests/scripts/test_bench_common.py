@@ -1,9 +1,13 @@
-"""scripts/_bench_common.py: the device timer (CUDA events on a GPU), the precision policy, the batches timed."""
+"""scripts/_bench_common.py: the device timer (CUDA events on a GPU), the precision policy, the batches timed,
+the JSON report."""
+
+import argparse
+import json
 
 import pytest
 import torch
 
-from scripts._bench_common import DeviceTimer, endless_batches, follow_precision_policy, ready_batches
+from scripts._bench_common import DeviceTimer, endless_batches, follow_precision_policy, ready_batches, write_report
 
 
 class FakeEvent:
@@ -94,3 +98,11 @@ def test_timed_batches_have_the_loader_started_before_the_first_is_asked_for():
     plain = endless_batches(logged_data([]))
     assert taken == [next(plain) for _ in range(7)] == [
         {"epoch": epoch, "index": index} for epoch in range(3) for index in range(3)][:7]
+
+
+def test_the_report_goes_into_json_out_whose_missing_folders_are_made(tmp_path):
+    """check_output_file lets a --json_out in folders that do not exist yet through at the start, so
+    the report, written after the whole run, makes them rather than failing there."""
+    target = tmp_path / "runs" / "cpu" / "bench.json"
+    write_report(argparse.Namespace(json_out=str(target)), {"summary": "summary: best dynamic", "rows": [1, 2]})
+    assert json.loads(target.read_text(encoding="utf-8")) == {"summary": "summary: best dynamic", "rows": [1, 2]}
