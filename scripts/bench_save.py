@@ -60,10 +60,16 @@ def build(options, device, save_dir: str):
     from trainer.runtime.distributed import DistContext
     from trainer.runtime.precision import build_grad_scaler
 
+    from trainer.errors import ConfigError
+
     tokenizer = load_tokenizer(None)
-    config = MiniMindConfig(vocab_size=len(tokenizer), hidden_size=options.hidden_size,
-                            num_hidden_layers=options.num_hidden_layers, num_attention_heads=options.num_attention_heads,
-                            num_key_value_heads=options.num_key_value_heads)
+    try:  # a shape the model refuses (heads that do not divide the width) is the user's error, one line
+        config = MiniMindConfig(vocab_size=len(tokenizer), hidden_size=options.hidden_size,
+                                num_hidden_layers=options.num_hidden_layers,
+                                num_attention_heads=options.num_attention_heads,
+                                num_key_value_heads=options.num_key_value_heads)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     torch.manual_seed(0)
     model = MiniMindForCausalLM(config).to(device).train()
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=device, backend=None)

@@ -3,6 +3,7 @@
 import pytest
 
 from scripts import bench_save
+from tests.helpers.overfitted import script_in_process
 from trainer.loop import saves, state
 
 TINY = ["--hidden_size", "32", "--num_hidden_layers", "1", "--num_attention_heads", "4", "--num_key_value_heads", "2",
@@ -26,3 +27,11 @@ def test_too_few_steps_are_refused(capsys):
         bench_save.parse(["--steps", "1"])
     assert exit_info.value.code == 2
     assert "--steps must be >= 2" in capsys.readouterr().err
+
+
+def test_a_shape_the_model_refuses_is_one_line_and_nothing_is_left(tmp_path):
+    done = script_in_process("bench_save.py", *TINY, "--hidden_size", "36", "--num_attention_heads", "8",
+                             "--work_dir", str(tmp_path))
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", "error: MiniMindConfig: num_attention_heads (8) must divide hidden_size (36)\n")
+    assert list(tmp_path.iterdir()) == []
