@@ -32,10 +32,10 @@ from trainer.args import add_flag, flag_bounds  # noqa: E402
 
 
 def parse(argv=None):
-    parser = ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("hidden_size", 1024), ("num_hidden_layers", 8), ("num_attention_heads", 16),
-                          ("num_key_value_heads", 8)):
-        parser.add_argument(f"--{name}", type=int, default=default).bounds = flag_bounds(name)
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))  # the first paragraph
+    for name, default, meaning in (("hidden_size", 1024, "the model's width"), ("num_hidden_layers", 8, "blocks"),
+                                   ("num_attention_heads", 16, "query heads"), ("num_key_value_heads", 8, "k/v heads")):
+        parser.add_argument(f"--{name}", type=int, default=default, help=meaning).bounds = flag_bounds(name)
     add_flag(parser, "--steps", type=int, default=6, at_least=2,
              help="optimizer steps per timed loop (at least 2: the save comes after step --steps // 2)")
     seq_len = parser.add_argument("--seq_len", type=int, default=64,

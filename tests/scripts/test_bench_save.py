@@ -22,6 +22,19 @@ def test_the_bench_times_no_save_a_synchronous_and_a_background_save(tmp_path, c
     assert saves.resume_state is state.resume_state  # a later run in this process saves its whole state
 
 
+def test_help_describes_the_bench_in_its_whole_first_sentence_and_gives_the_models_shape(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_save.parse(["--help"])
+    assert exit_info.value.code == 0
+    words = " ".join(capsys.readouterr().out.split())
+    assert ("How long a save stalls the training loop: the trainer's background save (trainer/loop/saves.py: a "
+            "host copy, then a writer thread) against a synchronous one (the same files written before the loop "
+            "goes on). options:") in words
+    assert ("--hidden_size HIDDEN_SIZE the model's width (default: 1024) --num_hidden_layers NUM_HIDDEN_LAYERS "
+            "blocks (default: 8) --num_attention_heads NUM_ATTENTION_HEADS query heads (default: 16) "
+            "--num_key_value_heads NUM_KEY_VALUE_HEADS k/v heads (default: 8)") in words
+
+
 def test_too_few_steps_are_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_save.parse(["--steps", "1"])
