@@ -7,20 +7,23 @@ the aten ops that compute (views, which launch nothing, are left out: `dispatche
 too), and every `aten._to_copy` is a cast (the trainer's batches are already on the CPU, so no
 copy moves between devices). The optimizer is fused AdamW as the
 trainer builds it on CUDA, so that its per-parameter loops do not hide the model's figures.
+
+Under torch.compile the counters stay off while dynamo traces and compiles and count what the
+compiled code dispatches when it runs (`ignore_compile_internals`): a dispatch mode that does not
+ignore compilation makes dynamo run every frame eagerly, so a counted step would compile nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import io
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from scripts._bench_common import endless_batches, optimizer_step_once, single_process_context
 from trainer.args import parse_args
@@ -57,17 +60,45 @@ def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(out_shape) * a_shape[-1]
 
 
+class _CompiledFlopMode(_FlopCounterMode):
+    """FlopCounterMode's dispatch mode, counting the ops compiled code runs (module docstring)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+class StepFlopCounter(FlopCounterMode):
+    """FlopCounterMode whose mode lets torch.compile compile (module docstring); all FLOPs are
+    counted as "Global" (no per-module table: its module hooks would be traced by dynamo)."""
+
+    def __enter__(self):
+        self.flop_counts.clear()
+        self.mode = _CompiledFlopMode(self)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args):
+        done, self.mode = self.mode.__exit__(*args), None
+        return done
+
+
 def flop_counter() -> FlopCounterMode:
-    """FlopCounterMode that also counts grouped GEMMs (the MoE experts)."""
-    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops})
+    """A FLOP counter that also counts grouped GEMMs (the MoE experts)."""
+    return StepFlopCounter(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops})
 
 
 class DispatchCounter(TorchDispatchMode):
-    """Counts every aten op dispatched inside it, by op (`ops`), and the casts among them."""
+    """Counts every aten op dispatched inside it, by op (`ops`), and the casts among them; inside
+    compiled code, the ops it runs (module docstring)."""
 
     def __init__(self):
         super().__init__()
         self.ops: collections.Counter = collections.Counter()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[func] += 1
@@ -99,8 +130,9 @@ class StepFigures:
     frames: int | None = None  # frames compiled in all
 
 
-def build_step_run(trainer_argv: list[str]) -> Run:
-    """The trainer's Run for these trainer flags, in one CPU process, with fused AdamW (its CUDA choice)."""
+def build_step_run(trainer_argv: list[str], backend: str = "inductor") -> Run:
+    """The trainer's Run for these trainer flags, in one CPU process, with fused AdamW (its CUDA choice);
+    with --use_compile 1 its blocks compiled with torch.compile's `backend`."""
     args = parse_args(trainer_argv + ["--device", "cpu"])
     ctx = single_process_context(torch.device("cpu"))
     from dataset import load_tokenizer
@@ -113,23 +145,12 @@ def build_step_run(trainer_argv: list[str]) -> Run:
     parallel = Replicated(ctx)
     parallel.wrap(model)
     optimizer = build_optimizer(model, args, torch.device("cuda"))  # fused=True, as on a GPU
-    wrapped = compile_model(model, ctx.device) if args.use_compile else model
+    wrapped = compile_model(model, ctx.device, backend) if args.use_compile else model
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
     run = Run(args, ctx, wrapped, optimizer, build_grad_scaler(ctx.device, dtype), dtype, data, eval_sets=[],
               tokenizer=tokenizer, logger=None, preemption=PreemptionFlag(), parallel=parallel)
     run.model.train()
     return run
-
-
-@contextlib.contextmanager
-def compile_backend(name: str):
-    """torch.compile with `backend=name` while inside (the trainer's compile call unchanged otherwise)."""
-    real = torch.compile
-    torch.compile = functools.partial(real, backend=name)
-    try:
-        yield
-    finally:
-        torch.compile = real
 
 
 def measure(trainer_argv: list[str], warmup_steps: int, steps: int, backend: str = "inductor") -> StepFigures:
@@ -139,22 +160,21 @@ def measure(trainer_argv: list[str], warmup_steps: int, steps: int, backend: str
     from torch._dynamo.utils import counters
 
     counters.clear()
-    with compile_backend(backend):
-        run = build_step_run(trainer_argv)
-        batches = endless_batches(run.data)
-        optimizer_step_once(run, batches, run.args)  # the first step compiles
-        compiled_by_first = counters["frames"]["ok"]
-        for _ in range(warmup_steps - 1):
+    run = build_step_run(trainer_argv, backend)
+    batches = endless_batches(run.data)
+    optimizer_step_once(run, batches, run.args)  # the first step compiles
+    compiled_by_first = counters["frames"]["ok"]
+    for _ in range(warmup_steps - 1):
+        optimizer_step_once(run, batches, run.args)
+    figures = StepFigures()
+    for _ in range(steps):
+        counter, flops = DispatchCounter(), flop_counter()
+        with flops, counter:
             optimizer_step_once(run, batches, run.args)
-        figures = StepFigures()
-        for _ in range(steps):
-            counter, flops = DispatchCounter(), flop_counter()
-            with flops, counter:
-                optimizer_step_once(run, batches, run.args)
-            figures.ops.append(counter.total)
-            figures.dispatches.append(counter.dispatches)
-            figures.casts.append(counter.casts)
-            figures.flops.append(flops.get_total_flops())
+        figures.ops.append(counter.total)
+        figures.dispatches.append(counter.dispatches)
+        figures.casts.append(counter.casts)
+        figures.flops.append(flops.get_total_flops())
     if run.args.use_compile:
         figures.graph_breaks = sum(counters["graph_break"].values())
         figures.frames = counters["frames"]["ok"]

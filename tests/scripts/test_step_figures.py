@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts._dispatch_counts import DispatchCounter
+from scripts._dispatch_counts import DispatchCounter, flop_counter
 from scripts.step_figures import main, with_trainer_defaults
 
 DEMO = Path(__file__).resolve().parents[2] / "dataset" / "demo" / "sft_train.jsonl"
@@ -56,7 +56,38 @@ def test_prints_ops_casts_and_flops_of_every_counted_step(capsys, data):
     assert min(bf16["casts"]) > max(fp32["casts"])  # autocast casts; fp32 runs hardly any
 
 
-def test_compiled_step_reports_graph_breaks_and_recompiles(capsys, data):
-    result = figures(capsys, data, "--dtype", "float32", "--use_compile", "1", "--compile_backend", "eager")
-    assert result["frames"] >= 1
-    assert result["graph_breaks"] >= 0 and result["recompiles"] >= 0
+def recording_backend(graphs: list):
+    """A torch.compile backend that runs each graph as traced and records its placeholders' shapes."""
+
+    def backend(graph_module, example_inputs):
+        graphs.append([tuple(example.shape) for example in example_inputs if isinstance(example, torch.Tensor)])
+        return graph_module.forward
+
+    return backend
+
+
+def test_code_compiled_inside_the_counters_is_compiled_and_its_ops_and_flops_counted():
+    """Dynamo runs a frame eagerly under a dispatch mode that does not ignore compilation: the
+    counters let it compile (a second shape compiles again, with a symbolic size) and count the
+    ops and FLOPs of the compiled graphs."""
+    torch._dynamo.reset()
+    graphs, weight, inputs = [], torch.ones(4, 4), (torch.ones(3, 4), torch.ones(5, 4))
+    function = torch.compile(lambda x: (x @ weight).sin(), backend=recording_backend(graphs))
+    with flop_counter() as flops, DispatchCounter() as counter:
+        for x in inputs:
+            function(x)
+    assert graphs == [[(3, 4), (4, 4)], [(5, 4), (4, 4)]]  # x, then the weight
+    assert {str(op): count for op, count in counter.ops.items()} == {"aten.mm.default": 2, "aten.sin.default": 2}
+    assert flops.get_total_flops() == 2 * 3 * 4 * 4 + 2 * 5 * 4 * 4
+
+
+def test_compiled_step_is_compiled_by_the_backend_given(capsys, data):
+    """--compile_backend reaches the trainer's compile call, and the counted steps run the compiled
+    blocks: one graph (both layers share it), no graph break, nothing compiled after the first step
+    (every batch is padded to 64 tokens, --max_seq_len)."""
+    graphs = []
+    torch._dynamo.reset()
+    torch._dynamo.register_backend(recording_backend(graphs), name="minisft_recording")
+    result = figures(capsys, data, "--dtype", "float32", "--use_compile", "1", "--compile_backend", "minisft_recording")
+    assert (result["frames"], result["graph_breaks"], result["recompiles"]) == (1, 0, 0)
+    assert len(graphs) == 1
