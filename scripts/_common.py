@@ -22,11 +22,22 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help followed by its default, unless the help names its default itself
+    (``default: the tokenizer's``) or it has none (None): ``(default: None)`` after such a help would
+    contradict it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """An ``argparse`` parser whose errors are the one-line ``error: ...`` of the other failures."""
 
     def __init__(self, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(**kwargs)
 
     def error(self, message: str) -> NoReturn:

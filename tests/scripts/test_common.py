@@ -1,0 +1,17 @@
+"""scripts/_common.py: the scripts' --help shows a flag's default once, and never as None."""
+
+from scripts._common import ArgumentParser
+
+
+def test_help_shows_a_default_unless_the_help_names_it_or_there_is_none():
+    parser = ArgumentParser(prog="bench.py")
+    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
+    parser.add_argument("--matmul_size", type=int, default=None,
+                        help="side of the square matmul (default: 2048 on CPU, 8192 on a GPU)")
+    parser.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
+    parser.add_argument("--cache_dir", default="", help="token cache; default: next to the data")
+    parser.add_argument("--seed", type=int, default=42)
+    words = " ".join(parser.format_help().split())
+    assert ("--steps STEPS timed optimizer steps (default: 10) --matmul_size MATMUL_SIZE side of the square matmul "
+            "(default: 2048 on CPU, 8192 on a GPU) --json_out JSON_OUT also write every figure to this JSON file "
+            "--cache_dir CACHE_DIR token cache; default: next to the data --seed SEED") in words
