@@ -32,7 +32,10 @@ DEFAULT_TRAINER_FLAGS = {"--batch_size": "4", "--dtype": "bfloat16"}
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0], epilog="other flags: the trainer's")
+    defaults = " and ".join(f"{flag} {value}" for flag, value in DEFAULT_TRAINER_FLAGS.items())
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
+                            epilog=f"Every other flag is the trainer's (python train_full_sft.py --help), with {defaults} "
+                                   "unless given.")
     add_flag(parser, "--warmup_steps", type=int, default=1, at_least=1, help="uncounted optimizer steps first (at least 1)")
     add_flag(parser, "--steps", type=int, default=3, at_least=1, help="counted optimizer steps")
     parser.add_argument("--compile_backend", default="inductor",

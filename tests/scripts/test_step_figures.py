@@ -26,6 +26,15 @@ def test_counter_counts_computing_ops_and_casts_but_not_views():
     assert counter.dispatches == 6
 
 
+def test_help_names_the_trainer_flags_and_their_defaults_here(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    assert stopped.value.code == 0
+    assert " ".join(capsys.readouterr().out.split()).endswith(
+        "Every other flag is the trainer's (python train_full_sft.py --help), with --batch_size 4 and --dtype "
+        "bfloat16 unless given.")
+
+
 def test_trainer_defaults_are_batch_4_bf16_unless_given():
     assert with_trainer_defaults(["--packing", "1"]) == ["--batch_size", "4", "--dtype", "bfloat16", "--packing", "1"]
     assert with_trainer_defaults(["--batch_size=2", "--dtype", "float32"]) == ["--batch_size=2", "--dtype", "float32"]
