@@ -31,7 +31,7 @@ from dataset import load_tokenizer  # noqa: E402
 from scripts._bench_common import (  # noqa: E402
     add_model_flags, add_run_flags, optimizer_step_once, single_process_context, synchronize, trainer_argv,
 )
-from scripts._common import ArgumentParser, fail, resolve_device, run_main  # noqa: E402
+from scripts._common import ArgumentParser, check_output_file, fail, resolve_device, run_main  # noqa: E402
 from trainer.runtime.datasheets import datasheet_for  # noqa: E402
 from scripts._step_bytes import ESTIMATE_CARD, measure_bytes, profile_key  # noqa: E402
 from scripts.bench import MODES, prepare_mode  # noqa: E402
@@ -55,6 +55,7 @@ def parse_options(argv=None):
                              "GPU time beside its roofline estimate (eager, modes dynamic, grouped and packed)")
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     options = parser.parse_args(argv)
+    check_output_file(options.trace, "--trace")  # before the profile, not after it
     options.dtypes = options.dtypes.split(",")
     if len(options.dtypes) != 1:
         fail("--dtypes: one dtype per profile")
@@ -212,6 +213,7 @@ def main(argv=None) -> int:
         for reason, count in list(counters["graph_break"].items())[:5]:
             print(f"  break x{count}: {reason[:140]}")
     if options.trace:
+        Path(options.trace).absolute().parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(options.trace)
         print(f"trace: {options.trace}")
     return 0

@@ -1,9 +1,10 @@
 """scripts/profile_step.py: the host-side report (the GPU parts run only on a GPU)."""
 
+import pytest
 import torch
 from torch.profiler import DeviceType, ProfilerActivity, profile
 
-from scripts.profile_step import busy_seconds, gpu_op_report, host_report
+from scripts.profile_step import busy_seconds, gpu_op_report, host_report, parse_options
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():
@@ -105,3 +106,13 @@ def test_roofline_needs_the_trainers_eager_step(capsys):
         assert capsys.readouterr().err == ("error: --roofline sets the trainer's eager step against its trace: give "
                                            "--use_compile 0, no --vocab_size and a --mode of dynamic, grouped, "
                                            "packed\n")
+
+
+def test_a_trace_file_that_cannot_be_written_is_refused_before_the_profile(tmp_path, capsys):
+    (tmp_path / "notes").write_text("kept\n")
+    for trace, line in ((tmp_path, f"--trace {tmp_path} is a directory: give a file name"),
+                        (tmp_path / "notes" / "step.json",
+                         f"--trace {tmp_path / 'notes' / 'step.json'}: {tmp_path / 'notes'} is a file, not a folder")):
+        with pytest.raises(SystemExit) as stopped:
+            parse_options(["--trace", str(trace)])
+        assert (stopped.value.code, capsys.readouterr().err) == (2, f"error: {line}\n")
