@@ -159,6 +159,9 @@ def compare(ours: dict, minimind_rows: list, newline: int | None) -> tuple[int, 
 
 
 WAYS = ("ours", "ours_whole", "ours_general", "minimind", "minimind_nopad")
+LEGEND = ("  ours = the build's chunk encoder; ours whole = the same with every text tokenized whole (no piece "
+          "remembered); general = the general path for every row (what the build runs for a template the fast path "
+          "does not cover); minimind = its __getitem__; mm no pads = its label scan without the pads")
 COLUMNS = [("ours", "ours"), ("ours_whole", "ours whole"), ("ours_general", "general"), ("minimind", "minimind"),
            ("minimind_nopad", "mm no pads")]
 
@@ -180,9 +183,7 @@ def run_prep(options, tokenizer, machine: str = "") -> dict:
     print(f"prep: rows/s per core = rows / CPU s of this process (tokenizer threads off); max_seq_len "
           f"{options.max_seq_len}; {options.prep_rows or 'all'} rows per set, each once, in chunks of "
           f"{CHUNK_LINES}, every way on a chunk in turn; data {options.data_path}")
-    print("  ours = the build's chunk encoder; ours whole = the same with every text tokenized whole (no piece "
-          "remembered); general = the general path for every row (the build before the fast path); minimind = its "
-          "__getitem__; mm no pads = its label scan without the pads")
+    print(LEGEND)
     print(f"{'data':<6} {'rows':>6} {'tok/row':>7} " + " ".join(f"{title:>10}" for _, title in COLUMNS)
           + f" {'x minimind':>10} {'x no pads':>9} {'whole x mm':>10}  same ids, same masks")
     results = []

@@ -15,6 +15,10 @@ def test_prep_compares_our_preparation_with_minimind_s_on_plain_and_tool_rows(tm
                                   str(json_out))  # its main, in this process
     assert completed.returncode == 0, completed.stderr
     lines = completed.stdout.splitlines()
+    assert lines[2] == ("  ours = the build's chunk encoder; ours whole = the same with every text tokenized whole (no "
+                        "piece remembered); general = the general path for every row (what the build runs for a "
+                        "template the fast path does not cover); minimind = its __getitem__; mm no pads = its label "
+                        "scan without the pads")
     assert lines[-1].startswith("summary: ours / minimind rows per core: plain ") and " tool " in lines[-1]
     rows = {row["data"]: row for row in json.loads(json_out.read_text(encoding="utf-8"))["prep"]}
     assert set(rows) == {"plain", "tool"}
