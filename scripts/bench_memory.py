@@ -24,7 +24,7 @@ Each figure is the largest rank's (FSDP pads a dimension that N does not divide 
 ranks). A row whose processes would need more RAM than the machine has available (DDP of the
 0.6B model holds ~9 GiB per process) is not measured, and the table says so. Not counted in
 "computed" and "measured": activations, and under FSDP the one block whose full weights are
-all-gathered while it runs (its parameters x the bytes of --dtype, shown as "+ gathered block").
+all-gathered while it runs (its parameters in bf16, 2 bytes each, shown as "+ gathered block (bf16)").
 """
 
 import gc
