@@ -33,7 +33,7 @@ DEFAULT_TRAINER_FLAGS = {"--batch_size": "4", "--dtype": "bfloat16"}
 
 def build_parser() -> ArgumentParser:
     defaults = " and ".join(f"{flag} {value}" for flag, value in DEFAULT_TRAINER_FLAGS.items())
-    parser = ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ArgumentParser(prog="step_figures.py", description=__doc__.split("\n\n")[0],
                             epilog=f"Every other flag is the trainer's (python train_full_sft.py --help), with {defaults} "
                                    "unless given.")
     add_flag(parser, "--warmup_steps", type=int, default=1, at_least=1, help="uncounted optimizer steps first (at least 1)")
@@ -53,6 +53,13 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def compile_backends() -> list[str]:
+    """The names torch.compile takes as `backend`, those tagged for debugging (eager) among them."""
+    import torch._dynamo
+
+    return torch._dynamo.list_backends(exclude_tags=())
+
+
 def with_trainer_defaults(unknown: list[str]) -> list[str]:
     given = {arg.split("=")[0] for arg in unknown if arg.startswith("--")}
     defaults = [part for flag, value in DEFAULT_TRAINER_FLAGS.items() if flag not in given for part in (flag, value)]
@@ -67,6 +74,9 @@ def main(argv=None) -> int:
         build_parser().error(f"--{bytes_only[0]} needs --bytes")
     if options.bytes and parse_args(flags).use_compile:
         build_parser().error("--bytes traces the eager step: leave out --use_compile")
+    if options.compile_backend not in compile_backends():
+        build_parser().error(f"--compile_backend {options.compile_backend}: not a torch.compile backend (eager, "
+                             "inductor, ...: torch._dynamo.list_backends(exclude_tags=()))")
     if options.bytes:
         return print_bytes(flags, options)
     figures = measure(flags, options.warmup_steps, options.steps, options.compile_backend)

@@ -9,6 +9,7 @@ import torch
 
 from scripts._dispatch_counts import DispatchCounter, flop_counter
 from scripts.step_figures import main, with_trainer_defaults
+from tests.helpers.overfitted import script_in_process
 
 DEMO = Path(__file__).resolve().parents[2] / "dataset" / "demo" / "sft_train.jsonl"
 TINY = ["--hidden_size", "32", "--num_hidden_layers", "2", "--num_attention_heads", "4", "--num_key_value_heads", "2",
@@ -100,3 +101,10 @@ def test_compiled_step_is_compiled_by_the_backend_given(capsys, data):
     result = figures(capsys, data, "--dtype", "float32", "--use_compile", "1", "--compile_backend", "minisft_recording")
     assert (result["frames"], result["graph_breaks"], result["recompiles"]) == (1, 0, 0)
     assert len(graphs) == 1
+
+
+def test_a_backend_torch_compile_does_not_know_is_refused_before_the_run():
+    done = script_in_process("step_figures.py", "--use_compile", "1", "--compile_backend", "nope")
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", "error: --compile_backend nope: not a torch.compile backend (eager, inductor, ...: "
+           "torch._dynamo.list_backends(exclude_tags=())) (see step_figures.py --help)\n")
