@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn
@@ -22,13 +23,18 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
+# How a help names its flag's default itself: "(default: the tokenizer's)", "(default 15)",
+# "default: next to the data", "by default the repository's"; not "its default experts".
+NAMES_ITS_DEFAULT = re.compile(r"\(default\b|\bdefault:|\bby default\b")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each flag's help followed by its default, unless the help names its default itself
-    (``default: the tokenizer's``) or it has none (None): ``(default: None)`` after such a help would
+    (`NAMES_ITS_DEFAULT`) or it has none (None): ``(default: None)`` after such a help would
     contradict it."""
 
     def _get_help_string(self, action):
-        if action.default is None or "default" in (action.help or ""):
+        if action.default is None or NAMES_ITS_DEFAULT.search(action.help or ""):
             return action.help
         return super()._get_help_string(action)
 

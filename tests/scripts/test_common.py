@@ -15,3 +15,15 @@ def test_help_shows_a_default_unless_the_help_names_it_or_there_is_none():
     assert ("--steps STEPS timed optimizer steps (default: 10) --matmul_size MATMUL_SIZE side of the square matmul "
             "(default: 2048 on CPU, 8192 on a GPU) --json_out JSON_OUT also write every figure to this JSON file "
             "--cache_dir CACHE_DIR token cache; default: next to the data --seed SEED") in words
+
+
+def test_a_help_that_uses_the_word_default_for_something_else_still_shows_the_flags_default():
+    parser = ArgumentParser(prog="bench.py")
+    parser.add_argument("--use_moe", type=int, choices=(0, 1), default=0,
+                        help="1 = the trainer's MoE MLPs (its default experts and top-k)")
+    parser.add_argument("--top", type=int, default=None, help="with --bytes: the ops shown one by one (default 15)")
+    parser.add_argument("--out-dir", default="dataset/demo", help="where the files go: by default the repository's")
+    words = " ".join(parser.format_help().split())
+    assert ("--use_moe {0,1} 1 = the trainer's MoE MLPs (its default experts and top-k) (default: 0) --top TOP with "
+            "--bytes: the ops shown one by one (default 15) --out-dir OUT_DIR where the files go: by default the "
+            "repository's") in words
