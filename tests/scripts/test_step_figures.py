@@ -66,12 +66,20 @@ def test_prints_ops_casts_and_flops_of_every_counted_step(capsys, data):
     assert min(bf16["casts"]) > max(fp32["casts"])  # autocast casts; fp32 runs hardly any
 
 
-def recording_backend(graphs: list):
-    """A torch.compile backend that runs each graph as traced and records its placeholders' shapes."""
+def recording_backend(graphs: list, calls: list | None = None):
+    """A torch.compile backend that runs each graph as traced and records its placeholders' shapes,
+    and in `calls` whether a dispatch mode (the counters) was on at each run of a compiled graph."""
 
     def backend(graph_module, example_inputs):
         graphs.append([tuple(example.shape) for example in example_inputs if isinstance(example, torch.Tensor)])
-        return graph_module.forward
+        if calls is None:
+            return graph_module.forward
+
+        def run(*args):
+            calls.append(torch._C._len_torch_dispatch_stack() > 0)
+            return graph_module.forward(*args)
+
+        return run
 
     return backend
 
@@ -94,13 +102,15 @@ def test_code_compiled_inside_the_counters_is_compiled_and_its_ops_and_flops_cou
 def test_compiled_step_is_compiled_by_the_backend_given(capsys, data):
     """--compile_backend reaches the trainer's compile call, and the counted steps run the compiled
     blocks: one graph (both layers share it), no graph break, nothing compiled after the first step
-    (every batch is padded to 64 tokens, --max_seq_len)."""
-    graphs = []
+    (every batch is padded to 64 tokens, --max_seq_len); the graph runs for both layers in the warm-up
+    step, outside the counters, and in each of the 2 counted steps, inside them."""
+    graphs, calls = [], []
     torch._dynamo.reset()
-    torch._dynamo.register_backend(recording_backend(graphs), name="minisft_recording")
+    torch._dynamo.register_backend(recording_backend(graphs, calls), name="minisft_recording")
     result = figures(capsys, data, "--dtype", "float32", "--use_compile", "1", "--compile_backend", "minisft_recording")
     assert (result["frames"], result["graph_breaks"], result["recompiles"]) == (1, 0, 0)
     assert len(graphs) == 1
+    assert calls == [False, False, True, True, True, True]
 
 
 def test_a_backend_torch_compile_does_not_know_is_refused_before_the_run():
