@@ -38,8 +38,9 @@ def build_parser() -> ArgumentParser:
                                    "unless given.")
     add_flag(parser, "--warmup_steps", type=int, default=1, at_least=1, help="uncounted optimizer steps first (at least 1)")
     add_flag(parser, "--steps", type=int, default=3, at_least=1, help="counted optimizer steps")
-    parser.add_argument("--compile_backend", default="inductor",
-                        help="torch.compile backend with --use_compile 1 (eager: the same graphs, compiled fast)")
+    parser.add_argument("--compile_backend", default=None,
+                        help="with --use_compile 1: torch.compile's backend (default: inductor; eager: the same "
+                             "graphs, compiled fast)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     parser.add_argument("--bytes", action="store_true",
                         help="instead: bytes each op reads and writes per optimizer step and a roofline estimate of "
@@ -72,14 +73,18 @@ def main(argv=None) -> int:
     bytes_only = [name for name in ("top", "by_shapes", "measured_ms") if getattr(options, name) not in (None, False)]
     if bytes_only and not options.bytes:
         build_parser().error(f"--{bytes_only[0]} needs --bytes")
-    if options.bytes and parse_args(flags).use_compile:
+    compiled = parse_args(flags).use_compile
+    if options.bytes and compiled:
         build_parser().error("--bytes traces the eager step: leave out --use_compile")
-    if options.compile_backend not in compile_backends():
+    if options.compile_backend is not None and not compiled:
+        build_parser().error("--compile_backend needs --use_compile 1")
+    if options.compile_backend is not None and options.compile_backend not in compile_backends():
         build_parser().error(f"--compile_backend {options.compile_backend}: not a torch.compile backend (eager, "
                              "inductor, ...: torch._dynamo.list_backends(exclude_tags=()))")
+    backend = options.compile_backend or "inductor"
     if options.bytes:
         return print_bytes(flags, options)
-    figures = measure(flags, options.warmup_steps, options.steps, options.compile_backend)
+    figures = measure(flags, options.warmup_steps, options.steps, backend)
     if options.json:
         print(json.dumps({"flags": flags, **vars(figures)}))
         return 0
@@ -89,7 +94,7 @@ def main(argv=None) -> int:
           f"{span(figures.casts)}, "
           f"GFLOP {min(figures.flops) / 1e9:.2f}-{max(figures.flops) / 1e9:.2f}")
     if figures.frames is not None:
-        print(f"torch.compile ({options.compile_backend}): graph breaks {figures.graph_breaks}, frames compiled "
+        print(f"torch.compile ({backend}): graph breaks {figures.graph_breaks}, frames compiled "
               f"{figures.frames}, recompiles after the first step {figures.recompiles}")
     return 0
 

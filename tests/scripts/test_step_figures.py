@@ -118,3 +118,9 @@ def test_a_backend_torch_compile_does_not_know_is_refused_before_the_run():
     assert (done.returncode, done.stdout, done.stderr) == (
         2, "", "error: --compile_backend nope: not a torch.compile backend (eager, inductor, ...: "
            "torch._dynamo.list_backends(exclude_tags=())) (see step_figures.py --help)\n")
+
+
+def test_a_backend_without_use_compile_is_refused_not_ignored():
+    done = script_in_process("step_figures.py", "--compile_backend", "eager")
+    assert (done.returncode, done.stdout, done.stderr) == (
+        2, "", "error: --compile_backend needs --use_compile 1 (see step_figures.py --help)\n")
