@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from typing import Callable, NoReturn
+
+from trainer.args import HelpFormatter  # the trainer's --help formatter (no torch import)
 
 REPO_DIR = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -21,22 +22,6 @@ def fail(message: str) -> NoReturn:
 
     print(printable(f"error: {message}", one_line=True), file=sys.stderr)
     sys.exit(2)
-
-
-# How a help names its flag's default itself: "(default: the tokenizer's)", "(default 15)",
-# "default: next to the data", "by default the repository's"; not "its default experts".
-NAMES_ITS_DEFAULT = re.compile(r"\(default\b|\bdefault:|\bby default\b")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Each flag's help followed by its default, unless the help names its default itself
-    (`NAMES_ITS_DEFAULT`) or it has none (None): ``(default: None)`` after such a help would
-    contradict it."""
-
-    def _get_help_string(self, action):
-        if action.default is None or NAMES_ITS_DEFAULT.search(action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -77,6 +77,22 @@ def path_value(text: str) -> str:
     return text
 
 
+# How a help names its flag's default itself: "(default: the tokenizer's)", "(default 15)",
+# "default: next to the data", "by default the repository's"; not "its default experts".
+NAMES_ITS_DEFAULT = re.compile(r"\(default\b|\bdefault:|\bby default\b")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's help followed by its default, unless the help names its default itself
+    (`NAMES_ITS_DEFAULT`) or it has none (None): ``(default: None)`` after such a help would
+    contradict it. The trainer's --help and the scripts' (scripts/_common.py)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or NAMES_ITS_DEFAULT.search(action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class FlagParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line, `error: ...` (exit 2), not the usage first. Every
     process of a launch parses the same flags: one of each node prints the line. The line quotes the
@@ -93,7 +109,7 @@ class FlagParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = FlagParser(
         description="Full-parameter SFT of a MiniMind model (python, torchrun, multi-node, SLURM).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     dist = parser.add_argument_group("1. distributed")
     dist.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",

@@ -190,3 +190,12 @@ def test_a_glob_in_eval_data_path_is_named_with_the_files_it_matches(tmp_path, c
     assert capsys.readouterr().err == (
         f"error: --eval_data_path {tmp_path / '*.jsonl'}: no such file; held-out files are named one by one, "
         f"comma-separated (only --data_path reads a glob): {tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl'}\n")
+
+
+def test_help_shows_a_default_once_and_never_as_none():
+    """The scripts' formatter (scripts/_common.py uses this one): a flag without a default (None) shows
+    none, and a help that names its default is not followed by another."""
+    words = " ".join(build_parser().format_help().split())
+    assert "(default: None)" not in words
+    assert "--cache_dir CACHE_DIR where the tokenized cache lives; default next to the data --" in words
+    assert "--batch_size BATCH_SIZE samples per process per micro-step (default: 16)" in words
