@@ -42,9 +42,12 @@ MIB = 1024 * 1024
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """The model's size and the data: the trainer's flags of the same names, with its ranges."""
     model = parser.add_argument_group("model and data")
-    model.add_argument("--hidden_size", type=int, default=256).bounds = flag_bounds("hidden_size")
-    model.add_argument("--num_hidden_layers", type=int, default=4).bounds = flag_bounds("num_hidden_layers")
-    model.add_argument("--max_seq_len", type=int, default=512).bounds = flag_bounds("max_seq_len")
+    model.add_argument("--hidden_size", type=int, default=256,
+                       help="the model's width").bounds = flag_bounds("hidden_size")
+    model.add_argument("--num_hidden_layers", type=int, default=4,
+                       help="blocks").bounds = flag_bounds("num_hidden_layers")
+    model.add_argument("--max_seq_len", type=int, default=512,
+                       help="rows are cut to this many tokens, as in training").bounds = flag_bounds("max_seq_len")
     model.add_argument("--use_moe", type=int, choices=(0, 1), default=0,
                        help="1 = the trainer's MoE MLPs (its default experts and top-k); FLOPs count active experts")
     add_flag(model, "--vocab_size", type=int, default=None, at_least=1,
@@ -66,7 +69,7 @@ def add_run_flags(parser: argparse.ArgumentParser, dtypes: str = "float32,bfloat
     run.add_argument("--dtypes", default=dtypes, help="comma-separated: float32, bfloat16, float16 (GPU)")
     if device:
         run.add_argument("--device", default="auto", help="auto (cuda if available) | cpu | cuda | cuda:N")
-    run.add_argument("--seed", type=int, default=42).bounds = flag_bounds("seed")
+    run.add_argument("--seed", type=int, default=42, help="the trainer's --seed").bounds = flag_bounds("seed")
     run.add_argument("--json_out", default=None, help="also write every figure to this JSON file")
 
 

@@ -1,5 +1,5 @@
 """scripts/_bench_common.py: the device timer (CUDA events on a GPU), the precision policy, the batches timed,
-the JSON report."""
+the JSON report, the shared flags' --help."""
 
 import argparse
 import json
@@ -7,7 +7,10 @@ import json
 import pytest
 import torch
 
-from scripts._bench_common import DeviceTimer, endless_batches, follow_precision_policy, ready_batches, write_report
+from scripts._bench_common import (
+    DeviceTimer, add_model_flags, add_run_flags, endless_batches, follow_precision_policy, ready_batches, write_report,
+)
+from scripts._common import ArgumentParser
 
 
 class FakeEvent:
@@ -106,3 +109,16 @@ def test_the_report_goes_into_json_out_whose_missing_folders_are_made(tmp_path):
     target = tmp_path / "runs" / "cpu" / "bench.json"
     write_report(argparse.Namespace(json_out=str(target)), {"summary": "summary: best dynamic", "rows": [1, 2]})
     assert json.loads(target.read_text(encoding="utf-8")) == {"summary": "summary: best dynamic", "rows": [1, 2]}
+
+
+def test_help_gives_the_model_shape_and_seed_with_their_defaults():
+    """bench.py, bench_scaling.py and profile_step.py --help: a flag without a help shows no default."""
+    parser = ArgumentParser(prog="bench.py")
+    add_model_flags(parser)
+    add_run_flags(parser)
+    words = " ".join(parser.format_help().split())
+    for shown in ("--hidden_size HIDDEN_SIZE the model's width (default: 256)",
+                  "--num_hidden_layers NUM_HIDDEN_LAYERS blocks (default: 4)",
+                  "--max_seq_len MAX_SEQ_LEN rows are cut to this many tokens, as in training (default: 512)",
+                  "--seed SEED the trainer's --seed (default: 42)"):
+        assert shown in words
