@@ -162,10 +162,15 @@ def run_trainer_in_process(args: list[str], check: bool = False) -> subprocess.C
 
 
 def final_weights(save_dir: str) -> dict:
-    """The fp32 weights of the newest resume checkpoint in `save_dir`."""
+    """The fp32 weights of the newest resume checkpoint in `save_dir`: a .pt file, or (--fsdp 1) a
+    .dcp directory of shards, read whole."""
     folder = os.path.join(save_dir, "checkpoints")
-    newest = sorted(os.listdir(folder))[-1]
-    return torch.load(os.path.join(folder, newest), weights_only=True)["model"]
+    newest = os.path.join(folder, sorted(os.listdir(folder))[-1])
+    if os.path.isdir(newest):
+        from trainer.checkpoint.resume import load_resume_checkpoint
+
+        return load_resume_checkpoint(newest, required=("model_config", "model"))["model"]
+    return torch.load(newest, weights_only=True)["model"]
 
 
 def checkpoint_at(save_dir: str, step: int) -> str:
