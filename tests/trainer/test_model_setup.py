@@ -418,16 +418,16 @@ def test_a_model_too_large_for_the_gpu_to_train_is_one_line_before_tokenizing(mo
     assert model_setup.build_model_config(parse_args([*wide, "--fsdp", "1"]), tokenizer, device=cuda).hidden_size == 4096
     with pytest.raises(ConfigError):  # DDP: every process holds all of it
         model_setup.build_model_config(parse_args(wide), tokenizer, device=cuda)
-    gpu.total_memory, processes[0] = 8 << 30, 2
-    with pytest.raises(ConfigError) as refused:
-        model_setup.build_model_config(parse_args([*wide, "--fsdp", "1"]), tokenizer, device=cuda)
-    assert str(refused.value) == (
-        f"{model} 12.2 GiB of GPU memory to train (its share of the fp32 weights, gradients and AdamW's two moments "
-        "over 2 processes (--fsdp 1); more processes shard them further), more than the 8.0 GiB of cuda:1")
-    gpu.total_memory, processes[0] = 4 << 30, 8
-    with pytest.raises(ConfigError) as refused:
-        model_setup.build_model_config(parse_args([*wide, "--fsdp", "1"]), tokenizer, device=cuda)
-    assert str(refused.value) == (
-        f"{model} 6.1 GiB of GPU memory to train (the whole fp32 model that each process builds before --fsdp 1 "
-        "shards it: 4 bytes a parameter), more than the 4.0 GiB of cuda:1")
+    sharded_refusals = {  # (GPU memory, processes): what --fsdp 1 says
+        (8 << 30, 2): f"{model} 12.2 GiB of GPU memory to train (its share of the fp32 weights, gradients and AdamW's "
+                      "two moments over 2 processes (--fsdp 1); more processes shard them further), more than the "
+                      "8.0 GiB of cuda:1",
+        (4 << 30, 8): f"{model} 6.1 GiB of GPU memory to train (the whole fp32 model that each process builds before "
+                      "--fsdp 1 shards it: 4 bytes a parameter), more than the 4.0 GiB of cuda:1",
+    }
+    for (memory, count), message in sharded_refusals.items():
+        gpu.total_memory, processes[0] = memory, count
+        with pytest.raises(ConfigError) as refused:
+            model_setup.build_model_config(parse_args([*wide, "--fsdp", "1"]), tokenizer, device=cuda)
+        assert str(refused.value) == message
     assert model_setup.build_model_config(parse_args(wide), tokenizer, device=torch.device("cpu")).hidden_size == 4096
