@@ -168,7 +168,8 @@ def make_config_portable(config_path: Path, chat_template: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__.splitlines()[0], prog="train_tokenizer.py")
     parser.add_argument("--data", nargs="+", default=["dataset/demo/sft_train.jsonl"],
-                        help="data files as training reads them: .jsonl, .jsonl.gz or .parquet")
+                        help="data files as training reads them: .jsonl, .jsonl.gz or .parquet "
+                             "(default: dataset/demo/sft_train.jsonl)")
     parser.add_argument("--out-dir", required=True, type=path_value,
                         help="a new or empty directory (the shipped one is model/tokenizer: delete it first to replace it)")
     parser.add_argument("--vocab-size", type=int, default=6400)

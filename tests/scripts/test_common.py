@@ -1,5 +1,9 @@
 """scripts/_common.py: the scripts' --help shows a flag's default once, and never as None."""
 
+import importlib
+
+import pytest
+
 from scripts._common import ArgumentParser
 
 
@@ -27,3 +31,20 @@ def test_a_help_that_uses_the_word_default_for_something_else_still_shows_the_fl
     assert ("--use_moe {0,1} 1 = the trainer's MoE MLPs (its default experts and top-k) (default: 0) --top TOP with "
             "--bytes: the ops shown one by one (default 15) --out-dir OUT_DIR where the files go: by default the "
             "repository's") in words
+
+
+SCRIPTS_WITH_MAIN = ("bench", "bench_memory", "bench_prep", "bench_save", "bench_scaling", "chat", "eval_sft",
+                     "export_hf", "inspect_data", "make_demo_data", "plot_loss", "profile_step", "step_figures",
+                     "train_tokenizer", "verify_equivalence")
+
+
+def test_every_script_s_help_shows_its_defaults_as_a_reader_types_them(capsys):
+    """No `(default: None)` and no Python list (`['dataset/demo/sft_train.jsonl']`) in any --help."""
+    for name in SCRIPTS_WITH_MAIN:
+        with pytest.raises(SystemExit) as done:
+            importlib.import_module(f"scripts.{name}").main(["--help"])
+        words = " ".join(capsys.readouterr().out.split())
+        assert done.value.code == 0 and words.startswith("usage:"), name
+        assert "(default: None)" not in words and "(default: [" not in words, name
+        if name == "train_tokenizer":
+            assert "(default: dataset/demo/sft_train.jsonl)" in words
