@@ -53,23 +53,18 @@ def build(options, device, save_dir: str):
     import torch
 
     from dataset.rendering import load_tokenizer
-    from model import MiniMindConfig, MiniMindForCausalLM
+    from model import MiniMindForCausalLM
     from trainer.loop.state import Run
-    from trainer.model_setup import build_optimizer
+    from trainer.model_setup import build_optimizer, new_model_config
     from trainer.parallel.ddp import Replicated
     from trainer.runtime.distributed import DistContext
     from trainer.runtime.precision import build_grad_scaler
 
-    from trainer.errors import ConfigError
-
     tokenizer = load_tokenizer(None)
-    try:  # a shape the model refuses (heads that do not divide the width) is the user's error, one line
-        config = MiniMindConfig(vocab_size=len(tokenizer), hidden_size=options.hidden_size,
-                                num_hidden_layers=options.num_hidden_layers,
-                                num_attention_heads=options.num_attention_heads,
-                                num_key_value_heads=options.num_key_value_heads)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
+    config = new_model_config(vocab_size=len(tokenizer), hidden_size=options.hidden_size,
+                              num_hidden_layers=options.num_hidden_layers,
+                              num_attention_heads=options.num_attention_heads,
+                              num_key_value_heads=options.num_key_value_heads)
     torch.manual_seed(0)
     model = MiniMindForCausalLM(config).to(device).train()
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=device, backend=None)

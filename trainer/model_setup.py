@@ -107,6 +107,21 @@ def check_pth_spares_the_start(args, config: MiniMindConfig, prefix: str) -> Non
                           "starts from: give another --save_weight")
 
 
+def model_summary(config: MiniMindConfig, parameters: int) -> str:
+    """The model as the memory refusals name it: its shape and its parameters."""
+    return (f"hidden {config.hidden_size} x {config.num_hidden_layers} layers, vocabulary {config.vocab_size}: "
+            f"{parameters / 1e9:.2f} B parameters")
+
+
+def new_model_config(**fields) -> MiniMindConfig:
+    """MiniMindConfig(**fields) of flags: a shape it refuses (heads that do not divide the width) is the
+    user's error, one line."""
+    try:
+        return MiniMindConfig(**fields)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
 def host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -131,8 +146,7 @@ def check_host_memory(config: MiniMindConfig, device: torch.device | None, shard
     if processes > 1:
         needed = (f"{each / 2**30:.1f} GiB of host memory in each of the node's {processes} processes "
                   f"({each * processes / 2**30:.1f} GiB in all){what}")
-    model = (f"hidden {config.hidden_size} x {config.num_hidden_layers} layers, vocabulary {config.vocab_size}: "
-             f"{parameters / 1e9:.2f} B parameters")
+    model = model_summary(config, parameters)
     raise ConfigError(f"the model ({model}) needs at least {needed}, more than this machine's "
                       f"{memory / 2**30:.1f} GiB")
 
@@ -152,8 +166,7 @@ def check_gpu_memory(config: MiniMindConfig, device: torch.device | None, sharde
     memory = torch.cuda.get_device_properties(device).total_memory
     if needed <= memory:
         return
-    model = (f"hidden {config.hidden_size} x {config.num_hidden_layers} layers, vocabulary {config.vocab_size}: "
-             f"{parameters / 1e9:.2f} B parameters")
+    model = model_summary(config, parameters)
     if processes == 1:
         held = ("fp32 weights, gradients and AdamW's two moments: 16 bytes a parameter; with several GPUs "
                 "--fsdp 1 shards them")
@@ -222,10 +235,7 @@ def _model_config(args, tokenizer, weights: Weights | None, own_positions: int) 
         eos_token_id=stop_ids[0] if len(stop_ids) == 1 else stop_ids,  # generation_config.json stops at each
     )
     if weights is None:
-        try:
-            return MiniMindConfig(**flags, **tokens, dropout=args.dropout)
-        except ValueError as error:
-            raise ConfigError(str(error)) from error
+        return new_model_config(**flags, **tokens, dropout=args.dropout)
     config = build_config(weights, **flags)  # the weights win; the flags fill what a .pth does not record
     config.dropout = args.dropout  # training-only: never part of the weights
     config.max_position_embeddings = max(config.max_position_embeddings, args.max_seq_len)

@@ -41,8 +41,7 @@ def recorded_schedule(value) -> dict | None:
 
 
 def unrecorded_schedule(saved: dict, dataset_len: int, trained_lr: float | None) -> dict | None:
-    """The schedule of a checkpoint that records none (written before checkpoints recorded it, or with
-    a damaged record), from its own flags (`saved["args"]`): the run that wrote it counted at its start
+    """The schedule of a checkpoint that records none (or a damaged record), from its own flags (`saved["args"]`): the run that wrote it counted at its start
     its total of optimizer steps (those done and those left in its epochs at its global batch of
     `saved["world_size"]` x --batch_size x --accumulation_steps samples, capped by --max_steps) and its
     warmup (--warmup_steps, else 3% of that total). Counted from the checkpoint's position with those
@@ -66,8 +65,7 @@ def unrecorded_schedule(saved: dict, dataset_len: int, trained_lr: float | None)
     total = run_steps(dataset_len, world, batch, accumulation, epochs, max_steps, step, epoch, start)
     record = recorded_schedule(schedule_record(total, default_warmup_steps(total) if warmup is None else warmup,
                                                peak, floor_ratio))
-    if record is None or not math.isclose(cosine_lr(step - 1, *_curve(record)), trained_lr, rel_tol=1e-6,
-                                          abs_tol=1e-12):
+    if record is None or not _same_rate(cosine_lr(step - 1, *_curve(record)), trained_lr):
         return None
     return record
 
@@ -75,6 +73,11 @@ def unrecorded_schedule(saved: dict, dataset_len: int, trained_lr: float | None)
 def _curve(schedule: dict) -> tuple:
     """`cosine_lr`'s arguments after the step, from a schedule record."""
     return schedule["total_steps"], schedule["peak_lr"], schedule["warmup_steps"], schedule["min_lr_ratio"]
+
+
+def _same_rate(computed: float, trained: float) -> bool:
+    """Whether a rate this code computes is the one a checkpoint's optimizer holds (float rounding apart)."""
+    return math.isclose(computed, trained, rel_tol=1e-6, abs_tol=1e-12)
 
 
 def warmup_afresh(flag: int | None, resumed: dict | None, step: int, named: str, total_steps: int) -> str | None:
@@ -109,9 +112,9 @@ def schedule_change(step: int, resumed_lr: float | None, resumed: dict | None, s
     peak); `schedule`: this run's (`schedule_record`)."""
     if resumed_lr is None or step == 0:
         return None
-    curve = (schedule["total_steps"], schedule["peak_lr"], schedule["warmup_steps"], schedule["min_lr_ratio"])
+    curve = _curve(schedule)
     here = cosine_lr(step - 1, *curve)
-    if math.isclose(here, resumed_lr, rel_tol=1e-6, abs_tol=1e-12) and resumed in (None, schedule):
+    if _same_rate(here, resumed_lr) and resumed in (None, schedule):
         return None
     theirs = f" ({described(resumed)})" if resumed else ""
     return (f"note: this run's learning rate schedule ({described(schedule)}) is not the checkpoint's{theirs}: its "

@@ -25,7 +25,7 @@ def steps_over(samples: int, processes: int, batch_size: int, accumulation: int)
 
 
 def run_steps(dataset_len: int, processes: int, batch_size: int, accumulation: int, epochs: int,
-                max_steps: int, step: int, epoch: int, samples_in_epoch: int) -> int:
+              max_steps: int, step: int, epoch: int, samples_in_epoch: int) -> int:
     """The run's total: `step` done, the steps left in epoch `epoch` from its sample `samples_in_epoch`
     and in every later epoch (counted once and multiplied: a count per epoch would take hours at
     --epochs 10000000000), capped by `max_steps` (0: none)."""

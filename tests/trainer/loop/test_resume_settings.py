@@ -132,8 +132,7 @@ def resume_without_the_record(data, tmp_path, monkeypatch, change, name: str):
 
 
 def test_a_checkpoint_without_a_schedule_record_keeps_the_warmup_its_flags_counted(data, tmp_path, monkeypatch):
-    """A checkpoint that records no schedule (written before checkpoints recorded it, or whose `lr_schedule` is
-    damaged: read as none) gives the one its run trained on from its flags (--max_steps 2, the default warmup
+    """A checkpoint that records no schedule (no `lr_schedule`, or one damaged: read as none) gives the one its run trained on from its flags (--max_steps 2, the default warmup
     of 1 step), which reproduce the rate its last step trained at: the resume to 100 steps keeps that warmup, as
     it keeps a recorded one, where counting afresh would give 3 steps."""
     for name, change in (("unrecorded", lambda saved: saved.pop("lr_schedule")),
