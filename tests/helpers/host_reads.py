@@ -7,9 +7,11 @@ tensor is turned into a host value: `.item()`, `bool()`, `int()`, `float()` (ate
 `_local_scalar_dense`), `.tolist()`, `.numpy()`, or fed to an op whose result's size depends on
 its values (`nonzero`, indexing by a boolean mask, `masked_select`, `unique`, ...). On a GPU each
 of those waits for the device. Tensors the host made itself (the CPU batch, the counts computed
-from it) are not marked; `mark` marks more (evaluation: what `model_inputs` puts on the device).
+from it) are not marked; `mark` marks more (evaluation: what `model_inputs` puts on the device),
+`on_the_device` the inputs a training step moves there.
 """
 
+import copy
 import sys
 
 import torch
@@ -116,6 +118,26 @@ class HostReads(TorchDispatchMode):
         for name, original in self.originals.items():
             setattr(torch.Tensor, name, original)
         return super().__exit__(*exc)
+
+    def on_the_device(self, model_inputs):
+        """`model_inputs` whose tensors are copies, marked: on a GPU they are the device's, so a host read
+        of one waits for the device. On the CPU `.to` returns the batch's own tensors, which the host
+        reads freely (the loop counts its tokens there), so each is copied before it is marked; of a
+        packed layout only `cu_seqlens` goes to the device (model/packed_attention.py)."""
+        def moved(batch, device):
+            inputs = {}
+            for key, value in model_inputs(batch, device).items():
+                if hasattr(value, "cu_seqlens"):
+                    value = copy.copy(value)
+                    value.cu_seqlens = value.cu_seqlens.clone()
+                    self.mark(value.cu_seqlens)
+                else:
+                    value = value.clone()
+                    self.mark(value)
+                inputs[key] = value
+            return inputs
+
+        return moved
 
     def during(self, action):
         """The reads that `action()` makes."""

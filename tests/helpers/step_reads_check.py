@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from tests.helpers.host_reads import HostReads  # noqa: E402
 from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, poisoned, tiny_run  # noqa: E402
+from trainer.loop import loop  # noqa: E402
 from trainer.loop.loop import log_interval, take_step  # noqa: E402
 from trainer.parallel.ddp import Replicated  # noqa: E402
 from trainer.parallel.fsdp import FullyShardedParallel  # noqa: E402
@@ -43,6 +44,7 @@ def check(kind: str) -> dict:
     run = tiny_run(device, parallel=parallel, ctx=ctx)
     interval = new_interval(run)
     guard = HostReads(run.model, run.optimizer)
+    loop.model_inputs = guard.on_the_device(loop.model_inputs)  # marked as the device's copies
     steps = [guard.during(lambda: take_step(run, micro_batches(rank), interval, 1e-3))]
     before = local_values(run)
     with poisoned(run):

@@ -2,8 +2,9 @@
 step between log lines; the flags of skipped steps and the weights check read at log lines,
 saves, evaluations, and every min(--log_interval, --max_bad_steps) steps.
 
-`tests/helpers/host_reads.py` marks every tensor computed from the model, the loss or the optimizer
-and records each read of one on the host (on a GPU, a wait for the device). The GPU version, with
+`tests/helpers/host_reads.py` marks every tensor computed from the model, the loss or the optimizer,
+and the model's inputs as the device's copies of the batch, and records each read of one on the
+host (on a GPU, a wait for the device). The GPU version, with
 torch.cuda.set_sync_debug_mode("error"), is in tests/test_cuda.py."""
 
 import json
@@ -22,6 +23,7 @@ from tests.helpers.tiny_model import tiny_model
 from trainer.errors import TrainingError
 from trainer.loop import loop
 from trainer.loop.loop import evaluate_and_select, log_interval, save, settle, take_step
+from trainer.loop.source_losses import SourceLosses
 from trainer.loop.state import Run
 from trainer.loop.throughput import Throughput
 from trainer.model_setup import build_optimizer
@@ -56,24 +58,34 @@ def tiny_run(device: torch.device, log_interval: int = 100, max_bad_steps: int =
                logger=Logger(), preemption=SimpleNamespace(requested=False), parallel=parallel)
 
 
-def micro_batches(seed: int = 0) -> list[dict]:
-    """Two micro-batches of unequal lengths (accumulation 2)."""
+def micro_batches(seed: int = 0, kind: str = "padded") -> list[dict]:
+    """Two micro-batches of unequal lengths (accumulation 2): padded rows of one document each,
+    "packed" rows of several (their position ids restart at 0), or a "mixture" of two sources."""
     collate = SFTCollator(pad_token_id=0)
     generator = torch.Generator().manual_seed(seed)
 
-    def item(length):
+    def item(documents, row):
+        length = sum(documents)
         ids = torch.randint(1, 97, (length,), generator=generator)  # tiny_model: 97 tokens
         labels = ids.clone()
         labels[: length // 3] = -100
-        return {"input_ids": ids.numpy(), "labels": labels.numpy()}
+        item = {"input_ids": ids.numpy(), "labels": labels.numpy()}
+        if kind == "packed":
+            item["position_ids"] = torch.cat([torch.arange(n) for n in documents]).numpy()
+        if kind == "mixture":
+            item["source"] = row % 2
+        return item
 
-    return [collate([item(9), item(14)]), collate([item(20), item(6)])]
+    rows = ([[5, 4], [3, 7, 4]], [[8, 12], [6]]) if kind == "packed" else ([[9], [14]], [[20], [6]])
+    return [collate([item(documents, row) for row, documents in enumerate(batch)]) for batch in rows]
 
 
-def new_interval(run: Run) -> dict:
+def new_interval(run: Run, sources: bool = False) -> dict:
+    """A log window's record as the loop keeps it; with `sources`, the losses of two training sources."""
     return {"loss": torch.zeros((), device=run.ctx.device), "start": 0.0, "run_start": 0.0,
             "throughput": Throughput(run.ctx.device, run.dtype, run.ctx.world_size),
-            "run_first_step": 0, "resumed_at": None, "sources": None}
+            "run_first_step": 0, "resumed_at": None,
+            "sources": SourceLosses(["a", "b"], run.ctx.device) if sources else None}
 
 
 def poisoned(run: Run):
@@ -106,16 +118,20 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[key], b[key]), key
 
 
-def test_steps_between_log_lines_read_nothing_and_a_skipped_step_changes_nothing():
+@pytest.mark.parametrize("kind", ["padded", "packed", "mixture"])
+def test_steps_between_log_lines_read_nothing_and_a_skipped_step_changes_nothing(kind, monkeypatch):
+    """Padded rows, packed rows (the collator's layout) and a mixture of two sources (the per-source
+    losses): the model's inputs are marked as the device's copies (a read of one waits on a GPU)."""
     run = tiny_run(torch.device("cpu"))
-    interval = new_interval(run)
+    interval = new_interval(run, sources=kind == "mixture")
     guard = HostReads(run.model, run.optimizer)
-    assert guard.during(lambda: take_step(run, micro_batches(0), interval, 1e-3)) == []
+    monkeypatch.setattr(loop, "model_inputs", guard.on_the_device(loop.model_inputs))
+    assert guard.during(lambda: take_step(run, micro_batches(0, kind), interval, 1e-3)) == []
     before = snapshot(run)
     with poisoned(run):
-        assert guard.during(lambda: take_step(run, micro_batches(1), interval, 1e-3)) == []
+        assert guard.during(lambda: take_step(run, micro_batches(1, kind), interval, 1e-3)) == []
     assert_same(snapshot(run), before)  # weights, moments, step counters: as after step 1
-    assert guard.during(lambda: take_step(run, micro_batches(2), interval, 1e-3)) == []
+    assert guard.during(lambda: take_step(run, micro_batches(2, kind), interval, 1e-3)) == []
     assert run.state.skipped_steps == 0 and len(run.health.pending) == 3  # nothing read yet
     assert int(run.optimizer.state[next(run.raw_model.parameters())]["step"]) == 2
     # the log line reads the flags (one skipped step), the weights check and the loss
@@ -127,9 +143,12 @@ def test_steps_between_log_lines_read_nothing_and_a_skipped_step_changes_nothing
                                 "(1 in a row, 1 in total)"]
     # the loss is the mean of the two applied steps
     again = tiny_run(torch.device("cpu"))
-    losses = [float(loop.optimizer_step(again, micro_batches(seed), loop.agree_on_step(again, micro_batches(seed)),
-                                        1e-3).loss) for seed in (0, 2)]
+    losses = [float(loop.optimizer_step(again, batches, loop.agree_on_step(again, batches), 1e-3).loss)
+              for batches in (micro_batches(0, kind), micro_batches(2, kind))]
     assert figures["loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
+    if kind == "mixture":  # the token-weighted per-source losses sum back to the loss
+        parts = sum(figures[f"loss_share/{name}"] * figures[f"loss/{name}"] for name in ("a", "b"))
+        assert parts == pytest.approx(figures["loss"], rel=1e-5)
 
 
 def test_max_bad_steps_in_a_row_stop_at_the_step_that_completes_them(monkeypatch):
