@@ -4,9 +4,9 @@
 buffers or the optimizer's state (so: activations, the loss, gradients, the gradient norm, the
 optimizer's flags, whatever the loop derives from them) and records each place where such a
 tensor is turned into a host value: `.item()`, `bool()`, `int()`, `float()` (aten's
-`_local_scalar_dense`), `.tolist()`, `.numpy()`, or fed to an op whose result's size depends on
-its values (`nonzero`, indexing by a boolean mask, `masked_select`, `unique`, ...). On a GPU each
-of those waits for the device. Tensors the host made itself (the CPU batch, the counts computed
+`_local_scalar_dense`), `.tolist()`, `.numpy()`, `.cpu()`, or fed to an op whose result's size
+depends on its values (`nonzero`, indexing by a boolean mask, `masked_select`, `unique`, ...). On a
+GPU each of those waits for the device. Tensors the host made itself (the CPU batch, the counts computed
 from it) are not marked; `mark` marks more (evaluation: what `model_inputs` puts on the device),
 `on_the_device` the inputs a training step moves there.
 """
@@ -22,7 +22,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from scripts._dispatch_counts import written_arguments
 from tests.helpers.trainer_launch import REPO
 
-HOST_READ_METHODS = ("tolist", "numpy")
+# `cpu`: on a GPU a blocking copy to the host; on the CPU the tensor itself, which no op dispatch sees
+HOST_READ_METHODS = ("tolist", "numpy", "cpu")
 aten = torch.ops.aten
 # Ops that read a value on the host or size their result by the data: each a host sync on a GPU.
 SYNCING_OPS = {
