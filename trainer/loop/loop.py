@@ -13,9 +13,8 @@ accumulate sharded.
 
 Host synchronisation: none in a step between log lines. The counts come from the CPU batches
 and are summed over the ranks on a gloo group of host memory (`all_reduce_sum_on_host`); a
-non-finite step is skipped on the device and its flags are read later (trainer/loop/health.py:
-at log lines, saves, evaluations, and every min(--log_interval, --max_bad_steps) steps); the log
-line reads the loss (with several training sources, the per-source losses too,
+non-finite step is skipped on the device, --max_bad_steps counted there, and the flags are read
+at log lines, saves and evaluations (trainer/loop/health.py); the log line reads the loss (with several training sources, the per-source losses too,
 trainer/loop/source_losses.py).
 The run and its resume state are trainer/loop/state.py.
 """
@@ -32,7 +31,7 @@ from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE
 from trainer.errors import CheckpointError, ConfigError, TrainingError
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, stopped_early, update_selection
-from trainer.loop.health import StepFlags, bad_steps_error, read_steps, reads_due, step_flags
+from trainer.loop.health import bad_steps_error, read_steps, record_step, stopped
 from trainer.loop.lr_schedule import (
     cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_afresh, warmup_too_long,
 )
@@ -44,7 +43,7 @@ from trainer.loop.step_count import micro_batches, run_steps
 from trainer.loop.throughput import Throughput
 from trainer.run_logger import format_count
 from trainer.runtime.distributed import all_reduce_sum, all_reduce_sum_on_host, broadcast_object
-from trainer.runtime.precision import autocast, restart_collapsed_scale
+from trainer.runtime.precision import autocast, restart_collapsed_scale, skip_also_where
 from trainer.loop.saves import finish_saves, raise_on_every_rank, save_in_background
 from trainer.weights.write import publish_inference_weights
 
@@ -137,9 +136,11 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
     Every micro-batch's token loss is divided by the step's global loss-token count and its MoE
     balance loss by the step's global row count, so the step's objective does not depend on how
     the rows are split over ranks and micro-batches. A non-finite gradient norm skips the update
-    on the device (`found_inf` of fused AdamW; under float16 the GradScaler's own).
-    `source_losses` (several training sources) gets every micro-batch's per-token losses."""
+    on the device (`found_inf` of fused AdamW; under float16 the GradScaler's own), as does a streak of
+    --max_bad_steps bad steps that an earlier step completed (`halted`: the run stops at that step when
+    the host next reads the flags). `source_losses` (several training sources) gets every micro-batch's per-token losses."""
     model, ctx, scaler = run.model, run.ctx, run.scaler
+    halted = stopped(run)  # an earlier step completed --max_bad_steps bad steps in a row (health.py)
     set_lr(run.optimizer, lr)
     local_loss = torch.zeros((), device=ctx.device)
     for index, batch in enumerate(micro_batches):
@@ -160,11 +161,12 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
     grad_norm = run.parallel.clip_grad_norm(max_norm)
     finite = torch.isfinite(grad_norm)
     if scaler.is_enabled():
+        skip_also_where(scaler, run.optimizer, halted)
         scaler.step(run.optimizer)  # hands its found_inf to fused AdamW, which skips on the device
         scaler.update()
         restart_collapsed_scale(scaler, finite)
     else:
-        step_unless(run.optimizer, ~finite)
+        step_unless(run.optimizer, ~finite | halted)
     run.optimizer.zero_grad(set_to_none=True)
     return StepResult(local_loss, grad_norm.detach(), finite)
 
@@ -190,11 +192,11 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
         del optimizer.found_inf
 
 
-def settle(run: Run, check_weights: bool = True) -> None:
-    """Read the steps' pending flags (and, with `check_weights`, whether the weights are finite):
-    raises TrainingError for non-finite weights, and for --max_bad_steps bad steps in a row after
-    saving the last good weights."""
-    stopped_at = read_steps(run, check_weights)
+def settle(run: Run) -> None:
+    """Read the steps' pending flags and whether the weights are finite: raises TrainingError for
+    non-finite weights, and for --max_bad_steps bad steps in a row after saving the last good
+    weights at the step that completed them (trainer/loop/health.py)."""
+    stopped_at = read_steps(run)
     if stopped_at is not None:
         save(run)
         finish_saves(run)
@@ -353,14 +355,12 @@ def take_step(run: Run, micro_batches: list[dict], interval: dict, lr: float) ->
     if interval["sources"]:
         interval["sources"].end_step(totals.loss_tokens, result.finite)
     state.step += 1
-    run.health.pending.append(StepFlags(state.step, step_flags(result.finite, run.scaler)))
     state.samples_in_epoch += sum(len(mb["input_ids"]) for mb in micro_batches) * run.ctx.world_size
     if state.samples_in_epoch >= len(run.data.dataset):
         state.epoch, state.samples_in_epoch = state.epoch + 1, 0
+    record_step(run, result.finite, lr)
     interval["loss"] += torch.where(result.finite, result.loss, 0.0)  # a skipped step's loss is left out
     interval["throughput"].add(totals.real_tokens, totals.flops)
-    if reads_due(run):
-        settle(run, check_weights=False)
     return result
 
 

@@ -105,6 +105,13 @@ def restart_collapsed_scale(scaler: torch.amp.GradScaler, finite: torch.Tensor) 
     tracker.copy_(torch.where(restart, 0, tracker))
 
 
+def skip_also_where(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """After `scaler.unscale_(optimizer)`, on the device: the step is skipped where `skip` is true, as
+    an overflowing one is (fused AdamW reads the scaler's found_inf, 1.0 for a skip)."""
+    for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        torch.maximum(found_inf, skip.to(found_inf.device, found_inf.dtype), out=found_inf)
+
+
 def scaler_state_for_resume(state: dict, log=print) -> dict:
     """The GradScaler state to resume with. A run stopped by --max_bad_steps (or saved within a
     burst of overflows) saved a collapsed scale (below 1: halved ~20 times); resuming with it would

@@ -37,6 +37,22 @@ def capture_rng_state(device: torch.device | None = None) -> dict:
     return state
 
 
+def step_generators(device: torch.device) -> list[torch.Tensor]:
+    """The states of the generators a training step draws from (dropout): torch's CPU one and, on a
+    GPU, its device's (read on the host, no wait for the device)."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def restore_step_generators(states: list[torch.Tensor], device: torch.device) -> None:
+    """Put back what `step_generators` took on the same device."""
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
 def restore_rng_state(state: dict, device: torch.device | None = None) -> None:
     """Restore this rank's generators from what `capture_rng_state` saved for the same rank.
 

@@ -1,12 +1,13 @@
 """The loop's host reads of device values (trainer/loop/loop.py, trainer/loop/health.py): none in a
 step between log lines; the flags of skipped steps and the weights check read at log lines,
-saves, evaluations, and every min(--log_interval, --max_bad_steps) steps.
+saves and evaluations, --max_bad_steps counted on the device.
 
 `tests/helpers/host_reads.py` marks every tensor computed from the model, the loss or the optimizer,
 and the model's inputs as the device's copies of the batch, and records each read of one on the
 host (on a GPU, a wait for the device). The GPU version, with
 torch.cuda.set_sync_debug_mode("error"), is in tests/test_cuda.py."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -44,10 +45,10 @@ class Logger:
 
 
 def tiny_run(device: torch.device, log_interval: int = 100, max_bad_steps: int = 100, parallel=None, ctx=None,
-             dtype: torch.dtype = torch.float32, layers: int = 2) -> Run:
+             dtype: torch.dtype = torch.float32, layers: int = 2, dropout: float = 0.0) -> Run:
     """A Run of a tiny fp32 model, trained under autocast to `dtype` (float32: none), with the pieces a
     step and a log line use."""
-    model = tiny_model(num_hidden_layers=layers).to(device).train()
+    model = tiny_model(num_hidden_layers=layers, dropout=dropout).to(device).train()
     ctx = ctx or DistContext(rank=0, local_rank=0, world_size=1, device=device, backend=None)
     args = SimpleNamespace(grad_clip=1.0, learning_rate=1e-3, weight_decay=0.1, save_dir="out", epochs=1,
                            log_interval=log_interval, max_bad_steps=max_bad_steps)
@@ -151,27 +152,51 @@ def test_steps_between_log_lines_read_nothing_and_a_skipped_step_changes_nothing
         assert parts == pytest.approx(figures["loss"], rel=1e-5)
 
 
-def test_max_bad_steps_in_a_row_stop_at_the_step_that_completes_them(monkeypatch):
-    """--log_interval 10, --max_bad_steps 3: the flags are read every 3 steps, and after every step
-    while bad steps are going on; the run stops at the third bad step with the last good weights."""
-    run = tiny_run(torch.device("cpu"), log_interval=10, max_bad_steps=3)
-    interval = new_interval(run)
-    saved = []
-    monkeypatch.setattr(loop, "save", lambda run: saved.append((run.state.step, snapshot(run))))
-    guard = HostReads(run.model, run.optimizer)
-    assert guard.during(lambda: take_step(run, micro_batches(0), interval, 1e-3)) == []  # step 1: good
-    good = snapshot(run)
-    with poisoned(run):
-        reads = [guard.during(lambda: take_step(run, micro_batches(step), interval, 1e-3)) for step in (2, 3)]
+def stop_record(run: Run) -> dict:
+    """What a stop saves of the run (the resume checkpoint's parts that a step changes)."""
+    state = run.state
+    return {"position": (state.step, state.epoch, state.samples_in_epoch, state.skipped_steps, state.bad_steps_in_a_row),
+            "lr": run.optimizer.param_groups[0]["lr"], "weights": snapshot(run), "generator": torch.get_rng_state(),
+            "scaler": run.scaler.state_dict()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_max_bad_steps_stop_at_the_step_that_completes_them_as_a_run_that_reads_every_step(dtype, monkeypatch):
+    """--log_interval 10, --max_bad_steps 3, dropout 0.1: steps 2-4 are bad and complete the streak at
+    step 4; steps 5 and 6, finite, were queued before any read and change nothing (the device skips
+    their updates). No step reads the device; the log line finds the streak, and the run stops at
+    step 4 and saves exactly what a run that reads after every step saves: weights, AdamW's moments
+    and step, position in the data, learning rate, dropout's generator, float16 loss scale."""
+    lrs = {step: 1e-3 * step for step in range(1, 7)}
+
+    def train(read_every_step: bool) -> tuple[list[dict], str, list]:
+        run = tiny_run(torch.device("cpu"), log_interval=10, max_bad_steps=3, dtype=dtype, dropout=0.1)
+        interval, saved, reads = new_interval(run), [], []
+        monkeypatch.setattr(loop, "save", lambda run: saved.append(stop_record(run)))
+        guard = HostReads(run.model, run.optimizer)
         with pytest.raises(TrainingError) as stopped:
-            guard.during(lambda: take_step(run, micro_batches(4), interval, 1e-3))
-    reads.append(guard.reads)
-    assert [bool(r) for r in reads] == [False, True, True]  # step 2: nothing; 3: every 3 steps; 4: a streak
-    assert str(stopped.value) == ("3 optimizer steps in a row had a non-finite loss or gradient norm (last at step 4); "
-                                  "stopped. The last good weights are saved in out")
-    assert [step for step, _ in saved] == [4]
-    assert_same(saved[0][1], good)
-    assert (run.state.skipped_steps, run.state.bad_steps_in_a_row) == (3, 3)
+            for step in range(1, 7):
+                with poisoned(run) if step in (2, 3, 4) else contextlib.nullcontext():
+                    reads.append(guard.during(lambda: take_step(run, micro_batches(step), interval, lrs[step])))
+                if read_every_step:
+                    settle(run)
+                if step == 1 and dtype == torch.float16:
+                    run.scaler.update(1.0)  # as after 16 overflowing steps: each overflow now counts as bad
+            log_interval(run, interval, torch.zeros(()), lrs[6], 10)
+        return saved, str(stopped.value), reads
+
+    every_step, message, _ = train(read_every_step=True)
+    at_the_log_line, same_message, reads = train(read_every_step=False)
+    assert reads == [[]] * 6
+    assert same_message == message == ("3 optimizer steps in a row had a non-finite loss or gradient norm (last at "
+                                       "step 4); stopped. The last good weights are saved in out")
+    assert len(at_the_log_line) == len(every_step) == 1
+    saved, expected = at_the_log_line[0], every_step[0]
+    assert saved["position"] == expected["position"] == (4, 0, 16, 3, 3)
+    assert saved["lr"] == expected["lr"] == lrs[4]
+    assert_same(saved["weights"], expected["weights"])
+    assert torch.equal(saved["generator"], expected["generator"])
+    assert saved["scaler"] == expected["scaler"]
 
 
 def test_an_update_that_breaks_the_weights_stops_the_run_at_the_next_log_line_naming_it():
