@@ -207,13 +207,15 @@ def kernel_operand(operand: torch.Tensor) -> torch.Tensor:
     return F.pad(operand, (0, padding))[..., :width]
 
 
-@torch.library.custom_op("minisft::grouped_mm", mutates_args=())
-def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """`F.grouped_mm(a, b, offs=ends)` as one op, for a [N, K] with b [G, K, M] (-> [N, M]) or
-    b [N, M] (-> [G, K, M], the weights' gradient), contiguous (a CUDA build pads the rows of
-    its output to 16 bytes; the shapes below promise a contiguous one). Operands the kernel does
-    not take as they are laid out go to it as `kernel_operand` copies."""
+def grouped_mm_of_copies(a: torch.Tensor, b: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """`F.grouped_mm(a, b, offs=ends)` for a [N, K] with b [G, K, M] (-> [N, M]) or b [N, M]
+    (-> [G, K, M], the weights' gradient), contiguous (a CUDA build pads the rows of its output
+    to 16 bytes; the op's shapes below promise a contiguous one). Operands the kernel does not
+    take as they are laid out go to it as `kernel_operand` copies. The body of `grouped_mm_op`."""
     return F.grouped_mm(kernel_operand(a), kernel_operand(b), offs=ends).contiguous()
+
+
+grouped_mm_op = torch.library.custom_op("minisft::grouped_mm", grouped_mm_of_copies, mutates_args=())
 
 
 @grouped_mm_op.register_fake

@@ -60,12 +60,40 @@ def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(out_shape) * a_shape[-1]
 
 
+def custom_op_bodies() -> dict:
+    """The project's custom ops whose bodies run GEMMs -> those bodies. A dispatch mode sees a custom
+    op as one call and not the ops its body runs, so a FLOP counter runs the body itself: the chunked
+    LM loss (the LM head's GEMMs, eager and compiled), the experts' grouped GEMM where its operands are
+    copied and under torch.compile, and the joined GEMMs' gradients under torch.compile. The bucketed
+    attention is left out: torch's counter has no formula for the CPU's attention kernel."""
+    from model import compute_weights, feed_forward, loss
+
+    ops = torch.ops.minisft
+    return {ops.lm_loss_forward.default: loss.lm_loss_chunks,
+            ops.lm_loss_backward.default: loss.lm_loss_gradient_chunks,
+            ops.grouped_mm.default: feed_forward.grouped_mm_of_copies,
+            ops.experts_gradients.default: feed_forward.experts_gradients,
+            ops.joined_linear_gradients.default: compute_weights.linear_gradients}
+
+
 class _CompiledFlopMode(_FlopCounterMode):
-    """FlopCounterMode's dispatch mode, counting the ops compiled code runs (module docstring)."""
+    """FlopCounterMode's dispatch mode, counting the ops compiled code runs (module docstring) and
+    the ops of the bodies of `custom_op_bodies`."""
+
+    def __init__(self, counter: FlopCounterMode):
+        super().__init__(counter)
+        self.bodies = custom_op_bodies()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = self.bodies.get(func)
+        if body is None:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        with self:
+            return body(*args, **(kwargs or {}))
 
 
 class StepFlopCounter(FlopCounterMode):
@@ -84,7 +112,8 @@ class StepFlopCounter(FlopCounterMode):
 
 
 def flop_counter() -> FlopCounterMode:
-    """A FLOP counter that also counts grouped GEMMs (the MoE experts)."""
+    """A FLOP counter that also counts grouped GEMMs (the MoE experts) and the GEMMs inside the
+    project's custom ops (`custom_op_bodies`)."""
     return StepFlopCounter(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops})
 
 

@@ -132,6 +132,48 @@ def test_moe_layer_flops_are_the_routed_slots_only(top_k):
     assert counter.get_total_flops() == router + experts
 
 
+@pytest.mark.parametrize("hidden, dtype, backend", [(64, torch.float32, None), (64, torch.float32, "aot_eager"),
+                                                     (64, torch.float16, "aot_eager"), (100, torch.bfloat16, None)])
+def test_moe_training_flops_count_the_experts_however_their_grouped_gemm_runs(hidden, dtype, backend):
+    """Forward and backward: the router's GEMM and every routed slot's gate, up and down, three times
+    each, whether the grouped GEMM is aten's (counted by its formula) or runs inside the custom ops
+    (`minisft::grouped_mm`, `minisft::experts_gradients`: compiled in float32 and float16, or operands
+    the kernel takes only as padded copies, a hidden size of 100 in bf16)."""
+    from model.compute_weights import ComputeWeights, piece_layout
+
+    torch._dynamo.reset()
+    config = MiniMindConfig(vocab_size=128, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=1,
+                            num_key_value_heads=1, use_moe=True, num_experts=4, num_experts_per_tok=2)
+    moe = MiniMindForCausalLM(config).train().model.layers[0].mlp.to(torch.float16 if dtype == torch.float16 else
+                                                                      torch.float32)
+    run = moe if backend is None else torch.compile(moe, backend=backend)
+    x = torch.randn(2, 16, hidden, dtype=next(moe.parameters()).dtype, generator=torch.Generator().manual_seed(0))
+
+    def training_pass():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out, balance = run(x.requires_grad_(), ComputeWeights(moe, dtype, piece_layout(moe, moe.weight_groups())))
+        (out.float().square().sum() + balance.sum()).backward()
+
+    training_pass()  # compiles
+    with flop_counter() as counter:
+        training_pass()
+    tokens, inner = 32, config.moe_intermediate_size
+    assert counter.get_total_flops() == 3 * (2 * tokens * hidden * 4 + 2 * tokens * 2 * 3 * hidden * inner)
+
+
+def test_training_flops_count_the_lm_heads_gemms_inside_the_chunked_loss():
+    """The chunked LM loss is one custom op each way: its GEMMs (the logits, computed again in the
+    backward, and their two gradients) are counted with the body's."""
+    model = tiny()
+    ids = torch.randint(3, 120, (2, 16))
+    with flop_counter() as counter:
+        out = training_pass(model, ids, torch.float32)
+    config = model.config
+    body = sum(p.numel() for name, p in model.named_parameters() if name.endswith("proj.weight"))
+    loss_positions = 2 * 15  # every next token has a label
+    assert counter.get_total_flops() == 6 * body * 32 + 4 * 2 * loss_positions * config.hidden_size * config.vocab_size
+
+
 def test_gqa_on_cuda_repeats_kv_heads_where_sdpa_would_fall_back_to_its_math_kernel(monkeypatch):
     """Only FlashAttention takes `enable_gqa` on CUDA: where SDPA's own check says it cannot run
     (float32, a pre-Ampere GPU, a head size it lacks) or a mask is given, the k/v heads are repeated."""
