@@ -287,10 +287,19 @@ def ready_batches(data) -> Iterator[dict]:
     return itertools.chain([next(batches)], batches)
 
 
-def optimizer_step_once(run: Run, batches, args) -> list[dict]:
-    """One optimizer step of the trainer (constant learning rate); returns its micro-batches."""
+def optimizer_step_once(run: Run, batches, args, reads=None) -> list[dict]:
+    """One optimizer step of the trainer (constant learning rate); returns its micro-batches. With
+    `reads` (scripts/_host_reads.py's `HostReads`) the step after the ranks' agreement on its counts
+    runs under it, with what it moves to the device marked."""
     micro_batches = [next(batches) for _ in range(args.accumulation_steps)]
-    optimizer_step(run, micro_batches, agree_on_step(run, micro_batches), args.learning_rate)
+    totals = agree_on_step(run, micro_batches)
+    if reads is None:
+        optimizer_step(run, micro_batches, totals, args.learning_rate)
+        return micro_batches
+    for batch in micro_batches:
+        reads.mark_device_inputs(batch)
+    with reads:
+        optimizer_step(run, micro_batches, totals, args.learning_rate)
     return micro_batches
 
 

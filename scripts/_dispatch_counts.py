@@ -1,5 +1,6 @@
 """Device-independent figures of the trainer's optimizer step: aten ops dispatched, dtype casts,
-FLOPs, and torch.compile's graph breaks and recompiles (scripts/step_figures.py prints them).
+FLOPs, host reads of device values, and torch.compile's graph breaks and recompiles
+(scripts/step_figures.py prints them).
 
 A CPU run counts what a GPU would launch as kernels, as far as the model's own code decides it:
 every op that reaches the dispatcher below autograd is one `TorchDispatchMode` call. "ops" are
@@ -26,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from scripts._bench_common import endless_batches, optimizer_step_once, single_process_context
+from scripts._host_reads import HostReads
 from trainer.args import parse_args
 from trainer.data_setup import build_train_data
 from trainer.loop.state import Run
@@ -42,13 +44,6 @@ VIEW_LIKE = {torch.ops.aten._unsafe_view.default}  # a view that autograd does n
 def computes(op) -> bool:
     """Whether a dispatched op is an aten op that can launch a kernel (not a view)."""
     return op.namespace == "aten" and not op.is_view and op not in VIEW_LIKE
-
-
-def written_arguments(func, args, kwargs) -> list:
-    """The arguments op `func` writes in place, by its schema (`self` of `copy_`, `out=`, the lists
-    of `_foreach_add_`); an argument not given is None."""
-    given = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
-    return [given.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
 def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
@@ -154,6 +149,10 @@ class StepFigures:
     dispatches: list[int] = field(default_factory=list)
     casts: list[int] = field(default_factory=list)
     flops: list[int] = field(default_factory=list)
+    expert_flops: list[int] = field(default_factory=list)  # the MoE experts' grouped GEMMs (0: a dense model)
+    experts: int | None = None  # the MoE's experts per layer and experts per token (None: a dense model)
+    experts_per_token: int | None = None
+    host_reads: list[list[str]] | None = None  # per step, each read of a device value: "item at file:line in f"
     graph_breaks: int | None = None  # over all steps, each reason counted once per compiled frame
     recompiles: int | None = None  # frames compiled after the first step (new shapes, failed guards)
     frames: int | None = None  # frames compiled in all
@@ -183,9 +182,10 @@ def build_step_run(trainer_argv: list[str], backend: str = "inductor") -> Run:
 
 
 def measure(trainer_argv: list[str], warmup_steps: int, steps: int, backend: str = "inductor") -> StepFigures:
-    """`warmup_steps` (at least 1) uncounted optimizer steps, then `steps` counted ones (ops, casts, FLOPs each).
-    With --use_compile 1 the dispatch counts are those of the compiled graphs' own calls (with the
-    eager backend: the traced ops), and the compile figures cover every step."""
+    """`warmup_steps` (at least 1) uncounted optimizer steps, then `steps` counted ones (ops, casts, FLOPs,
+    the MoE experts' FLOPs and, without --use_compile, the host reads of device values each: see
+    scripts/_host_reads.py). With --use_compile 1 the dispatch counts are those of the compiled graphs'
+    own calls (with the eager backend: the traced ops), and the compile figures cover every step."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -195,15 +195,23 @@ def measure(trainer_argv: list[str], warmup_steps: int, steps: int, backend: str
     compiled_by_first = counters["frames"]["ok"]
     for _ in range(warmup_steps - 1):
         optimizer_step_once(run, batches, run.args)
-    figures = StepFigures()
+    config = run.raw_model.config
+    figures = StepFigures(host_reads=None if run.args.use_compile else [])
+    if config.use_moe:
+        figures.experts, figures.experts_per_token = config.num_experts, config.num_experts_per_tok
     for _ in range(steps):
         counter, flops = DispatchCounter(), flop_counter()
+        # eager only: a dispatch mode does not see the tensors compiled code computes, so it could not mark them
+        reads = None if run.args.use_compile else HostReads(run.model, run.optimizer)
         with flops, counter:
-            optimizer_step_once(run, batches, run.args)
+            optimizer_step_once(run, batches, run.args, reads)
         figures.ops.append(counter.total)
         figures.dispatches.append(counter.dispatches)
         figures.casts.append(counter.casts)
         figures.flops.append(flops.get_total_flops())
+        figures.expert_flops.append(flops.get_flop_counts()["Global"].get(torch.ops.aten._grouped_mm, 0))
+        if reads is not None:
+            figures.host_reads.append(reads.reads)
     if run.args.use_compile:
         figures.graph_breaks = sum(counters["graph_break"].values())
         figures.frames = counters["frames"]["ok"]

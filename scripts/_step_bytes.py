@@ -46,7 +46,8 @@ import model.packed_attention as packed_attention
 import model.rms_norm as rms_norm_module
 from model.loss import lm_loss_chunks, lm_loss_gradient_chunks
 from trainer.runtime.datasheets import Datasheet, datasheet_for
-from scripts._dispatch_counts import VIEW_LIKE, grouped_mm_flops, written_arguments
+from scripts._dispatch_counts import VIEW_LIKE, grouped_mm_flops
+from scripts._host_reads import written_arguments
 
 ESTIMATE_CARD = datasheet_for("H100")  # the H100 SXM: HBM3, dense bf16, IEEE fp32 (--dtype float32: no TF32)
 ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,

@@ -1,5 +1,6 @@
-"""Per optimizer step of the trainer: aten ops dispatched, dtype casts, FLOPs; with --use_compile 1
-also graph breaks and recompiles. Device-independent figures, measured on the CPU.
+"""Per optimizer step of the trainer: aten ops dispatched, dtype casts, FLOPs (with --use_moe 1 the
+experts' own), host reads of device values (eager); with --use_compile 1 also graph breaks and
+recompiles. Device-independent figures, measured on the CPU.
 
     python scripts/step_figures.py                         # the default layout, batch 4, bf16, length-grouped
     python scripts/step_figures.py --packing 1
@@ -92,11 +93,27 @@ def main(argv=None) -> int:
     print(f"per optimizer step ({options.steps} counted after {options.warmup_steps} warm-up): "
           f"aten ops {span(figures.ops)} (with views {span(figures.dispatches)}), casts (_to_copy) "
           f"{span(figures.casts)}, "
-          f"GFLOP {min(figures.flops) / 1e9:.2f}-{max(figures.flops) / 1e9:.2f}")
+          f"GFLOP {gflop(figures.flops)}")
+    if figures.experts is not None:
+        experts, top_k = figures.experts, figures.experts_per_token
+        every = [flops * experts // top_k for flops in figures.expert_flops]
+        print(f"MoE experts (grouped GEMMs, top-{top_k} of {experts} per token): GFLOP {gflop(figures.expert_flops)}, "
+              f"{top_k}/{experts} of running every expert on every token ({gflop(every)})")
+    if figures.host_reads is None:
+        print("host reads of device values: counted without --use_compile (a dispatch mode does not see the tensors "
+              "compiled code computes)")
+    else:
+        places = sorted({read for step in figures.host_reads for read in step})
+        print(f"host reads of device values per step: {span([len(step) for step in figures.host_reads])}"
+              + "".join(f"\n  {place}" for place in places))
     if figures.frames is not None:
         print(f"torch.compile ({backend}): graph breaks {figures.graph_breaks}, frames compiled "
               f"{figures.frames}, recompiles after the first step {figures.recompiles}")
     return 0
+
+
+def gflop(flops: list[int]) -> str:
+    return f"{min(flops) / 1e9:.2f}-{max(flops) / 1e9:.2f}"
 
 
 def print_bytes(flags: list[str], options) -> int:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from tests.helpers.host_reads import HostReads  # noqa: E402
+from scripts._host_reads import HostReads  # noqa: E402
 from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, poisoned, tiny_run  # noqa: E402
 from trainer.loop import loop  # noqa: E402
 from trainer.loop.loop import log_interval, take_step  # noqa: E402

@@ -213,7 +213,7 @@ def test_the_loss_runs_on_the_trainers_inputs_and_reads_the_device_once(trained,
     no dense [B,1,T,T] mask keeps SDPA off its fused causal kernel), and the batches' sums stay on
     the device until the last: one host read, not one per batch."""
     from scripts.eval_sft import assistant_loss, read_examples
-    from tests.helpers.host_reads import HostReads
+    from scripts._host_reads import HostReads
 
     model, tokenizer = trained["model"], trained["tokenizer"]
     examples = read_examples(trained["data"], tokenizer, 512)

@@ -2,6 +2,7 @@
 of the trainer's optimizer step for any trainer flags (tiny model, in process)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,35 @@ def test_prints_ops_casts_and_flops_of_every_counted_step(capsys, data):
     assert min(bf16["casts"]) > max(fp32["casts"])  # autocast casts; fp32 runs hardly any
 
 
+def test_prints_the_moe_experts_flops_and_every_host_read_of_a_step(capsys, data, monkeypatch):
+    """The experts' grouped GEMMs apart, as k/E of every expert on every token; the host reads of
+    device values in each counted step: none in the trainer's, and one planted in the gradient
+    clipping is named where the trainer calls it."""
+    moe = ["--dtype", "float32", "--use_moe", "1", "--num_experts", "4", "--num_experts_per_tok", "2"]
+    result = figures(capsys, data, *moe)
+    assert (result["experts"], result["experts_per_token"]) == (4, 2)
+    assert all(0 < experts < total for experts, total in zip(result["expert_flops"], result["flops"]))
+    assert result["host_reads"] == [[], []]
+    assert figures(capsys, data)["expert_flops"] == [0, 0] and figures(capsys, data)["experts"] is None
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def clip_and_read(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        float(norm)
+        return norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_and_read)
+    reads = figures(capsys, data)["host_reads"]
+    assert len(reads) == 2 and all(len(step) == 1 for step in reads)
+    assert re.fullmatch(r"item at trainer/parallel/ddp\.py:\d+ in clip_grad_norm", reads[0][0]), reads
+    argv = [*TINY, "--data_path", str(data / "train.jsonl"), "--cache_dir", str(data / "cache"), "--steps", "1", *moe]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"MoE experts \(grouped GEMMs, top-2 of 4 per token\): GFLOP [\d.]+-[\d.]+, 2/4 of running "
+                        r"every expert on every token \([\d.]+-[\d.]+\)", lines[-3]), lines
+    assert lines[-2:] == ["host reads of device values per step: 1", f"  {reads[0][0]}"]
+
+
 def recording_backend(graphs: list, calls: list | None = None):
     """A torch.compile backend that runs each graph as traced and records its placeholders' shapes,
     and in `calls` whether a dispatch mode (the counters) was on at each run of a compiled graph."""
@@ -109,6 +139,7 @@ def test_compiled_step_is_compiled_by_the_backend_given(capsys, data):
     torch._dynamo.register_backend(recording_backend(graphs, calls), name="minisft_recording")
     result = figures(capsys, data, "--dtype", "float32", "--use_compile", "1", "--compile_backend", "minisft_recording")
     assert (result["frames"], result["graph_breaks"], result["recompiles"]) == (1, 0, 0)
+    assert result["host_reads"] is None  # counted in eager steps only
     assert len(graphs) == 1
     assert calls == [False, False, True, True, True, True]
 

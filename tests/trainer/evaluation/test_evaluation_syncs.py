@@ -1,7 +1,7 @@
 """An evaluation reads one device value on the host: the reduced sums, once, at its end. Its loss
 batches, the padding forwards included, read none (trainer/evaluation/evaluate.py).
 
-`tests/helpers/host_reads.py` marks what would be on the GPU (the model's tensors, and here what
+`scripts/_host_reads.py` marks what would be on the GPU (the model's tensors, and here what
 `model_inputs` moves to the device) and records every host read of a marked tensor and every op
 on one whose result is sized by its values. The GPU version, with
 torch.cuda.set_sync_debug_mode("error"), is in tests/test_cuda.py."""
@@ -13,7 +13,7 @@ import torch
 
 import trainer.evaluation.evaluate as evaluation
 from dataset import SFTCollator
-from tests.helpers.host_reads import HostReads
+from scripts._host_reads import HostReads
 from tests.helpers.tiny_model import packed_rows, tiny_model
 from tests.trainer.loop.test_loop_syncs import micro_batches
 from trainer.evaluation.evaluate import EvalSet, evaluate

@@ -2,7 +2,7 @@
 step between log lines; the flags of skipped steps and the weights check read at log lines,
 saves and evaluations, --max_bad_steps counted on the device.
 
-`tests/helpers/host_reads.py` marks every tensor computed from the model, the loss or the optimizer,
+`scripts/_host_reads.py` marks every tensor computed from the model, the loss or the optimizer,
 and the model's inputs as the device's copies of the batch, and records each read of one on the
 host (on a GPU, a wait for the device). The GPU version, with
 torch.cuda.set_sync_debug_mode("error"), is in tests/test_cuda.py."""
@@ -18,7 +18,7 @@ import torch
 
 from dataset import SFTCollator
 from model.flops import ModelFlops
-from tests.helpers.host_reads import HostReads
+from scripts._host_reads import HostReads
 from tests.helpers.trainer_launch import REPO, clean_env, torchrun_cmd
 from tests.helpers.tiny_model import tiny_model
 from trainer.errors import TrainingError

@@ -3,7 +3,7 @@ GradScaler and fused AdamW take the same path there as on a GPU (CPU autocast ru
 
 import torch
 
-from tests.helpers.host_reads import HostReads
+from scripts._host_reads import HostReads
 from tests.trainer.loop.test_loop_syncs import micro_batches, new_interval, poisoned, snapshot, tiny_run
 from trainer.loop.loop import settle, take_step
 from trainer.runtime.precision import INITIAL_LOSS_SCALE

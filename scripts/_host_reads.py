@@ -6,21 +6,25 @@ optimizer's flags, whatever the loop derives from them) and records each place w
 tensor is turned into a host value: `.item()`, `bool()`, `int()`, `float()` (aten's
 `_local_scalar_dense`), `.tolist()`, `.numpy()`, `.cpu()`, or fed to an op whose result's size
 depends on its values (`nonzero`, indexing by a boolean mask, `masked_select`, `unique`, ...). On a
-GPU each of those waits for the device. Tensors the host made itself (the CPU batch, the counts computed
-from it) are not marked; `mark` marks more (evaluation: what `model_inputs` puts on the device),
-`on_the_device` the inputs a training step moves there.
+GPU each of those waits for the device. Tensors the host made itself (the CPU batch, the counts
+computed from it) are not marked; `mark` marks more: `mark_device_inputs` what `model_inputs` puts on
+the device from a batch, `on_the_device` the device's copies of a training step's inputs.
+scripts/step_figures.py counts a step's reads with it; the tests of the loop, the evaluation and the
+loss scale check theirs.
 """
 
 import copy
 import sys
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from scripts._dispatch_counts import written_arguments
-from tests.helpers.trainer_launch import REPO
+from dataset.collate import model_inputs
+
+REPO = str(Path(__file__).resolve().parents[1])
 
 # `cpu`: on a GPU a blocking copy to the host; on the CPU the tensor itself, which no op dispatch sees
 HOST_READ_METHODS = ("tolist", "numpy", "cpu")
@@ -41,12 +45,21 @@ SYNCING_OPS = {
 MASKABLE_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 
 
+def written_arguments(func, args, kwargs) -> list:
+    """The arguments op `func` writes in place, by its schema (`self` of `copy_`, `out=`, the lists
+    of `_foreach_add_`); an argument not given is None."""
+    given = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+    return [given.get(a.name) for a in func._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+
+
 def caller() -> str:
-    """The innermost frame of this repository's code outside tests/ and installed packages: file:line in function."""
+    """The innermost frame of this repository's code outside tests/, this module and installed packages:
+    file:line in function."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith(REPO) and "/tests/" not in name and "site-packages" not in name:  # a .venv inside the repo is not ours
+        # a .venv inside the repo is not ours
+        if name.startswith(REPO) and "/tests/" not in name and "site-packages" not in name and name != __file__:
             return f"{name[len(REPO) + 1:]}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
@@ -83,6 +96,16 @@ class HostReads(TorchDispatchMode):
         for other in (getattr(tensor, "_local_tensor", None), tensor._base):
             if other is not None:
                 self.marked[other] = True
+
+    def mark_device_inputs(self, batch: dict) -> None:
+        """Mark what `model_inputs` moves to the device from the CPU `batch`."""
+        self.mark_inputs(model_inputs(batch, torch.device("cpu")))
+
+    def mark_inputs(self, inputs: dict) -> None:
+        """Mark the model's `inputs` as the device's (of a packed layout the varlen kernel's
+        `cu_seqlens`; its bucket plan stays on the host)."""
+        for value in inputs.values():
+            self.mark(value.cu_seqlens if hasattr(value, "cu_seqlens") else value)
 
     def is_marked(self, tensor) -> bool:
         return isinstance(tensor, torch.Tensor) and tensor in self.marked
@@ -123,19 +146,17 @@ class HostReads(TorchDispatchMode):
     def on_the_device(self, model_inputs):
         """`model_inputs` whose tensors are copies, marked: on a GPU they are the device's, so a host read
         of one waits for the device. On the CPU `.to` returns the batch's own tensors, which the host
-        reads freely (the loop counts its tokens there), so each is copied before it is marked; of a
-        packed layout only `cu_seqlens` goes to the device (model/packed_attention.py)."""
+        reads freely (the loop counts its tokens there), so each is copied before it is marked."""
+        def copied(value):
+            if hasattr(value, "cu_seqlens"):  # a packed layout: only `cu_seqlens` goes to the device
+                value = copy.copy(value)
+                value.cu_seqlens = value.cu_seqlens.clone()
+                return value
+            return value.clone()
+
         def moved(batch, device):
-            inputs = {}
-            for key, value in model_inputs(batch, device).items():
-                if hasattr(value, "cu_seqlens"):
-                    value = copy.copy(value)
-                    value.cu_seqlens = value.cu_seqlens.clone()
-                    self.mark(value.cu_seqlens)
-                else:
-                    value = value.clone()
-                    self.mark(value)
-                inputs[key] = value
+            inputs = {key: copied(value) for key, value in model_inputs(batch, device).items()}
+            self.mark_inputs(inputs)
             return inputs
 
         return moved
