@@ -4,13 +4,15 @@ step of every run sums the gradients in DDP's settled bucket layout, so a resume
 more ranks ends bit-identical to an unbroken one."""
 
 import datetime
+import json
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.helpers.trainer_launch import (
-    assert_weights_equal, checkpoint_at, final_weights, flags, free_port, run_trainer,
+    REPO, assert_weights_equal, checkpoint_at, final_weights, flags, free_port, run_ranks_apart, run_trainer,
 )
 from tests.helpers.tiny_model import tiny_model
 from trainer.parallel.ddp import wrap_for_distributed
@@ -71,7 +73,28 @@ def test_an_expert_no_token_reached_still_gets_a_zero_gradient(dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--packing", "1", "--accumulation_steps", "2")])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_gloo_ranks_train_a_moe_whose_experts_get_no_token_on_a_rank_as_one_process_does(dtype):
+    """tests/helpers/moe_ddp_check.py: three steps on two real gloo ranks through the trainer's DDP
+    wrapper (no search for unused parameters). Rank 0 routes every token to expert 0, rank 1 to
+    experts 0 and 1, neither to 2 or 3: the run ends, both ranks hold the same weights, those of one
+    process on both ranks' batches, and the experts no token reached are unchanged."""
+    ranks = run_ranks_apart(os.path.join(REPO, "tests", "helpers", "moe_ddp_check.py"), [dtype], local_ranks=(0, 1),
+                            timeout=180)
+    assert [rank.returncode for rank in ranks] == [0, 0], [rank.stderr[-3000:] for rank in ranks]
+    report = json.loads(ranks[0].stdout.strip().splitlines()[-1])
+    on_rank_0, on_rank_1 = report["routed"]
+    assert len(on_rank_0) == len(on_rank_1) == 3
+    assert all(counts[0] == 24 and counts[1:] == [0, 0, 0] for counts in on_rank_0), on_rank_0
+    assert all(counts[0] > 0 and counts[1] > 0 and counts[2:] == [0, 0] for counts in on_rank_1), on_rank_1
+    assert report["ranks_equal"] and report["unrouted_experts_unchanged"] and report["expert_1_trained"], report
+    assert report["largest_difference_from_one_process"] < 1e-6, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("--packing", "1", "--accumulation_steps", "2"),
+                                   ("--use_moe", "1", "--num_experts", "4", "--num_experts_per_tok", "2",
+                                    "--aux_loss_coef", "0.1")], ids=["dense", "packed", "moe"])
 def test_three_ranks_resumed_mid_run_end_bit_identical_to_an_unbroken_run(data, tmp_path, extra):
     # A new DDP lays its gradient buckets out in parameter order and, after its first backward, in the
     # order the gradients became ready. On three ranks the ring's sums depend on where each element
