@@ -98,6 +98,33 @@ def varlen_as_an_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, retu
     return torch.ops.minisft_test.causal_attention_by_document(query, key, value, cu_seq_q)
 
 
+@pytest.mark.parametrize("head_dim, kernel", [(12, False), (16, True), (24, True)])
+def test_a_head_size_the_varlen_kernel_does_not_take_runs_the_bucketed_path(monkeypatch, head_dim, kernel):
+    """FlashAttention's varlen kernel takes head sizes that are multiples of 8 (SDPA's flash kernel
+    pads the others; varlen_attn does not, and would stop the step): where SDPA's flash check says
+    yes (bf16 on an sm80+ GPU, stood in for on the CPU) a head size of 12 runs the bucketed SDPA path,
+    16 and 24 the kernel, each with the bucketed path's output."""
+    calls = []
+
+    def recording_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1), enable_gqa=False):
+        calls.append(query.shape[-1])
+        return varlen_as_an_op(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size,
+                               enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(packed_attention, "varlen_attn", recording_varlen)
+    monkeypatch.setattr(packed_attention, "_half_precision_dtype", lambda q: q.dtype)
+    monkeypatch.setattr(packed_attention, "_ask_sdpa_flash", lambda *kind: True)
+    _, positions = packed_rows([[5, 9, 3], [12, 4], [20]], row_len=24)
+    documents = PackedDocuments(*document_starts(positions), positions.shape)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, heads, 24, head_dim, generator=generator).bfloat16() for heads in (4, 2, 2))
+    out = documents.attend(q, k, v, 0.0)
+    assert calls == ([head_dim] if kernel else [])
+    monkeypatch.setattr(packed_attention, "varlen_attn", None)  # the bucketed SDPA path
+    torch.testing.assert_close(out, documents.attend(q, k, v, 0.0), rtol=2e-2, atol=2e-2)
+
+
 def test_the_varlen_path_compiles_without_a_graph_break(monkeypatch):
     """torch.compile of packed rows on a GPU in bf16 (the varlen kernel) is one graph: the path is
     stood in for on the CPU (a custom op for the kernel, a GPU's capability and half precision),
