@@ -116,6 +116,40 @@ def test_moe_experts_equal_a_token_by_token_reference_in_values_and_gradients(to
         assert torch.allclose(grad, param.grad, atol=1e-6, rtol=0)
 
 
+def dense_dispatch(moe, tokens, top_probs, top_experts):
+    """Every expert on every token, weighted by its routing weight (0 where the token is not routed to
+    it) and summed: the dispatch without data-dependent shapes and with E/k times the experts' FLOPs."""
+    weights = torch.zeros(tokens.shape[0], moe.num_experts).scatter(1, top_experts, top_probs).to(tokens.dtype)
+    out = torch.zeros_like(tokens)
+    for number, mlp in enumerate(moe.experts):
+        hidden = torch.nn.functional.silu(mlp.gate_proj(tokens)) * mlp.up_proj(tokens)
+        out = out + mlp.down_proj(hidden) * weights[:, number:number + 1]
+    return out
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_moe_output_and_gradients_equal_the_dense_dispatch_within_fp32_rounding(top_k, monkeypatch):
+    """The grouped dispatch against running every expert on every token, in float32: the layer's output,
+    its balance loss, the input's gradient and every parameter's (an expert no token reached: zero in both)."""
+    from model.compute_weights import ComputeWeights, piece_layout
+
+    moe = tiny(True, top_k).model.layers[0].mlp
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1))
+    results = []
+    for dense in (False, True):
+        if dense:
+            monkeypatch.setattr(moe, "_experts", lambda t, p, e, _w: dense_dispatch(moe, t, p, e))
+        moe.zero_grad()
+        given = x.clone().requires_grad_()
+        out, balance = moe(given, ComputeWeights(moe, torch.float32, piece_layout(moe, moe.weight_groups())))
+        (out.square().sum() + balance.sum()).backward()
+        results.append([out.detach(), balance.detach(), given.grad, *(p.grad for p in moe.parameters())])
+    # sums in another order: fp32 rounding of the largest value (and at least 1e-9: with top-1 routing
+    # and the top-k weights normalised, the router's gradient through them is zero up to rounding)
+    for grouped, reference in zip(*results, strict=True):
+        torch.testing.assert_close(grouped, reference, rtol=1e-5, atol=max(1e-6 * reference.abs().max().item(), 1e-9))
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_layer_flops_are_the_routed_slots_only(top_k):
     model = tiny(True, top_k)
