@@ -125,7 +125,7 @@ def test_a_collapsed_fp16_loss_scale_restarts_at_the_next_finite_step_without_a_
     from trainer.loop.loop import take_step
     from trainer.runtime.precision import INITIAL_LOSS_SCALE
 
-    run = tiny_run(torch.device("cuda:0"), dtype=torch.float16, max_bad_steps=10)  # flags read at step 10
+    run = tiny_run(torch.device("cuda:0"), dtype=torch.float16, max_bad_steps=10)  # 3 bad steps: no stop
     interval = new_interval(run)
     take_step(run, micro_batches(0), interval, 1e-3)  # CUDA/cuBLAS initialisation, AdamW's state
     run.scaler.update(1.0)  # as after 16 overflowing steps

@@ -98,7 +98,7 @@ def restart_collapsed_scale(scaler: torch.amp.GradScaler, finite: torch.Tensor) 
     --max_bad_steps in a row (a batch now and then whose float16 activations overflow, whatever the
     scale) collapse it for good: at 2**-16 nearly every float16 gradient underflows to zero, and the
     finite steps go on updating with those zeros. A non-finite step keeps the collapsed scale, so a
-    streak of them is counted by --max_bad_steps (trainer/loop/health.py: step_flags)."""
+    streak of them is counted by --max_bad_steps (trainer/loop/health.py: record_step)."""
     scale, tracker = scaler._get_scale_async(), scaler._growth_tracker
     restart = finite & (scale < 1.0)
     scale.copy_(torch.where(restart, INITIAL_LOSS_SCALE, scale))
