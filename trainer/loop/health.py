@@ -42,7 +42,7 @@ class StepRecord(NamedTuple):
     epoch: int  # the run's position after the step (TrainState)
     samples_in_epoch: int
     lr: float  # the rate the step trained at
-    generators: list[torch.Tensor]  # the states of the generators a step draws from, after it
+    generators: dict  # the generators a step draws from, after it (`step_generators`)
     # float16: the GradScaler's scale (its growth tracker is 0 after a bad step, and after the skipped ones)
     loss_scale: torch.Tensor | None
 
@@ -75,17 +75,18 @@ class StepHealth:
         return window
 
 
-def stopped(run) -> torch.Tensor:
-    """On the device: whether an earlier step completed a streak of --max_bad_steps (the update is skipped)."""
+def device_streak(run) -> DeviceStreak:
+    """The run's streak on the device, made at its first step from the count its checkpoint saved."""
     health = run.health
-    if health.streak is None:  # the run's first step: the streak its checkpoint had saved
+    if health.streak is None:
         health.streak = DeviceStreak(run.state.bad_steps_in_a_row, run.ctx.device)
-    return health.streak.stopped
+    return health.streak
 
 
 def record_step(run, finite: torch.Tensor, lr: float) -> None:
-    """After the step `run.state` has just counted (`finite`: its update was applied unless `stopped`):
-    its flags on the device, the streak counted there, and what a stop at this step restores."""
+    """After the step `run.state` has just counted (`finite`: its update was applied unless the
+    streak had `stopped`): its flags on the device, the streak counted there, and what a stop at this
+    step restores."""
     scaler, state = run.scaler, run.state
     counted = ~finite
     loss_scale = None
@@ -94,8 +95,7 @@ def record_step(run, finite: torch.Tensor, lr: float) -> None:
         scale = scaler._get_scale_async()
         counted = counted & (scale < 1.0)
         loss_scale = scale.clone()
-    stopped(run)
-    run.health.streak.count(finite, counted, run.args.max_bad_steps)
+    device_streak(run).count(finite, counted, run.args.max_bad_steps)
     run.health.pending.append(StepRecord(state.step, torch.stack([finite, counted]), state.epoch,
                                          state.samples_in_epoch, lr, step_generators(run.ctx.device), loss_scale))
 

@@ -14,8 +14,8 @@ accumulate sharded.
 Host synchronisation: none in a step between log lines. The counts come from the CPU batches
 and are summed over the ranks on a gloo group of host memory (`all_reduce_sum_on_host`); a
 non-finite step is skipped on the device, --max_bad_steps counted there, and the flags are read
-at log lines, saves and evaluations (trainer/loop/health.py); the log line reads the loss (with several training sources, the per-source losses too,
-trainer/loop/source_losses.py).
+at log lines, saves and evaluations (trainer/loop/health.py); the log line reads the loss (with
+several training sources, the per-source losses too, trainer/loop/source_losses.py).
 The run and its resume state are trainer/loop/state.py.
 """
 
@@ -31,7 +31,7 @@ from trainer.checkpoint.save_dir import BEST_DIR, BEST_FILE
 from trainer.errors import CheckpointError, ConfigError, TrainingError
 from trainer.evaluation.evaluate import evaluate
 from trainer.evaluation.selection import best_record, stopped_early, update_selection
-from trainer.loop.health import bad_steps_error, read_steps, record_step, stopped
+from trainer.loop.health import bad_steps_error, device_streak, read_steps, record_step
 from trainer.loop.lr_schedule import (
     cosine_lr, run_warmup, schedule_change, schedule_record, set_lr, warmup_afresh, warmup_too_long,
 )
@@ -136,11 +136,12 @@ def optimizer_step(run: Run, micro_batches: list[dict], totals: StepTotals, lr: 
     Every micro-batch's token loss is divided by the step's global loss-token count and its MoE
     balance loss by the step's global row count, so the step's objective does not depend on how
     the rows are split over ranks and micro-batches. A non-finite gradient norm skips the update
-    on the device (`found_inf` of fused AdamW; under float16 the GradScaler's own), as does a streak of
-    --max_bad_steps bad steps that an earlier step completed (`halted`: the run stops at that step when
-    the host next reads the flags). `source_losses` (several training sources) gets every micro-batch's per-token losses."""
+    on the device (`found_inf` of fused AdamW; under float16 the GradScaler's own), as does a streak
+    of --max_bad_steps bad steps that an earlier step completed (`halted`: the run stops at that step
+    when the host next reads the flags). `source_losses` (several training sources) gets every
+    micro-batch's per-token losses."""
     model, ctx, scaler = run.model, run.ctx, run.scaler
-    halted = stopped(run)  # an earlier step completed --max_bad_steps bad steps in a row (health.py)
+    halted = device_streak(run).stopped  # an earlier step completed --max_bad_steps bad steps in a row
     set_lr(run.optimizer, lr)
     local_loss = torch.zeros((), device=ctx.device)
     for index, batch in enumerate(micro_batches):

@@ -41,13 +41,14 @@ def recorded_schedule(value) -> dict | None:
 
 
 def unrecorded_schedule(saved: dict, dataset_len: int, trained_lr: float | None) -> dict | None:
-    """The schedule of a checkpoint that records none (or a damaged record), from its own flags (`saved["args"]`): the run that wrote it counted at its start
-    its total of optimizer steps (those done and those left in its epochs at its global batch of
-    `saved["world_size"]` x --batch_size x --accumulation_steps samples, capped by --max_steps) and its
-    warmup (--warmup_steps, else 3% of that total). Counted from the checkpoint's position with those
-    flags, the total is that start's again: each step since then took one global batch (counted by
-    trainer/loop/step_count.py, as the loop counts). Taken only where it gives the rate the
-    checkpoint's last step trained at (`trained_lr`), else None: the warmup is then counted afresh."""
+    """The schedule of a checkpoint that records none (or records it damaged), from its own flags
+    (`saved["args"]`): the run that wrote it counted at its start its total of optimizer steps (those
+    done and those left in its epochs at its global batch of `saved["world_size"]` x --batch_size x
+    --accumulation_steps samples, capped by --max_steps) and its warmup (--warmup_steps, else 3% of
+    that total). Counted from the checkpoint's position with those flags, the total is that start's
+    again: each step since then took one global batch (counted by trainer/loop/step_count.py, as the
+    loop counts). Taken only where it gives the rate the checkpoint's last step trained at
+    (`trained_lr`), else None: the warmup is then counted afresh."""
     flags = saved.get("args")
     if trained_lr is None or not isinstance(flags, dict):
         return None

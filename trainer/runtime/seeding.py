@@ -26,31 +26,29 @@ def capture_rng_state(device: torch.device | None = None) -> dict:
     (`cuda`: one state, not every visible GPU's, so a resume on another GPU count restores it)."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached_gauss = np.random.get_state()
-    state = {
+    return {
         "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gauss": float(cached_gauss)},
-        "torch": torch.get_rng_state(),
+        **step_generators(device),
     }
+
+
+def step_generators(device: torch.device | None = None) -> dict:
+    """The generators a training step draws from (dropout): torch's CPU one and, on a GPU, its own
+    device's (`cuda`); read on the host, no wait for the device."""
+    states = {"torch": torch.get_rng_state()}
     if device is not None and device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def step_generators(device: torch.device) -> list[torch.Tensor]:
-    """The states of the generators a training step draws from (dropout): torch's CPU one and, on a
-    GPU, its device's (read on the host, no wait for the device)."""
-    states = [torch.get_rng_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
+        states["cuda"] = torch.cuda.get_rng_state(device)
     return states
 
 
-def restore_step_generators(states: list[torch.Tensor], device: torch.device) -> None:
-    """Put back what `step_generators` took on the same device."""
-    torch.set_rng_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
+def restore_step_generators(states: dict, device: torch.device | None = None) -> None:
+    """Put back what `step_generators` took (or a checkpoint's `capture_rng_state`) on `device`."""
+    torch.set_rng_state(states["torch"])
+    cuda = cuda_state_for(states.get("cuda"), device)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def restore_rng_state(state: dict, device: torch.device | None = None) -> None:
@@ -63,10 +61,7 @@ def restore_rng_state(state: dict, device: torch.device | None = None) -> None:
     npy = state["numpy"]
     np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
                          npy["has_gauss"], npy["cached_gauss"]))
-    torch.set_rng_state(state["torch"])
-    cuda = cuda_state_for(state.get("cuda"), device)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
+    restore_step_generators(state, device)
 
 
 def cuda_state_for(saved, device: torch.device | None) -> torch.Tensor | None:
